@@ -1,0 +1,52 @@
+"""Provenance for every logged result: where, when and with what code a number was produced."""
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def collect(extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Return a flat dict: git commit + dirty flag, host, GPU, library versions, UTC time.
+
+    The GPU machine receives a copy of the working tree whose .git may be absent; then the
+    commit is taken from $SFL_GIT_COMMIT if the caller exported it (run scripts do).
+    """
+    import torch
+
+    commit = _git("rev-parse", "HEAD") or os.environ.get("SFL_GIT_COMMIT")
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    info: dict[str, Any] = {
+        "git_commit": commit,
+        "git_dirty": (bool(status) if status is not None else os.environ.get("SFL_GIT_DIRTY")),
+        "host": socket.gethostname(),
+        "time_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "gpu_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+    }
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        info["transformers"] = None
+    if extra:
+        info.update(extra)
+    return info
