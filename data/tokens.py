@@ -1,0 +1,103 @@
+"""Tokenise cleaned documents and write uint16 memmap shards + meta.json (layout in data/README.md)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+from tqdm import tqdm
+
+from data.manifest import atomic_write_text
+
+DTYPE = np.uint16
+
+
+def doc_order_key(doc_id: str) -> bytes:
+    """Documents are ordered by a hash of their id: a fixed shuffle that mixes the sources, so a
+    prefix of the stream (--max-train-tokens, or a short run reading sequentially) is representative."""
+    return hashlib.sha256(b"order:" + doc_id.encode("utf-8")).digest()
+
+
+def read_docs(jsonl_files: Sequence[Path], split: str) -> list[tuple[str, str]]:
+    docs = []
+    for f in jsonl_files:
+        with open(f, encoding="utf-8") as fh:
+            for line in fh:
+                r = json.loads(line)
+                if r["split"] == split:
+                    docs.append((r["id"], r["text"]))
+    docs.sort(key=lambda d: doc_order_key(d[0]))
+    return docs
+
+
+def encode_stream(tokenizer: Any, docs: Sequence[tuple[str, str]], eos_id: int, max_tokens: int | None,
+                  batch_docs: int = 1000, desc: str = "tokenize") -> tuple[np.ndarray, int]:
+    """Encode docs (no special tokens added) and join them, each followed by EOS.
+
+    `tokenizer` is a `tokenizers.Tokenizer` (the fast Rust backend: batches run on all cores).
+    Returns (tokens, number of documents used). With max_tokens the stream is cut at exactly
+    max_tokens (the last document may be partial)."""
+    parts: list[np.ndarray] = []
+    total = 0
+    used = 0
+    with tqdm(total=len(docs), desc=desc, unit="doc", mininterval=1.0) as bar:
+        for i in range(0, len(docs), batch_docs):
+            batch = docs[i:i + batch_docs]
+            encs = tokenizer.encode_batch([t for _, t in batch], add_special_tokens=False)
+            for enc in encs:
+                ids = enc.ids
+                arr = np.empty(len(ids) + 1, dtype=np.int64)
+                arr[:-1] = ids
+                arr[-1] = eos_id
+                parts.append(arr)
+                total += arr.size
+                used += 1
+                if max_tokens is not None and total >= max_tokens:
+                    break
+            bar.update(len(batch))
+            if max_tokens is not None and total >= max_tokens:
+                break
+    out = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    if max_tokens is not None:
+        out = out[:max_tokens]
+    if out.size and (out.min() < 0 or out.max() > np.iinfo(DTYPE).max):
+        raise ValueError(f"token id out of uint16 range (max {out.max()}); this layout needs vocab <= 65536")
+    return out.astype(DTYPE), used
+
+
+def write_shards(tokens: np.ndarray, out_dir: Path, prefix: str, shard_tokens: int) -> list[dict[str, Any]]:
+    """Write tokens as <prefix>_000.bin, ... (raw uint16, little-endian) atomically; return meta entries."""
+    if shard_tokens <= 0:
+        raise ValueError("shard_tokens must be positive")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    entries = []
+    n_shards = max(1, -(-tokens.size // shard_tokens))
+    for s in range(n_shards):
+        chunk = tokens[s * shard_tokens:(s + 1) * shard_tokens].astype("<u2", copy=False)
+        name = f"{prefix}_{s:03d}.bin"
+        tmp = out_dir / f".{name}.tmp{os.getpid()}"
+        chunk.tofile(tmp)
+        os.replace(tmp, out_dir / name)
+        entries.append({"file": name, "tokens": int(chunk.size)})
+    return entries
+
+
+def write_meta(out_dir: Path, meta: dict[str, Any]) -> Path:
+    p = out_dir / "meta.json"
+    atomic_write_text(p, json.dumps(meta, indent=1) + "\n")
+    return p
+
+
+def load_split(tokens_dir: Path, split: str) -> list[np.memmap]:
+    """Open the shards of a split as read-only uint16 memmaps (what training code uses)."""
+    meta = json.loads((tokens_dir / "meta.json").read_text())
+    if meta["dtype"] != "uint16":
+        raise ValueError(f"unexpected dtype {meta['dtype']}")
+    return [np.memmap(tokens_dir / e["file"], dtype=np.uint16, mode="r", shape=(e["tokens"],)) for e in meta[split]]
+
+
+def count_tokens(tokenizer: Any, texts: Iterable[str]) -> int:
+    return sum(len(e.ids) for e in tokenizer.encode_batch(list(texts), add_special_tokens=False))

@@ -1,0 +1,227 @@
+"""Training configuration: defaults, YAML + --set overrides, validation with errors that name the key.
+
+A config is a flat mapping (YAML top level). Every accepted key is in DEFAULTS below with a
+one-line description in DOCS; experiments/README.md ("train.py config") documents the same set.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# key: (default, description)
+_SPEC: dict[str, tuple[Any, str]] = {
+    # --- model
+    "init_from": (None, "null = random init from the arch keys; else an HF checkpoint dir "
+                        "(SparseLlama, or a dense Llama which is ReLU-fied on load)"),
+    "vocab_size": (None, "null = data meta.json vocab_size"),
+    "hidden_size": (128, "model width K"),
+    "intermediate_size": (512, "FFN width N"),
+    "num_hidden_layers": (4, "layers"),
+    "num_attention_heads": (4, "attention heads"),
+    "num_key_value_heads": (None, "null = num_attention_heads"),
+    "max_position_embeddings": (None, "null = seq_len"),
+    "rope_theta": (10000.0, "RoPE base"),
+    "rms_norm_eps": (1e-5, "RMSNorm epsilon"),
+    "initializer_range": (0.02, "init std"),
+    "tie_word_embeddings": (True, "tie lm_head to the input embedding"),
+    "gated_mlp": (True, "gated ReLU FFN (false: non-gated ReLU FFN, no gate_proj)"),
+    "mlp_impl": ("dense", "dense | reference | cuda (cuda is inference-only, rejected for training)"),
+    "twell_tile_n": (256, "TwELL tile width for mlp_impl reference/cuda (intermediate_size % twell_tile_n == 0)"),
+    "twell_slots": (32, "TwELL slots per (row, tile) = twell_tile_n // compression"),
+    # --- sparsity
+    "l1_coeff": (0.0, "L1 coefficient (>= 0); loss = CE + coeff * L1"),
+    "l1_reduction": ("mean", "mean = paper Eq. 2; sum = official code (x intermediate_size)"),
+    "l1_warmup_start": (0, "optimizer step at which the L1 ramp starts (coeff is 0 before)"),
+    "l1_warmup_steps": (0, "linear ramp length in steps from 0 to l1_coeff (0 = no ramp)"),
+    "dead_window_tokens": (None, "dead-neuron window in tokens; null = tokens per optimizer step per rank"),
+    # --- data
+    "data_dir": (None, "prepared data dir; null = $SFL_DATA_DIR or <repo>/.data"),
+    "tokens_subdir": ("tokens", "subdir of data_dir with meta.json and the uint16 .bin files"),
+    "seq_len": (128, "tokens per training sequence"),
+    # --- optimisation
+    "max_steps": (300, "optimizer steps"),
+    "micro_batch_size": (8, "sequences per forward per rank"),
+    "grad_accum": (1, "micro-batches per optimizer step"),
+    "lr": (1e-3, "peak learning rate"),
+    "min_lr": (0.0, "cosine floor (absolute)"),
+    "warmup_steps": (30, "linear LR warm-up steps"),
+    "betas": ([0.9, 0.95], "AdamW betas"),
+    "eps": (1e-8, "AdamW eps"),
+    "weight_decay": (0.1, "AdamW weight decay (matrices only; norms/biases are not decayed)"),
+    "grad_clip": (1.0, "max global grad norm (0 = no clipping)"),
+    # --- run
+    "seed": (0, "seed for init and data sampling"),
+    "device": ("auto", "auto (cuda if available) | cpu | cuda | cuda:N"),
+    "precision": ("auto", "auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32"),
+    "compile": (False, "wrap the model in torch.compile"),
+    "log_every": (10, "steps between step lines in train_log.jsonl"),
+    "eval_every": (100, "steps between val evaluations (0 = only at the end)"),
+    "eval_batches": (8, "val micro-batches per evaluation (fixed sequential windows)"),
+    "ckpt_every": (100, "steps between checkpoints (0 = only at the end)"),
+    "out_dir": ("runs/train", "output dir (relative paths are under the repo root)"),
+    "save_final": (True, "save_pretrained the final model to <out_dir>/final"),
+    "progress": (True, "tqdm progress bar"),
+}
+DEFAULTS: dict[str, Any] = {k: v[0] for k, v in _SPEC.items()}
+DOCS: dict[str, str] = {k: v[1] for k, v in _SPEC.items()}
+
+
+class ConfigError(ValueError):
+    """A bad training config value; the message names the key and what to do."""
+
+
+def _parse_set(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected key=value")
+    key, raw = item.split("=", 1)
+    return key.strip(), yaml.safe_load(raw) if raw.strip() else None
+
+
+def _check_keys(keys: list[str], where: str) -> None:
+    for key in keys:
+        if key not in DEFAULTS:
+            close = difflib.get_close_matches(key, DEFAULTS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"unknown config key {key!r} in {where}{hint}; see experiments/README.md "
+                              "section 'train.py config' for the accepted keys")
+
+
+def load_config(path: str | os.PathLike | None = None, sets: list[str] | None = None) -> dict[str, Any]:
+    """Defaults <- YAML file <- --set key=value overrides, then validate and resolve paths."""
+    cfg = dict(DEFAULTS)
+    if path is not None:
+        with open(path) as f:
+            loaded = yaml.safe_load(f) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of key: value")
+        _check_keys(list(loaded), str(path))
+        cfg.update(loaded)
+    for item in sets or []:
+        key, value = _parse_set(item)
+        _check_keys([key], "--set")
+        cfg[key] = value
+    validate(cfg)
+    return resolve(cfg)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def validate(cfg: dict[str, Any]) -> None:
+    """Raise ConfigError naming the first invalid key. Model-level checks (tileability etc.) are
+    repeated by SparseLlamaConfig when the model is built."""
+
+    def bad(key: str, why: str) -> ConfigError:
+        return ConfigError(f"config key {key}={cfg[key]!r} is invalid: {why}")
+
+    _check_keys(list(cfg), "config")
+    pos_int = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "seq_len",
+               "max_steps", "micro_batch_size", "grad_accum", "log_every", "eval_batches", "twell_tile_n",
+               "twell_slots"]
+    for k in pos_int:
+        if not _is_int(cfg[k]) or cfg[k] < 1:
+            raise bad(k, "must be a positive integer")
+    for k in ["l1_warmup_start", "l1_warmup_steps", "warmup_steps", "eval_every", "ckpt_every", "seed"]:
+        if not _is_int(cfg[k]) or cfg[k] < 0:
+            raise bad(k, "must be an integer >= 0")
+    for k in ["vocab_size", "num_key_value_heads", "max_position_embeddings", "dead_window_tokens"]:
+        if cfg[k] is not None and (not _is_int(cfg[k]) or cfg[k] < 1):
+            raise bad(k, "must be null or a positive integer")
+    for k in ["l1_coeff", "lr", "min_lr", "eps", "weight_decay", "grad_clip"]:
+        if not _is_num(cfg[k]) or cfg[k] < 0:
+            raise bad(k, "must be a finite number >= 0")
+    for k in ["rope_theta", "rms_norm_eps", "initializer_range"]:
+        if not _is_num(cfg[k]) or cfg[k] <= 0:
+            raise bad(k, "must be a finite number > 0")
+    if cfg["lr"] <= 0:
+        raise bad("lr", "must be > 0")
+    if cfg["min_lr"] > cfg["lr"]:
+        raise bad("min_lr", f"must be <= lr ({cfg['lr']})")
+    betas = cfg["betas"]
+    if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(_is_num(b) and 0 <= b < 1 for b in betas)):
+        raise bad("betas", "must be a list of two numbers in [0, 1), e.g. [0.9, 0.95]")
+    for k in ["tie_word_embeddings", "gated_mlp", "compile", "save_final", "progress"]:
+        if not isinstance(cfg[k], bool):
+            raise bad(k, "must be true or false")
+    if cfg["l1_reduction"] not in ("mean", "sum"):
+        raise bad("l1_reduction", "must be 'mean' (paper Eq. 2) or 'sum' (official code)")
+    if cfg["mlp_impl"] not in ("dense", "reference", "cuda"):
+        raise bad("mlp_impl", "must be one of dense, reference, cuda")
+    if cfg["mlp_impl"] == "cuda":
+        raise bad("mlp_impl", "the cuda TwELL kernels are inference-only (training kernels: issue #4); "
+                              "train with mlp_impl: dense")
+    if cfg["mlp_impl"] != "dense" and cfg["init_from"] is None and cfg["intermediate_size"] % cfg["twell_tile_n"]:
+        raise bad("intermediate_size", f"mlp_impl={cfg['mlp_impl']} needs a multiple of "
+                                       f"twell_tile_n={cfg['twell_tile_n']}; change either, or use mlp_impl: dense")
+    if cfg["twell_slots"] > cfg["twell_tile_n"]:
+        raise bad("twell_slots", f"must be <= twell_tile_n ({cfg['twell_tile_n']})")
+    if cfg["hidden_size"] % cfg["num_attention_heads"] != 0:
+        raise bad("num_attention_heads", f"must divide hidden_size ({cfg['hidden_size']})")
+    kv = cfg["num_key_value_heads"]
+    if kv is not None and cfg["num_attention_heads"] % kv != 0:
+        raise bad("num_key_value_heads", f"must divide num_attention_heads ({cfg['num_attention_heads']})")
+    mpe = cfg["max_position_embeddings"]
+    if mpe is not None and mpe < cfg["seq_len"]:
+        raise bad("max_position_embeddings", f"must be >= seq_len ({cfg['seq_len']})")
+    if cfg["warmup_steps"] > cfg["max_steps"]:
+        raise bad("warmup_steps", f"must be <= max_steps ({cfg['max_steps']})")
+    if not (cfg["device"] in ("auto", "cpu", "cuda") or str(cfg["device"]).startswith("cuda:")):
+        raise bad("device", "must be auto, cpu, cuda or cuda:N")
+    if cfg["precision"] not in ("auto", "bf16", "fp32"):
+        raise bad("precision", "must be auto, bf16 or fp32")
+    for k in ["init_from", "data_dir"]:
+        if cfg[k] is not None and not isinstance(cfg[k], str):
+            raise bad(k, "must be null or a path string")
+    if not isinstance(cfg["out_dir"], str) or not cfg["out_dir"]:
+        raise bad("out_dir", "must be a non-empty path string")
+
+
+def _abs(p: str) -> str:
+    path = Path(os.path.expandvars(os.path.expanduser(p)))
+    return str(path if path.is_absolute() else (REPO_ROOT / path))
+
+
+def resolve(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Fill path defaults (data_dir from $SFL_DATA_DIR or <repo>/.data) and make paths absolute."""
+    cfg = dict(cfg)
+    cfg["betas"] = [float(b) for b in cfg["betas"]]
+    if cfg["data_dir"] is None:
+        cfg["data_dir"] = os.environ.get("SFL_DATA_DIR") or str(REPO_ROOT / ".data")
+    cfg["data_dir"] = _abs(cfg["data_dir"])
+    cfg["out_dir"] = _abs(cfg["out_dir"])
+    if cfg["init_from"] is not None:
+        cfg["init_from"] = _abs(cfg["init_from"])
+    return cfg
+
+
+def l1_coeff_at(cfg: dict[str, Any], step: int) -> float:
+    """L1 coefficient for optimizer step `step` (0-based): 0 before l1_warmup_start, then a linear
+    ramp reaching l1_coeff after l1_warmup_steps steps."""
+    start, ramp = cfg["l1_warmup_start"], cfg["l1_warmup_steps"]
+    if step < start:
+        return 0.0
+    if ramp == 0:
+        return float(cfg["l1_coeff"])
+    return float(cfg["l1_coeff"]) * min(1.0, (step - start + 1) / ramp)
+
+
+def lr_at(cfg: dict[str, Any], step: int) -> float:
+    """Learning rate for optimizer step `step` (0-based): linear warm-up to lr over warmup_steps,
+    then cosine decay to min_lr at max_steps."""
+    lr, min_lr, warm, total = cfg["lr"], cfg["min_lr"], cfg["warmup_steps"], cfg["max_steps"]
+    if step < warm:
+        return lr * (step + 1) / warm
+    progress = (step - warm) / max(1, total - warm)
+    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * min(1.0, progress)))

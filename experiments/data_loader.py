@@ -1,0 +1,81 @@
+"""Token windows from the prepared uint16 memmaps (<data_dir>/tokens/{meta.json, *.bin}).
+
+Training batches are random contiguous seq_len+1 windows whose start offsets are a pure function
+of (seed, step, rank): no sampler state has to be carried, and a resumed run draws exactly the
+batches the uninterrupted run would have drawn. Validation uses fixed sequential windows.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class TokenData:
+    """Memmapped train/val token streams described by meta.json (see the team brief's data layout)."""
+
+    def __init__(self, tokens_dir: str | Path, seq_len: int) -> None:
+        self.dir = Path(tokens_dir)
+        meta_path = self.dir / "meta.json"
+        if not meta_path.is_file():
+            raise FileNotFoundError(
+                f"{meta_path} not found: prepare the data first (see data/README.md) or set data_dir / "
+                "$SFL_DATA_DIR to a prepared data dir")
+        self.meta: dict[str, Any] = json.loads(meta_path.read_text())
+        if self.meta.get("dtype", "uint16") != "uint16":
+            raise ValueError(f"{meta_path}: dtype {self.meta.get('dtype')!r} unsupported (expected uint16)")
+        self.vocab_size = int(self.meta["vocab_size"])
+        self.seq_len = seq_len
+        self.train = self._open(self.meta["train"], "train")
+        self.val = self._open(self.meta["val"], "val")
+        # Valid window starts per train file; windows never cross file boundaries.
+        self._starts = np.array([len(a) - seq_len for a in self.train], dtype=np.int64)
+        if (self._starts <= 0).all():
+            raise ValueError(f"every train file in {self.dir} is shorter than seq_len+1={seq_len + 1} tokens")
+        self._starts = np.maximum(self._starts, 0)
+        self._cum = np.cumsum(self._starts)
+        self.n_val_windows = sum(max(0, (len(a) - 1) // seq_len) for a in self.val)
+
+    def _open(self, entries: list[dict[str, Any]], split: str) -> list[np.memmap]:
+        arrays = []
+        for e in entries:
+            path = self.dir / e["file"]
+            arr = np.memmap(path, dtype=np.uint16, mode="r")
+            if "tokens" in e and int(e["tokens"]) != len(arr):
+                raise ValueError(f"{path}: meta.json says {e['tokens']} tokens, file has {len(arr)}")
+            arrays.append(arr)
+        if not arrays:
+            raise ValueError(f"{self.dir}/meta.json lists no {split} files")
+        return arrays
+
+    def train_batch(self, seed: int, step: int, rank: int, n: int) -> torch.Tensor:
+        """int64 [n, seq_len+1] windows for optimizer step `step` on `rank` (deterministic)."""
+        rng = np.random.default_rng([seed, rank, step])
+        pos = rng.integers(0, self._cum[-1], size=n)
+        file_idx = np.searchsorted(self._cum, pos, side="right")
+        offs = pos - np.concatenate([[0], self._cum[:-1]])[file_idx]
+        rows = [self.train[f][o:o + self.seq_len + 1] for f, o in zip(file_idx, offs)]
+        return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+    def val_windows(self, n: int) -> torch.Tensor:
+        """int64 [n, seq_len+1]: the first n sequential, non-overlapping windows of the val split
+        (window i starts at token i*seq_len, sharing one token with the next: all targets used)."""
+        if n > self.n_val_windows:
+            raise ValueError(f"val split has {self.n_val_windows} windows of seq_len+1={self.seq_len + 1} "
+                             f"tokens but {n} were requested: lower eval_batches or micro_batch_size")
+        rows: list[np.ndarray] = []
+        for arr in self.val:
+            k = (len(arr) - 1) // self.seq_len
+            for i in range(k):
+                if len(rows) == n:
+                    break
+                rows.append(arr[i * self.seq_len:i * self.seq_len + self.seq_len + 1])
+        return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What identifies the data a checkpoint was trained on (checked on resume)."""
+        return {"train": [(e["file"], int(e.get("tokens", 0))) for e in self.meta["train"]],
+                "vocab_size": self.vocab_size}

@@ -1,0 +1,261 @@
+"""The one downstream-eval entry point (lm-eval 0.4.13 Python API over the repo's task YAMLs).
+
+    python -m experiments.evaluate --model .data/smollm2-135m --tasks all --limit 20 \
+        --batch-size 16 --device cpu --out runs/eval_smollm2 [--mlp-impl dense|reference|cuda]
+
+Writes <out>/eval.json ({"provenance", "model", "limit", "tasks": {task: {"acc", "acc_norm", "n"}},
+"nnz_per_token_mean", "nnz_per_token_per_layer", ...}) and prints a table. Mean non-zeros per token
+are recorded during the eval forwards: from each module exposing `last_nnz_per_token` (our sparse
+MLPs), else from the output of every `mlp.act_fn` (plain HF Llama). lm-eval is imported only inside
+main(), so this module imports on machines without it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+for _k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ.setdefault(_k, "1")
+
+
+# ----------------------------------------------------------------------------------------- nnz stats
+
+class NnzRecorder:
+    """Accumulates per-layer non-zeros per token over every forward of the model.
+
+    Padding: lm-eval right-pads its batches with token id 0 and feeds no attention mask (causal
+    models), so padded positions do not change real ones; `set_valid` gets a [B*T] bool mask of the
+    real positions (derived from the input ids) and only those are counted.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.sources: list[tuple[str, torch.nn.Module]] = []
+        self.kind = None
+        for name, mod in model.named_modules():
+            if hasattr(mod, "last_nnz_per_token"):
+                self.sources.append((name, mod))
+        if self.sources:
+            self.kind = "last_nnz_per_token"
+        else:
+            for name, mod in model.named_modules():
+                if name.endswith("mlp.act_fn"):
+                    self.sources.append((name, mod))
+            self.kind = "act_fn_output" if self.sources else None
+        n = len(self.sources)
+        self.sum = [0.0] * n
+        self.count = [0] * n
+        self.max = [0.0] * n
+        self.valid: torch.Tensor | None = None
+        self.handles = [mod.register_forward_hook(self._make_hook(i)) for i, (_, mod) in enumerate(self.sources)]
+
+    def set_valid(self, valid: torch.Tensor | None) -> None:
+        self.valid = None if valid is None else valid.reshape(-1)
+
+    def _make_hook(self, i: int):
+        def hook(mod, inp, out):
+            if self.kind == "last_nnz_per_token":
+                nnz = getattr(mod, "last_nnz_per_token", None)
+                if nnz is None:
+                    return
+                nnz = nnz.reshape(-1)
+            else:
+                h = out[0] if isinstance(out, tuple) else out
+                nnz = (h != 0).reshape(-1, h.shape[-1]).sum(-1)  # NaN != 0, so NaN counts as active
+            nnz = nnz.detach().float()
+            if self.valid is not None and self.valid.numel() == nnz.numel():
+                nnz = nnz[self.valid.to(nnz.device)]
+            if nnz.numel() == 0:
+                return
+            self.sum[i] += nnz.sum().item()
+            self.count[i] += nnz.numel()
+            self.max[i] = max(self.max[i], nnz.max().item())
+        return hook
+
+    def per_layer_mean(self) -> list[float | None]:
+        return [s / c if c else None for s, c in zip(self.sum, self.count)]
+
+    def summary(self) -> dict[str, Any]:
+        means = self.per_layer_mean()
+        vals = [m for m in means if m is not None]
+        return {"nnz_per_token_mean": sum(vals) / len(vals) if vals else None,
+                "nnz_per_token_per_layer": means,
+                "nnz_per_token_max_per_layer": [m if c else None for m, c in zip(self.max, self.count)],
+                "nnz_source": self.kind, "nnz_tokens_counted": self.count[0] if self.count else 0}
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def valid_mask_right_padded(inps: torch.Tensor) -> torch.Tensor:
+    """[B, T] ids right-padded with 0 -> bool mask of positions up to each row's last non-zero id.
+    (A real trailing token with id 0 would be dropped from the count; documented limitation.)"""
+    nz = inps != 0
+    pos = torch.arange(inps.shape[1], device=inps.device).expand_as(inps)
+    last = torch.where(nz, pos, torch.full_like(pos, -1)).max(dim=1, keepdim=True).values
+    return pos <= last
+
+
+# ----------------------------------------------------------------------------------------- model
+
+def resolve_model_dir(model: str) -> Path:
+    p = Path(model).expanduser()
+    if p.is_file():
+        p = p.parent  # e.g. .../model.safetensors or .../config.json
+    if not (p / "config.json").is_file():
+        raise SystemExit(f"--model {model}: no config.json found in {p}. Pass a directory written by "
+                         f"save_pretrained (e.g. .data/smollm2-135m from `python -m data.prepare --only model`).")
+    return p
+
+
+def load_model(model_dir: Path, device: str, dtype: torch.dtype, mlp_impl: str | None,
+               data_dir: str | None = None) -> tuple[torch.nn.Module, Any, str]:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    try:  # registers sparse_llama with the Auto classes; plain Llama works without it
+        import models  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - a broken models/ must not block evaluating plain HF models
+        print(f"note: `import models` failed ({type(e).__name__}: {e}); only stock HF architectures load",
+              file=sys.stderr)
+    cfg = AutoConfig.from_pretrained(str(model_dir))
+    if mlp_impl is not None:
+        if not hasattr(cfg, "mlp_impl"):
+            raise SystemExit(f"--mlp-impl applies to sparse_llama models; {model_dir} is {cfg.model_type}")
+        cfg.mlp_impl = mlp_impl
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), config=cfg, dtype=dtype).to(device).eval()
+    tok_src = str(model_dir)
+    try:
+        tok = AutoTokenizer.from_pretrained(tok_src)
+    except (OSError, ValueError, TypeError):
+        from data import require
+
+        tok_src = str(require("tokenizer", data_dir).tokenizer)  # models saved without tokenizer files
+        tok = AutoTokenizer.from_pretrained(tok_src)
+    return model, tok, tok_src
+
+
+# ----------------------------------------------------------------------------------------- main
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="HF model dir (save_pretrained output)")
+    ap.add_argument("--tasks", default="all", help="'all' or comma list of: hellaswag, commonsense_qa, piqa, "
+                                                  "winogrande, arc_easy, arc_challenge, openbookqa")
+    ap.add_argument("--limit", type=int, default=None, help="docs per task (default: all)")
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--out", required=True, help="output dir (eval.json is written there)")
+    ap.add_argument("--mlp-impl", default=None, choices=["dense", "reference", "cuda"],
+                    help="override config.mlp_impl of a sparse_llama model")
+    ap.add_argument("--data-dir", default=None, help="prepared data dir (default $SFL_DATA_DIR or <repo>/.data)")
+    ap.add_argument("--eval-dir", default=None, help="dir with <task>.jsonl (default <data_dir>/eval)")
+    return ap
+
+
+def evaluate(model_dir: Path, tasks: list[str], limit: int | None, batch_size: int, device: str,
+             dtype: str, mlp_impl: str | None, eval_dir: Path, data_dir: str | None = None) -> dict[str, Any]:
+    """Run lm-eval on `tasks` and return the eval.json dict (without writing it)."""
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    from data.lm_tasks import TASK_SPLITS, lm_eval_name, materialize
+    from experiments.provenance import collect
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but no GPU is visible; use --device cpu")
+    torch_dtype = getattr(torch, dtype)
+    model, tok, tok_src = load_model(model_dir, device, torch_dtype, mlp_impl, data_dir)
+    rec = NnzRecorder(model)
+
+    class RecordingHFLM(HFLM):
+        def _model_call(self, inps, attn_mask=None, labels=None):
+            rec.set_valid(valid_mask_right_padded(inps))
+            try:
+                return super()._model_call(inps, attn_mask=attn_mask, labels=labels)
+            finally:
+                rec.set_valid(None)
+
+    lm = RecordingHFLM(pretrained=model, tokenizer=tok, batch_size=batch_size, device=device)
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="sfl_tasks_") as td:
+        materialize(eval_dir, Path(td), tasks)
+        tm = TaskManager(include_path=td, include_defaults=False)
+        res = lm_eval.simple_evaluate(model=lm, tasks=[lm_eval_name(t) for t in tasks], task_manager=tm,
+                                      limit=limit, num_fewshot=0, bootstrap_iters=0, log_samples=False)
+    wall = time.time() - t0
+    rec.remove()
+    out_tasks: dict[str, Any] = {}
+    for t in tasks:
+        r = res["results"][lm_eval_name(t)]
+        n = res["n-samples"][lm_eval_name(t)]["effective"]
+        out_tasks[t] = {"acc": r.get("acc,none"), "acc_norm": r.get("acc_norm,none"), "n": int(n),
+                        "split": TASK_SPLITS[t]}
+    accs = [v["acc"] for v in out_tasks.values() if v["acc"] is not None]
+    cfg = model.config
+    return {
+        "provenance": collect(),
+        "model": str(model_dir),
+        "model_type": cfg.model_type,
+        "mlp_impl": getattr(cfg, "mlp_impl", None),
+        "tokenizer": tok_src,
+        "limit": limit,
+        "num_fewshot": 0,
+        "batch_size": batch_size,
+        "device": device,
+        "dtype": dtype,
+        "lm_eval_version": getattr(lm_eval, "__version__", None),
+        "tasks": out_tasks,
+        "mean_acc": sum(accs) / len(accs) if accs else None,
+        "intermediate_size": getattr(cfg, "intermediate_size", None),
+        **rec.summary(),
+        "wall_s": round(wall, 1),
+    }
+
+
+def format_table(result: dict[str, Any]) -> str:
+    rows = [f"{'task':<16}{'split':<12}{'n':>6}{'acc':>9}{'acc_norm':>10}"]
+    for t, v in result["tasks"].items():
+        an = "-" if v["acc_norm"] is None else f"{v['acc_norm']:.4f}"
+        rows.append(f"{t:<16}{v['split']:<12}{v['n']:>6}{v['acc']:>9.4f}{an:>10}")
+    rows.append(f"{'mean acc':<34}{result['mean_acc']:>9.4f}")
+    nnz = result["nnz_per_token_mean"]
+    rows.append(f"mean non-zeros per token ({result['nnz_source']}): "
+                + ("n/a" if nnz is None else f"{nnz:.1f} of {result['intermediate_size']}")
+                + f"   wall {result['wall_s']}s")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    from data import paths
+    from data.lm_tasks import parse_tasks
+
+    try:
+        tasks = parse_tasks(a.tasks)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    if a.limit is not None and a.limit <= 0:
+        raise SystemExit("--limit must be positive")
+    eval_dir = Path(a.eval_dir) if a.eval_dir else paths(a.data_dir).eval
+    result = evaluate(resolve_model_dir(a.model), tasks, a.limit, a.batch_size, a.device, a.dtype, a.mlp_impl,
+                      eval_dir, a.data_dir)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "eval.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(format_table(result))
+    print(f"wrote {out / 'eval.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+# Shared by experiments/*/run.sh (sourced after experiments/env.sh, from the repo root).
+# Scales, output roots, and resumable "train one run" / "evaluate one checkpoint" steps over the ONE
+# training loop (experiments/train.py) and the ONE eval entry point (experiments/evaluate.py).
+#
+#   SCALE=smoke (default)  CPU, tiny, minutes: exercises the whole pipeline (what CI runs).
+#                          Outputs: runs/smoke/<exp>/<run>/ (checkpoints, final model) and the logs under
+#                          runs/smoke/results/<exp>/<run>/ -- never results/ (smoke numbers are not results).
+#   SCALE=gpu              one H100: the scale the README reports. Logs go to results/<exp>/<run>/,
+#                          models to runs/gpu/<exp>/<run>/final.
+# Overrides: RUNS_ROOT, RESULTS_ROOT (e.g. $OUT/results on the GPU machine), KEEP_CKPT=1 keeps the
+# optimizer checkpoints of finished runs (default: deleted once the run's final model is saved).
+# A run whose results/<exp>/<run>/train_log.jsonl has a "final" line is skipped; an interrupted one
+# resumes from its newest checkpoint (train.py --resume).
+
+SCALE="${SCALE:-smoke}"
+case "$SCALE" in
+  smoke|gpu) ;;
+  *) echo "SCALE=$SCALE: choose SCALE=smoke (CPU, minutes) or SCALE=gpu (one H100)" >&2; exit 2 ;;
+esac
+RUNS_ROOT="${RUNS_ROOT:-runs/$SCALE}"
+if [ "$SCALE" = gpu ]; then RESULTS_ROOT="${RESULTS_ROOT:-results}"; else RESULTS_ROOT="${RESULTS_ROOT:-runs/smoke/results}"; fi
+KEEP_CKPT="${KEEP_CKPT:-0}"
+export SFL_GIT_COMMIT="${SFL_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+SFL_FAILED=()
+
+sfl_require_gpu() {
+  if [ "$SCALE" = gpu ] && ! python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "SCALE=gpu needs a CUDA GPU (none visible). Use SCALE=smoke on CPU." >&2
+    exit 2
+  fi
+}
+
+# sfl_train EXP RUN IDX TOTAL CONFIG.yaml [OVERRIDE.yaml ...] [-- key=value ...]
+# Trains $RUNS_ROOT/EXP/RUN with the merged config (later files / key=values win), copies the training log to
+# $RESULTS_ROOT/EXP/RUN/train_log.jsonl and prints one progress line. A failed run is recorded in SFL_FAILED
+# and the sweep goes on with the next one.
+sfl_train() {
+  local exp=$1 run=$2 idx=$3 total=$4
+  shift 4
+  local yamls=() sets=()
+  while [ $# -gt 0 ]; do
+    if [ "$1" = "--" ]; then shift; sets=("$@"); break; fi
+    yamls+=("$1"); shift
+  done
+  local out="$RUNS_ROOT/$exp/$run" res="$RESULTS_ROOT/$exp/$run"
+  if python -m experiments.runs done "$res"; then
+    echo "[$idx/$total] $exp/$run: finished before, skipped -- $(python -m experiments.runs describe "$res")"
+    return 0
+  fi
+  mkdir -p "$out" "$res"
+  if ! python -m experiments.runs done "$out"; then
+    local setargs=()
+    for s in ${sets[@]+"${sets[@]}"}; do setargs+=(--set "$s"); done
+    python -m experiments.runs merge "${yamls[@]}" ${setargs[@]+"${setargs[@]}"} --set "out_dir=$out" \
+      -o "$out/config.yaml"
+    if compgen -G "$out/checkpoints/step_*/COMPLETE" > /dev/null; then
+      echo "[$idx/$total] $exp/$run: resuming from its newest checkpoint"
+    else
+      rm -f "$out/train_log.jsonl"  # a log without a checkpoint is a run killed before its first save
+      echo "[$idx/$total] $exp/$run: training ($(tr '\n' ' ' < "$out/config.yaml" | grep -oE 'l1_coeff: [^ ]+' || true))"
+    fi
+    local t0=$SECONDS
+    if ! python -m experiments.train --config "$out/config.yaml" --resume; then
+      echo "[$idx/$total] $exp/$run: FAILED after $((SECONDS - t0)) s (log: $out/train_log.jsonl)" >&2
+      SFL_FAILED+=("$exp/$run")
+      return 0
+    fi
+  fi
+  cp "$out/train_log.jsonl" "$res/train_log.jsonl"
+  [ "$KEEP_CKPT" = 1 ] || rm -rf "$out/checkpoints"
+  echo "[$idx/$total] $exp/$run: done -- $(python -m experiments.runs describe "$res")"
+}
+
+# sfl_eval EXP RUN NAME [evaluate.py args ...]
+# lm-eval on $RUNS_ROOT/EXP/RUN/final; the eval.json it writes is stored as $RESULTS_ROOT/EXP/RUN/NAME.json
+# (NAME=eval for the dense path, eval_sparse for the sparse one). Skipped when that file exists.
+sfl_eval() {
+  local exp=$1 run=$2 name=$3
+  shift 3
+  local res="$RESULTS_ROOT/$exp/$run" model="$RUNS_ROOT/$exp/$run/final"
+  if [ -f "$res/$name.json" ]; then
+    echo "  $exp/$run $name: exists, skipped"
+    return 0
+  fi
+  if [ ! -f "$model/config.json" ]; then
+    echo "  $exp/$run $name: no trained model at $model (training failed or was cleaned); skipped" >&2
+    SFL_FAILED+=("$exp/$run:$name")
+    return 0
+  fi
+  local tmp
+  tmp="$(mktemp -d "${TMPDIR:-/tmp}/sfl_eval.XXXXXX")"
+  echo "  $exp/$run $name: lm-eval $*"
+  if python -m experiments.evaluate --model "$model" --out "$tmp" "$@"; then
+    mkdir -p "$res"
+    mv "$tmp/eval.json" "$res/$name.json"
+  else
+    echo "  $exp/$run $name: FAILED" >&2
+    SFL_FAILED+=("$exp/$run:$name")
+  fi
+  rm -rf "$tmp"
+}
+
+# sfl_finish EXP: summary.csv over the experiment's runs, then a non-zero exit if anything failed.
+sfl_finish() {
+  local exp=$1
+  if [ -d "$RESULTS_ROOT/$exp" ]; then python -m experiments.runs summarize "$RESULTS_ROOT/$exp" || true; fi
+  if [ ${#SFL_FAILED[@]} -gt 0 ]; then
+    echo "FAILED: ${SFL_FAILED[*]}" >&2
+    return 1
+  fi
+  echo "all runs finished: logs in $RESULTS_ROOT/$exp/, models in $RUNS_ROOT/$exp/"
+}

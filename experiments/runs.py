@@ -1,0 +1,177 @@
+"""Small helpers for the experiment run scripts (experiments/*/run.sh); no training code lives here.
+
+    python -m experiments.runs merge BASE.yaml [OVERRIDE.yaml ...] [--set key=value ...] -o OUT.yaml
+    python -m experiments.runs done RESULT_DIR [--file train_log.jsonl]   # exit 0 iff a 'final' line exists
+    python -m experiments.runs describe RUN_DIR                           # one-line summary of a finished run
+    python -m experiments.runs summarize EXP_RESULTS_DIR                  # summary.csv (+ printed table)
+
+Configs are flat YAML mappings (experiments/config.py); `merge` applies later files and --set on top of
+earlier ones and validates every key against train.py's accepted set, so a typo fails before training starts.
+Imports no torch, so each call costs a fraction of a second.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def merge_configs(paths: list[str], sets: list[str]) -> dict[str, Any]:
+    """Flat merge of YAML files then key=value overrides; keys checked against experiments.config."""
+    from experiments.config import ConfigError, _check_keys, _parse_set
+
+    cfg: dict[str, Any] = {}
+    for p in paths:
+        with open(p) as f:
+            loaded = yaml.safe_load(f) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: top level must be a mapping of key: value")
+        _check_keys(list(loaded), p)
+        cfg.update(loaded)
+    for item in sets:
+        k, v = _parse_set(item)
+        _check_keys([k], "--set")
+        cfg[k] = v
+    return cfg
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """JSONL rows; a torn last line (killed run) is ignored."""
+    rows = []
+    if not path.is_file():
+        return rows
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def has_final(result_dir: Path, name: str = "train_log.jsonl") -> bool:
+    return any(r.get("type") == "final" for r in read_rows(result_dir / name))
+
+
+def run_summary(run_dir: Path) -> dict[str, Any] | None:
+    """Key numbers of one run directory holding train_log.jsonl (and optionally eval*.json)."""
+    rows = read_rows(run_dir / "train_log.jsonl")
+    headers = [r for r in rows if r.get("type") == "header"]
+    if not headers:
+        return None
+    cfg = headers[-1].get("config", {})
+    steps = [r for r in rows if r.get("type") == "step"]
+    evals = [r for r in rows if r.get("type") == "eval"]
+    final = next((r for r in reversed(rows) if r.get("type") == "final"), None)
+    last = steps[-1] if steps else {}
+    out: dict[str, Any] = {
+        "run": run_dir.name,
+        "activation": cfg.get("activation", "relu"),
+        "gated_mlp": cfg.get("gated_mlp"),
+        "intermediate_size": cfg.get("intermediate_size"),
+        "l1_coeff": cfg.get("l1_coeff"),
+        "l1_reduction": cfg.get("l1_reduction"),
+        "l1_warmup_steps": cfg.get("l1_warmup_steps"),
+        "steps": last.get("step"),
+        "tokens": last.get("tokens"),
+        "train_ce": last.get("ce"),
+        "val_ce": final.get("val_ce") if final else (evals[-1]["val_ce"] if evals else None),
+        "val_nnz_mean": evals[-1].get("val_nnz_mean") if evals else None,
+        "nnz_mean": last.get("nnz_mean"),
+        "nnz_max": last.get("nnz_max"),
+        "dead_frac": last.get("dead_frac"),
+        "tokens_per_s": last.get("tokens_per_s"),
+        "wall_s": final.get("wall_s") if final else None,
+        "finished": final is not None,
+    }
+    for ev_path in sorted(run_dir.glob("eval*.json")):
+        ev = json.loads(ev_path.read_text())
+        out[f"{ev_path.stem}_mean_acc"] = ev.get("mean_acc")
+        out[f"{ev_path.stem}_nnz"] = ev.get("nnz_per_token_mean")
+    return out
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        return f"{v:.4g}"
+    return "-" if v is None else str(v)
+
+
+def describe(run_dir: Path) -> str:
+    s = run_summary(run_dir)
+    if s is None:
+        return f"{run_dir.name}: no train_log.jsonl header"
+    n = s["intermediate_size"]
+    act = s["val_nnz_mean"] if s["val_nnz_mean"] is not None else s["nnz_mean"]
+    return (f"val_ce {_fmt(s['val_ce'])}  nnz/token {_fmt(act)} of {n}  max {_fmt(s['nnz_max'])}  "
+            f"dead {_fmt(100 * s['dead_frac'] if s['dead_frac'] is not None else None)}%  "
+            f"wall {_fmt(s['wall_s'])} s")
+
+
+def summarize(exp_dir: Path) -> Path:
+    """Write <exp_dir>/summary.csv, one row per run directory, and print it."""
+    rows = [s for d in sorted(p for p in exp_dir.iterdir() if p.is_dir()) if (s := run_summary(d))]
+    cols: list[str] = []
+    for r in rows:
+        cols += [k for k in r if k not in cols]
+    out = exp_dir / "summary.csv"
+    with open(out, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        w.writerows(rows)
+    show = [c for c in ("run", "l1_coeff", "gated_mlp", "steps", "val_ce", "val_nnz_mean", "nnz_max", "dead_frac",
+                        "wall_s", "eval_mean_acc", "eval_sparse_mean_acc") if c in cols]
+    print("  ".join(f"{c:>14}" for c in show))
+    for r in rows:
+        print("  ".join(f"{_fmt(r.get(c)):>14}" for c in show))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("merge")
+    m.add_argument("yamls", nargs="+")
+    m.add_argument("--set", action="append", default=[])
+    m.add_argument("-o", "--out", required=True)
+    d = sub.add_parser("done")
+    d.add_argument("result_dir")
+    d.add_argument("--file", default="train_log.jsonl")
+    s = sub.add_parser("describe")
+    s.add_argument("run_dir")
+    z = sub.add_parser("summarize")
+    z.add_argument("exp_dir")
+    a = ap.parse_args(argv)
+    if a.cmd == "merge":
+        try:
+            cfg = merge_configs(a.yamls, a.set)
+        except (ValueError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(yaml.safe_dump(cfg, sort_keys=False))
+        return 0
+    if a.cmd == "done":
+        return 0 if has_final(Path(a.result_dir), a.file) else 1
+    if a.cmd == "describe":
+        print(describe(Path(a.run_dir)))
+        return 0
+    if a.cmd == "summarize":
+        p = Path(a.exp_dir)
+        if not p.is_dir():
+            print(f"error: {p} does not exist (no runs yet)", file=sys.stderr)
+            return 1
+        print(f"wrote {summarize(p)}")
+        return 0
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

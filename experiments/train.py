@@ -1,0 +1,445 @@
+"""The one training entry point: SparseLlama (ReLU FFN + L1) language-model training.
+
+    python -m experiments.train --config path.yaml [--set key=value ...] [--resume]
+    torchrun --nproc_per_node=N -m experiments.train --config path.yaml      # DDP
+
+Config keys: experiments/config.py (DEFAULTS/DOCS) and experiments/README.md "train.py config".
+Writes <out_dir>/train_log.jsonl (schema: team brief / experiments/README.md), crash-safe
+checkpoints under <out_dir>/checkpoints (exact resume with --resume) and <out_dir>/final
+(save_pretrained, loadable by experiments/evaluate.py after `import models`).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+for _k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ.setdefault(_k, "1")
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from experiments.checkpoint import atomic_write_text, find_latest, load_checkpoint, save_checkpoint
+from experiments.config import ConfigError, l1_coeff_at, load_config, lr_at
+from experiments.data_loader import TokenData
+from models import SparseLlamaConfig, SparseLlamaForCausalLM
+
+# Keys that may change between a checkpoint and its resumption without breaking exactness.
+RESUME_MUTABLE = {"max_steps", "log_every", "eval_every", "eval_batches", "ckpt_every", "progress", "device",
+                  "save_final", "compile", "out_dir", "data_dir", "init_from"}
+
+
+# --------------------------------------------------------------------------------------- setup
+class Dist:
+    """Rank/world from the torchrun environment; world 1 without it."""
+
+    def __init__(self) -> None:
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.main = self.rank == 0
+
+    def init(self, device: torch.device) -> None:
+        if self.world > 1 and not dist.is_initialized():
+            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+
+    def all_mean(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            t = t.clone()
+            dist.all_reduce(t)
+            t /= self.world
+        return t
+
+    def all_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            t = t.clone()
+            dist.all_reduce(t)
+        return t
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+
+def pick_device(cfg: dict[str, Any], d: Dist) -> torch.device:
+    want = cfg["device"]
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"config key device={cfg['device']!r}: CUDA is not available; use device: cpu")
+        dev = torch.device(f"cuda:{d.local_rank}") if want == "cuda" else torch.device(want)
+        torch.cuda.set_device(dev)
+        return dev
+    return torch.device("cpu")
+
+
+def autocast_ctx(cfg: dict[str, Any], device: torch.device) -> contextlib.AbstractContextManager:
+    prec = cfg["precision"]
+    if prec == "auto":
+        prec = "bf16" if device.type == "cuda" else "fp32"
+    if prec == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(s: dict[str, Any]) -> None:
+    random.setstate(s["python"])
+    np.random.set_state(s["numpy"])
+    torch.set_rng_state(s["torch"])
+    if s.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+
+
+def build_model(cfg: dict[str, Any], data_vocab: int, eos_id: int | None, dead_window: int) -> SparseLlamaForCausalLM:
+    """Scratch model from the arch keys, or init_from a checkpoint (dense Llama is ReLU-fied)."""
+    sparsity = dict(l1_coeff=float(cfg["l1_coeff"]), l1_reduction=cfg["l1_reduction"], mlp_impl=cfg["mlp_impl"],
+                    twell_tile_n=cfg["twell_tile_n"], twell_slots=cfg["twell_slots"],
+                    dead_window_tokens=dead_window)
+    if cfg["init_from"] is None:
+        vocab = cfg["vocab_size"] or data_vocab
+        config = SparseLlamaConfig(
+            vocab_size=vocab, hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=cfg["num_attention_heads"],
+            num_key_value_heads=cfg["num_key_value_heads"] or cfg["num_attention_heads"],
+            max_position_embeddings=cfg["max_position_embeddings"] or cfg["seq_len"],
+            rope_parameters={"rope_type": "default", "rope_theta": float(cfg["rope_theta"])},
+            rms_norm_eps=float(cfg["rms_norm_eps"]), initializer_range=float(cfg["initializer_range"]),
+            tie_word_embeddings=cfg["tie_word_embeddings"], gated_mlp=cfg["gated_mlp"],
+            bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=None, **sparsity)
+        model = SparseLlamaForCausalLM(config)
+    else:
+        src = Path(cfg["init_from"])
+        if not (src / "config.json").is_file():
+            raise ConfigError(f"config key init_from={str(src)!r}: no config.json there")
+        model_type = json.loads((src / "config.json").read_text()).get("model_type")
+        if model_type == "llama":
+            from transformers import LlamaForCausalLM
+
+            from models.convert import relufy
+            model = relufy(LlamaForCausalLM.from_pretrained(src, dtype=torch.float32), **sparsity)
+        elif model_type == SparseLlamaConfig.model_type:
+            model = SparseLlamaForCausalLM.from_pretrained(src, dtype=torch.float32)
+            for k, v in sparsity.items():
+                setattr(model.config, k, v)
+            model.config.check_sparsity_fields()
+        else:
+            raise ConfigError(f"config key init_from: model_type {model_type!r} unsupported (llama or sparse_llama)")
+        vocab = model.config.vocab_size
+        if model.config.max_position_embeddings < cfg["seq_len"]:
+            raise ConfigError(f"config key seq_len={cfg['seq_len']} exceeds the checkpoint's "
+                              f"max_position_embeddings={model.config.max_position_embeddings}")
+    if vocab < data_vocab:
+        raise ConfigError(f"config key vocab_size={vocab} is smaller than the data's vocab_size={data_vocab}")
+    return model
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Decay matrices (linear weights, embeddings); not norms or biases (1-D tensors)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+# --------------------------------------------------------------------------------------- logging
+class JsonlLog:
+    """Append-only JSONL writer (rank 0 only)."""
+
+    def __init__(self, path: Path, enabled: bool) -> None:
+        self.path, self.enabled = path, enabled
+        self._f = open(path, "a") if enabled else None
+
+    def write(self, obj: dict[str, Any]) -> None:
+        if self._f is not None:
+            self._f.write(json.dumps(obj) + "\n")
+            self._f.flush()
+
+    def sync(self) -> None:
+        if self._f is not None:
+            os.fsync(self._f.fileno())
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+def truncate_log(path: Path, step: int) -> None:
+    """Drop lines of an interrupted run that lie after the checkpoint being resumed (and any
+    'final' line), so the resumed run's lines are not duplicated."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line torn by the kill
+        if obj.get("type") == "final" or obj.get("step", -1) > step:
+            continue
+        kept.append(line)
+    atomic_write_text(path, "".join(x + "\n" for x in kept))
+
+
+def finite(x: float) -> bool:
+    return math.isfinite(x)
+
+
+# --------------------------------------------------------------------------------------- eval
+@torch.no_grad()
+def evaluate(model: SparseLlamaForCausalLM, windows: torch.Tensor, cfg: dict[str, Any], device: torch.device,
+             d: Dist) -> tuple[float, float]:
+    """Mean val CE over the fixed val windows (sharded over ranks) and mean nnz per token."""
+    was_training = model.training
+    model.eval()
+    model.reset_sparsity_stats(dead_tracker=False)
+    mbs = cfg["micro_batch_size"]
+    tot = torch.zeros(2, dtype=torch.float64, device=device)  # sum of token CE, token count
+    for j, i in enumerate(range(0, len(windows), mbs)):
+        if j % d.world != d.rank:
+            continue
+        x = windows[i:i + mbs].to(device)
+        with autocast_ctx(cfg, device):
+            out = model(input_ids=x[:, :-1], shift_labels=x[:, 1:])
+        n = x[:, 1:].numel()
+        tot += torch.stack([out.ce.double() * n, torch.tensor(float(n), dtype=torch.float64, device=device)])
+    tot = d.all_sum(tot)
+    nnz = model.sparsity_stats(reset=True)["nnz_mean"]
+    model.train(was_training)
+    return float(tot[0] / tot[1]), nnz
+
+
+# --------------------------------------------------------------------------------------- train
+def check_resume_config(saved: dict[str, Any], cfg: dict[str, Any]) -> None:
+    diff = sorted(k for k in cfg if k not in RESUME_MUTABLE and saved.get(k) != cfg[k])
+    if diff:
+        details = ", ".join(f"{k}: {saved.get(k)!r} -> {cfg[k]!r}" for k in diff)
+        raise ConfigError(f"--resume with a config that changes {details}; only {sorted(RESUME_MUTABLE)} may "
+                          "change on resume (start a new out_dir otherwise)")
+
+
+def train(cfg: dict[str, Any], resume: bool = False) -> dict[str, Any]:
+    """Run (or resume) training; returns the final summary dict (also the log's final line)."""
+    t_start = time.time()
+    d = Dist()
+    device = pick_device(cfg, d)
+    d.init(device)
+    out_dir = Path(cfg["out_dir"])
+    log_path = out_dir / "train_log.jsonl"
+
+    ckpt_dir = find_latest(out_dir) if resume else None
+    if d.main:
+        if not resume and (log_path.exists() or find_latest(out_dir) is not None):
+            raise ConfigError(f"out_dir={str(out_dir)!r} already holds a run; pass --resume to continue it "
+                              "or choose another out_dir")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if resume and ckpt_dir is None:
+            print(f"--resume: no checkpoint in {out_dir}, starting from scratch", file=sys.stderr)
+    d.barrier()
+
+    data = TokenData(Path(cfg["data_dir"]) / cfg["tokens_subdir"], cfg["seq_len"])
+    mbs, accum, seq = cfg["micro_batch_size"], cfg["grad_accum"], cfg["seq_len"]
+    tokens_per_step_rank = mbs * accum * seq
+    tokens_per_step = tokens_per_step_rank * d.world
+    dead_window = cfg["dead_window_tokens"] or tokens_per_step_rank
+    val_windows = data.val_windows(min(cfg["eval_batches"] * mbs, data.n_val_windows))
+    if len(val_windows) == 0:
+        raise ConfigError(f"val split of {data.dir} has no window of seq_len+1={seq + 1} tokens")
+
+    seed_everything(cfg["seed"])
+    model = build_model(cfg, data.vocab_size, data.meta.get("eos_id"), dead_window).to(device)
+    model.train()
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(param_groups(model, cfg["weight_decay"]), lr=cfg["lr"], betas=tuple(cfg["betas"]),
+                            eps=cfg["eps"])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(cfg, s) / cfg["lr"])
+
+    step, wall_prev = 0, 0.0
+    if ckpt_dir is not None:
+        state = load_checkpoint(ckpt_dir, map_location=device)
+        check_resume_config(state["config"], cfg)
+        if state["data"] != data.fingerprint():
+            raise ConfigError(f"--resume: the train data in {data.dir} differs from the checkpoint's")
+        if state["world_size"] != d.world:
+            raise ConfigError(f"--resume: checkpoint was written with WORLD_SIZE={state['world_size']}, now "
+                              f"{d.world}; the data order would change (start a new out_dir)")
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        with torch.no_grad():
+            for mlp, t in zip(model.sparse_mlps(), state["trackers"]):
+                mlp.tokens_since_fire.copy_(t)
+        set_rng_state(state["rng"][d.rank] if isinstance(state["rng"], list) else state["rng"])
+        step, wall_prev = state["step"], state["wall_s"]
+        del state
+        if d.main:
+            truncate_log(log_path, step)
+
+    log = JsonlLog(log_path, d.main)
+    from experiments.provenance import collect
+    if ckpt_dir is None:
+        log.write({"type": "header", "provenance": collect(), "config": cfg, "n_params": n_params})
+    else:
+        log.write({"type": "resume", "step": step, "provenance": collect()})
+
+    fwd_model: torch.nn.Module = model
+    if d.world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        # broadcast_buffers=False: the per-neuron dead counters are per-rank statistics.
+        fwd_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                        broadcast_buffers=False)
+    if cfg["compile"]:
+        fwd_model = torch.compile(fwd_model)
+
+    def checkpoint_state(done: int) -> dict[str, Any]:
+        rngs = [None] * d.world
+        if d.world > 1:
+            dist.all_gather_object(rngs, rng_state())
+        else:
+            rngs = [rng_state()]
+        return {"step": done, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict(), "trackers": [m.tokens_since_fire.clone() for m in model.sparse_mlps()],
+                "rng": rngs, "sampler": {"kind": "stateless(seed, rank, step)", "seed": cfg["seed"], "next_step": done},
+                "data": data.fingerprint(), "world_size": d.world, "config": cfg,
+                "wall_s": wall_prev + time.time() - t_start}
+
+    def save(done: int) -> None:
+        state = checkpoint_state(done)  # collective when world > 1: every rank calls it
+        if d.main:
+            log.sync()
+            save_checkpoint(out_dir, done, state)
+        d.barrier()
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    clip = cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf")
+    bar = tqdm(total=cfg["max_steps"], initial=step, disable=not (cfg["progress"] and d.main), desc="train",
+               dynamic_ncols=True)
+    t_log, tok_log = time.time(), 0
+    last_saved = step if ckpt_dir is not None else -1
+    while step < cfg["max_steps"]:
+        coeff = l1_coeff_at(cfg, step)
+        lr = opt.param_groups[0]["lr"]
+        batch = data.train_batch(cfg["seed"], step, d.rank, mbs * accum)
+        model.reset_sparsity_stats(dead_tracker=False)
+        sums = torch.zeros(3, device=device)
+        for i in range(accum):
+            x = batch[i * mbs:(i + 1) * mbs].to(device, non_blocking=True)
+            sync = d.world == 1 or i == accum - 1
+            with (contextlib.nullcontext() if sync else fwd_model.no_sync()), autocast_ctx(cfg, device):
+                out = fwd_model(input_ids=x[:, :-1], shift_labels=x[:, 1:], l1_coeff=coeff)
+                (out.loss / accum).backward()
+            l1 = out.l1.detach() if out.l1 is not None else torch.zeros((), device=device)
+            sums += torch.stack([out.loss.detach().float(), out.ce.detach().float(), l1.float()])
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        tok_log += tokens_per_step
+        bar.update(1)
+
+        if step % cfg["log_every"] == 0 or step == cfg["max_steps"]:
+            loss, ce, l1v = (d.all_mean(sums / accum)).tolist()
+            if not finite(loss):
+                raise RuntimeError(f"non-finite loss {loss} at step {step} (ce={ce}, l1={l1v}); lower lr or "
+                                   "l1_coeff, or resume from an earlier checkpoint")
+            st = model.sparsity_stats()
+            now = time.time()
+            line = {"type": "step", "step": step, "tokens": step * tokens_per_step, "loss": loss, "ce": ce,
+                    "l1": l1v, "l1_coeff": coeff, "lr": lr, "grad_norm": float(grad_norm),
+                    "tokens_per_s": tok_log / max(now - t_log, 1e-9), "nnz_mean": st["nnz_mean"],
+                    "nnz_max": st["nnz_max"], "dead_frac": st["dead_frac"],
+                    "nnz_mean_per_layer": st["nnz_mean_per_layer"], "nnz_max_per_layer": st["nnz_max_per_layer"],
+                    "dead_frac_per_layer": st["dead_frac_per_layer"]}
+            log.write(line)
+            bar.set_postfix(loss=f"{loss:.3f}", ce=f"{ce:.3f}", nnz=f"{st['nnz_mean']:.1f}")
+            t_log, tok_log = now, 0
+        if cfg["eval_every"] and step % cfg["eval_every"] == 0 and step < cfg["max_steps"]:
+            val_ce, val_nnz = evaluate(model, val_windows, cfg, device, d)
+            log.write({"type": "eval", "step": step, "val_ce": val_ce, "val_nnz_mean": val_nnz})
+        if cfg["ckpt_every"] and step % cfg["ckpt_every"] == 0 and step < cfg["max_steps"]:
+            save(step)
+            last_saved = step
+    bar.close()
+
+    val_ce, val_nnz = evaluate(model, val_windows, cfg, device, d)
+    log.write({"type": "eval", "step": step, "val_ce": val_ce, "val_nnz_mean": val_nnz})
+    if last_saved != step:
+        save(step)
+    wall = wall_prev + time.time() - t_start
+    final = {"type": "final", "step": step, "val_ce": val_ce, "wall_s": wall}
+    if d.main and cfg["save_final"]:
+        save_final(model, out_dir / "final", Path(cfg["data_dir"]))
+    log.write(final)
+    log.sync()
+    log.close()
+    if d.world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    return final
+
+
+def save_final(model: SparseLlamaForCausalLM, dest: Path, data_dir: Path) -> None:
+    """save_pretrained (+ the data dir's tokenizer) into dest, via a temp dir + rename."""
+    tmp = dest.with_name(f".tmp-{dest.name}.{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok_dir = data_dir / "tokenizer"
+    if tok_dir.is_dir():
+        from transformers import AutoTokenizer
+        AutoTokenizer.from_pretrained(tok_dir).save_pretrained(tmp)
+    if dest.exists():
+        shutil.rmtree(dest)
+    os.replace(tmp, dest)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="YAML config (flat key: value); omitted = defaults")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key (YAML-typed value); repeatable")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in out_dir")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.set)
+        final = train(cfg, resume=args.resume)
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
+    except ValueError as e:  # SparseLlamaConfig field errors surface here
+        if "SparseLlamaConfig." in str(e):
+            sys.exit(f"error: {e}")
+        raise
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps(final))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Public entry points of the TwELL CUDA kernels (inference).
+
+    y = sparse_gated_ffn(x, w_gate, w_up, w_down)          # relu(x Wg^T) * (x Wu^T) @ Wd^T
+    y = sparse_nongated_ffn(x, w_up, w_down)               # relu(x Wu^T) @ Wd^T
+    y, stats = sparse_gated_ffn(..., return_stats=True)    # stats['nnz_per_token']: int32 [M]
+
+Weights in nn.Linear layouts: w_gate/w_up [N, K], w_down [K, N]. x [..., K] bf16 CUDA, contiguous.
+Exact on every input: rows that overflow the TwELL slots or have a non-finite gate go through dense cuBLAS.
+On CPU or without the extension a KernelUnavailableError names the pure-PyTorch reference path.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from kernels.loader import REFERENCE_HINT, KernelUnavailableError
+
+_MODES = {"auto": 0, "sparse": 1, "dense": 2}
+_WDT_CACHE: dict[tuple, Tensor] = {}
+_WDT_CACHE_MAX = 16
+
+
+def _ops():
+    import kernels.twell.ops  # noqa: F401  (registers torch.ops.sfl_twell.*)
+
+    return torch.ops.sfl_twell
+
+
+def transposed_down(w_down: Tensor) -> Tensor:
+    """Neuron-major copy W_d^T [N, K] (cached per tensor version: each active neuron's row is contiguous)."""
+    key = (w_down.data_ptr(), w_down._version, tuple(w_down.shape), w_down.device, w_down.dtype)
+    t = _WDT_CACHE.get(key)
+    if t is None:
+        if len(_WDT_CACHE) >= _WDT_CACHE_MAX:
+            _WDT_CACHE.pop(next(iter(_WDT_CACHE)))
+        t = w_down.t().contiguous()
+        _WDT_CACHE[key] = t
+    return t
+
+
+def validate(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor) -> None:
+    """Raise a ValueError/KernelUnavailableError that says what to do for any unsupported input."""
+    names = [("x", x), ("w_up", w_up), ("w_down", w_down)] + ([("w_gate", w_gate)] if w_gate is not None else [])
+    for name, t in names:
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device.type != "cuda":
+            raise KernelUnavailableError(
+                f"{name} is on {t.device}: the TwELL kernels run on CUDA tensors only; move the inputs with "
+                f".cuda(), or use {REFERENCE_HINT}")
+        if t.dtype != torch.bfloat16:
+            raise ValueError(f"{name} has dtype {t.dtype}: the TwELL kernels take torch.bfloat16; "
+                             f"cast with .to(torch.bfloat16)")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} is not contiguous: call .contiguous() first")
+    if len({t.device for _, t in names}) != 1:
+        raise ValueError("x and all weights must be on the same CUDA device")
+    if x.dim() < 1:
+        raise ValueError("x must have shape [..., K]")
+    K = x.shape[-1]
+    if w_up.dim() != 2 or w_up.shape[1] != K:
+        raise ValueError(f"w_up must be [N, K={K}] (nn.Linear layout), got {tuple(w_up.shape)}")
+    N = w_up.shape[0]
+    if w_gate is not None and tuple(w_gate.shape) != (N, K):
+        raise ValueError(f"w_gate must be [N={N}, K={K}] like w_up, got {tuple(w_gate.shape)}")
+    if w_down.dim() != 2 or tuple(w_down.shape) != (K, N):
+        raise ValueError(f"w_down must be [K={K}, N={N}] (nn.Linear layout of down_proj), got {tuple(w_down.shape)}")
+    if K % 64 != 0 or K > 4096:
+        raise ValueError(f"hidden size K={K} unsupported: need K % 64 == 0 and K <= 4096; use {REFERENCE_HINT}")
+    if N % 256 != 0 or N == 0:
+        raise ValueError(f"intermediate size N={N} unsupported: need N % 256 == 0 (TwELL tile 256); "
+                         f"use {REFERENCE_HINT}")
+
+
+def _run(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, return_stats: bool, mode: str,
+         activity_hint: float, w_down_t: Tensor | None):
+    validate(x, w_gate, w_up, w_down)
+    if mode not in _MODES:
+        raise ValueError(f"mode must be one of {sorted(_MODES)}, got {mode!r}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    wdt = w_down_t if w_down_t is not None else transposed_down(w_down)
+    ops = _ops()
+    if w_gate is not None:
+        y, nnz = ops.gated_ffn(x2, w_gate, w_up, wdt, w_down, _MODES[mode], float(activity_hint), return_stats)
+    else:
+        y, nnz = ops.nongated_ffn(x2, w_up, wdt, w_down, _MODES[mode], float(activity_hint), return_stats)
+    y = y.reshape(*lead, x.shape[-1])
+    if return_stats:
+        return y, {"nnz_per_token": nnz}
+    return y
+
+
+def sparse_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, *, return_stats: bool = False,
+                     mode: Literal["auto", "sparse", "dense"] = "auto", activity_hint: float = 0.0,
+                     w_down_t: Tensor | None = None):
+    """y = (relu(x w_gate^T) * (x w_up^T)) w_down^T through TwELL; exact (overflow rows go dense)."""
+    return _run(x, w_gate, w_up, w_down, return_stats, mode, activity_hint, w_down_t)
+
+
+def sparse_nongated_ffn(x: Tensor, w_up: Tensor, w_down: Tensor, *, return_stats: bool = False,
+                        mode: Literal["auto", "sparse", "dense"] = "auto", activity_hint: float = 0.0,
+                        w_down_t: Tensor | None = None):
+    """y = relu(x w_up^T) w_down^T through TwELL; exact (overflow rows go dense)."""
+    return _run(x, None, w_up, w_down, return_stats, mode, activity_hint, w_down_t)
+
+
+def twell_d2t(x: Tensor, w_gate: Tensor, slots: int = 32) -> tuple[Tensor, Tensor, Tensor]:
+    """TwELL of relu(x w_gate^T): (packed int32 [M, T, slots], counts int32 [M, T], flag int32 [M])."""
+    validate(x, w_gate, w_gate, torch.empty(w_gate.shape[1], w_gate.shape[0], device=w_gate.device,
+                                             dtype=w_gate.dtype))
+    if not 1 <= slots <= 256:
+        raise ValueError(f"slots must be in 1..256, got {slots}")
+    return _ops().d2t(x.reshape(-1, x.shape[-1]), w_gate, slots)
+
+
+from kernels.twell.module import TwELLGatedMLP, TwELLMLP  # noqa: E402  (re-export)
+
+__all__ = ["sparse_gated_ffn", "sparse_nongated_ffn", "twell_d2t", "transposed_down", "validate",
+           "TwELLGatedMLP", "TwELLMLP", "KernelUnavailableError"]

@@ -1,0 +1,146 @@
+"""The one JIT loader for our CUDA extensions (torch.utils.cpp_extension.load + ninja).
+
+- arch is taken from the device (sm_90 -> "9.0a" so Hopper-only instructions are allowed);
+- builds are cached in $SFL_KERNEL_BUILD_DIR or ~/.cache/sfl_kernels/<name>-<hash>, the hash covering the
+  sources, the arch and the torch version, so an edited kernel never loads a stale library;
+- $TWELL_PREBUILT may name an already built .so (e.g. carried to a fresh GPU machine); it is used only if it
+  was built from the same sources (its source_hash() matches), otherwise we rebuild with a warning;
+- without CUDA / nvcc the error says what is missing and names the pure-PyTorch path (kernels.reference).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import shutil
+import threading
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+_HERE = Path(__file__).resolve().parent
+TWELL_SOURCES = [_HERE / "twell" / "binding.cpp", _HERE / "twell" / "twell_kernels.cu"]
+_LOCK = threading.Lock()
+_CACHE: dict[str, ModuleType] = {}
+
+REFERENCE_HINT = ("the pure-PyTorch path kernels.reference (gated_ffn_twell / nongated_ffn_twell) "
+                  "or mlp_impl='reference'/'dense' works on any device")
+
+
+class KernelUnavailableError(RuntimeError):
+    """Raised when the CUDA extension cannot be built or loaded here."""
+
+
+def source_hash(sources: list[Path] | None = None) -> str:
+    h = hashlib.sha1()
+    for p in sources or TWELL_SOURCES:
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def _arch_for_device() -> str:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"{major}.{minor}"
+    return arch + "a" if (major, minor) == (9, 0) else arch
+
+
+def _find_cuda_home() -> str | None:
+    if os.environ.get("CUDA_HOME"):
+        return os.environ["CUDA_HOME"]
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return None
+    real = Path(nvcc).resolve()
+    return str(real.parent.parent)
+
+
+def _load_prebuilt(path: str, name: str) -> ModuleType:
+    loader = importlib.machinery.ExtensionFileLoader(name, path)
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+    if spec is None:
+        raise KernelUnavailableError(f"cannot load prebuilt library {path}")
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod
+
+
+def load_twell(verbose: bool = False) -> ModuleType:
+    """Build (once per source version) and return the TwELL extension module."""
+    import torch
+
+    with _LOCK:
+        if "twell" in _CACHE:
+            return _CACHE["twell"]
+        if not torch.cuda.is_available():
+            raise KernelUnavailableError(
+                "the TwELL CUDA kernels need a CUDA GPU (torch.cuda.is_available() is False); " + REFERENCE_HINT)
+        src_hash = source_hash()
+        arch = _arch_for_device()
+        tag = hashlib.sha1(f"{src_hash}-{arch}-{torch.__version__}".encode()).hexdigest()[:10]
+        name = f"sfl_twell_{tag}"
+        pre = os.environ.get("TWELL_PREBUILT")
+        if pre:
+            if not os.path.isfile(pre):
+                raise KernelUnavailableError(f"TWELL_PREBUILT={pre} does not exist; unset it to JIT-build")
+            try:
+                mod = _load_prebuilt(pre, Path(pre).stem.split(".")[0])
+                if mod.source_hash() == src_hash:
+                    _CACHE["twell"] = mod
+                    return mod
+                warnings.warn(f"TWELL_PREBUILT={pre} was built from other sources "
+                              f"({mod.source_hash()} != {src_hash}); rebuilding", stacklevel=2)
+            except ImportError as e:  # built for another python/torch
+                warnings.warn(f"TWELL_PREBUILT={pre} cannot be imported ({e}); rebuilding", stacklevel=2)
+        cuda_home = _find_cuda_home()
+        if cuda_home is None:
+            raise KernelUnavailableError(
+                "nvcc not found: install the CUDA toolkit matching torch.version.cuda="
+                f"{torch.version.cuda} or set CUDA_HOME; " + REFERENCE_HINT)
+        os.environ.setdefault("CUDA_HOME", cuda_home)
+        build_root = Path(os.environ.get("SFL_KERNEL_BUILD_DIR", Path.home() / ".cache" / "sfl_kernels"))
+        build_dir = build_root / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        extra_inc = []
+        try:  # cuBLAS/cuSPARSE headers pulled in by torch headers live in the nvidia wheels
+            import nvidia  # type: ignore
+
+            for root in nvidia.__path__:
+                for sub in ("cu13/include", "cu12/include"):
+                    if (Path(root) / sub).is_dir():
+                        extra_inc.append(str(Path(root) / sub))
+        except ImportError:
+            pass
+        old_arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
+        os.environ["TORCH_CUDA_ARCH_LIST"] = arch
+        os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 4))
+        try:
+            from torch.utils.cpp_extension import load
+
+            mod = load(
+                name=name,
+                sources=[str(p) for p in TWELL_SOURCES],
+                extra_cflags=["-O3", f"-DTWELL_SRC_HASH={src_hash}"],
+                extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo"],
+                extra_include_paths=extra_inc,
+                build_directory=str(build_dir),
+                verbose=verbose,
+            )
+        except Exception as e:  # compiler missing/broken: say so, never exit
+            raise KernelUnavailableError(f"building the TwELL extension failed: {e}; " + REFERENCE_HINT) from e
+        finally:
+            if old_arch is None:
+                os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+            else:
+                os.environ["TORCH_CUDA_ARCH_LIST"] = old_arch
+        _CACHE["twell"] = mod
+        return mod
+
+
+def built_library_path() -> str | None:
+    """Path of the loaded extension's .so (to carry it to a fresh machine via $TWELL_PREBUILT)."""
+    mod = _CACHE.get("twell")
+    return getattr(mod, "__file__", None) if mod is not None else None

@@ -1,0 +1,666 @@
+"""Pure-PyTorch reference of the sparse activation formats and the FFN ops built on them.
+
+This module *defines* the semantics that the CUDA kernels (kernels/ffn.py) must match; the
+spec in words is kernels/FORMAT.md. Everything here runs on CPU and GPU with stock PyTorch.
+
+Shapes follow nn.Linear: x [M, K], w_gate / w_up [N, K], w_down [K, N]
+(K = hidden size, N = intermediate size). The activation is h = relu(x w_gate^T)
+(non-gated: relu(x w_up^T)); an entry is *active* iff h != 0 (NaN counts as active).
+
+Formats
+  TwELL  (inference): per (row, tile of tile_n columns) up to `slots` packed int32 words
+         (bf16 value bits << 16 | tile-local column) plus the true per-(row, tile) count.
+         A row with any tile count > slots *overflows* and must go through the dense path.
+  Hybrid (training):  per row up to `width` (global column, value) pairs; rows with more
+         than `width` active entries are stored densely in a backup block (lossless).
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "TwELL",
+    "Hybrid",
+    "pack_words",
+    "unpack_words",
+    "d2t",
+    "t2d",
+    "d2h",
+    "h2d",
+    "canonical",
+    "gated_ffn_dense",
+    "nongated_ffn_dense",
+    "gated_ffn_twell",
+    "nongated_ffn_twell",
+    "gated_ffn_hybrid",
+    "nongated_ffn_hybrid",
+    "activation_stats",
+]
+
+MAX_TILE_N = 1 << 16  # the local column lives in the low 16 bits of a word
+
+
+# ----------------------------------------------------------------------------------------
+# validation helpers
+# ----------------------------------------------------------------------------------------
+def _check_tiling(n_cols: int, tile_n: int, slots: int) -> None:
+    if not isinstance(tile_n, int) or not isinstance(slots, int):
+        raise ValueError(f"tile_n and slots must be ints, got {tile_n!r} and {slots!r}")
+    if not 0 < tile_n <= MAX_TILE_N:
+        raise ValueError(f"tile_n must be in [1, {MAX_TILE_N}] (16-bit local column), got {tile_n}")
+    if not 0 < slots <= tile_n:
+        raise ValueError(f"slots must be in [1, tile_n={tile_n}], got {slots}")
+    if n_cols <= 0 or n_cols % tile_n != 0:
+        hint = math.gcd(max(n_cols, 0), tile_n)
+        raise ValueError(
+            f"N={n_cols} columns is not a positive multiple of tile_n={tile_n}; pass a tile_n that "
+            f"divides N (e.g. tile_n={hint}, with slots <= tile_n)"
+        )
+
+
+def _check_matrix(t: Any, name: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 2:
+        raise ValueError(
+            f"{name} must be 2-D [M, N], got shape {tuple(t.shape)}; flatten leading dims with "
+            f"{name}.reshape(-1, {name}.shape[-1])"
+        )
+    if not t.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+
+
+def _check_ffn_args(x: Any, named_weights: list[tuple[str, Any, str]]) -> tuple[int, int, int]:
+    """Check x [..., K] and weights against the nn.Linear layouts; return (K, N, K_out)."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 1:
+        raise ValueError("x must be a floating-point tensor of shape [..., K]")
+    k = x.shape[-1]
+    n = named_weights[0][1].shape[0] if isinstance(named_weights[0][1], torch.Tensor) else -1
+    k_out = -1
+    for name, w, layout in named_weights:
+        if not isinstance(w, torch.Tensor) or w.dim() != 2:
+            raise ValueError(f"{name} must be a 2-D tensor in nn.Linear layout {layout}")
+        if w.dtype != x.dtype:
+            raise ValueError(
+                f"{name} has dtype {w.dtype} but x has {x.dtype}; cast them to one dtype "
+                f"(as nn.Linear would require)"
+            )
+        if w.device != x.device:
+            raise ValueError(f"{name} is on {w.device} but x is on {x.device}; move them to one device")
+        if layout == "[N, K]":
+            if tuple(w.shape) != (n, k):
+                raise ValueError(
+                    f"{name} must have shape [N, K] = [{n}, {k}] (nn.Linear weight), got {tuple(w.shape)}"
+                )
+        else:  # "[K, N]" (down projection; its output size may differ from K in principle)
+            if w.shape[1] != n:
+                raise ValueError(
+                    f"{name} must have shape [K, N] with N = {n} (down_proj.weight, not its transpose), "
+                    f"got {tuple(w.shape)}"
+                )
+            k_out = w.shape[0]
+    return k, n, k_out
+
+
+# ----------------------------------------------------------------------------------------
+# word packing
+# ----------------------------------------------------------------------------------------
+def pack_words(values: torch.Tensor, local_cols: torch.Tensor) -> torch.Tensor:
+    """Pack values (cast to bf16) and 16-bit local columns into int32 words.
+
+    word = (bf16 bit pattern) << 16 | local_col, stored as int32 (two's complement), so a
+    negative or NaN bf16 (bit 15 set) gives a negative word. Any bf16 round-trips exactly.
+    """
+    if values.shape != local_cols.shape:
+        raise ValueError(f"values {tuple(values.shape)} and local_cols {tuple(local_cols.shape)} must match")
+    if local_cols.numel() and (int(local_cols.min()) < 0 or int(local_cols.max()) >= MAX_TILE_N):
+        raise ValueError("local columns must lie in [0, 65535] to fit the low 16 bits of a word")
+    # The int16 view is sign-extended to int32; times 2^16 it stays inside int32 range
+    # ([-2^31, 2^31 - 2^16]), so no shift overflow; the low 16 bits are then zero.
+    hi = values.to(torch.bfloat16).view(torch.int16).to(torch.int32) * (1 << 16)
+    return hi | local_cols.to(torch.int32)
+
+
+def unpack_words(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of pack_words: (bf16 values, int32 local columns), same shape as words."""
+    if words.dtype != torch.int32:
+        raise ValueError(f"packed words must be int32, got {words.dtype}")
+    cols = words & 0xFFFF
+    # Arithmetic right shift returns the sign-extended upper half, i.e. exactly the int16 bits.
+    values = (words >> 16).to(torch.int16).view(torch.bfloat16)
+    return values, cols
+
+
+# ----------------------------------------------------------------------------------------
+# TwELL
+# ----------------------------------------------------------------------------------------
+@dataclass
+class TwELL:
+    """Tile-wise ELL activations (see FORMAT.md).
+
+    packed: int32 [M, n_tiles, slots]: words (bf16 bits << 16 | local column); slot s of
+            (row, tile) is meaningful only for s < min(counts[row, tile], slots).
+    counts: int32 [M, n_tiles]: TRUE number of active entries of each (row, tile), never capped.
+    """
+
+    packed: torch.Tensor
+    counts: torch.Tensor
+    n_cols: int
+    tile_n: int
+    slots: int
+
+    def __post_init__(self) -> None:
+        _check_tiling(self.n_cols, self.tile_n, self.slots)
+        t = self.n_cols // self.tile_n
+        p = self.packed
+        if p.dtype != torch.int32 or p.dim() != 3 or tuple(p.shape[1:]) != (t, self.slots):
+            raise ValueError(
+                f"TwELL.packed must be int32 [M, {t}, {self.slots}], got {self.packed.dtype} {tuple(self.packed.shape)}"
+            )
+        if self.counts.dtype != torch.int32 or tuple(self.counts.shape) != (self.packed.shape[0], t):
+            raise ValueError(
+                f"TwELL.counts must be int32 [M, {t}], got {self.counts.dtype} {tuple(self.counts.shape)}"
+            )
+
+    @property
+    def n_rows(self) -> int:
+        return self.packed.shape[0]
+
+    @property
+    def n_tiles(self) -> int:
+        return self.n_cols // self.tile_n
+
+    @property
+    def compression(self) -> float:
+        """C = tile_n / slots: how many times fewer words than dense columns."""
+        return self.tile_n / self.slots
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * 4 + self.counts.numel() * 4
+
+    @property
+    def device(self) -> torch.device:
+        return self.packed.device
+
+    def overflow_mask(self) -> torch.Tensor:
+        """Bool [M]: rows with some tile count > slots (packed contents undefined there)."""
+        return (self.counts > self.slots).any(dim=1)
+
+    def overflow_rows(self) -> torch.Tensor:
+        """int64 [R], ascending: indices of overflowing rows."""
+        return self.overflow_mask().nonzero().flatten()
+
+    def valid_mask(self) -> torch.Tensor:
+        """Bool [M, n_tiles, slots]: slots holding a meaningful word (non-overflow rows only)."""
+        slot = torch.arange(self.slots, device=self.device, dtype=torch.int32)
+        valid = slot < self.counts.unsqueeze(-1)
+        return valid & ~self.overflow_mask()[:, None, None]
+
+    def to(self, device: torch.device | str) -> "TwELL":
+        return TwELL(self.packed.to(device), self.counts.to(device), self.n_cols, self.tile_n, self.slots)
+
+
+def d2t(h: torch.Tensor, tile_n: int = 256, slots: int = 32) -> TwELL:
+    """Dense [M, N] activations -> TwELL. Values are stored as bf16 (exact for a bf16 h).
+
+    The reference writes each (row, tile)'s first min(count, slots) active entries in
+    ascending column order and zero-fills the remaining slots (consumers may not rely on
+    either). For overflowing rows the packed contents are undefined (here: the first
+    `slots` active entries) and their counts are still exact.
+    """
+    _check_matrix(h, "h")
+    m, n = h.shape
+    _check_tiling(n, tile_n, slots)
+    n_tiles = n // tile_n
+    tiles = h.reshape(m, n_tiles, tile_n)
+    active = tiles != 0  # NaN != 0, so NaN is active
+    counts = active.sum(dim=-1, dtype=torch.int32)
+    # Rank of each active entry among the active entries of its tile = its slot.
+    rank = active.cumsum(dim=-1, dtype=torch.int32) - 1
+    keep = active & (rank < slots)
+    # Entries that are not kept are scattered into a scratch slot that is dropped afterwards.
+    slot = torch.where(keep, rank, slots).long()
+    local = torch.arange(tile_n, device=h.device, dtype=torch.int32).expand(m, n_tiles, tile_n)
+    words = pack_words(tiles, local)
+    packed = torch.zeros(m, n_tiles, slots + 1, dtype=torch.int32, device=h.device)
+    packed.scatter_(-1, slot, words)
+    return TwELL(packed[..., :slots].contiguous(), counts, n, tile_n, slots)
+
+
+def t2d(tw: TwELL, backup: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """TwELL -> dense bf16 [M, N].
+
+    Overflowing rows cannot be rebuilt from the packed words. Pass their dense contents as
+    backup=(rows, dense_rows) (int [R] row indices covering every overflowing row, and
+    [R, N] values); otherwise a ValueError is raised. Rows listed in backup are taken
+    from dense_rows (cast to bf16) whether they overflow or not.
+    """
+    m, n, tn, s = tw.n_rows, tw.n_cols, tw.tile_n, tw.slots
+    ovf = tw.overflow_mask()
+    values, cols = unpack_words(tw.packed)
+    valid = tw.valid_mask()
+    if bool((valid & (cols >= tn)).any()):
+        raise ValueError(f"TwELL holds a local column >= tile_n={tn} in a valid slot: corrupt packed words")
+    # Invalid slots scatter into a scratch column tn, dropped below.
+    idx = torch.where(valid, cols, tn).long()
+    dense = torch.zeros(m, tw.n_tiles, tn + 1, dtype=torch.bfloat16, device=tw.device)
+    dense.scatter_(-1, idx, torch.where(valid, values, torch.zeros((), dtype=torch.bfloat16, device=tw.device)))
+    dense = dense[..., :tn].reshape(m, n)
+
+    covered = torch.zeros(m, dtype=torch.bool, device=tw.device)
+    if backup is not None:
+        rows, dense_rows = _check_backup(backup, m, n, tw.device)
+        dense[rows] = dense_rows.to(torch.bfloat16)
+        covered[rows] = True
+    missing = ovf & ~covered
+    if bool(missing.any()):
+        bad = missing.nonzero().flatten()
+        raise ValueError(
+            f"{bad.numel()} TwELL row(s) overflow (a tile count > slots={s}), e.g. rows "
+            f"{bad[:8].tolist()}; their packed words are incomplete. Pass their dense values via "
+            f"t2d(tw, backup=(rows, dense_rows)) (rows = tw.overflow_rows()), or use a larger slots"
+        )
+    return dense
+
+
+def _check_backup(backup: Any, m: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    if not (isinstance(backup, (tuple, list)) and len(backup) == 2):
+        raise ValueError("backup must be a pair (rows [R] int tensor, dense_rows [R, N] tensor)")
+    rows, dense_rows = backup
+    if not isinstance(rows, torch.Tensor) or rows.dim() != 1 or rows.is_floating_point() or rows.dtype == torch.bool:
+        raise ValueError("backup rows must be a 1-D integer tensor of row indices")
+    rows = rows.to(device=device, dtype=torch.int64)
+    if not isinstance(dense_rows, torch.Tensor) or tuple(dense_rows.shape) != (rows.numel(), n):
+        raise ValueError(f"backup dense_rows must have shape [R, N] = [{rows.numel()}, {n}]")
+    if rows.numel():
+        if int(rows.min()) < 0 or int(rows.max()) >= m:
+            raise ValueError(f"backup rows must lie in [0, {m})")
+        if rows.unique().numel() != rows.numel():
+            raise ValueError("backup rows must not repeat")
+    return rows, dense_rows.to(device)
+
+
+# ----------------------------------------------------------------------------------------
+# Hybrid
+# ----------------------------------------------------------------------------------------
+@dataclass
+class Hybrid:
+    """ELL rows plus a dense backup block for heavy rows (see FORMAT.md).
+
+    ell_col: int32 [M, width] global columns; ell_val: [M, width] (h's dtype). For a row with
+             nnz <= width, slots < nnz are meaningful; the rest are padding (reference: -1 / 0).
+    nnz:     int32 [M] true number of active entries per row.
+    backup_rows: int64 [R] ascending, exactly the rows with nnz > width; their ELL slots are
+             ignored. backup: [R, N] dense values of those rows (h's dtype).
+    """
+
+    ell_col: torch.Tensor
+    ell_val: torch.Tensor
+    nnz: torch.Tensor
+    backup_rows: torch.Tensor
+    backup: torch.Tensor
+    n_cols: int
+    width: int
+
+    def __post_init__(self) -> None:
+        m = self.nnz.shape[0] if self.nnz.dim() == 1 else -1
+        if self.nnz.dtype != torch.int32 or self.nnz.dim() != 1:
+            raise ValueError(f"Hybrid.nnz must be int32 [M], got {self.nnz.dtype} {tuple(self.nnz.shape)}")
+        if self.width <= 0:
+            raise ValueError(f"Hybrid.width must be positive, got {self.width}")
+        if self.ell_col.dtype != torch.int32 or tuple(self.ell_col.shape) != (m, self.width):
+            raise ValueError(
+                f"Hybrid.ell_col must be int32 [{m}, {self.width}], got {self.ell_col.dtype} {tuple(self.ell_col.shape)}"
+            )
+        if tuple(self.ell_val.shape) != (m, self.width):
+            raise ValueError(f"Hybrid.ell_val must have shape [{m}, {self.width}], got {tuple(self.ell_val.shape)}")
+        if self.backup_rows.dtype != torch.int64 or self.backup_rows.dim() != 1:
+            raise ValueError("Hybrid.backup_rows must be int64 [R]")
+        if tuple(self.backup.shape) != (self.backup_rows.numel(), self.n_cols):
+            raise ValueError(f"Hybrid.backup must have shape [R, N] = [{self.backup_rows.numel()}, {self.n_cols}]")
+
+    @property
+    def n_rows(self) -> int:
+        return self.nnz.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        ts = (self.ell_col, self.ell_val, self.nnz, self.backup_rows, self.backup)
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    @property
+    def device(self) -> torch.device:
+        return self.nnz.device
+
+    def overflow_mask(self) -> torch.Tensor:
+        """Bool [M]: rows with nnz > width (stored in the dense backup)."""
+        return self.nnz > self.width
+
+    def overflow_rows(self) -> torch.Tensor:
+        """int64 [R] ascending: the rows held in the backup."""
+        return self.backup_rows
+
+    def valid_mask(self) -> torch.Tensor:
+        """Bool [M, width]: ELL slots holding a meaningful (column, value) pair."""
+        slot = torch.arange(self.width, device=self.device, dtype=torch.int32)
+        return (slot < self.nnz.unsqueeze(-1)) & ~self.overflow_mask().unsqueeze(-1)
+
+    def to(self, device: torch.device | str) -> "Hybrid":
+        return Hybrid(
+            self.ell_col.to(device), self.ell_val.to(device), self.nnz.to(device),
+            self.backup_rows.to(device), self.backup.to(device), self.n_cols, self.width,
+        )
+
+
+def d2h(h: torch.Tensor, width: int = 128) -> Hybrid:
+    """Dense [M, N] -> Hybrid (lossless; values keep h's dtype).
+
+    Rows with nnz <= width keep their active entries in ascending column order in the ELL
+    part; rows with nnz > width go entirely (all N values) to the dense backup.
+    """
+    _check_matrix(h, "h")
+    if not isinstance(width, int) or width <= 0:
+        raise ValueError(f"width must be a positive int, got {width!r}")
+    m, n = h.shape
+    active = h != 0
+    nnz = active.sum(dim=1, dtype=torch.int32)
+    heavy = nnz > width
+    rank = active.cumsum(dim=1, dtype=torch.int32) - 1
+    keep = active & ~heavy.unsqueeze(1)  # rank < width holds automatically for light rows
+    slot = torch.where(keep, rank, width).long()
+    cols = torch.arange(n, device=h.device, dtype=torch.int32).expand(m, n)
+    ell_col = torch.full((m, width + 1), -1, dtype=torch.int32, device=h.device)
+    ell_col.scatter_(1, slot, torch.where(keep, cols, -1))
+    ell_val = torch.zeros(m, width + 1, dtype=h.dtype, device=h.device)
+    ell_val.scatter_(1, slot, torch.where(keep, h, torch.zeros((), dtype=h.dtype, device=h.device)))
+    backup_rows = heavy.nonzero().flatten()
+    return Hybrid(
+        ell_col[:, :width].contiguous(), ell_val[:, :width].contiguous(), nnz,
+        backup_rows, h[backup_rows].clone(), n, width,
+    )
+
+
+def h2d(hy: Hybrid) -> torch.Tensor:
+    """Hybrid -> dense [M, N] in ell_val's dtype; exactly reproduces the h given to d2h."""
+    m, n = hy.n_rows, hy.n_cols
+    heavy = hy.overflow_mask()
+    expected = heavy.nonzero().flatten()
+    if not torch.equal(hy.backup_rows, expected):
+        raise ValueError(
+            "Hybrid.backup_rows must be exactly the rows with nnz > width, ascending; got "
+            f"{hy.backup_rows.numel()} backup rows for {expected.numel()} heavy rows"
+        )
+    valid = hy.valid_mask()
+    if bool((valid & ((hy.ell_col < 0) | (hy.ell_col >= n))).any()):
+        raise ValueError(f"Hybrid holds a column outside [0, {n}) in a valid ELL slot: corrupt ell_col")
+    idx = torch.where(valid, hy.ell_col, n).long()  # padding scatters into scratch column n
+    zero = torch.zeros((), dtype=hy.ell_val.dtype, device=hy.device)
+    dense = torch.zeros(m, n + 1, dtype=hy.ell_val.dtype, device=hy.device)
+    dense.scatter_(1, idx, torch.where(valid, hy.ell_val, zero))
+    dense = dense[:, :n]
+    dense[hy.backup_rows] = hy.backup.to(dense.dtype)
+    return dense
+
+
+def canonical(fmt: TwELL | Hybrid) -> TwELL | Hybrid:
+    """Same content with every undefined part fixed: valid entries sorted by column,
+    padding zero-filled (Hybrid: col -1, value 0), overflow rows' slots cleared.
+
+    Two encodings of one matrix (e.g. a CUDA kernel's output and d2t's) are equivalent iff
+    their canonical forms are equal (and, for Hybrid, their backups).
+    """
+    if isinstance(fmt, TwELL):
+        valid = fmt.valid_mask()
+        _, cols = unpack_words(fmt.packed)
+        key = torch.where(valid, cols, MAX_TILE_N)  # invalid slots sort last
+        order = key.argsort(dim=-1, stable=True)
+        packed = torch.gather(fmt.packed, -1, order)
+        packed = torch.where(torch.gather(valid, -1, order), packed, 0)
+        return TwELL(packed, fmt.counts.clone(), fmt.n_cols, fmt.tile_n, fmt.slots)
+    if isinstance(fmt, Hybrid):
+        valid = fmt.valid_mask()
+        key = torch.where(valid, fmt.ell_col.long(), fmt.n_cols)
+        order = key.argsort(dim=-1, stable=True)
+        v = torch.gather(valid, -1, order)
+        col = torch.where(v, torch.gather(fmt.ell_col, -1, order), -1)
+        zero = torch.zeros((), dtype=fmt.ell_val.dtype, device=fmt.device)
+        val = torch.where(v, torch.gather(fmt.ell_val, -1, order), zero)
+        return Hybrid(col, val, fmt.nnz.clone(), fmt.backup_rows.clone(), fmt.backup.clone(), fmt.n_cols, fmt.width)
+    raise ValueError(f"canonical() takes a TwELL or Hybrid, got {type(fmt).__name__}")
+
+
+# ----------------------------------------------------------------------------------------
+# dense FFNs (what HF's LlamaMLP computes, with ReLU)
+# ----------------------------------------------------------------------------------------
+def gated_ffn_dense(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """y = (relu(x w_gate^T) * (x w_up^T)) w_down^T, in x's dtype (three F.linear calls)."""
+    _check_ffn_args(x, [("w_gate", w_gate, "[N, K]"), ("w_up", w_up, "[N, K]"), ("w_down", w_down, "[K, N]")])
+    return F.linear(F.relu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
+
+
+def nongated_ffn_dense(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """y = relu(x w_up^T) w_down^T, in x's dtype."""
+    _check_ffn_args(x, [("w_up", w_up, "[N, K]"), ("w_down", w_down, "[K, N]")])
+    return F.linear(F.relu(F.linear(x, w_up)), w_down)
+
+
+# ----------------------------------------------------------------------------------------
+# FFN through a format: shared sparse core
+# ----------------------------------------------------------------------------------------
+def _sparse_rows_ffn(
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+    gate_vals: torch.Tensor,
+    w_up: torch.Tensor | None,
+    w_down: torch.Tensor,
+    out: torch.Tensor,
+    method: str | None = None,
+) -> None:
+    """Add the FFN output of a list of active entries into out (fp32/fp64 accumulator [M, K_out]).
+
+    Entry e = (row r_e, neuron j_e, activation a_e). Gated: u_e = x[r_e] . w_up[j_e],
+    h_e = a_e * u_e; non-gated (w_up None): h_e = a_e. Then out[r] += sum_e h_e w_down[:, j_e].
+    Only the w_up rows / w_down columns of active neurons are touched. Intermediates are
+    rounded to x's dtype where the dense path rounds them (u, h), accumulations are wide.
+    Entries must be sorted by (row, column).
+    """
+    if rows.numel() == 0:
+        return
+    acc = out.dtype
+    dt = x.dtype
+    if method is None:
+        # torch.sparse CSR kernels (MKL) are fast on CPU; the gather path uses only core ops.
+        method = "csr" if x.device.type == "cpu" else "gather"
+    a = gate_vals.to(acc)
+    if method == "csr":
+        m, n = out.shape[0], w_down.shape[1]
+        crow = torch.zeros(m + 1, dtype=torch.int64, device=x.device)
+        crow[1:] = torch.bincount(rows, minlength=m).cumsum(0)
+        col = cols.long()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "sparse CSR support is in beta"
+            if w_up is not None:
+                pattern = torch.sparse_csr_tensor(crow, col, torch.ones_like(a), (m, n))
+                # SDDMM: u_e = x[r_e] . w_up[j_e] only at the pattern's entries (same order).
+                u = torch.sparse.sampled_addmm(pattern, x.to(acc), w_up.to(acc).t(), beta=0.0).values()
+                a = a * u.to(dt).to(acc)
+            h = a.to(dt).to(acc)
+            hs = torch.sparse_csr_tensor(crow, col, h, (m, n))
+            out += hs @ w_down.to(acc).t()
+        return
+    if method != "gather":
+        raise ValueError(f"unknown method {method!r}; use 'csr' or 'gather'")
+    w_down_t = w_down.t()
+    chunk = max(1, (1 << 22) // max(1, x.shape[1] + w_down.shape[0]))  # bound the gathered temporaries
+    for s in range(0, rows.numel(), chunk):
+        r, j, h = rows[s:s + chunk], cols[s:s + chunk], a[s:s + chunk]
+        if w_up is not None:
+            u = torch.bmm(x[r].to(acc).unsqueeze(1), w_up[j].to(acc).unsqueeze(2)).flatten()
+            h = h * u.to(dt).to(acc)
+        h = h.to(dt).to(acc)
+        out.index_add_(0, r, w_down_t[j].to(acc) * h.unsqueeze(1))
+
+
+def _acc_dtype(dt: torch.dtype) -> torch.dtype:
+    return torch.float64 if dt == torch.float64 else torch.float32
+
+
+def _stats_from_counts(tile_counts: torch.Tensor, overflow: torch.Tensor, neuron_active: torch.Tensor | None,
+                       slots: int | None) -> dict[str, Any]:
+    nnz = tile_counts.sum(dim=1, dtype=torch.int32)
+    m = nnz.numel()
+    stats: dict[str, Any] = {
+        "n_tokens": m,
+        "nnz_per_token": nnz,
+        "nnz_mean": float(nnz.float().mean()) if m else 0.0,
+        "nnz_max": int(nnz.max()) if m else 0,
+        "n_overflow_rows": int(overflow.sum()),
+        "overflow_frac": float(overflow.float().mean()) if m else 0.0,
+    }
+    if slots is not None:
+        stats["slots"] = slots
+        stats["tile_max_count"] = tile_counts.amax(dim=0) if m else tile_counts.new_zeros(tile_counts.shape[1])
+        stats["max_tile_count"] = int(tile_counts.max()) if tile_counts.numel() else 0
+    if neuron_active is not None:
+        stats["neuron_active"] = neuron_active
+        stats["dead_neurons"] = int((~neuron_active).sum())
+        stats["dead_frac"] = float((~neuron_active).float().mean())
+    return stats
+
+
+def activation_stats(h: torch.Tensor, tile_n: int = 256, slots: int = 32) -> dict[str, Any]:
+    """Sparsity statistics of activations h [..., N] (leading dims flattened to M tokens).
+
+    Keys: n_tokens; nnz_per_token (int32 [M]); nnz_mean; nnz_max; slots; tile_max_count
+    (int32 [n_tiles], max count of each tile over tokens); max_tile_count; n_overflow_rows /
+    overflow_frac (TwELL rows with a tile count > slots); neuron_active (bool [N]: active in
+    at least one token); dead_neurons / dead_frac (neurons never active in this batch).
+    """
+    if not isinstance(h, torch.Tensor) or not h.is_floating_point() or h.dim() < 1:
+        raise ValueError("h must be a floating-point tensor of shape [..., N]")
+    h2 = h.reshape(-1, h.shape[-1])
+    m, n = h2.shape
+    _check_tiling(n, tile_n, slots)
+    active = h2 != 0
+    counts = active.reshape(m, n // tile_n, tile_n).sum(dim=-1, dtype=torch.int32)
+    return _stats_from_counts(counts, (counts > slots).any(dim=1), active.any(dim=0), slots)
+
+
+# ----------------------------------------------------------------------------------------
+# FFN through TwELL
+# ----------------------------------------------------------------------------------------
+def _twell_entries(tw: TwELL, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows, global cols, activation values) of the valid entries of tw, sorted by (row, col)."""
+    valid = tw.valid_mask()
+    values, local = unpack_words(tw.packed)
+    r, t, s = valid.nonzero(as_tuple=True)
+    cols = t.to(torch.int64) * tw.tile_n + local[r, t, s].to(torch.int64)
+    if h.dtype == torch.bfloat16 and not h.requires_grad:
+        vals = values[r, t, s]  # the stored bf16 equals h exactly
+    else:
+        # TwELL stores bf16; to keep wider-dtype references exact (the CUDA path is bf16 only)
+        # and to keep autograd's graph through h, read the value at the decoded position from h.
+        vals = h[r, cols]
+    order = (r * tw.n_cols + cols).argsort()  # kernels may write a tile's slots in any order
+    return r[order], cols[order], vals[order]
+
+
+def _ffn_twell(x: torch.Tensor, w_gate: torch.Tensor | None, w_up: torch.Tensor, w_down: torch.Tensor,
+               tile_n: int, slots: int, return_stats: bool, method: str | None):
+    gated = w_gate is not None
+    named = ([("w_gate", w_gate, "[N, K]")] if gated else []) + [("w_up", w_up, "[N, K]"), ("w_down", w_down, "[K, N]")]
+    k, n, k_out = _check_ffn_args(x, named)
+    _check_tiling(n, tile_n, slots)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    h = F.relu(F.linear(x2, w_gate if gated else w_up))
+    tw = d2t(h, tile_n, slots)
+    out = torch.zeros(x2.shape[0], k_out, dtype=_acc_dtype(x.dtype), device=x.device)
+    rows, cols, vals = _twell_entries(tw, h)
+    _sparse_rows_ffn(x2, rows, cols, vals, w_up if gated else None, w_down, out, method)
+    y = out.to(x.dtype)
+    # Overflowing rows: the packed words are incomplete, so compute them densely (exact).
+    ovf = tw.overflow_rows()
+    if ovf.numel():
+        ho = h[ovf]
+        if gated:
+            ho = ho * F.linear(x2[ovf], w_up)
+        y[ovf] = F.linear(ho, w_down)
+    y = y.reshape(*lead, k_out)
+    if not return_stats:
+        return y
+    return y, _stats_from_counts(tw.counts, tw.overflow_mask(), (h != 0).any(dim=0), slots)
+
+
+def gated_ffn_twell(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                    tile_n: int = 256, slots: int = 32, *, return_stats: bool = False,
+                    method: str | None = None):
+    """Gated FFN computed through TwELL; equals gated_ffn_dense up to summation order.
+
+    gate GEMM -> relu -> d2t; for every non-overflowing row only its active neurons are used
+    (u_j = x . w_up[j], h_j = g_j u_j, y = sum_j h_j w_down[:, j]); overflowing rows are
+    computed densely. x is [..., K]; returns [..., K_out] (and a stats dict if return_stats,
+    see activation_stats). method: None (auto), "csr" or "gather" (sparse core backend).
+    """
+    return _ffn_twell(x, w_gate, w_up, w_down, tile_n, slots, return_stats, method)
+
+
+def nongated_ffn_twell(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                       tile_n: int = 256, slots: int = 32, *, return_stats: bool = False,
+                       method: str | None = None):
+    """Non-gated FFN y = relu(x w_up^T) w_down^T computed through TwELL (see gated_ffn_twell)."""
+    return _ffn_twell(x, None, w_up, w_down, tile_n, slots, return_stats, method)
+
+
+# ----------------------------------------------------------------------------------------
+# FFN through Hybrid
+# ----------------------------------------------------------------------------------------
+def _ffn_hybrid(x: torch.Tensor, w_gate: torch.Tensor | None, w_up: torch.Tensor, w_down: torch.Tensor,
+                width: int, return_stats: bool, method: str | None):
+    gated = w_gate is not None
+    named = ([("w_gate", w_gate, "[N, K]")] if gated else []) + [("w_up", w_up, "[N, K]"), ("w_down", w_down, "[K, N]")]
+    k, n, k_out = _check_ffn_args(x, named)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    h = F.relu(F.linear(x2, w_gate if gated else w_up))
+    hy = d2h(h, width)
+    valid = hy.valid_mask()
+    rows, slot = valid.nonzero(as_tuple=True)
+    cols = hy.ell_col[rows, slot].to(torch.int64)
+    order = (rows * n + cols).argsort()
+    rows, cols, vals = rows[order], cols[order], hy.ell_val[rows, slot][order]
+    out = torch.zeros(x2.shape[0], k_out, dtype=_acc_dtype(x.dtype), device=x.device)
+    _sparse_rows_ffn(x2, rows, cols, vals, w_up if gated else None, w_down, out, method)
+    y = out.to(x.dtype)
+    br = hy.backup_rows
+    if br.numel():  # heavy rows: dense math on the backup block
+        hb = hy.backup
+        if gated:
+            hb = hb * F.linear(x2[br], w_up)
+        y[br] = F.linear(hb, w_down)
+    y = y.reshape(*lead, k_out)
+    if not return_stats:
+        return y
+    stats = _stats_from_counts(hy.nnz.unsqueeze(1), hy.overflow_mask(), (h != 0).any(dim=0), None)
+    stats["width"] = width
+    return y, stats
+
+
+def gated_ffn_hybrid(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                     width: int = 128, *, return_stats: bool = False, method: str | None = None):
+    """Gated FFN computed through the Hybrid format (ELL rows sparse, backup rows dense)."""
+    return _ffn_hybrid(x, w_gate, w_up, w_down, width, return_stats, method)
+
+
+def nongated_ffn_hybrid(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                        width: int = 128, *, return_stats: bool = False, method: str | None = None):
+    """Non-gated FFN computed through the Hybrid format."""
+    return _ffn_hybrid(x, None, w_up, w_down, width, return_stats, method)

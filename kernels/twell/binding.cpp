@@ -1,0 +1,134 @@
+// Torch-facing glue for the TwELL kernels: checks tensors, takes raw pointers and the CURRENT torch stream,
+// calls the extern "C" launchers in twell_kernels.cu, and turns any CUDA error into a Python exception.
+// High-level logic (chunking, dispatch, dense backup) lives in kernels/twell/ops.py.
+#include <torch/extension.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime.h>
+
+extern "C" {
+cudaError_t twell_compact_launch(const void* g, long long ldg, int rows, int N, int S, int32_t* packed,
+                                 int32_t* counts, int32_t* flag, cudaStream_t stream);
+cudaError_t twell_gated_up_launch(const void* x, const void* wu, int rows, int K, int N, int S, int tiles_per_warp,
+                                  const int32_t* packed, const int32_t* counts, const int32_t* flag, float* hval,
+                                  cudaStream_t stream);
+cudaError_t twell_down_launch(const void* wdt, int rows, int K, int N, int S, int nb, int tiles_per_warp,
+                              int nan_fill, const int32_t* packed, const int32_t* counts, const int32_t* flag,
+                              const float* hval, void* y, float* yacc, cudaStream_t stream);
+cudaError_t twell_finalize_launch(const float* yacc, const int32_t* flag, int rows, int K, int nan_fill, void* y,
+                                  cudaStream_t stream);
+}
+
+// the loader passes -DTWELL_SRC_HASH=<hex> (no quotes: shell/ninja quoting differs); stringified here
+#define TWELL_STR2(x) #x
+#define TWELL_STR(x) TWELL_STR2(x)
+#ifndef TWELL_SRC_HASH
+#define TWELL_SRC_HASH unknown
+#endif
+
+namespace {
+
+void check(cudaError_t e, const char* what) {
+  TORCH_CHECK(e == cudaSuccess, "TwELL kernel '", what, "' failed: ", cudaGetErrorString(e),
+              " (invalid value = unsupported shape/knob; see kernels/README.md)");
+}
+
+void req(const at::Tensor& t, const char* name, at::ScalarType dt, int dim) {
+  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
+  TORCH_CHECK(t.scalar_type() == dt, name, " must be ", c10::toString(dt), ", got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dims, got ", t.dim());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous (call .contiguous())");
+}
+
+int32_t* i32(const at::Tensor& t) { return t.data_ptr<int32_t>(); }
+
+// g: [rows, ld] bf16 (row-major, unit column stride; rows may be a view of a larger scratch buffer).
+void compact(const at::Tensor& g, int64_t N, at::Tensor packed, at::Tensor counts, at::Tensor flag) {
+  TORCH_CHECK(g.is_cuda() && g.scalar_type() == at::kBFloat16 && g.dim() == 2 && g.stride(1) == 1,
+              "compact: g must be a CUDA bf16 [rows, N] tensor with unit column stride");
+  TORCH_CHECK(g.size(1) >= N, "compact: g has fewer than N columns");
+  const int64_t rows = g.size(0);
+  req(packed, "packed", at::kInt, 3);
+  req(counts, "counts", at::kInt, 2);
+  req(flag, "flag", at::kInt, 1);
+  TORCH_CHECK(packed.size(0) == rows && counts.size(0) == rows && flag.size(0) == rows, "compact: row mismatch");
+  TORCH_CHECK(packed.size(1) * 256 == N && counts.size(1) == packed.size(1), "compact: tile mismatch");
+  const c10::cuda::CUDAGuard guard(g.device());
+  check(twell_compact_launch(g.data_ptr(), g.stride(0), (int)rows, (int)N, (int)packed.size(2), i32(packed),
+                             i32(counts), i32(flag), c10::cuda::getCurrentCUDAStream().stream()),
+        "compact");
+}
+
+void gated_up(const at::Tensor& x, const at::Tensor& wu, const at::Tensor& packed, const at::Tensor& counts,
+              const at::Tensor& flag, at::Tensor hval, int64_t tiles_per_warp) {
+  req(x, "x", at::kBFloat16, 2);
+  req(wu, "w_up", at::kBFloat16, 2);
+  req(packed, "packed", at::kInt, 3);
+  req(counts, "counts", at::kInt, 2);
+  req(flag, "flag", at::kInt, 1);
+  req(hval, "hval", at::kFloat, 3);
+  const int64_t M = x.size(0), K = x.size(1), N = wu.size(0);
+  TORCH_CHECK(wu.size(1) == K, "w_up must be [N, K]");
+  TORCH_CHECK(packed.size(0) == M && packed.size(1) * 256 == N && hval.sizes() == packed.sizes(),
+              "gated_up: packed/hval shape mismatch");
+  const c10::cuda::CUDAGuard guard(x.device());
+  check(twell_gated_up_launch(x.data_ptr(), wu.data_ptr(), (int)M, (int)K, (int)N, (int)packed.size(2),
+                              (int)tiles_per_warp, i32(packed), i32(counts), i32(flag), hval.data_ptr<float>(),
+                              c10::cuda::getCurrentCUDAStream().stream()),
+        "gated_up");
+}
+
+// hval: fp32 [M, T, S] (gated) or an empty tensor (non-gated: values from packed). yacc: fp32 [M, K] zeroed when
+// tiles_per_warp < n_tiles (atomic split), else may be empty.
+void down(const at::Tensor& wdt, const at::Tensor& packed, const at::Tensor& counts, const at::Tensor& flag,
+          const at::Tensor& hval, at::Tensor y, at::Tensor yacc, int64_t nb, int64_t tiles_per_warp,
+          int64_t nan_fill) {
+  req(wdt, "w_down_t", at::kBFloat16, 2);
+  req(packed, "packed", at::kInt, 3);
+  req(counts, "counts", at::kInt, 2);
+  req(flag, "flag", at::kInt, 1);
+  req(y, "y", at::kBFloat16, 2);
+  const int64_t M = y.size(0), K = y.size(1), N = wdt.size(0);
+  TORCH_CHECK(wdt.size(1) == K, "w_down_t must be [N, K] (w_down transposed)");
+  TORCH_CHECK(packed.size(0) == M && packed.size(1) * 256 == N, "down: packed shape mismatch");
+  const float* hv = nullptr;
+  if (hval.numel() > 0) {
+    req(hval, "hval", at::kFloat, 3);
+    TORCH_CHECK(hval.sizes() == packed.sizes(), "down: hval shape mismatch");
+    hv = hval.data_ptr<float>();
+  }
+  float* acc = nullptr;
+  if (yacc.numel() > 0) {
+    req(yacc, "yacc", at::kFloat, 2);
+    TORCH_CHECK(yacc.sizes() == y.sizes(), "down: yacc shape mismatch");
+    acc = yacc.data_ptr<float>();
+  }
+  const c10::cuda::CUDAGuard guard(y.device());
+  check(twell_down_launch(wdt.data_ptr(), (int)M, (int)K, (int)N, (int)packed.size(2), (int)nb, (int)tiles_per_warp,
+                          (int)nan_fill, i32(packed), i32(counts), i32(flag), hv, y.data_ptr(), acc,
+                          c10::cuda::getCurrentCUDAStream().stream()),
+        "down");
+}
+
+void finalize(const at::Tensor& yacc, const at::Tensor& flag, at::Tensor y, int64_t nan_fill) {
+  req(yacc, "yacc", at::kFloat, 2);
+  req(flag, "flag", at::kInt, 1);
+  req(y, "y", at::kBFloat16, 2);
+  TORCH_CHECK(yacc.sizes() == y.sizes() && flag.size(0) == y.size(0), "finalize: shape mismatch");
+  const c10::cuda::CUDAGuard guard(y.device());
+  check(twell_finalize_launch(yacc.data_ptr<float>(), i32(flag), (int)y.size(0), (int)y.size(1), (int)nan_fill,
+                              y.data_ptr(), c10::cuda::getCurrentCUDAStream().stream()),
+        "finalize");
+}
+
+std::string source_hash() { return TWELL_STR(TWELL_SRC_HASH); }
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("compact", &compact, "bf16 gate pre-activation rows -> ReLU -> TwELL (packed, counts, flag)");
+  m.def("gated_up", &gated_up, "h = g * (x . W_u[j]) for every stored TwELL entry (fp32)");
+  m.def("down", &down, "y = TwELL(h) @ W_d^T (fp32 accumulate)");
+  m.def("finalize", &finalize, "fp32 accumulator -> bf16 output");
+  m.def("source_hash", &source_hash, "hash of the sources this library was built from");
+}

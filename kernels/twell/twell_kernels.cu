@@ -1,0 +1,388 @@
+// TwELL inference kernels (CUDA C++, no torch headers: compile-checked by plain nvcc in CPU CI).
+//
+// Format (kernels/FORMAT.md): packed int32 [M, n_tiles, S], word = bf16 bits << 16 | tile-local column;
+// counts int32 [M, n_tiles] hold the TRUE count. A row is "flagged" (flag[row] = 1) when any tile count
+// exceeds S or any gate pre-activation of the row is non-finite; flagged rows are never computed here
+// from the packed data: the caller computes them exactly through the dense backup (or NaN-fills them in
+// the sync-free mode, see kernels/README.md).
+//
+// Kernels:
+//   compact   : bf16 gate pre-activations [rows, N] -> ReLU -> TwELL (+counts, flags). One warp per (row, tile).
+//   gated_up  : h = g * (x . W_u[j]) for every stored entry (fp32 h). One warp per (row, group of tiles).
+//   down      : y = sum_j h_j W_dT[j, :] (fp32 accumulate). One warp per (row, K slice, group of tiles);
+//               direct bf16 store, or fp32 atomics into an accumulator when tiles are split across warps.
+//   finalize  : fp32 accumulator -> bf16 output (NaN rows for flagged rows in sync-free mode).
+// All launchers take the stream, return the cudaError_t of the launch, and never exit.
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace twell {
+
+constexpr int kTileN = 256;       // columns per tile (one warp: 32 lanes x 8 bf16 = one 16-byte load each)
+constexpr unsigned kFull = 0xffffffffu;
+
+__device__ __forceinline__ float bf16lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+
+__device__ __forceinline__ float dot8(const uint4& a, const uint4& b, float acc) {
+  acc = fmaf(bf16lo(a.x), bf16lo(b.x), acc); acc = fmaf(bf16hi(a.x), bf16hi(b.x), acc);
+  acc = fmaf(bf16lo(a.y), bf16lo(b.y), acc); acc = fmaf(bf16hi(a.y), bf16hi(b.y), acc);
+  acc = fmaf(bf16lo(a.z), bf16lo(b.z), acc); acc = fmaf(bf16hi(a.z), bf16hi(b.z), acc);
+  acc = fmaf(bf16lo(a.w), bf16lo(b.w), acc); acc = fmaf(bf16hi(a.w), bf16hi(b.w), acc);
+  return acc;
+}
+
+__device__ __forceinline__ void axpy8(float h, const uint4& w, float* acc) {
+  acc[0] = fmaf(h, bf16lo(w.x), acc[0]); acc[1] = fmaf(h, bf16hi(w.x), acc[1]);
+  acc[2] = fmaf(h, bf16lo(w.y), acc[2]); acc[3] = fmaf(h, bf16hi(w.y), acc[3]);
+  acc[4] = fmaf(h, bf16lo(w.z), acc[4]); acc[5] = fmaf(h, bf16hi(w.z), acc[5]);
+  acc[6] = fmaf(h, bf16lo(w.w), acc[6]); acc[7] = fmaf(h, bf16hi(w.w), acc[7]);
+}
+
+__device__ __forceinline__ uint32_t pack2(float a, float b) {
+  __nv_bfloat16 lo = __float2bfloat16_rn(a), hi = __float2bfloat16_rn(b);
+  return (uint32_t)__bfloat16_as_ushort(lo) | ((uint32_t)__bfloat16_as_ushort(hi) << 16);
+}
+
+// ---------------------------------------------------------------------------------------------
+// compact: g [rows, ldg] bf16 (pre-activation) -> packed/counts/flag for those rows.
+__global__ void __launch_bounds__(128, 1) compact_kernel(const __nv_bfloat16* __restrict__ g, long long ldg,
+                                                      int rows, int n_tiles, int S,
+                                                      int32_t* __restrict__ packed,
+                                                      int32_t* __restrict__ counts,
+                                                      int32_t* __restrict__ flag) {
+  const int warp = (int)(((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5);  // < 2^31 (launcher checks)
+  const int lane = threadIdx.x & 31;
+  if ((long long)warp >= (long long)rows * n_tiles) return;  // whole warp exits together
+  const int row = warp / n_tiles;
+  const int tile = warp % n_tiles;
+  const uint4 v = __ldg(reinterpret_cast<const uint4*>(g + (long long)row * ldg + (long long)tile * kTileN) + lane);
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  unsigned act = 0;
+  bool nonfinite = false;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t b = (w[i >> 1] >> (16 * (i & 1))) & 0xffffu;
+    const uint32_t mag = b & 0x7fffu;
+    const bool pos = !(b & 0x8000u) && mag != 0;   // relu keeps it (includes +Inf, positive subnormals)
+    const bool nan = mag > 0x7f80u;                  // relu(NaN) = NaN: counts as active
+    act |= (unsigned)(pos || nan) << i;
+    nonfinite |= (mag >= 0x7f80u);
+  }
+  const int c = __popc(act);
+  int inc = c;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int t = __shfl_up_sync(kFull, inc, o);
+    if (lane >= o) inc += t;
+  }
+  const int total = __shfl_sync(kFull, inc, 31);
+  int slot = inc - c;
+  int32_t* out = packed + ((long long)row * n_tiles + tile) * S;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    if ((act >> i) & 1u) {
+      const uint32_t b = (w[i >> 1] >> (16 * (i & 1))) & 0xffffu;
+      if (slot < S) out[slot] = (int32_t)((b << 16) | (uint32_t)(lane * 8 + i));
+      ++slot;
+    }
+  }
+  const bool any_nf = __any_sync(kFull, nonfinite);
+  if (lane == 0) {
+    counts[(long long)row * n_tiles + tile] = total;
+    if (total > S || any_nf) flag[row] = 1;  // benign race: every writer stores 1
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// gated_up: hval[row, tile, e] = g_e * (x[row] . W_u[col_e]) for e < min(count, S), unflagged rows.
+// NI = 16-byte chunks of x per lane (K/8 chunks spread over 32 lanes).
+template <int NI>
+__global__ void __launch_bounds__(128, 1) gated_up_kernel(const __nv_bfloat16* __restrict__ x,
+                                                       const __nv_bfloat16* __restrict__ wu, int rows, int K,
+                                                       int n_tiles, int S, int tiles_per_warp,
+                                                       const int32_t* __restrict__ packed,
+                                                       const int32_t* __restrict__ counts,
+                                                       const int32_t* __restrict__ flag,
+                                                       float* __restrict__ hval) {
+  const int groups = (n_tiles + tiles_per_warp - 1) / tiles_per_warp;
+  const int warp = (int)(((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5);  // < 2^31 (launcher checks)
+  const int lane = threadIdx.x & 31;
+  if ((long long)warp >= (long long)rows * groups) return;
+  const int row = warp / groups;
+  const int t0 = (warp % groups) * tiles_per_warp;
+  const int t1 = min(n_tiles, t0 + tiles_per_warp);
+  if (flag[row]) return;
+  const int K8 = K >> 3;
+  const uint4* xr = reinterpret_cast<const uint4*>(x + (long long)row * K);
+  uint4 xv[NI];
+  bool xloaded = false;
+  for (int tile = t0; tile < t1; ++tile) {
+    const long long rt = (long long)row * n_tiles + tile;
+    const int cnt = min(counts[rt], S);
+    if (cnt == 0) continue;
+    if (!xloaded) {  // x row is read only when the group has work
+#pragma unroll
+      for (int i = 0; i < NI; ++i) {
+        const int c = lane + 32 * i;
+        xv[i] = c < K8 ? __ldg(xr + c) : make_uint4(0, 0, 0, 0);
+      }
+      xloaded = true;
+    }
+    for (int base = 0; base < cnt; base += 32) {
+      const int ne = min(32, cnt - base);
+      const uint32_t word = lane < ne ? (uint32_t)packed[rt * S + base + lane] : 0u;
+      float myh = 0.f;
+#pragma unroll 1
+      for (int j = 0; j < ne; j += 2) {
+        const bool two = (j + 1) < ne;
+        const uint32_t w0 = __shfl_sync(kFull, word, j);
+        const uint32_t w1 = __shfl_sync(kFull, word, two ? j + 1 : j);
+        const uint4* r0 = reinterpret_cast<const uint4*>(wu + (long long)(tile * kTileN + (w0 & 0xffffu)) * K);
+        const uint4* r1 = reinterpret_cast<const uint4*>(wu + (long long)(tile * kTileN + (w1 & 0xffffu)) * K);
+        float d0 = 0.f, d1 = 0.f;
+        uint4 a[NI], b[NI];
+#pragma unroll
+        for (int i = 0; i < NI; ++i) {
+          const int c = lane + 32 * i;
+          a[i] = c < K8 ? __ldg(r0 + c) : make_uint4(0, 0, 0, 0);
+          b[i] = (c < K8 && two) ? __ldg(r1 + c) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int i = 0; i < NI; ++i) { d0 = dot8(xv[i], a[i], d0); d1 = dot8(xv[i], b[i], d1); }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+          d0 += __shfl_xor_sync(kFull, d0, o);
+          d1 += __shfl_xor_sync(kFull, d1, o);
+        }
+        if (lane == j) myh = bf16hi(word) * d0;
+        if (two && lane == j + 1) myh = bf16hi(word) * d1;
+      }
+      if (lane < ne) hval[rt * S + base + lane] = myh;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// down: y[row, slice] = sum over entries of h * W_dT[col, slice]. NB = 16-byte chunks per lane per slice.
+// HV: h from hval (fp32, gated) else from the packed bf16 value (non-gated: h = relu(x W_u^T)).
+// ATOMIC: add into fp32 yacc (tiles split across warps) else store bf16 y directly.
+template <int NB, bool HV, bool ATOMIC>
+__global__ void __launch_bounds__(128, 1) down_kernel(const __nv_bfloat16* __restrict__ wdt, int rows, int K,
+                                                   int n_tiles, int S, int tiles_per_warp, int nan_fill,
+                                                   const int32_t* __restrict__ packed,
+                                                   const int32_t* __restrict__ counts,
+                                                   const int32_t* __restrict__ flag,
+                                                   const float* __restrict__ hval,
+                                                   __nv_bfloat16* __restrict__ y, float* __restrict__ yacc) {
+  const int K8 = K >> 3;
+  const int kslices = (K8 + 32 * NB - 1) / (32 * NB);
+  const int groups = (n_tiles + tiles_per_warp - 1) / tiles_per_warp;
+  const int warp = (int)(((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5);  // < 2^31 (launcher checks)
+  const int lane = threadIdx.x & 31;
+  if ((long long)warp >= (long long)rows * kslices * groups) return;
+  const int row = warp / (kslices * groups);
+  const int rem = warp % (kslices * groups);
+  const int ks = rem / groups;
+  const int t0 = (rem % groups) * tiles_per_warp;
+  const int t1 = min(n_tiles, t0 + tiles_per_warp);
+  const int cbase = ks * 32 * NB + lane;
+  if (flag[row]) {
+    if (!ATOMIC && nan_fill) {
+      const uint32_t qnan = 0x7fc07fc0u;
+#pragma unroll
+      for (int i = 0; i < NB; ++i) {
+        const int c = cbase + 32 * i;
+        if (c < K8) reinterpret_cast<uint4*>(y + (long long)row * K)[c] = make_uint4(qnan, qnan, qnan, qnan);
+      }
+    }
+    return;  // eager mode: the dense backup writes this row
+  }
+  float acc[NB * 8];
+#pragma unroll
+  for (int i = 0; i < NB * 8; ++i) acc[i] = 0.f;
+  bool any = false;
+  for (int tile = t0; tile < t1; ++tile) {
+    const long long rt = (long long)row * n_tiles + tile;
+    const int cnt = min(counts[rt], S);
+    for (int base = 0; base < cnt; base += 32) {
+      const int ne = min(32, cnt - base);
+      uint32_t word = 0u;
+      float hv = 0.f;
+      if (lane < ne) {
+        word = (uint32_t)packed[rt * S + base + lane];
+        hv = HV ? hval[rt * S + base + lane] : bf16hi(word);
+      }
+      any = true;
+      int j = 0;
+#pragma unroll 1
+      for (; j + 2 <= ne; j += 2) {
+        const uint32_t w0 = __shfl_sync(kFull, word, j), w1 = __shfl_sync(kFull, word, j + 1);
+        const float h0 = __shfl_sync(kFull, hv, j), h1 = __shfl_sync(kFull, hv, j + 1);
+        const uint4* r0 = reinterpret_cast<const uint4*>(wdt + (long long)(tile * kTileN + (w0 & 0xffffu)) * K);
+        const uint4* r1 = reinterpret_cast<const uint4*>(wdt + (long long)(tile * kTileN + (w1 & 0xffffu)) * K);
+        uint4 a[NB], b[NB];
+#pragma unroll
+        for (int i = 0; i < NB; ++i) {
+          const int c = cbase + 32 * i;
+          a[i] = c < K8 ? __ldg(r0 + c) : make_uint4(0, 0, 0, 0);
+          b[i] = c < K8 ? __ldg(r1 + c) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int i = 0; i < NB; ++i) { axpy8(h0, a[i], acc + 8 * i); axpy8(h1, b[i], acc + 8 * i); }
+      }
+      if (j < ne) {
+        const uint32_t w0 = __shfl_sync(kFull, word, j);
+        const float h0 = __shfl_sync(kFull, hv, j);
+        const uint4* r0 = reinterpret_cast<const uint4*>(wdt + (long long)(tile * kTileN + (w0 & 0xffffu)) * K);
+#pragma unroll
+        for (int i = 0; i < NB; ++i) {
+          const int c = cbase + 32 * i;
+          const uint4 a = c < K8 ? __ldg(r0 + c) : make_uint4(0, 0, 0, 0);
+          axpy8(h0, a, acc + 8 * i);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < NB; ++i) {
+    const int c = cbase + 32 * i;
+    if (c >= K8) continue;
+    if (ATOMIC) {
+      if (!any) continue;
+      float* dst = yacc + (long long)row * K + (long long)c * 8;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      atomicAdd(reinterpret_cast<float4*>(dst), make_float4(acc[8 * i], acc[8 * i + 1], acc[8 * i + 2], acc[8 * i + 3]));
+      atomicAdd(reinterpret_cast<float4*>(dst + 4), make_float4(acc[8 * i + 4], acc[8 * i + 5], acc[8 * i + 6], acc[8 * i + 7]));
+#else
+#pragma unroll
+      for (int q = 0; q < 8; ++q) atomicAdd(dst + q, acc[8 * i + q]);
+#endif
+    } else {
+      const uint4 o = make_uint4(pack2(acc[8 * i], acc[8 * i + 1]), pack2(acc[8 * i + 2], acc[8 * i + 3]),
+                                 pack2(acc[8 * i + 4], acc[8 * i + 5]), pack2(acc[8 * i + 6], acc[8 * i + 7]));
+      reinterpret_cast<uint4*>(y + (long long)row * K)[c] = o;
+    }
+  }
+}
+
+// fp32 accumulator -> bf16 (4 elements per thread); flagged rows become NaN when nan_fill, else untouched.
+__global__ void finalize_kernel(const float* __restrict__ yacc, const int32_t* __restrict__ flag, int rows, int K,
+                                int nan_fill, __nv_bfloat16* __restrict__ y) {
+  const long long i4 = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const long long n4 = (long long)rows * K / 4;
+  if (i4 >= n4) return;
+  const int row = (int)(i4 / (K / 4));
+  uint2 o;
+  if (flag[row]) {
+    if (!nan_fill) return;
+    o = make_uint2(0x7fc07fc0u, 0x7fc07fc0u);
+  } else {
+    const float4 v = reinterpret_cast<const float4*>(yacc)[i4];
+    o = make_uint2(pack2(v.x, v.y), pack2(v.z, v.w));
+  }
+  reinterpret_cast<uint2*>(y)[i4] = o;
+}
+
+inline bool too_many_warps(long long warps) { return warps >= (1LL << 31) / 64; }
+inline unsigned blocks_for_warps(long long warps) { return (unsigned)((warps * 32 + 127) / 128); }
+
+}  // namespace twell
+
+template <int NB, bool HV>
+static inline void launch_down(unsigned blocks, cudaStream_t stream, bool atomic, const __nv_bfloat16* wdt, int rows,
+                        int K, int n_tiles, int S, int tpw, int nan_fill, const int32_t* packed,
+                        const int32_t* counts, const int32_t* flag, const float* hval, __nv_bfloat16* y,
+                        float* yacc) {
+  if (atomic)
+    twell::down_kernel<NB, HV, true><<<blocks, 128, 0, stream>>>(wdt, rows, K, n_tiles, S, tpw, nan_fill, packed,
+                                                                 counts, flag, hval, y, yacc);
+  else
+    twell::down_kernel<NB, HV, false><<<blocks, 128, 0, stream>>>(wdt, rows, K, n_tiles, S, tpw, nan_fill, packed,
+                                                                  counts, flag, hval, y, yacc);
+}
+
+// ============================== extern launchers (called from binding.cpp) ==============================
+extern "C" {
+
+cudaError_t twell_compact_launch(const void* g, long long ldg, int rows, int N, int S, int32_t* packed,
+                                 int32_t* counts, int32_t* flag, cudaStream_t stream) {
+  if (rows <= 0) return cudaSuccess;
+  if (N % twell::kTileN != 0 || ldg % 8 != 0) return cudaErrorInvalidValue;
+  const int n_tiles = N / twell::kTileN;
+  const long long warps = (long long)rows * n_tiles;
+  if (twell::too_many_warps(warps)) return cudaErrorInvalidValue;
+  twell::compact_kernel<<<twell::blocks_for_warps(warps), 128, 0, stream>>>(
+      reinterpret_cast<const __nv_bfloat16*>(g), ldg, rows, n_tiles, S, packed, counts, flag);
+  return cudaGetLastError();
+}
+
+#define TWELL_UP_CASE(NI_)                                                                                   \
+  case NI_:                                                                                                  \
+    twell::gated_up_kernel<NI_><<<blocks, 128, 0, stream>>>(xb, wub, rows, K, n_tiles, S, tiles_per_warp,     \
+                                                            packed, counts, flag, hval);                     \
+    break;
+
+cudaError_t twell_gated_up_launch(const void* x, const void* wu, int rows, int K, int N, int S, int tiles_per_warp,
+                                  const int32_t* packed, const int32_t* counts, const int32_t* flag, float* hval,
+                                  cudaStream_t stream) {
+  if (rows <= 0) return cudaSuccess;
+  if (K % 64 != 0 || K > 4096 || N % twell::kTileN != 0 || tiles_per_warp < 1) return cudaErrorInvalidValue;
+  const int n_tiles = N / twell::kTileN;
+  const int groups = (n_tiles + tiles_per_warp - 1) / tiles_per_warp;
+  if (twell::too_many_warps((long long)rows * groups)) return cudaErrorInvalidValue;
+  const unsigned blocks = twell::blocks_for_warps((long long)rows * groups);
+  const int ni = (K / 8 + 31) / 32;
+  const auto* xb = reinterpret_cast<const __nv_bfloat16*>(x);
+  const auto* wub = reinterpret_cast<const __nv_bfloat16*>(wu);
+  switch (ni) {
+    TWELL_UP_CASE(1) TWELL_UP_CASE(2) TWELL_UP_CASE(3) TWELL_UP_CASE(4) TWELL_UP_CASE(5) TWELL_UP_CASE(6)
+    TWELL_UP_CASE(7) TWELL_UP_CASE(8) TWELL_UP_CASE(9) TWELL_UP_CASE(10) TWELL_UP_CASE(11) TWELL_UP_CASE(12)
+    TWELL_UP_CASE(13) TWELL_UP_CASE(14) TWELL_UP_CASE(15) TWELL_UP_CASE(16)
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+#undef TWELL_UP_CASE
+
+// nb: 16-byte chunks per lane per K slice (1, 2, 4, 8). tiles_per_warp < n_tiles requires yacc (atomic path).
+cudaError_t twell_down_launch(const void* wdt, int rows, int K, int N, int S, int nb, int tiles_per_warp,
+                              int nan_fill, const int32_t* packed, const int32_t* counts, const int32_t* flag,
+                              const float* hval, void* y, float* yacc, cudaStream_t stream) {
+  if (rows <= 0) return cudaSuccess;
+  if (K % 64 != 0 || N % twell::kTileN != 0 || tiles_per_warp < 1) return cudaErrorInvalidValue;
+  const int n_tiles = N / twell::kTileN;
+  const bool atomic = tiles_per_warp < n_tiles;
+  if (atomic && yacc == nullptr) return cudaErrorInvalidValue;
+  if (nb != 1 && nb != 2 && nb != 4 && nb != 8) return cudaErrorInvalidValue;
+  const int kslices = (K / 8 + 32 * nb - 1) / (32 * nb);
+  const int groups = (n_tiles + tiles_per_warp - 1) / tiles_per_warp;
+  if (twell::too_many_warps((long long)rows * kslices * groups)) return cudaErrorInvalidValue;
+  const unsigned blocks = twell::blocks_for_warps((long long)rows * kslices * groups);
+  const auto* w = reinterpret_cast<const __nv_bfloat16*>(wdt);
+  auto* yb = reinterpret_cast<__nv_bfloat16*>(y);
+  const bool hv = hval != nullptr;
+#define TWELL_DOWN(NB_)                                                                                         \
+  if (nb == NB_) {                                                                                              \
+    if (hv) launch_down<NB_, true>(blocks, stream, atomic, w, rows, K, n_tiles, S, tiles_per_warp, nan_fill,    \
+                                   packed, counts, flag, hval, yb, yacc);                                       \
+    else launch_down<NB_, false>(blocks, stream, atomic, w, rows, K, n_tiles, S, tiles_per_warp, nan_fill,      \
+                                 packed, counts, flag, hval, yb, yacc);                                         \
+  }
+  TWELL_DOWN(1) TWELL_DOWN(2) TWELL_DOWN(4) TWELL_DOWN(8)
+#undef TWELL_DOWN
+  return cudaGetLastError();
+}
+
+cudaError_t twell_finalize_launch(const float* yacc, const int32_t* flag, int rows, int K, int nan_fill, void* y,
+                                  cudaStream_t stream) {
+  if (rows <= 0) return cudaSuccess;
+  if (K % 4 != 0) return cudaErrorInvalidValue;
+  const long long n4 = (long long)rows * K / 4;
+  twell::finalize_kernel<<<(unsigned)((n4 + 255) / 256), 256, 0, stream>>>(
+      yacc, flag, rows, K, nan_fill, reinterpret_cast<__nv_bfloat16*>(y));
+  return cudaGetLastError();
+}
+
+}  // extern "C"

@@ -1,0 +1,85 @@
+"""SparseLlamaConfig: a LlamaConfig with a ReLU FFN and the sparsity knobs of the paper.
+
+Every sparsity field is checked when the config is built (and again by `check_sparsity_fields()`,
+which callers run after mutating a config), so a bad value fails at start-up with a message that
+names the field instead of surfacing as a shape error deep inside a kernel.
+"""
+from __future__ import annotations
+
+from transformers import LlamaConfig
+
+MLP_IMPLS = ("dense", "reference", "cuda")
+L1_REDUCTIONS = ("mean", "sum")
+
+
+class SparseLlamaConfig(LlamaConfig):
+    r"""Llama architecture whose MLP is ReLU-gated (or non-gated ReLU) and L1-regularised.
+
+    Extra fields (all saved in config.json):
+        gated_mlp: True -> h = relu(x Wg^T) * (x Wu^T); False -> h = relu(x Wu^T) (no gate_proj).
+        l1_coeff: weight of the L1 activation penalty added to the CE loss (>= 0).
+        l1_reduction: "mean" = paper Eq. 2 (mean |h| over tokens x neurons, then mean over layers);
+            "sum" = the official code's variant (sum over neurons, mean over tokens, mean over
+            layers), i.e. exactly intermediate_size times larger.
+        mlp_impl: "dense" (three F.linear), "reference" (pure-PyTorch TwELL path in
+            kernels.reference, exact, slow) or "cuda" (TwELL kernels in kernels.ffn, inference only).
+        twell_tile_n / twell_slots: TwELL tile width and slots per (row, tile) for the sparse paths.
+        dead_window_tokens: a neuron counts as dead when it has not fired in this many most recent
+            training tokens (paper: one optimiser step, ~2^20 tokens).
+    The activation is always ReLU; hidden_act must say so (a SiLU checkpoint is converted with
+    models.convert, which rewrites it).
+    """
+
+    model_type = "sparse_llama"
+
+    hidden_act: str = "relu"
+    gated_mlp: bool = True
+    l1_coeff: float = 0.0
+    l1_reduction: str = "mean"
+    mlp_impl: str = "dense"
+    twell_tile_n: int = 256
+    twell_slots: int = 32
+    dead_window_tokens: int = 1_048_576
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        self.check_sparsity_fields()
+
+    def check_sparsity_fields(self) -> None:
+        """Raise ValueError naming the offending field if any sparsity setting is invalid."""
+
+        def bad(field: str, value: object, why: str) -> ValueError:
+            return ValueError(f"SparseLlamaConfig.{field}={value!r} is invalid: {why}")
+
+        if self.hidden_act != "relu":
+            raise bad("hidden_act", self.hidden_act,
+                      "the sparse MLP always uses ReLU; set hidden_act='relu' (convert SiLU "
+                      "checkpoints with `python -m models.convert`)")
+        if not isinstance(self.gated_mlp, bool):
+            raise bad("gated_mlp", self.gated_mlp, "must be a bool")
+        if isinstance(self.l1_coeff, bool) or not isinstance(self.l1_coeff, (int, float)):
+            raise bad("l1_coeff", self.l1_coeff, "must be a number >= 0")
+        if not self.l1_coeff >= 0:  # also rejects NaN
+            raise bad("l1_coeff", self.l1_coeff, "must be >= 0 (0 disables the L1 penalty)")
+        if self.l1_reduction not in L1_REDUCTIONS:
+            raise bad("l1_reduction", self.l1_reduction, f"must be one of {L1_REDUCTIONS}")
+        if self.mlp_impl not in MLP_IMPLS:
+            raise bad("mlp_impl", self.mlp_impl, f"must be one of {MLP_IMPLS}")
+        for field in ("twell_tile_n", "twell_slots", "dead_window_tokens"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise bad(field, value, "must be a positive integer")
+        if self.twell_slots > self.twell_tile_n:
+            raise bad("twell_slots", self.twell_slots,
+                      f"must be <= twell_tile_n ({self.twell_tile_n}); slots = tile_n // compression")
+        if self.mlp_impl != "dense":
+            if self.intermediate_size % self.twell_tile_n != 0:
+                raise bad("intermediate_size", self.intermediate_size,
+                          f"mlp_impl={self.mlp_impl!r} needs intermediate_size to be a multiple of "
+                          f"twell_tile_n={self.twell_tile_n}; change one of them or use mlp_impl='dense'")
+            if self.mlp_bias:
+                raise bad("mlp_bias", self.mlp_bias,
+                          f"mlp_impl={self.mlp_impl!r} has no bias support; use mlp_impl='dense'")
+
+
+__all__ = ["SparseLlamaConfig", "MLP_IMPLS", "L1_REDUCTIONS"]

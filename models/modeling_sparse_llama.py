@@ -1,0 +1,394 @@
+"""SparseLlamaForCausalLM: transformers' Llama with the MLP swapped for a ReLU (+L1) sparse MLP.
+
+Only the MLP and the causal-LM head's loss differ from LlamaForCausalLM; attention, norms, RoPE,
+caching and generation are inherited, so from_pretrained / generate / lm-eval's HFLM work as for
+any Llama once `import models` has registered the classes with the Auto factories.
+"""
+from __future__ import annotations
+
+import inspect
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaForCausalLM, LlamaModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaPreTrainedModel,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+)
+
+from .configuration_sparse_llama import MLP_IMPLS, SparseLlamaConfig
+from .sparsity import dead_fraction, l1_penalty, nnz_per_token, update_tokens_since_fire
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass (activation-checkpoint recompute happens there)."""
+    fn = getattr(torch._C, "_current_graph_task_id", None)
+    return fn is not None and fn() != -1
+
+
+def _call_supported(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """Call fn with only those keyword arguments its signature accepts (the sparse-path functions
+    live in kernels/, owned by other modules; optional knobs they do not take are dropped)."""
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    return fn(*args, **kwargs)
+
+
+class SparseLlamaMLP(nn.Module):
+    """ReLU MLP (gated or not) that records its own L1 term and sparsity statistics.
+
+    After every forward:
+        last_nnz_per_token: float32 [M] active-neuron count per token (detached), M = tokens.
+        last_l1: this layer's L1 term (0-dim), or None when the loss did not ask for it.
+    Accumulated since the last reset_sparsity_stats(): sum / max of nnz per token and token count.
+    tokens_since_fire (int64 [N], non-persistent buffer): per-neuron distance to its last firing,
+    advanced only by training-mode forwards (see models.sparsity.update_tokens_since_fire).
+    """
+
+    def __init__(self, config: SparseLlamaConfig, layer_idx: int = 0) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.hidden_size = config.hidden_size
+        self.intermediate_size = config.intermediate_size
+        self.gated = bool(config.gated_mlp)
+        if self.gated:
+            self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=config.mlp_bias)
+        self.register_buffer(
+            "tokens_since_fire", torch.zeros(self.intermediate_size, dtype=torch.int64), persistent=False
+        )
+        # "grad": differentiable L1; "value": L1 for logging only; None: skip (generation, hooks).
+        self.l1_mode: str | None = None
+        self.last_l1: torch.Tensor | None = None
+        self.last_nnz_per_token: torch.Tensor | None = None
+        self._nnz_sum: torch.Tensor | None = None
+        self._nnz_max: torch.Tensor | None = None
+        self._n_tokens = 0
+
+    # ----------------------------------------------------------------------------- statistics
+    @torch.no_grad()
+    def reset_sparsity_stats(self, dead_tracker: bool = True) -> None:
+        """Clear the accumulated nnz statistics (and, by default, the dead-neuron counters)."""
+        self._nnz_sum = self._nnz_max = None
+        self._n_tokens = 0
+        if dead_tracker and self.tokens_since_fire.device.type != "meta":
+            self.tokens_since_fire.zero_()
+
+    @torch.no_grad()
+    def _record(self, nnz: torch.Tensor, active: torch.Tensor | None) -> None:
+        nnz = nnz.detach().float()
+        self.last_nnz_per_token = nnz
+        if _in_backward():  # activation-checkpoint recompute: this batch was already counted
+            return
+        s, mx = nnz.sum(dtype=torch.float64), nnz.max()
+        self._nnz_sum = s if self._nnz_sum is None else self._nnz_sum + s
+        self._nnz_max = mx if self._nnz_max is None else torch.maximum(self._nnz_max, mx)
+        self._n_tokens += nnz.numel()
+        if self.training and active is not None:
+            update_tokens_since_fire(self.tokens_since_fire, active)
+
+    @torch.no_grad()
+    def sparsity_stats(self) -> dict[str, float]:
+        """nnz_mean / nnz_max per token over forwards since the last reset (NaN if none), the
+        dead fraction for config.dead_window_tokens, and the number of tokens seen."""
+        if self._n_tokens == 0:
+            nnz_mean = nnz_max = float("nan")
+        else:
+            nnz_mean = float(self._nnz_sum) / self._n_tokens
+            nnz_max = float(self._nnz_max)
+        dead = float(dead_fraction(self.tokens_since_fire, self.config.dead_window_tokens))
+        return {"nnz_mean": nnz_mean, "nnz_max": nnz_max, "dead_frac": dead, "tokens": self._n_tokens}
+
+    # ----------------------------------------------------------------------------- forward
+    def _weights(self) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        return (self.gate_proj.weight if self.gated else None, self.up_proj.weight, self.down_proj.weight)
+
+    def _activation(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a, h): a = relu(gate) (or relu(up)) decides activity; h feeds down_proj."""
+        if self.gated:
+            a = F.relu(F.linear(x2, self.gate_proj.weight, self.gate_proj.bias))
+            return a, a * F.linear(x2, self.up_proj.weight, self.up_proj.bias)
+        a = F.relu(F.linear(x2, self.up_proj.weight, self.up_proj.bias))
+        return a, a
+
+    def _set_l1(self, h: torch.Tensor | None) -> None:
+        if self.l1_mode is None or h is None:
+            self.last_l1 = None
+        elif self.l1_mode == "grad":
+            self.last_l1 = l1_penalty(h, self.config.l1_reduction)
+        else:
+            with torch.no_grad():
+                self.last_l1 = l1_penalty(h, self.config.l1_reduction)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        impl = self.config.mlp_impl
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if impl == "dense":
+            a, h = self._activation(x2)
+            y = F.linear(h, self.down_proj.weight, self.down_proj.bias)
+            self._set_l1(h)
+            self._record(nnz_per_token(a), a != 0)
+        elif impl == "reference":
+            y = self._forward_reference(x2)
+        elif impl == "cuda":
+            y = self._forward_cuda(x2)
+        else:
+            raise ValueError(f"config.mlp_impl={impl!r} is invalid: must be one of {MLP_IMPLS}")
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+    def _forward_reference(self, x2: torch.Tensor) -> torch.Tensor:
+        try:
+            from kernels import reference as ref
+        except ImportError as e:  # pragma: no cover - depends on the kernels package
+            raise ImportError(
+                "mlp_impl='reference' needs kernels/reference.py (pure-PyTorch TwELL path); "
+                f"it could not be imported ({e}). Use mlp_impl='dense'."
+            ) from e
+        wg, wu, wd = self._weights()
+        # The reference path computes through the TwELL format in the input dtype; run it
+        # outside autocast so it sees the same dtype as the weights it is handed.
+        args = (x2, wg, wu, wd) if self.gated else (x2, wu, wd)
+        fn = ref.gated_ffn_twell if self.gated else ref.nongated_ffn_twell
+        out = _call_supported(fn, *args, tile_n=self.config.twell_tile_n, slots=self.config.twell_slots,
+                              return_stats=True)
+        y, stats = out if isinstance(out, tuple) else (out, None)
+        # Activity and L1 come from a dense recomputation of a and h: the TwELL path stores values
+        # in bf16 and does not return h, while statistics must be exact and L1 differentiable.
+        need_h = self.l1_mode is not None or self.training or stats is None or "nnz_per_token" not in stats
+        if need_h:
+            a, h = self._activation(x2)
+            self._set_l1(h)
+            self._record(nnz_per_token(a), a != 0)
+        else:
+            self.last_l1 = None
+            self._record(stats["nnz_per_token"].float(), None)
+        return y
+
+    def _forward_cuda(self, x2: torch.Tensor) -> torch.Tensor:
+        if self.training and torch.is_grad_enabled():
+            raise NotImplementedError(
+                "mlp_impl='cuda' is inference-only (TwELL kernels have no backward yet; training "
+                "kernels are issue #4). Train with mlp_impl='dense', or call model.eval() / "
+                "torch.no_grad() for inference."
+            )
+        try:
+            from kernels import ffn
+        except ImportError as e:  # pragma: no cover - depends on the kernels package
+            raise ImportError(
+                f"mlp_impl='cuda' needs kernels/ffn.py ({e}). Use mlp_impl='reference' or 'dense'."
+            ) from e
+        wg, wu, wd = self._weights()
+        # The kernels take contiguous tensors of one dtype (bf16); the residual stream may be wider.
+        x2 = x2.to(wu.dtype).contiguous()
+        if self.gated:
+            y, stats = ffn.sparse_gated_ffn(x2, wg, wu, wd, return_stats=True)
+        else:
+            y, stats = ffn.sparse_nongated_ffn(x2, wu, wd, return_stats=True)
+        # h never leaves the kernel: L1 is unavailable on this path (reported as None).
+        self.last_l1 = None
+        self._record(stats["nnz_per_token"].float(), None)
+        return y
+
+    def extra_repr(self) -> str:
+        return f"gated={self.gated}, impl={self.config.mlp_impl}, relu"
+
+
+class SparseLlamaDecoderLayer(LlamaDecoderLayer):
+    """LlamaDecoderLayer whose MLP is a SparseLlamaMLP."""
+
+    def __init__(self, config: SparseLlamaConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        self.mlp = SparseLlamaMLP(config, layer_idx)
+
+
+class SparseLlamaPreTrainedModel(LlamaPreTrainedModel):
+    config: SparseLlamaConfig
+    config_class = SparseLlamaConfig
+    _no_split_modules = ["SparseLlamaDecoderLayer"]
+    _can_record_outputs = {"hidden_states": SparseLlamaDecoderLayer, "attentions": LlamaAttention}
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, SparseLlamaMLP):
+            module.reset_sparsity_stats()
+
+
+class SparseLlamaModel(SparseLlamaPreTrainedModel, LlamaModel):
+    """LlamaModel built from SparseLlamaDecoderLayers (forward inherited unchanged)."""
+
+    def __init__(self, config: SparseLlamaConfig) -> None:
+        config.check_sparsity_fields()  # fields may have been set after construction (from_pretrained kwargs)
+        LlamaPreTrainedModel.__init__(self, config)  # skip LlamaModel.__init__: it builds LlamaMLPs
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(
+            [SparseLlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        )
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+
+@dataclass
+class SparseCausalLMOutputWithPast(CausalLMOutputWithPast):
+    """CausalLMOutputWithPast plus the two loss parts: loss = ce + l1_coeff * l1."""
+
+    ce: torch.FloatTensor | None = None
+    l1: torch.FloatTensor | None = None
+
+
+class SparseLlamaForCausalLM(SparseLlamaPreTrainedModel, LlamaForCausalLM):
+    """Causal LM with loss = CE + l1_coeff * mean_over_layers(L1 of h).
+
+    forward(..., labels=...) follows the HF convention (labels aligned with input_ids, shifted
+    inside); pass shift_labels=... instead for already-shifted targets. l1_coeff=... overrides
+    config.l1_coeff for this call (the trainer's warm-up uses it). The parts are on the output
+    (.ce, .l1) and in self.last_losses (detached).
+    """
+
+    def __init__(self, config: SparseLlamaConfig) -> None:
+        config.check_sparsity_fields()
+        LlamaPreTrainedModel.__init__(self, config)  # skip LlamaForCausalLM.__init__ (LlamaModel)
+        self.model = SparseLlamaModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.last_losses: dict[str, Any] = {}
+        self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, **kwargs: Any) -> "SparseLlamaForCausalLM":
+        model = super().from_pretrained(*args, **kwargs)
+        # Non-persistent buffers are materialised uninitialised by the loader: start counters at 0.
+        if isinstance(model, SparseLlamaForCausalLM):
+            model.reset_sparsity_stats()
+        return model
+
+    # ----------------------------------------------------------------------------- helpers
+    def sparse_mlps(self) -> list[SparseLlamaMLP]:
+        return [layer.mlp for layer in self.model.layers]
+
+    def set_mlp_impl(self, impl: str) -> None:
+        """Switch every layer between 'dense', 'reference' and 'cuda' (validated)."""
+        old = self.config.mlp_impl
+        self.config.mlp_impl = impl
+        try:
+            self.config.check_sparsity_fields()
+        except ValueError:
+            self.config.mlp_impl = old
+            raise
+
+    def reset_sparsity_stats(self, dead_tracker: bool = True) -> None:
+        for mlp in self.sparse_mlps():
+            mlp.reset_sparsity_stats(dead_tracker)
+
+    def sparsity_stats(self, reset: bool = False) -> dict[str, Any]:
+        """Per-layer lists and aggregates over forwards since the last reset:
+        nnz_mean (mean over layers of mean nnz/token), nnz_max (max over layers of max nnz/token),
+        dead_frac (mean over layers of the dead-neuron fraction), *_per_layer lists, tokens."""
+        per = [mlp.sparsity_stats() for mlp in self.sparse_mlps()]
+        out: dict[str, Any] = {
+            "nnz_mean_per_layer": [p["nnz_mean"] for p in per],
+            "nnz_max_per_layer": [p["nnz_max"] for p in per],
+            "dead_frac_per_layer": [p["dead_frac"] for p in per],
+            "tokens": per[0]["tokens"] if per else 0,
+        }
+        n = max(len(per), 1)
+        out["nnz_mean"] = sum(out["nnz_mean_per_layer"]) / n
+        out["nnz_max"] = max(out["nnz_max_per_layer"], default=float("nan"))
+        out["dead_frac"] = sum(out["dead_frac_per_layer"]) / n
+        if reset:
+            self.reset_sparsity_stats(dead_tracker=False)
+        return out
+
+    # ----------------------------------------------------------------------------- forward
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Any = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        l1_coeff: float | None = None,
+        **kwargs: Any,
+    ) -> SparseCausalLMOutputWithPast:
+        shift_labels = kwargs.pop("shift_labels", None)
+        if shift_labels is not None:
+            shift_labels = shift_labels.contiguous()  # HF's loss .view()s it; slices of a window are strided
+        want_loss = labels is not None or shift_labels is not None
+        coeff = float(self.config.l1_coeff if l1_coeff is None else l1_coeff)
+        if not coeff >= 0:
+            raise ValueError(f"l1_coeff must be >= 0, got {coeff}")
+        mode = ("grad" if coeff > 0 and torch.is_grad_enabled() else "value") if want_loss else None
+        for mlp in self.sparse_mlps():
+            mlp.l1_mode = mode
+
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, slice_indices, :])
+
+        loss = ce = l1 = None
+        if want_loss:
+            ce = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size,
+                                    shift_labels=shift_labels, **kwargs)
+            l1_terms = [mlp.last_l1 for mlp in self.sparse_mlps()]
+            if all(t is not None for t in l1_terms) and l1_terms:
+                l1 = torch.stack(l1_terms).mean()
+                loss = ce + coeff * l1 if coeff > 0 else ce
+            else:
+                if coeff > 0:
+                    warnings.warn(
+                        f"mlp_impl={self.config.mlp_impl!r} does not expose h, so the L1 term is "
+                        "unavailable: loss = CE only (l1=None). Use mlp_impl='dense' for training.",
+                        stacklevel=2,
+                    )
+                loss = ce
+            self.last_losses = {
+                "ce": ce.detach(),
+                "l1": None if l1 is None else l1.detach(),
+                "l1_coeff": coeff,
+            }
+        return SparseCausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            ce=ce,
+            l1=l1,
+        )
+
+
+__all__ = [
+    "SparseLlamaMLP",
+    "SparseLlamaDecoderLayer",
+    "SparseLlamaPreTrainedModel",
+    "SparseLlamaModel",
+    "SparseLlamaForCausalLM",
+    "SparseCausalLMOutputWithPast",
+]

@@ -1,0 +1,119 @@
+"""experiments/evaluate.py end to end on a tiny random ReLU Llama and two tiny tasks written to tmp,
+through the same YAML templating path as real runs; plus the non-zero counting with padding."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lm_eval")
+
+from data.lm_tasks import TEMPLATE_DIR, materialize, parse_tasks  # noqa: E402
+from experiments.evaluate import NnzRecorder, main, valid_mask_right_padded  # noqa: E402
+
+PIQA = [
+    {"id": str(i), "question": q, "choices": c, "gold": g}
+    for i, (q, c, g) in enumerate([
+        ("How do you open a jar?", ["Twist the lid.", "Paint the lid."], 0),
+        ("How do you cool tea?", ["Boil it longer.", "Let it stand."], 1),
+        ("How to dry a shirt?", ["Hang it in the sun.", "Put it in water."], 0),
+        ("How to light a room?", ["Close the curtains.", "Switch on a lamp."], 1),
+        ("How to keep bread fresh?", ["Seal it in a bag.", "Leave it open."], 0),
+    ])
+]
+WINO = [
+    {"id": str(i), "question": s, "choices": c, "gold": g}
+    for i, (s, c, g) in enumerate([
+        ("The cup fell off the table because _ was wobbly.", ["the cup", "the table"], 1),
+        ("Anna gave Maria a gift because _ was kind.", ["Anna", "Maria"], 0),
+        ("The ball broke the window because _ was fast.", ["the ball", "the window"], 0),
+        ("Tom asked Bill for help because _ knew the way.", ["Tom", "Bill"], 1),
+        ("The dog chased the cat until _ got tired.", ["the dog", "the cat"], 0),
+    ])
+]
+
+
+def _tiny_model_dir(tmp: Path) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    corpus = [json.dumps(r) for r in PIQA + WINO]
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
+                                  pad_token="<|endoftext|>")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+                      hidden_act="relu", bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    d = tmp / "tiny"
+    LlamaForCausalLM(cfg).save_pretrained(str(d))
+    tok.save_pretrained(str(d))
+    return d
+
+
+def test_parse_tasks_and_templates(tmp_path):
+    assert len(parse_tasks("all")) == 7 and parse_tasks("sfl_piqa, arc_easy") == ["piqa", "arc_easy"]
+    with pytest.raises(ValueError):
+        parse_tasks("lambada")
+    assert len(list(TEMPLATE_DIR.glob("sfl_*.yaml"))) == 7
+    with pytest.raises(FileNotFoundError, match="--only eval"):
+        materialize(tmp_path, tmp_path / "inc", ["piqa"])
+
+
+def test_valid_mask_and_recorder_ignore_padding(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    inps = torch.tensor([[5, 6, 7, 0, 0], [5, 0, 8, 9, 0], [3, 4, 5, 6, 7]])
+    assert valid_mask_right_padded(inps).tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    model = AutoModelForCausalLM.from_pretrained(str(_tiny_model_dir(tmp_path))).eval()
+    rec = NnzRecorder(model)
+    assert rec.kind == "act_fn_output" and len(rec.sources) == 2
+    ids = torch.randint(1, 100, (3, 5))
+    lens = [3, 4, 5]
+    padded = ids.clone()
+    for r, n in enumerate(lens):
+        padded[r, n:] = 0
+    with torch.no_grad():
+        rec.set_valid(valid_mask_right_padded(padded))
+        model(padded)
+    rec.remove()
+    got = rec.per_layer_mean()
+    # reference: each sequence alone, unpadded, counting ReLU outputs directly
+    acts: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+    hooks = [model.model.layers[i].mlp.act_fn.register_forward_hook(
+        lambda m, a, o, i=i: acts[i].append((o != 0).sum(-1).flatten().float())) for i in range(2)]
+    with torch.no_grad():
+        for r, n in enumerate(lens):
+            model(ids[r:r + 1, :n])
+    for h in hooks:
+        h.remove()
+    for i in range(2):
+        assert got[i] == pytest.approx(torch.cat(acts[i]).mean().item())
+        assert 0 < got[i] < 128  # random ReLU: roughly half active
+    assert rec.count[0] == sum(lens)
+
+
+def test_evaluate_end_to_end_tiny(tmp_path):
+    model_dir = _tiny_model_dir(tmp_path)
+    eval_dir = tmp_path / "eval"
+    eval_dir.mkdir()
+    for name, rows in (("piqa", PIQA), ("winogrande", WINO)):
+        (eval_dir / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    limit = 4
+    assert main(["--model", str(model_dir), "--tasks", "piqa,winogrande", "--limit", str(limit),
+                 "--batch-size", "4", "--device", "cpu", "--out", str(out), "--eval-dir", str(eval_dir)]) == 0
+    res = json.loads((out / "eval.json").read_text())
+    assert set(res["tasks"]) == {"piqa", "winogrande"}
+    for name, v in res["tasks"].items():
+        assert v["n"] == limit and 0.0 <= v["acc"] <= 1.0
+    assert 0.0 <= res["tasks"]["piqa"]["acc_norm"] <= 1.0 and res["tasks"]["winogrande"]["acc_norm"] is None
+    assert res["limit"] == limit and "git_commit" in res["provenance"]
+    assert res["nnz_source"] == "act_fn_output" and len(res["nnz_per_token_per_layer"]) == 2
+    assert 0 < res["nnz_per_token_mean"] < 128 and res["nnz_tokens_counted"] > 0

@@ -1,0 +1,83 @@
+"""CPU tests of the Python side of the TwELL kernels: input validation, error messages, fake impls."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels.ffn as ffn
+from kernels.loader import KernelUnavailableError, load_twell, source_hash
+
+
+def _w(K=576, N=1536, dtype=torch.bfloat16, device="cpu"):
+    return (torch.randn(8, K, dtype=dtype, device=device), torch.randn(N, K, dtype=dtype, device=device),
+            torch.randn(N, K, dtype=dtype, device=device), torch.randn(K, N, dtype=dtype, device=device))
+
+
+def test_cpu_tensors_name_the_reference_path():
+    x, wg, wu, wd = _w()
+    with pytest.raises(KernelUnavailableError, match="kernels.reference"):
+        ffn.sparse_gated_ffn(x, wg, wu, wd)
+    with pytest.raises(KernelUnavailableError, match="kernels.reference"):
+        ffn.sparse_nongated_ffn(x, wu, wd)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_loader_without_gpu_says_what_to_do():
+    with pytest.raises(KernelUnavailableError, match="CUDA GPU"):
+        load_twell()
+
+
+def test_source_hash_is_stable_and_covers_sources():
+    assert source_hash() == source_hash() and len(source_hash()) == 12
+
+
+def test_validate_rejects_bad_inputs():
+    x, wg, wu, wd = _w()
+    with pytest.raises(KernelUnavailableError, match=r"\.cuda\(\)"):
+        ffn.validate(x, wg, wu, wd)
+
+
+@pytest.mark.parametrize("K,N,msg", [(100, 1536, "K % 64"), (576, 1000, "N % 256"), (8192, 1536, "K <= 4096")])
+def test_validate_shape_rules(monkeypatch, K, N, msg):
+    x, wg, wu, wd = _w(K, N)
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    with pytest.raises(ValueError, match=msg):
+        ffn.validate(x, wg, wu, wd)
+
+
+def test_validate_dtype_contiguity_layout(monkeypatch):
+    x, wg, wu, wd = _w()
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    with pytest.raises(ValueError, match="bfloat16"):
+        ffn.validate(x.float(), wg, wu, wd)
+    with pytest.raises(ValueError, match="contiguous"):
+        ffn.validate(x, wg.t().contiguous().t(), wu, wd)
+    with pytest.raises(ValueError, match="w_down must be"):
+        ffn.validate(x, wg, wu, wd.t().contiguous())
+    with pytest.raises(ValueError, match="w_gate must be"):
+        ffn.validate(x, wg[:256].contiguous(), wu, wd)
+
+
+def test_fake_impls_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import kernels.twell.ops  # noqa: F401
+
+    ops = torch.ops.sfl_twell
+    with FakeTensorMode():
+        x = torch.empty(37, 576, dtype=torch.bfloat16)
+        wg = torch.empty(1536, 576, dtype=torch.bfloat16)
+        wdt = torch.empty(1536, 576, dtype=torch.bfloat16)
+        wd = torch.empty(576, 1536, dtype=torch.bfloat16)
+        y, nnz = ops.gated_ffn(x, wg, wg, wdt, wd, 0, 0.0, True)
+        assert y.shape == (37, 576) and y.dtype == torch.bfloat16 and nnz.shape == (37,) and nnz.dtype == torch.int32
+        y, nnz = ops.nongated_ffn(x, wg, wdt, wd, 0, 0.0, False)
+        assert y.shape == (37, 576) and nnz.shape == (0,)
+        p, c, f = ops.d2t(x, wg, 32)
+        assert p.shape == (37, 6, 32) and c.shape == (37, 6) and f.shape == (37,)
+
+
+def test_module_rejects_bias():
+    lin = torch.nn.Linear(64, 256, bias=True)
+    with pytest.raises(ValueError, match="bias"):
+        ffn.TwELLMLP.from_linears(lin, torch.nn.Linear(256, 64, bias=False))

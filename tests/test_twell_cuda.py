@@ -1,0 +1,197 @@
+"""GPU tests of the TwELL CUDA kernels against dense fp32 (skipped without CUDA).
+
+Error budget: ||ours - fp32|| / ||fp32|| <= 2 x the same error of bf16 PyTorch (three F.linear) on the same
+inputs. Outputs are poisoned (the caching allocator's free memory is filled with NaN) before every call so an
+unwritten output element shows up as NaN. Inputs are fresh random draws with adversarial rows.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+DEV = "cuda"
+BF = torch.bfloat16
+
+
+def poison() -> None:
+    """Fill free allocator blocks with NaN so torch.empty inside the op returns NaN-filled memory."""
+    free = torch.cuda.mem_get_info()[0]
+    n = min(int(free * 0.3), 3 << 30) // 4
+    t = torch.empty(n, device=DEV, dtype=torch.float32)
+    t.fill_(float("nan"))
+    del t
+    small = [torch.full((1 << s,), float("nan"), device=DEV) for s in range(10, 24)]
+    del small
+
+
+def make_problem(M: int, K: int, N: int, p: float, seed: int, gated: bool = True, adversarial: bool = True):
+    """x [M, K], weights with a per-neuron gate shift giving activity ~p; adversarial rows when asked.
+
+    Feature 0 is a constant 1 carrying the shift; feature 1 switches 'whole tile 3 active'; feature 2 switches
+    'every neuron active'.
+    """
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(M, K, device=DEV, generator=g)
+    x[:, :3] = 0
+    x[:, 0] = 1
+    std = 1.0 / K ** 0.5
+    wg = torch.randn(N, K, device=DEV, generator=g) * std
+    wu = torch.randn(N, K, device=DEV, generator=g) * std
+    wd = torch.randn(K, N, device=DEV, generator=g) / N ** 0.5
+    first = wg if gated else wu
+    z = torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(1.0 - p)).item()
+    first[:, 0] = -z
+    first[:, 1] = 0
+    first[3 * 256: 4 * 256, 1] = 30.0
+    first[:, 2] = 30.0
+    if adversarial and M >= 12:
+        x[1] = 0                       # all-zero row: no active neuron, y = 0
+        x[2, 3:] *= 6                  # heavy row (~25% active)
+        x[3, 1] = 1                    # a whole tile active
+        x[4, 2] = 1                    # every neuron active
+        x[5, 7] = float("nan")         # NaN propagates
+        x[6, 8] = float("inf")         # Inf propagates
+        x[7, 9] = float("-inf")
+        x[8:10, 3:] *= 4               # more heavy rows
+    w = [t.to(BF).contiguous() for t in (wg, wu, wd)]
+    return x.to(BF).contiguous(), w[0], w[1], w[2]
+
+
+def dense(x, wg, wu, wd, gated: bool):
+    if gated:
+        return F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd)
+    return F.linear(F.relu(F.linear(x, wu)), wd)
+
+
+def check(y: torch.Tensor, x, wg, wu, wd, gated: bool, nan_fill_ok: bool = True) -> tuple[float, float]:
+    ref32 = dense(x.double(), wg.double(), wu.double(), wd.double(), gated)
+    ref16 = dense(x, wg, wu, wd, gated)
+    assert y.shape == ref16.shape and y.dtype == BF
+    fin16 = torch.isfinite(ref16)
+    assert torch.equal(torch.isfinite(y), fin16), "non-finite pattern differs from dense bf16 PyTorch"
+    rows = fin16.all(1) & torch.isfinite(ref32).all(1)
+    a, r, b = y[rows].double(), ref32[rows], ref16[rows].double()
+    nrm = r.norm().clamp_min(1e-30)
+    err, err16 = ((a - r).norm() / nrm).item(), ((b - r).norm() / nrm).item()
+    assert err <= 2 * err16 + 1e-7, f"error {err:.3e} > 2 x bf16 PyTorch {err16:.3e}"
+    return err, err16
+
+
+@pytest.fixture(scope="module")
+def ffn():
+    import kernels.ffn as ffn
+
+    return ffn
+
+
+SHAPES = [(576, 1536, True), (2048, 5632, True), (2048, 8192, False), (4096, 11008, True)]
+
+
+@pytest.mark.parametrize("K,N,gated", SHAPES)
+@pytest.mark.parametrize("M", [1, 7, 64, 1000])
+def test_ffn_vs_fp32(ffn, K, N, gated, M):
+    x, wg, wu, wd = make_problem(M, K, N, 0.01, seed=M * 7 + K + N, gated=gated)
+    poison()
+    if gated:
+        y, st = ffn.sparse_gated_ffn(x, wg, wu, wd, return_stats=True)
+    else:
+        y, st = ffn.sparse_nongated_ffn(x, wu, wd, return_stats=True)
+    torch.cuda.synchronize()
+    check(y, x, wg, wu, wd, gated)
+    h = F.relu(F.linear(x, wg if gated else wu))
+    assert torch.equal(st["nnz_per_token"].long(), (h != 0).sum(1)), "nnz_per_token differs from the dense count"
+
+
+@pytest.mark.parametrize("mode", ["sparse", "dense", "auto"])
+@pytest.mark.parametrize("p", [0.005, 0.1])
+def test_modes_and_many_heavy_rows(ffn, mode, p):
+    """Many overflowing rows (every 3rd row heavy) are all exact, in every mode, across chunk boundaries."""
+    K, N, M = 2048, 5632, 2500
+    x, wg, wu, wd = make_problem(M, K, N, p, seed=11)
+    x[::3, 3:] *= 5
+    import os
+
+    os.environ["TWELL_CHUNK_ROWS"] = "1024"
+    try:
+        poison()
+        y = ffn.sparse_gated_ffn(x, wg, wu, wd, mode=mode)
+        torch.cuda.synchronize()
+    finally:
+        del os.environ["TWELL_CHUNK_ROWS"]
+    check(y, x, wg, wu, wd, True)
+
+
+def test_d2t_matches_reference(ffn, monkeypatch):
+    from kernels import reference
+
+    K, N, M = 2048, 5632, 300
+    x, wg, _, _ = make_problem(M, K, N, 0.01, seed=3)
+    monkeypatch.setenv("TWELL_CHUNK_ROWS", "100000")   # one GEMM call, same cuBLAS algorithm as below
+    poison()
+    packed, counts, flag = ffn.twell_d2t(x, wg, 32)
+    h = F.relu(torch.mm(x, wg.t()))
+    ref = reference.d2t(h, 256, 32)
+    assert torch.equal(counts, ref.counts)
+    nonfinite = (~torch.isfinite(torch.mm(x, wg.t()))).any(1)
+    assert torch.equal(flag.bool(), ref.overflow_mask() | nonfinite)
+    valid = ref.valid_mask()
+    assert torch.equal(packed[valid], ref.packed[valid])
+
+
+@pytest.mark.parametrize("M", [16, 300])
+def test_cuda_graph_capture(ffn, M):
+    """Sync-free path under capture; replays with new inputs stay exact (lossless slots, no host sync)."""
+    K, N = 2048, 5632
+    x, wg, wu, wd = make_problem(M, K, N, 0.01, seed=5, adversarial=False)
+    static_x = x.clone()
+    ffn.sparse_gated_ffn(static_x, wg, wu, wd)  # warm-up: build, caches
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        ffn.sparse_gated_ffn(static_x, wg, wu, wd)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = ffn.sparse_gated_ffn(static_x, wg, wu, wd)
+    for seed in (21, 22):
+        x2, _, _, _ = make_problem(M, K, N, 0.01, seed=seed, adversarial=False)
+        x2[0, 3:] *= 6  # heavy row: handled losslessly in the sync-free path
+        static_x.copy_(x2)
+        static_y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(static_y, x2, wg, wu, wd, True)
+
+
+def test_module_from_linears(ffn):
+    K, N = 576, 1536
+    lin = [torch.nn.Linear(K, N, bias=False), torch.nn.Linear(K, N, bias=False), torch.nn.Linear(N, K, bias=False)]
+    x, wg, wu, wd = make_problem(513, K, N, 0.02, seed=9, adversarial=False)
+    for layer, w in zip(lin, (wg, wu, wd)):
+        layer.weight.data = w.clone()
+    m = ffn.TwELLGatedMLP.from_linears(*lin, track_stats=True)
+    poison()
+    y = m(x.view(3, 171, K))
+    assert y.shape == (3, 171, K)
+    check(y.view(-1, K), x, wg, wu, wd, True)
+    assert m.last_nnz_per_token.shape == (513,)
+    # weights edited in place: the cached transposed down weight must follow
+    with torch.no_grad():
+        m.down_proj.weight.mul_(2)
+    y2 = m(x)
+    check(y2, x, wg, wu, m.down_proj.weight, True)
+    mn = ffn.TwELLMLP.from_linears(lin[1], lin[2])
+    check(mn(x), x, None, wu, wd, False)
+
+
+def test_bad_inputs_on_gpu(ffn):
+    x, wg, wu, wd = make_problem(8, 576, 1536, 0.01, seed=1, adversarial=False)
+    with pytest.raises(ValueError, match="bfloat16"):
+        ffn.sparse_gated_ffn(x.half(), wg, wu, wd)
+    with pytest.raises(ValueError, match="contiguous"):
+        ffn.sparse_gated_ffn(x.t().contiguous().t(), wg, wu, wd)
+    with pytest.raises(ValueError, match="w_down"):
+        ffn.sparse_gated_ffn(x, wg, wu, wd.t().contiguous())
