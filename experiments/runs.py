@@ -15,11 +15,14 @@ import argparse
 import csv
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 def merge_configs(paths: list[str], sets: list[str]) -> dict[str, Any]:
@@ -37,6 +40,8 @@ def merge_configs(paths: list[str], sets: list[str]) -> dict[str, Any]:
     for item in sets:
         k, v = _parse_set(item)
         _check_keys([k], "--set")
+        if isinstance(v, str) and _FLOAT.fullmatch(v):  # YAML 1.1 reads "1e-5" (no dot) as a string
+            v = float(v)
         cfg[k] = v
     return cfg
 
@@ -118,6 +123,7 @@ def describe(run_dir: Path) -> str:
 def summarize(exp_dir: Path) -> Path:
     """Write <exp_dir>/summary.csv, one row per run directory, and print it."""
     rows = [s for d in sorted(p for p in exp_dir.iterdir() if p.is_dir()) if (s := run_summary(d))]
+    rows.sort(key=lambda r: (str(r["activation"]), not r["gated_mlp"], float(r["l1_coeff"] or 0), r["run"]))
     cols: list[str] = []
     for r in rows:
         cols += [k for k in r if k not in cols]

@@ -10,6 +10,7 @@ On CPU or without the extension a KernelUnavailableError names the pure-PyTorch 
 """
 from __future__ import annotations
 
+import weakref
 from typing import Literal
 
 import torch
@@ -18,7 +19,7 @@ from torch import Tensor
 from kernels.loader import REFERENCE_HINT, KernelUnavailableError
 
 _MODES = {"auto": 0, "sparse": 1, "dense": 2}
-_WDT_CACHE: dict[tuple, Tensor] = {}
+_WDT_CACHE: dict[tuple, tuple] = {}
 _WDT_CACHE_MAX = 16
 
 
@@ -29,14 +30,19 @@ def _ops():
 
 
 def transposed_down(w_down: Tensor) -> Tensor:
-    """Neuron-major copy W_d^T [N, K] (cached per tensor version: each active neuron's row is contiguous)."""
+    """Neuron-major copy W_d^T [N, K] (each active neuron's row contiguous), cached per live tensor + version.
+
+    The cache holds a weak reference to the source and checks identity, so a new tensor that reuses a freed
+    tensor's memory (same data_ptr) never hits a stale entry.
+    """
     key = (w_down.data_ptr(), w_down._version, tuple(w_down.shape), w_down.device, w_down.dtype)
-    t = _WDT_CACHE.get(key)
-    if t is None:
-        if len(_WDT_CACHE) >= _WDT_CACHE_MAX:
-            _WDT_CACHE.pop(next(iter(_WDT_CACHE)))
-        t = w_down.t().contiguous()
-        _WDT_CACHE[key] = t
+    hit = _WDT_CACHE.get(key)
+    if hit is not None and hit[0]() is w_down:
+        return hit[1]
+    if len(_WDT_CACHE) >= _WDT_CACHE_MAX:
+        _WDT_CACHE.pop(next(iter(_WDT_CACHE)))
+    t = w_down.t().contiguous()
+    _WDT_CACHE[key] = (weakref.ref(w_down), t)
     return t
 
 

@@ -117,3 +117,28 @@ def test_evaluate_end_to_end_tiny(tmp_path):
     assert res["limit"] == limit and "git_commit" in res["provenance"]
     assert res["nnz_source"] == "act_fn_output" and len(res["nnz_per_token_per_layer"]) == 2
     assert 0 < res["nnz_per_token_mean"] < 128 and res["nnz_tokens_counted"] > 0
+
+
+def test_recorder_uses_sparse_mlp_stats_when_present(tmp_path):
+    """With our sparse model (models/ by the models helper) the recorder reads last_nnz_per_token;
+    on a ReLU-fied copy of a ReLU Llama it must count exactly what the act_fn hook counts."""
+    try:
+        from models.convert import relufy
+    except Exception as e:  # noqa: BLE001 - models/ is developed concurrently
+        pytest.skip(f"models package not importable: {e}")
+    from transformers import AutoModelForCausalLM
+
+    dense = AutoModelForCausalLM.from_pretrained(str(_tiny_model_dir(tmp_path))).eval()
+    sparse = relufy(dense).eval()
+    padded = torch.tensor([[5, 6, 7, 8, 0, 0], [9, 10, 11, 12, 13, 14]])
+    stats = []
+    for m in (dense, sparse):
+        rec = NnzRecorder(m)
+        with torch.no_grad():
+            rec.set_valid(valid_mask_right_padded(padded))
+            m(padded)
+        rec.remove()
+        stats.append(rec)
+    assert stats[0].kind == "act_fn_output" and stats[1].kind == "last_nnz_per_token"
+    assert stats[1].count == stats[0].count == [10, 10]
+    assert stats[1].per_layer_mean() == pytest.approx(stats[0].per_layer_mean())

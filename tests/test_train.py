@@ -152,7 +152,7 @@ def test_resume_refuses_changed_config_and_fresh_run_refuses_existing(data_dir, 
     with pytest.raises(ConfigError, match="--resume"):
         train_mod.train(cfg_for(data_dir, out, max_steps=3, eval_every=0))
     # --resume on an empty out_dir starts from scratch
-    train_mod.train(cfg_for(data_dir, tmp_path / "new", max_steps=1, eval_every=0), resume=True)
+    train_mod.train(cfg_for(data_dir, tmp_path / "new", max_steps=1, warmup_steps=1, eval_every=0), resume=True)
     assert read_log(tmp_path / "new")[0]["type"] == "header"
 
 

@@ -67,7 +67,7 @@ def dense(x, wg, wu, wd, gated: bool):
 
 
 def check(y: torch.Tensor, x, wg, wu, wd, gated: bool, nan_fill_ok: bool = True) -> tuple[float, float]:
-    ref32 = dense(x.double(), wg.double(), wu.double(), wd.double(), gated)
+    ref32 = dense(x.double(), wg.double() if gated else None, wu.double(), wd.double(), gated)
     ref16 = dense(x, wg, wu, wd, gated)
     assert y.shape == ref16.shape and y.dtype == BF
     fin16 = torch.isfinite(ref16)
@@ -95,10 +95,11 @@ SHAPES = [(576, 1536, True), (2048, 5632, True), (2048, 8192, False), (4096, 110
 def test_ffn_vs_fp32(ffn, K, N, gated, M):
     x, wg, wu, wd = make_problem(M, K, N, 0.01, seed=M * 7 + K + N, gated=gated)
     poison()
+    # mode="sparse": exercise the kernels at every M (auto may pick dense for 16 < M <= 64)
     if gated:
-        y, st = ffn.sparse_gated_ffn(x, wg, wu, wd, return_stats=True)
+        y, st = ffn.sparse_gated_ffn(x, wg, wu, wd, return_stats=True, mode="sparse")
     else:
-        y, st = ffn.sparse_nongated_ffn(x, wu, wd, return_stats=True)
+        y, st = ffn.sparse_nongated_ffn(x, wu, wd, return_stats=True, mode="sparse")
     torch.cuda.synchronize()
     check(y, x, wg, wu, wd, gated)
     h = F.relu(F.linear(x, wg if gated else wu))
@@ -185,6 +186,14 @@ def test_module_from_linears(ffn):
     check(y2, x, wg, wu, m.down_proj.weight, True)
     mn = ffn.TwELLMLP.from_linears(lin[1], lin[2])
     check(mn(x), x, None, wu, wd, False)
+
+
+def test_transposed_down_cache_never_stale(ffn):
+    """A new weight that reuses a freed weight's memory must not hit the old cache entry."""
+    for i in range(3):
+        wd = torch.full((64, 256), float(i), device=DEV, dtype=BF)
+        assert torch.equal(ffn.transposed_down(wd), wd.t())
+        del wd
 
 
 def test_bad_inputs_on_gpu(ffn):

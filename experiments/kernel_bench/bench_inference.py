@@ -191,6 +191,11 @@ def main() -> int:
             row["ours_ms"] = timer.time(ours_fn, reps)
             if M == 65536 and kind == "gated":
                 row["ours_sparse_forced_ms"] = timer.time(lambda: ours_fn("sparse"), reps)
+                # breakdown: cuBLAS gate GEMM alone, and gate GEMM + compaction to TwELL (d2t)
+                from kernels.ffn import twell_d2t
+
+                row["gate_gemm_ms"] = timer.time(lambda: torch.mm(x, wg.t()), reps)
+                row["d2t_ms"] = timer.time(lambda: twell_d2t(x, wg, 32), reps)
             row["timing"] = "eager"
         row["speedup"] = row["dense_ms"] / row["ours_ms"]
         rows_out.append(row)
@@ -199,7 +204,8 @@ def main() -> int:
         print(f"[{i + 1}/{len(cases)} {time.time() - t_start:.0f}s] {kind} M={M} {pattern} p={p} heavy={heavy} "
               f"nnz={row['nnz_mean']:.1f}/{row['nnz_max']:.0f} path={path} ovf={flagged} dense={row['dense_ms']:.3f} "
               f"ours={row['ours_ms']:.3f} x{row['speedup']:.2f} err={err:.2e}"
-              + (f" sparse_forced={row['ours_sparse_forced_ms']:.3f}" if "ours_sparse_forced_ms" in row else ""),
+              + (f" sparse_forced={row['ours_sparse_forced_ms']:.3f} gate={row['gate_gemm_ms']:.3f}"
+                 f" d2t={row['d2t_ms']:.3f}" if "ours_sparse_forced_ms" in row else ""),
               flush=True)
         del x, y_ref, y_ours
         torch.cuda.empty_cache()

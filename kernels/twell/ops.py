@@ -41,7 +41,9 @@ def knobs() -> dict[str, float]:
         "chunk_rows": _env_int("TWELL_CHUNK_ROWS", 4096),
         "slots": _env_int("TWELL_SLOTS", 32),
         "decode_max_m": _env_int("TWELL_DECODE_MAX_M", 64),
-        "dense_above": _env_float("TWELL_DENSE_ABOVE", 0.03),
+        "dense_above": _env_float("TWELL_DENSE_ABOVE", 0.007),
+        "probe_rows": _env_int("TWELL_PROBE_ROWS", 1024),
+        "syncfree_sparse_max_m": _env_int("TWELL_SYNCFREE_SPARSE_MAX_M", 16),
         "flagged_dense_above": _env_float("TWELL_FLAGGED_DENSE_ABOVE", 0.3),
         "down_nb": _env_int("TWELL_DOWN_NB", 4),
         "decode_tiles_per_warp": _env_int("TWELL_DECODE_TILES_PER_WARP", 4),
@@ -100,7 +102,8 @@ def _ffn_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down_t: Tensor, 
     capturing = torch.cuda.is_current_stream_capturing()
     sync_free = capturing or M <= kn["decode_max_m"]
 
-    if mode == MODE_DENSE or (sync_free and mode == MODE_AUTO and activity_hint > kn["dense_above"]):
+    small_dense = capturing is False and kn["syncfree_sparse_max_m"] < M <= kn["decode_max_m"]
+    if mode == MODE_DENSE or (sync_free and mode == MODE_AUTO and (activity_hint > kn["dense_above"] or small_dense)):
         y, h = _dense(x, w_gate, w_up, w_down, want_stats)
         nnz = (h != 0).sum(1, dtype=torch.int32) if want_stats else empty_stats
         LAST_PATH.update(path="dense", flagged_rows=None)
@@ -111,6 +114,24 @@ def _ffn_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down_t: Tensor, 
     S = TILE_N if sync_free else kn["slots"]
     if not 1 <= S <= TILE_N:
         raise ValueError(f"TWELL_SLOTS must be in 1..{TILE_N}, got {S}")
+    if not sync_free and mode == MODE_AUTO:
+        # probe the first rows (gate GEMM + compaction of <= probe_rows rows into small buffers, one host sync);
+        # go dense for the whole call when the measured activity says sparse would not win. Nothing of size M is
+        # allocated before this decision, so the dense path costs dense + the probe.
+        P = min(M, max(1, kn["probe_rows"]))
+        pp = torch.empty(P, T, S, device=dev, dtype=torch.int32)
+        pc = torch.empty(P, T, device=dev, dtype=torch.int32)
+        pf = torch.zeros(P, device=dev, dtype=torch.int32)
+        _gate_chunks(x[:P], gate_w, pp, pc, pf, P, ext)
+        bad = pf != 0
+        nnz_ok, n_bad = torch.stack([(pc.sum(1) * (~bad)).sum(), bad.sum()]).tolist()
+        del pp, pc, pf
+        p = nnz_ok / (max(1, P - n_bad) * N)
+        if p > kn["dense_above"] or n_bad / P > kn["flagged_dense_above"]:
+            y, h = _dense(x, w_gate, w_up, w_down, want_stats)
+            LAST_PATH.update(path="dense", flagged_rows=None)
+            return y, ((h != 0).sum(1, dtype=torch.int32) if want_stats else empty_stats)
+
     packed = torch.empty(M, T, S, device=dev, dtype=torch.int32)
     counts = torch.empty(M, T, device=dev, dtype=torch.int32)
     flag = torch.zeros(M, device=dev, dtype=torch.int32)
@@ -135,31 +156,8 @@ def _ffn_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down_t: Tensor, 
         LAST_PATH.update(path="sparse-syncfree", flagged_rows=None)
         return y, (counts.sum(1, dtype=torch.int32) if want_stats else empty_stats)
 
-    # eager large-M path: first chunk, then dispatch on its measured activity (one host sync)
-    r0 = min(M, chunk)
-    scratch = torch.empty(r0, N, device=dev, dtype=torch.bfloat16)
-    torch.mm(x[:r0], gate_w.t(), out=scratch)
-    ext.compact(scratch, N, packed[:r0], counts[:r0], flag[:r0])
-    if mode == MODE_AUTO:
-        per_row = counts[:r0].sum(1)
-        bad = flag[:r0] != 0
-        nnz_ok, n_bad = torch.stack([(per_row * (~bad)).sum(), bad.sum()]).tolist()
-        p = nnz_ok / (max(1, r0 - n_bad) * N)
-        if p > kn["dense_above"] or n_bad / r0 > kn["flagged_dense_above"]:
-            y0, h0 = _dense_from_pre(scratch, x[:r0], gated, w_up, w_down)
-            y[:r0] = y0
-            nnz_parts = [(h0 != 0).sum(1, dtype=torch.int32)] if want_stats else []
-            del scratch, y0, h0
-            if M > r0:
-                y1, h1 = _dense(x[r0:], w_gate, w_up, w_down, want_stats)
-                y[r0:] = y1
-                if want_stats:
-                    nnz_parts.append((h1 != 0).sum(1, dtype=torch.int32))
-            LAST_PATH.update(path="dense", flagged_rows=None)
-            return y, (torch.cat(nnz_parts) if want_stats else empty_stats)
-    if M > r0:
-        _gate_chunks(x, gate_w, packed, counts, flag, chunk, ext, start=r0, scratch=scratch)
-    del scratch
+    # eager large-M path: whole gate in L2-sized chunks, sparse up/down, exact dense backup of flagged rows
+    _gate_chunks(x, gate_w, packed, counts, flag, chunk, ext)
     hval = torch.empty(0, device=dev, dtype=torch.float32)
     if gated:
         hval = torch.empty(M, T, S, device=dev, dtype=torch.float32)

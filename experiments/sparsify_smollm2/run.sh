@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Sparsifying SmolLM2-135M (paper Table 1 accuracy columns, Table 6, sparsity-vs-accuracy plot):
+# ReLU-fication + L1 fine-tuning at a few L1 values, and the dense ReLU-fied twin (L1 = 0) trained the same
+# way; then lm-eval on the 7 tasks, once through the dense MLP (eval.json) and once with the sparse path in
+# the loop (eval_sparse.json: mlp_impl=cuda on GPU, the pure-PyTorch TwELL reference on CPU) -- same accuracy.
+#   SCALE=smoke bash experiments/sparsify_smollm2/run.sh   # CPU: 2 runs x 4 steps, lm-eval --limit 5, ~5-8 min
+#   SCALE=gpu   bash experiments/sparsify_smollm2/run.sh   # one H100: 4 runs x ~1-2 min + eval (limit 500)
+# Env: L1_VALUES="0 ..." replaces the list; EVAL_LIMIT=N docs per task (EVAL_LIMIT=all: the full sets);
+# SPARSE_IMPL=cuda|reference overrides the sparse path. Needs .data/smollm2-135m (python -m data.prepare) and
+# lm-eval (on the GPU machine: carry the cp312 wheels). RUNS_ROOT / RESULTS_ROOT / KEEP_CKPT: run_lib.sh.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+. experiments/env.sh
+. experiments/run_lib.sh
+EXP=sparsify_smollm2
+HERE=experiments/$EXP
+sfl_require_gpu
+
+if [ ! -f "${SFL_DATA_DIR:-.data}/smollm2-135m/config.json" ]; then
+  echo "no .data/smollm2-135m: run 'python -m data.prepare' first" >&2; exit 2
+fi
+if [ "$SCALE" = gpu ]; then
+  DEFAULT_L1="0 3e-4 1e-3 3e-3"
+  EVAL_LIMIT="${EVAL_LIMIT:-500}"
+  SPARSE_IMPL="${SPARSE_IMPL:-cuda}"
+  EVAL_ARGS=(--device cuda --dtype bfloat16 --batch-size 64)
+else
+  DEFAULT_L1="0 3e-3"
+  EVAL_LIMIT="${EVAL_LIMIT:-5}"
+  SPARSE_IMPL="${SPARSE_IMPL:-reference}"
+  EVAL_ARGS=(--device cpu --batch-size 8)
+fi
+read -r -a L1S <<< "${L1_VALUES:-$DEFAULT_L1}"
+LIMIT_ARGS=(); [ "$EVAL_LIMIT" = all ] || LIMIT_ARGS=(--limit "$EVAL_LIMIT")
+
+echo "== $EXP, SCALE=$SCALE: L1 values ${L1S[*]} (l1_reduction=sum); eval limit $EVAL_LIMIT, sparse path $SPARSE_IMPL"
+i=0
+for l1 in "${L1S[@]}"; do
+  i=$((i + 1))
+  run=$([ "$l1" = 0 ] && echo dense_relu_l1_0 || echo "sparse_l1_$l1")
+  sfl_train "$EXP" "$run" "$i" "${#L1S[@]}" "$HERE/$SCALE.yaml" -- "l1_coeff=$l1" \
+    "init_from=${SFL_DATA_DIR:-.data}/smollm2-135m"
+done
+echo "== lm-eval, 7 tasks: dense path (eval.json) and sparse path $SPARSE_IMPL (eval_sparse.json)"
+for l1 in "${L1S[@]}"; do
+  run=$([ "$l1" = 0 ] && echo dense_relu_l1_0 || echo "sparse_l1_$l1")
+  sfl_eval "$EXP" "$run" eval --mlp-impl dense ${LIMIT_ARGS[@]+"${LIMIT_ARGS[@]}"} "${EVAL_ARGS[@]}"
+  sfl_eval "$EXP" "$run" eval_sparse --mlp-impl "$SPARSE_IMPL" ${LIMIT_ARGS[@]+"${LIMIT_ARGS[@]}"} "${EVAL_ARGS[@]}"
+done
+# The two paths must agree: print the per-run accuracy difference (the notebook tabulates it too).
+python - "$RESULTS_ROOT/$EXP" <<'PY' || true
+import json, sys
+from pathlib import Path
+for d in sorted(p for p in Path(sys.argv[1]).iterdir() if (p / "eval.json").is_file() and (p / "eval_sparse.json").is_file()):
+    a, b = (json.loads((d / f).read_text()) for f in ("eval.json", "eval_sparse.json"))
+    diffs = {t: b["tasks"][t]["acc"] - a["tasks"][t]["acc"] for t in a["tasks"] if t in b["tasks"]}
+    worst = max(diffs.items(), key=lambda kv: abs(kv[1]))
+    print(f"{d.name}: mean acc dense {100 * a['mean_acc']:.2f} vs sparse {100 * b['mean_acc']:.2f} "
+          f"(largest per-task change {worst[0]} {100 * worst[1]:+.2f} points); nnz/token {a['nnz_per_token_mean']:.1f}")
+PY
+sfl_finish "$EXP"
