@@ -71,7 +71,8 @@ def convert_rows(task: str, rows: Iterator[dict[str, Any]]) -> list[dict[str, An
     for i, d in enumerate(rows):
         if task == "hellaswag":
             ctx = d["ctx_a"] + " " + d["ctx_b"].capitalize()
-            rec = {"id": f"{d['source_id']}:{d['ind']}", "question": hellaswag_preprocess(d["activity_label"] + ": " + ctx),
+            rec = {"id": f"{d['source_id']}:{d['ind']}",
+                   "question": hellaswag_preprocess(d["activity_label"] + ": " + ctx),
                    "choices": [hellaswag_preprocess(e) for e in d["endings"]], "gold": int(d["label"])}
         elif task == "commonsense_qa":
             rec = {"id": d["id"], "question": d["question"].strip(), "choices": list(d["choices"]["text"]),

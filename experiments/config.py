@@ -32,6 +32,7 @@ _SPEC: dict[str, tuple[Any, str]] = {
     "initializer_range": (0.02, "init std"),
     "tie_word_embeddings": (True, "tie lm_head to the input embedding"),
     "gated_mlp": (True, "gated ReLU FFN (false: non-gated ReLU FFN, no gate_proj)"),
+    "activation": ("relu", "relu (sparse model) | silu (dense SiLU baseline, paper Table 3; needs mlp_impl dense)"),
     "mlp_impl": ("dense", "dense | reference | cuda (cuda is inference-only, rejected for training)"),
     "twell_tile_n": (256, "TwELL tile width for mlp_impl reference/cuda (intermediate_size % twell_tile_n == 0)"),
     "twell_slots": (32, "TwELL slots per (row, tile) = twell_tile_n // compression"),
@@ -107,8 +108,33 @@ def load_config(path: str | os.PathLike | None = None, sets: list[str] | None = 
         key, value = _parse_set(item)
         _check_keys([key], "--set")
         cfg[key] = value
+    cfg = coerce_numbers(cfg)
     validate(cfg)
     return resolve(cfg)
+
+
+FLOAT_KEYS = ("l1_coeff", "lr", "min_lr", "eps", "weight_decay", "grad_clip", "rope_theta", "rms_norm_eps",
+              "initializer_range")
+
+
+def _to_float(v: Any) -> Any:
+    if isinstance(v, str):
+        try:
+            return float(v)
+        except ValueError:
+            return v
+    return v
+
+
+def coerce_numbers(cfg: dict[str, Any]) -> dict[str, Any]:
+    """YAML 1.1 reads `1e-3` (no dot) as a string: turn numeric strings of float keys into floats."""
+    cfg = dict(cfg)
+    for k in FLOAT_KEYS:
+        if k in cfg:
+            cfg[k] = _to_float(cfg[k])
+    if isinstance(cfg.get("betas"), (list, tuple)):
+        cfg["betas"] = [_to_float(b) for b in cfg["betas"]]
+    return cfg
 
 
 def _is_int(v: Any) -> bool:
@@ -157,6 +183,10 @@ def validate(cfg: dict[str, Any]) -> None:
             raise bad(k, "must be true or false")
     if cfg["l1_reduction"] not in ("mean", "sum"):
         raise bad("l1_reduction", "must be 'mean' (paper Eq. 2) or 'sum' (official code)")
+    if cfg["activation"] not in ("relu", "silu"):
+        raise bad("activation", "must be relu or silu")
+    if cfg["activation"] != "relu" and cfg["mlp_impl"] != "dense":
+        raise bad("activation", "silu runs only with mlp_impl: dense")
     if cfg["mlp_impl"] not in ("dense", "reference", "cuda"):
         raise bad("mlp_impl", "must be one of dense, reference, cuda")
     if cfg["mlp_impl"] == "cuda":

@@ -115,7 +115,7 @@ def set_rng_state(s: dict[str, Any]) -> None:
 
 def build_model(cfg: dict[str, Any], data_vocab: int, eos_id: int | None, dead_window: int) -> SparseLlamaForCausalLM:
     """Scratch model from the arch keys, or init_from a checkpoint (dense Llama is ReLU-fied)."""
-    sparsity = dict(l1_coeff=float(cfg["l1_coeff"]), l1_reduction=cfg["l1_reduction"], mlp_impl=cfg["mlp_impl"],
+    sparsity = dict(hidden_act=cfg["activation"], l1_coeff=float(cfg["l1_coeff"]), l1_reduction=cfg["l1_reduction"], mlp_impl=cfg["mlp_impl"],
                     twell_tile_n=cfg["twell_tile_n"], twell_slots=cfg["twell_slots"],
                     dead_window_tokens=dead_window)
     if cfg["init_from"] is None:
@@ -141,10 +141,8 @@ def build_model(cfg: dict[str, Any], data_vocab: int, eos_id: int | None, dead_w
             from models.convert import relufy
             model = relufy(LlamaForCausalLM.from_pretrained(src, dtype=torch.float32), **sparsity)
         elif model_type == SparseLlamaConfig.model_type:
-            model = SparseLlamaForCausalLM.from_pretrained(src, dtype=torch.float32)
-            for k, v in sparsity.items():
-                setattr(model.config, k, v)
-            model.config.check_sparsity_fields()
+            # config kwargs are applied before the model is built (and validated there)
+            model = SparseLlamaForCausalLM.from_pretrained(src, dtype=torch.float32, **sparsity)
         else:
             raise ConfigError(f"config key init_from: model_type {model_type!r} unsupported (llama or sparse_llama)")
         vocab = model.config.vocab_size

@@ -9,6 +9,7 @@ from __future__ import annotations
 from transformers import LlamaConfig
 
 MLP_IMPLS = ("dense", "reference", "cuda")
+ACTIVATIONS = ("relu", "silu")  # silu only for the dense SiLU baseline (paper Table 3)
 L1_REDUCTIONS = ("mean", "sum")
 
 
@@ -26,8 +27,8 @@ class SparseLlamaConfig(LlamaConfig):
         twell_tile_n / twell_slots: TwELL tile width and slots per (row, tile) for the sparse paths.
         dead_window_tokens: a neuron counts as dead when it has not fired in this many most recent
             training tokens (paper: one optimiser step, ~2^20 tokens).
-    The activation is always ReLU; hidden_act must say so (a SiLU checkpoint is converted with
-    models.convert, which rewrites it).
+    hidden_act is "relu" (the sparse model) or "silu" (dense SiLU baseline of paper Table 3: same
+    architecture, mlp_impl must be "dense"; its activations are not sparse).
     """
 
     model_type = "sparse_llama"
@@ -51,10 +52,12 @@ class SparseLlamaConfig(LlamaConfig):
         def bad(field: str, value: object, why: str) -> ValueError:
             return ValueError(f"SparseLlamaConfig.{field}={value!r} is invalid: {why}")
 
-        if self.hidden_act != "relu":
+        if self.hidden_act not in ACTIVATIONS:
             raise bad("hidden_act", self.hidden_act,
-                      "the sparse MLP always uses ReLU; set hidden_act='relu' (convert SiLU "
-                      "checkpoints with `python -m models.convert`)")
+                      f"must be one of {ACTIVATIONS} (convert other checkpoints with `python -m models.convert`)")
+        if self.hidden_act != "relu" and self.mlp_impl != "dense":
+            raise bad("hidden_act", self.hidden_act,
+                      f"mlp_impl={self.mlp_impl!r} computes ReLU FFNs only; use hidden_act='relu' or mlp_impl='dense'")
         if not isinstance(self.gated_mlp, bool):
             raise bad("gated_mlp", self.gated_mlp, "must be a bool")
         if isinstance(self.l1_coeff, bool) or not isinstance(self.l1_coeff, (int, float)):
@@ -82,4 +85,4 @@ class SparseLlamaConfig(LlamaConfig):
                           f"mlp_impl={self.mlp_impl!r} has no bias support; use mlp_impl='dense'")
 
 
-__all__ = ["SparseLlamaConfig", "MLP_IMPLS", "L1_REDUCTIONS"]
+__all__ = ["SparseLlamaConfig", "MLP_IMPLS", "L1_REDUCTIONS", "ACTIVATIONS"]

@@ -29,7 +29,8 @@ def sparse_config_from_llama(config: LlamaConfig, **overrides: Any) -> SparseLla
     if config.model_type not in ("llama", SparseLlamaConfig.model_type):
         raise ValueError(f"--src must be a Llama checkpoint (model_type 'llama'), got {config.model_type!r}")
     d = {k: v for k, v in config.to_dict().items() if k not in _DROP_KEYS}
-    d.update(hidden_act="relu", gated_mlp=True, **overrides)
+    d.update({"hidden_act": "relu", "gated_mlp": True})
+    d.update(overrides)
     return SparseLlamaConfig.from_dict(d)
 
 

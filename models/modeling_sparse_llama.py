@@ -114,12 +114,16 @@ class SparseLlamaMLP(nn.Module):
     def _weights(self) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         return (self.gate_proj.weight if self.gated else None, self.up_proj.weight, self.down_proj.weight)
 
+    def act(self, t: torch.Tensor) -> torch.Tensor:
+        # ReLU for the sparse model; SiLU only for the dense baseline (config allows it with mlp_impl dense).
+        return F.relu(t) if self.config.hidden_act == "relu" else F.silu(t)
+
     def _activation(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(a, h): a = relu(gate) (or relu(up)) decides activity; h feeds down_proj."""
         if self.gated:
-            a = F.relu(F.linear(x2, self.gate_proj.weight, self.gate_proj.bias))
+            a = self.act(F.linear(x2, self.gate_proj.weight, self.gate_proj.bias))
             return a, a * F.linear(x2, self.up_proj.weight, self.up_proj.bias)
-        a = F.relu(F.linear(x2, self.up_proj.weight, self.up_proj.bias))
+        a = self.act(F.linear(x2, self.up_proj.weight, self.up_proj.bias))
         return a, a
 
     def _set_l1(self, h: torch.Tensor | None) -> None:
@@ -202,7 +206,7 @@ class SparseLlamaMLP(nn.Module):
         return y
 
     def extra_repr(self) -> str:
-        return f"gated={self.gated}, impl={self.config.mlp_impl}, relu"
+        return f"gated={self.gated}, impl={self.config.mlp_impl}, act={self.config.hidden_act}"
 
 
 class SparseLlamaDecoderLayer(LlamaDecoderLayer):

@@ -290,12 +290,26 @@ def test_generate_greedy_matches_manual_argmax() -> None:
     (dict(twell_tile_n=0), "twell_tile_n"),
     (dict(twell_slots=512), "twell_slots"),
     (dict(dead_window_tokens=0), "dead_window_tokens"),
-    (dict(hidden_act="silu"), "hidden_act"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(hidden_act="silu", mlp_impl="reference", intermediate_size=256), "hidden_act"),
     (dict(mlp_impl="reference", intermediate_size=256, mlp_bias=True), "mlp_bias"),
 ])
 def test_config_validation_names_field(kw, field) -> None:
     with pytest.raises(ValueError, match=f"SparseLlamaConfig.{field}"):
         tiny_config(**kw)
+
+
+def test_silu_baseline_matches_hf_llama() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = tiny_model(seed=8, hidden_act="silu").eval()
+    hf_cfg = LlamaConfig(**{k: v for k, v in model.config.to_dict().items()
+                            if k not in ("model_type", "architectures")})
+    hf = LlamaForCausalLM(hf_cfg).eval()
+    hf.load_state_dict(model.state_dict())
+    x = torch.randint(0, VOCAB, (2, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=x).logits, hf(input_ids=x).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_config_accepts_tileable_sparse_impl() -> None:
