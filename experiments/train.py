@@ -19,6 +19,7 @@ import random
 import shutil
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -308,8 +309,10 @@ def train(cfg: dict[str, Any], resume: bool = False) -> dict[str, Any]:
     if d.world > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
         # broadcast_buffers=False: the per-neuron dead counters are per-rank statistics.
-        fwd_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                        broadcast_buffers=False)
+        with warnings.catch_warnings():  # torch >= 2.13 deprecates the flag but still advises it for this case
+            warnings.simplefilter("ignore", FutureWarning)
+            fwd_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                            broadcast_buffers=False)
     if cfg["compile"]:
         fwd_model = torch.compile(fwd_model)
 

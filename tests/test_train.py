@@ -245,6 +245,19 @@ def test_bad_config_names_key(override, key) -> None:
         load_config(None, sets)
 
 
+def test_yaml_numbers_and_activation(tmp_path) -> None:
+    good = tmp_path / "good.yaml"
+    good.write_text("l1_coeff: 2e-5\nlr: 1e-3\nbetas: [0.9, 95e-2]\nactivation: silu\n")
+    cfg = load_config(good)  # YAML 1.1 reads 2e-5 as a string; float keys accept it
+    assert cfg["l1_coeff"] == 2e-5 and cfg["lr"] == 1e-3 and cfg["betas"] == [0.9, 0.95]
+    with pytest.raises(ConfigError, match="l1_coeff"):
+        load_config(None, ["l1_coeff=abc"])
+    with pytest.raises(ConfigError, match="activation"):
+        load_config(None, ["activation=gelu"])
+    with pytest.raises(ConfigError, match="activation"):
+        load_config(None, ["activation=silu", "mlp_impl=reference", "intermediate_size=512"])
+
+
 def test_unknown_yaml_key_and_cli_exit(tmp_path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("hidden_size: 64\nl1_coef: 1e-5\n")
