@@ -258,6 +258,7 @@ def train(cfg: dict[str, Any], resume: bool = False) -> dict[str, Any]:
         out_dir.mkdir(parents=True, exist_ok=True)
         if resume and ckpt_dir is None:
             print(f"--resume: no checkpoint in {out_dir}, starting from scratch", file=sys.stderr)
+            log_path.unlink(missing_ok=True)  # killed before its first checkpoint: the run restarts whole
     d.barrier()
 
     data = TokenData(Path(cfg["data_dir"]) / cfg["tokens_subdir"], cfg["seq_len"])
@@ -265,7 +266,11 @@ def train(cfg: dict[str, Any], resume: bool = False) -> dict[str, Any]:
     tokens_per_step_rank = mbs * accum * seq
     tokens_per_step = tokens_per_step_rank * d.world
     dead_window = cfg["dead_window_tokens"] or tokens_per_step_rank
-    val_windows = data.val_windows(min(cfg["eval_batches"] * mbs, data.n_val_windows))
+    n_val = cfg["eval_batches"] * mbs
+    if n_val > data.n_val_windows and d.main:
+        print(f"note: val split has only {data.n_val_windows} windows of {seq + 1} tokens; evaluating on all of "
+              f"them instead of eval_batches*micro_batch_size={n_val}", file=sys.stderr)
+    val_windows = data.val_windows(min(n_val, data.n_val_windows))
     if len(val_windows) == 0:
         raise ConfigError(f"val split of {data.dir} has no window of seq_len+1={seq + 1} tokens")
 
@@ -279,7 +284,8 @@ def train(cfg: dict[str, Any], resume: bool = False) -> dict[str, Any]:
 
     step, wall_prev = 0, 0.0
     if ckpt_dir is not None:
-        state = load_checkpoint(ckpt_dir, map_location=device)
+        # CPU: RNG states must stay CPU ByteTensors; load_state_dict moves weights/optimizer state to device.
+        state = load_checkpoint(ckpt_dir, map_location="cpu")
         check_resume_config(state["config"], cfg)
         if state["data"] != data.fingerprint():
             raise ConfigError(f"--resume: the train data in {data.dir} differs from the checkpoint's")

@@ -89,7 +89,13 @@ def _run(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, return_
     x2 = x.reshape(-1, x.shape[-1])
     wdt = w_down_t if w_down_t is not None else transposed_down(w_down)
     ops = _ops()
-    if w_gate is not None:
+    if not torch.compiler.is_compiling():
+        # eager (CUDA-graph capture included): call the implementation directly; the torch.library op costs
+        # tens of microseconds of host time per call, which the GPU waits for at small M
+        from kernels.twell.ops import _ffn_impl
+
+        y, nnz = _ffn_impl(x2, w_gate, w_up, wdt, w_down, _MODES[mode], float(activity_hint), return_stats)
+    elif w_gate is not None:
         y, nnz = ops.gated_ffn(x2, w_gate, w_up, wdt, w_down, _MODES[mode], float(activity_hint), return_stats)
     else:
         y, nnz = ops.nongated_ffn(x2, w_up, wdt, w_down, _MODES[mode], float(activity_hint), return_stats)

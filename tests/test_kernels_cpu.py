@@ -81,3 +81,31 @@ def test_module_rejects_bias():
     lin = torch.nn.Linear(64, 256, bias=True)
     with pytest.raises(ValueError, match="bias"):
         ffn.TwELLMLP.from_linears(lin, torch.nn.Linear(256, 64, bias=False))
+
+
+def test_crossover_table_parsing():
+    from kernels.twell.ops import crossover
+
+    spec = "1:0.012,17:0,8192:0.003"
+    assert crossover(1, spec) == 0.012 and crossover(16, spec) == 0.012
+    assert crossover(17, spec) == 0.0 and crossover(8191, spec) == 0.0
+    assert crossover(8192, spec) == 0.003 and crossover(10 ** 6, spec) == 0.003
+    assert crossover(5, "64:0.01") == 0.0   # below the first bucket: dense
+    with pytest.raises(ValueError, match="TWELL_CROSSOVER"):
+        crossover(5, "garbage")
+
+
+def test_layer_history_update_and_keys():
+    from kernels.twell.ops import LayerHistory, history_for, reset_history
+
+    h = LayerHistory()
+    h.update(nnz_ok=900, n_bad=10, rows=100, n=1000)   # 900 active entries over 90 unflagged rows of 1000
+    assert h.p == 0.01 and h.f == 0.1
+    h.update(nnz_ok=45, n_bad=0, rows=10, n=900)
+    assert h.p == 45 / 9000 and h.f == 0.0
+    h.update(nnz_ok=0, n_bad=4, rows=4, n=900)   # every row flagged: treat as fully active (dense)
+    assert h.p == 1.0 and h.f == 1.0
+    reset_history()
+    w = torch.empty(256, 64)
+    assert history_for(w) is history_for(w.detach()) is history_for(w.view(256, 64))
+    assert history_for(w) is not history_for(torch.empty(256, 64))

@@ -151,9 +151,42 @@ def test_resume_refuses_changed_config_and_fresh_run_refuses_existing(data_dir, 
         train_mod.train(cfg_for(data_dir, out, max_steps=3, eval_every=0, lr=1e-2), resume=True)
     with pytest.raises(ConfigError, match="--resume"):
         train_mod.train(cfg_for(data_dir, out, max_steps=3, eval_every=0))
-    # --resume on an empty out_dir starts from scratch
-    train_mod.train(cfg_for(data_dir, tmp_path / "new", max_steps=1, warmup_steps=1, eval_every=0), resume=True)
-    assert read_log(tmp_path / "new")[0]["type"] == "header"
+    # --resume on an out_dir without checkpoint (killed before the first one) starts from scratch
+    new = tmp_path / "new"
+    new.mkdir()
+    (new / "train_log.jsonl").write_text('{"type": "header"}\n{"type": "step", "step": 1}\n')
+    train_mod.train(cfg_for(data_dir, new, max_steps=1, warmup_steps=1, eval_every=0), resume=True)
+    assert [x["type"] for x in read_log(new)] == ["header", "step", "eval", "final"]
+
+
+# ----------------------------------------------------------------------------- init_from / SiLU
+def test_init_from_dense_llama_and_sparse_checkpoint(data_dir, tmp_path) -> None:
+    import models  # noqa: F401
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    dense = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
+                                         num_attention_heads=4, max_position_embeddings=32, hidden_act="silu"))
+    dense.save_pretrained(tmp_path / "dense")
+    common = dict(max_steps=2, warmup_steps=1, eval_every=0, ckpt_every=0)
+    train_mod.train(cfg_for(data_dir, tmp_path / "a", init_from=str(tmp_path / "dense"), **common))
+    a = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "final")
+    assert a.config.hidden_size == 48 and a.config.hidden_act == "relu" and a.config.l1_coeff == 1e-2
+    assert read_log(tmp_path / "a")[0]["n_params"] == sum(p.numel() for p in dense.parameters())
+    # continue from a SparseLlama checkpoint with other sparsity settings
+    train_mod.train(cfg_for(data_dir, tmp_path / "b", init_from=str(tmp_path / "a" / "final"), l1_coeff=0.0,
+                            l1_reduction="sum", **common))
+    b = AutoModelForCausalLM.from_pretrained(tmp_path / "b" / "final")
+    assert b.config.l1_reduction == "sum" and b.config.l1_coeff == 0.0
+    with pytest.raises(ConfigError, match="seq_len"):
+        train_mod.train(cfg_for(data_dir, tmp_path / "c", init_from=str(tmp_path / "dense"), seq_len=64, **common))
+
+
+def test_silu_baseline_trains(data_dir, tmp_path) -> None:
+    train_mod.train(cfg_for(data_dir, tmp_path / "s", activation="silu", l1_coeff=0.0, max_steps=2, warmup_steps=1,
+                            eval_every=0, ckpt_every=0))
+    step = [x for x in read_log(tmp_path / "s") if x["type"] == "step"][-1]
+    assert step["nnz_mean"] > 0.9 * 64  # SiLU activations are (almost) never exactly zero
 
 
 # ----------------------------------------------------------------------------- crash safety

@@ -125,15 +125,18 @@ def test_modes_and_many_heavy_rows(ffn, mode, p):
     check(y, x, wg, wu, wd, True)
 
 
-def test_d2t_matches_reference(ffn, monkeypatch):
+@pytest.mark.parametrize("chunk", [0, 64, 100000])   # 0 = auto (one GEMM over all rows at this size)
+def test_d2t_matches_reference(ffn, monkeypatch, chunk):
+    """Every d2t variant (full-M GEMM, chunked) equals reference.d2t bit for bit on the valid slots."""
     from kernels import reference
 
     K, N, M = 2048, 5632, 300
     x, wg, _, _ = make_problem(M, K, N, 0.01, seed=3)
-    monkeypatch.setenv("TWELL_CHUNK_ROWS", "100000")   # one GEMM call, same cuBLAS algorithm as below
+    monkeypatch.setenv("TWELL_CHUNK_ROWS", str(chunk))
     poison()
     packed, counts, flag = ffn.twell_d2t(x, wg, 32)
-    h = F.relu(torch.mm(x, wg.t()))
+    step = chunk if chunk > 0 else M   # the same GEMM calls as the op, so the same cuBLAS rounding
+    h = F.relu(torch.cat([torch.mm(x[i:i + step], wg.t()) for i in range(0, M, step)]))
     ref = reference.d2t(h, 256, 32)
     assert torch.equal(counts, ref.counts)
     nonfinite = (~torch.isfinite(torch.mm(x, wg.t()))).any(1)
@@ -148,15 +151,15 @@ def test_cuda_graph_capture(ffn, M):
     K, N = 2048, 5632
     x, wg, wu, wd = make_problem(M, K, N, 0.01, seed=5, adversarial=False)
     static_x = x.clone()
-    ffn.sparse_gated_ffn(static_x, wg, wu, wd)  # warm-up: build, caches
+    ffn.sparse_gated_ffn(static_x, wg, wu, wd, mode="sparse")  # warm-up: build, caches
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        ffn.sparse_gated_ffn(static_x, wg, wu, wd)
+        ffn.sparse_gated_ffn(static_x, wg, wu, wd, mode="sparse")
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_y = ffn.sparse_gated_ffn(static_x, wg, wu, wd)
+        static_y = ffn.sparse_gated_ffn(static_x, wg, wu, wd, mode="sparse")
     for seed in (21, 22):
         x2, _, _, _ = make_problem(M, K, N, 0.01, seed=seed, adversarial=False)
         x2[0, 3:] *= 6  # heavy row: handled losslessly in the sync-free path
@@ -204,3 +207,149 @@ def test_bad_inputs_on_gpu(ffn):
         ffn.sparse_gated_ffn(x.t().contiguous().t(), wg, wu, wd)
     with pytest.raises(ValueError, match="w_down"):
         ffn.sparse_gated_ffn(x, wg, wu, wd.t().contiguous())
+
+
+def test_sample_stats_kernel(ffn):
+    """The dense-path measurement: per sampled row, active count (NaN active) and would-be-flagged."""
+    from kernels.loader import load_twell
+
+    ext = load_twell()
+    N, S = 1536, 32
+    g = torch.randn(600, N, device=DEV).to(BF)
+    g[3] = float("nan")
+    g[5, 7] = float("inf")
+    g[7, :200] = 1.0          # tile 0 overflows
+    g[9] = -1.0               # nothing active
+    view = g[::3][:200]       # strided rows, read in place
+    out = torch.empty(200, 2, device=DEV, dtype=torch.int32)
+    ext.sample_stats(view, N, S, out)
+    v = view.float()
+    act = (v > 0) | torch.isnan(v)
+    tiles = act.view(200, N // 256, 256).sum(2)
+    bad = (tiles > S).any(1) | (~torch.isfinite(v)).any(1)
+    assert torch.equal(out[:, 0].long(), act.sum(1))
+    assert torch.equal(out[:, 1].bool(), bad)
+
+
+def test_row_stats_kernel(ffn):
+    from kernels.loader import load_twell
+
+    ext = load_twell()
+    counts = torch.randint(0, 300, (5000, 22), device=DEV, dtype=torch.int32)
+    flag = (torch.rand(5000, device=DEV) < 0.1).int()
+    out = torch.zeros(2, device=DEV, dtype=torch.int64)
+    ext.row_stats(counts, flag, out)
+    assert out.tolist() == [int((counts.long().sum(1) * (flag == 0)).sum()), int(flag.sum())]
+
+
+def _set_activity(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """Feature 0 carries the gate shift (make_problem): scaling it moves the activity of every row."""
+    x = x.clone()
+    x[:, 0] = scale
+    return x
+
+
+@pytest.mark.parametrize("M", [16, 3000])
+def test_dispatch_history_follows_activity(ffn, monkeypatch, M):
+    """Auto dispatch: first call dense + measure; low activity -> sparse; a jump to high activity is run (exact)
+    on the stale choice once, then dense; back to low -> sparse again. Exact on every call."""
+    from kernels.twell import ops
+
+    monkeypatch.setenv("TWELL_CROSSOVER", "1:0.01")   # sparse whenever measured activity <= 1%
+    K, N = 2048, 5632
+    x, wg, wu, wd = make_problem(M, K, N, 0.004, seed=31, adversarial=False)
+    lo, hi = _set_activity(x, 1.0), _set_activity(x, 0.2)   # ~0.4% and ~20% active
+    hist = ops.history_for(wg)
+    hist.__init__()
+    seq = [(lo, "dense"), (lo, "sparse"), (lo, "sparse"), (hi, "sparse"), (hi, "dense"), (hi, "dense"),
+           (lo, "dense"), (lo, "sparse")]
+    for i, (xi, want) in enumerate(seq):
+        poison()
+        y = ffn.sparse_gated_ffn(xi, wg, wu, wd)
+        got = ops.LAST_PATH["path"].replace("-syncfree", "")
+        torch.cuda.synchronize()   # lets the asynchronous measurement land before the next call
+        assert got == want, f"call {i}: path {got}, expected {want} ({hist})"
+        check(y, xi, wg, wu, wd, True)
+    hist.poll()
+    assert hist.measurements == len(seq) and hist.p is not None and hist.p < 0.01
+
+
+def test_dispatch_without_readback_keeps_old_estimate(ffn, monkeypatch):
+    """If the measurement has not landed yet (host ahead of GPU), the previous estimate is used: no sync."""
+    from kernels.twell import ops
+
+    monkeypatch.setenv("TWELL_CROSSOVER", "1:0.01")
+    K, N, M = 576, 1536, 2000
+    x, wg, wu, wd = make_problem(M, K, N, 0.004, seed=32, adversarial=False)
+    hist = ops.history_for(wg)
+    hist.__init__()
+    ffn.sparse_gated_ffn(x, wg, wu, wd)   # first call: allocates this layer's pinned slots
+    torch.cuda.synchronize()
+    hist.poll()
+    hist.p, hist.dense_calls = None, 0    # forget the estimate, keep the buffers
+    torch.cuda._sleep(200_000_000)   # keep the GPU busy so no event completes during the calls below
+    ys = [ffn.sparse_gated_ffn(x, wg, wu, wd) for _ in range(3)]
+    paths_before = hist.dense_calls
+    torch.cuda.synchronize()
+    assert paths_before == 3   # nothing measured yet -> dense each time, never waited
+    for y in ys:
+        check(y, x, wg, wu, wd, True)
+
+
+def test_dense_dispatch_has_no_host_sync(ffn, monkeypatch):
+    """The dense-dispatched call (and its measurement) must not synchronize with the host."""
+    monkeypatch.setenv("TWELL_CROSSOVER", "1:0")   # always dense
+    K, N, M = 576, 1536, 4096
+    x, wg, wu, wd = make_problem(M, K, N, 0.01, seed=33, adversarial=False)
+    ffn.sparse_gated_ffn(x, wg, wu, wd)   # build + pinned-memory pool warm
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            y = ffn.sparse_gated_ffn(x, wg, wu, wd)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    check(y, x, wg, wu, wd, True)
+
+
+def test_graph_capture_auto_uses_history(ffn, monkeypatch):
+    """Under capture, auto takes the choice of the history measured by earlier eager calls."""
+    from kernels.twell import ops
+
+    monkeypatch.setenv("TWELL_CROSSOVER", "1:0.01")
+    K, N, M = 2048, 5632, 8
+    x, wg, wu, wd = make_problem(M, K, N, 0.004, seed=34, adversarial=False)
+    static_x = x.clone()
+    for _ in range(2):
+        ffn.sparse_gated_ffn(static_x, wg, wu, wd)
+        torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        ffn.sparse_gated_ffn(static_x, wg, wu, wd)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = ffn.sparse_gated_ffn(static_x, wg, wu, wd)
+    assert ops.LAST_PATH["path"] == "sparse-syncfree"
+    x2, _, _, _ = make_problem(M, K, N, 0.004, seed=35, adversarial=False)
+    static_x.copy_(x2)
+    static_y.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(static_y, x2, wg, wu, wd, True)
+
+
+def test_library_op_matches_direct_call(ffn):
+    """Eager calls bypass the torch.library op (host time); both routes compute the same exact result."""
+    K, N, M = 576, 1536, 300
+    x, wg, wu, wd = make_problem(M, K, N, 0.01, seed=36)
+    wdt = ffn.transposed_down(wd)
+    y_op, nnz_op = torch.ops.sfl_twell.gated_ffn(x, wg, wu, wdt, wd, 1, 0.0, True)
+    y, st = ffn.sparse_gated_ffn(x, wg, wu, wd, mode="sparse", return_stats=True)
+    torch.cuda.synchronize()
+    check(y_op, x, wg, wu, wd, True)
+    assert torch.equal(torch.isfinite(y_op), torch.isfinite(y))
+    fin = torch.isfinite(y).all(1)
+    assert torch.equal(y_op[fin], y[fin]) and torch.equal(nnz_op, st["nnz_per_token"])

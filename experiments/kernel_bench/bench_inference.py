@@ -5,6 +5,10 @@ checked against dense in the same run. Decode sizes (M <= 64) are timed as CUDA-
 One JSONL row per configuration (with provenance) goes to --out; a table is printed at the end.
 
     python -m experiments.kernel_bench.bench_inference --out results/kernel_bench/bench.jsonl [--quick]
+    python -m experiments.kernel_bench.bench_inference --calib --out results/kernel_bench/calib.jsonl
+
+--calib times dense against the forced sparse path over a grid of M and activity (the data behind the
+TWELL_CROSSOVER table of kernels/README.md) and prints the largest activity at which sparse wins per M.
 """
 from __future__ import annotations
 
@@ -84,6 +88,25 @@ class Timer:
         return statistics.median(times)
 
 
+    def time_pair(self, fa, fb, reps: int, warmup: int = 2) -> tuple[float, float]:
+        """Median times of fa and fb, timed in alternation (ABAB...) so that clock/thermal drift during the
+        run hits both equally (timing all of A, then all of B, biased B by up to several % at large M)."""
+        for _ in range(warmup):
+            fa()
+            fb()
+        ta, tb = [], []
+        for _ in range(reps):
+            for fn, out in ((fa, ta), (fb, tb)):
+                self.flush_buf.zero_()
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                fn()
+                e.record()
+                e.synchronize()
+                out.append(s.elapsed_time(e))
+        return statistics.median(ta), statistics.median(tb)
+
+
 def graphed(fn):
     """Capture fn() into a CUDA graph (warm-up on a side stream first); return replay callable and output."""
     s = torch.cuda.Stream()
@@ -104,11 +127,103 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def calibrate(out: str) -> int:
+    """Dense vs forced-sparse timings over M x activity (uniform and paper profiles): the crossover table."""
+    from experiments.provenance import collect
+    from kernels.ffn import sparse_gated_ffn, transposed_down
+    from kernels.twell import ops as twops
+
+    prov = collect({"knobs": twops.knobs(), "calibration": True})
+    timer = Timer()
+    K, N = 2048, 5632
+    wg32, wu32, wd32 = make_weights(K, N)
+    wu, wd = wu32.to(BF), wd32.to(BF)
+    wdt = transposed_down(wd)
+    Ms = [1, 4, 8, 16, 32, 64, 256, 1024, 4096, 8192, 16384, 32768, 65536]
+    acts = [0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02]
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    f = open(out, "a")
+    best: dict[tuple, float] = {}
+    t0 = time.time()
+    for M in Ms:
+        reps = 10 if M >= 16384 else 20
+        for pattern in ("uniform", "paper"):
+            for p in acts:
+                x, wg = make_case(wg32, M, K, N, pattern, p, 0.0, seed=int(p * 1e5) + M)
+                d = lambda: dense_gated(x, wg, wu, wd)  # noqa: E731
+                sp = lambda: sparse_gated_ffn(x, wg, wu, wd, w_down_t=wdt, mode="sparse")  # noqa: E731
+                y_s = sp()
+                err = rel_err(y_s, d())
+                if M <= 64:
+                    rd, _ = graphed(d)
+                    rs, _ = graphed(sp)
+                    dm, sm = timer.time(rd, reps), timer.time(rs, reps)
+                else:
+                    dm, sm = timer.time(d, reps), timer.time(sp, reps)
+                h = F.relu(F.linear(x, wg))
+                p_meas = (h != 0).float().mean().item()
+                row = {"provenance": prov, "kind": "gated", "M": M, "K": K, "N": N, "pattern": pattern,
+                       "activity": p, "p_measured": p_meas, "dense_ms": dm, "sparse_ms": sm, "speedup": dm / sm,
+                       "rel_err_vs_dense_bf16": err, "timing": "cuda_graph_replay" if M <= 64 else "eager"}
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                if sm < dm:
+                    best[(M, pattern)] = max(best.get((M, pattern), 0.0), p_meas)
+                print(f"[calib {time.time() - t0:.0f}s] M={M} {pattern} p={p} meas={p_meas:.4f} dense={dm:.4f} "
+                      f"sparse={sm:.4f} x{dm / sm:.2f} err={err:.1e}", flush=True)
+                del x, wg, h
+            torch.cuda.empty_cache()
+    f.close()
+    print("\nlargest measured activity at which sparse beat dense (0 = never):")
+    for M in Ms:
+        print(f"  M={M}: uniform {best.get((M, 'uniform'), 0):.4f}  paper {best.get((M, 'paper'), 0):.4f}")
+    return 0
+
+
+def overhead() -> int:
+    """Host-side cost per call (GPU kept busy so the host never waits) and a profiler table of API calls."""
+    from kernels.ffn import sparse_gated_ffn, transposed_down
+
+    K, N = 2048, 5632
+    wg32, wu32, wd32 = make_weights(K, N)
+    wu, wd = wu32.to(BF), wd32.to(BF)
+    wdt = transposed_down(wd)
+    for M, p, mode in ((4096, 0.02, "auto"), (4096, 0.001, "sparse"), (65536, 0.0025, "sparse")):
+        x, wg = make_case(wg32, M, K, N, "uniform", p, 0.0, seed=7)
+        fns = {"dense": lambda: dense_gated(x, wg, wu, wd),
+               f"ours_{mode}": lambda: sparse_gated_ffn(x, wg, wu, wd, w_down_t=wdt, mode=mode)}
+        for _ in range(4):
+            fns[f"ours_{mode}"]()
+        torch.cuda.synchronize()
+        for name, fn in fns.items():
+            torch.cuda._sleep(400_000_000)
+            t = time.perf_counter()
+            for _ in range(10):
+                fn()
+            cpu = (time.perf_counter() - t) / 10
+            torch.cuda.synchronize()
+            print(f"[overhead] M={M} p={p} {name}: host time per call {cpu * 1e6:.0f} us (GPU busy)", flush=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fns[f"ours_{mode}"]()
+            torch.cuda.synchronize()
+        print(f"[overhead] profile of 5 calls ours_{mode} M={M} p={p}")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=40))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="results/kernel_bench/bench.jsonl")
     ap.add_argument("--quick", action="store_true", help="fewer configurations (smoke run)")
+    ap.add_argument("--calib", action="store_true", help="dense vs forced sparse over an M x activity grid")
+    ap.add_argument("--overhead", action="store_true", help="host cost per call and a profiler table")
     args = ap.parse_args()
+    if args.calib:
+        return calibrate(args.out)
+    if args.overhead:
+        return overhead()
     from experiments.provenance import collect
     from kernels.ffn import sparse_gated_ffn, sparse_nongated_ffn, transposed_down
     from kernels.twell import ops as twops
@@ -120,7 +235,7 @@ def main() -> int:
     wu, wd = wu32.to(BF), wd32.to(BF)
     wdt = transposed_down(wd)
     acts = [0.0025, 0.005, 0.01, 0.02, 0.05, 0.10]
-    large = [(65536, 10), (16384, 20), (4096, 30)]
+    large = [(65536, 15), (16384, 30), (4096, 40)]
     decode = [1, 16, 64]
     if args.quick:
         acts, large, decode = [0.005, 0.02, 0.10], [(65536, 5)], [1, 64]
@@ -161,9 +276,13 @@ def main() -> int:
             ours_stats = lambda: sparse_nongated_ffn(x, wun, wdn, w_down_t=wdtn, return_stats=True)  # noqa: E731
             NN = 8192
         y_ref = dense_fn()
+        for _ in range(3):  # auto dispatch learns this layer's activity (first call: dense + measurement)
+            ours_fn()
+        torch.cuda.synchronize()
         y_ours, st = ours_stats()
         path = twops.LAST_PATH["path"]
         flagged = twops.LAST_PATH["flagged_rows"]
+        p_est = twops.LAST_PATH["p_est"]
         nnz = st["nnz_per_token"].float()
         err = rel_err(y_ours, y_ref)
         # bf16-vs-fp32 error of dense on a row sample, for scale
@@ -174,28 +293,37 @@ def main() -> int:
             ref32 = dense_nongated(x[sample].float(), wun.float(), wdn.float())
         err_ours32, err_dense32 = rel_err(y_ours[sample], ref32), rel_err(y_ref[sample], ref32)
         row = {"provenance": prov, "kind": kind, "M": M, "K": K, "N": NN, "pattern": pattern, "activity": p,
-               "heavy_frac": heavy, "nnz_mean": nnz.mean().item(), "nnz_max": nnz.max().item(),
+               "heavy_frac": heavy, "nnz_mean": nnz.mean().item(), "nnz_max": nnz.max().item(), "p_est": p_est,
                "overflow_rows": flagged, "path": path, "rel_err_vs_dense_bf16": err,
                "rel_err_vs_fp32_sample": err_ours32, "dense_bf16_err_vs_fp32_sample": err_dense32}
         if M <= 64:
             rep_d, _ = graphed(dense_fn)
             rep_o, y_g = graphed(ours_fn)
+            row["path"] = path = twops.LAST_PATH["path"]  # the path captured in the graph
             rep_o()
             torch.cuda.synchronize()
             row["graph_rel_err"] = rel_err(y_g, y_ref)
-            row["dense_ms"] = timer.time(rep_d, reps)
-            row["ours_ms"] = timer.time(rep_o, reps)
+            row["dense_ms"], row["ours_ms"] = timer.time_pair(rep_d, rep_o, reps)
+            rep_s, y_s = graphed(lambda: ours_fn("sparse"))
+            row["ours_sparse_forced_ms"] = timer.time(rep_s, reps)
             row["timing"] = "cuda_graph_replay"
         else:
-            row["dense_ms"] = timer.time(dense_fn, reps)
-            row["ours_ms"] = timer.time(ours_fn, reps)
+            row["dense_ms"], row["ours_ms"] = timer.time_pair(dense_fn, ours_fn, reps)
+            if kind == "gated" and p == 0.02 and heavy == 0:  # A/A control: dense against itself, same method
+                row["dense_vs_dense_ratio"] = (lambda a, b: a / b)(*timer.time_pair(dense_fn, dense_fn, reps))
+            row["ours_sparse_forced_ms"] = timer.time(lambda: ours_fn("sparse"), reps)
             if M == 65536 and kind == "gated":
-                row["ours_sparse_forced_ms"] = timer.time(lambda: ours_fn("sparse"), reps)
-                # breakdown: cuBLAS gate GEMM alone, and gate GEMM + compaction to TwELL (d2t)
+                # breakdown: cuBLAS gate GEMM alone, and gate GEMM + compaction to TwELL (d2t), per variant
                 from kernels.ffn import twell_d2t
 
                 row["gate_gemm_ms"] = timer.time(lambda: torch.mm(x, wg.t()), reps)
                 row["d2t_ms"] = timer.time(lambda: twell_d2t(x, wg, 32), reps)
+                for ch in (4096, 16384):
+                    os.environ["TWELL_CHUNK_ROWS"] = str(ch)
+                    try:
+                        row[f"d2t_chunk{ch}_ms"] = timer.time(lambda: twell_d2t(x, wg, 32), reps)
+                    finally:
+                        del os.environ["TWELL_CHUNK_ROWS"]
             row["timing"] = "eager"
         row["speedup"] = row["dense_ms"] / row["ours_ms"]
         rows_out.append(row)
@@ -204,8 +332,10 @@ def main() -> int:
         print(f"[{i + 1}/{len(cases)} {time.time() - t_start:.0f}s] {kind} M={M} {pattern} p={p} heavy={heavy} "
               f"nnz={row['nnz_mean']:.1f}/{row['nnz_max']:.0f} path={path} ovf={flagged} dense={row['dense_ms']:.3f} "
               f"ours={row['ours_ms']:.3f} x{row['speedup']:.2f} err={err:.2e}"
-              + (f" sparse_forced={row['ours_sparse_forced_ms']:.3f} gate={row['gate_gemm_ms']:.3f}"
-                 f" d2t={row['d2t_ms']:.3f}" if "ours_sparse_forced_ms" in row else ""),
+              + f" sparse_forced={row['ours_sparse_forced_ms']:.3f} p_est={p_est}"
+              + (f" AA={row['dense_vs_dense_ratio']:.3f}" if "dense_vs_dense_ratio" in row else "")
+              + (f" gate={row['gate_gemm_ms']:.3f} d2t={row['d2t_ms']:.3f} d2t_chunk4096={row['d2t_chunk4096_ms']:.3f}"
+                 f" d2t_chunk16384={row['d2t_chunk16384_ms']:.3f}" if "gate_gemm_ms" in row else ""),
               flush=True)
         del x, y_ref, y_ours
         torch.cuda.empty_cache()

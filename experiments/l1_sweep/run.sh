@@ -15,7 +15,7 @@ HERE=experiments/$EXP
 sfl_require_gpu
 
 if [ "$SCALE" = gpu ]; then
-  DEFAULT_L1="0 1e-5 3e-5 1e-4 3e-4 1e-3 3e-3 1e-2"
+  DEFAULT_L1="0 3e-5 1e-4 3e-4 1e-3 3e-3 1e-2 3e-2"
   EVAL_ARGS=(--device cuda --dtype bfloat16 --batch-size 64)
 else
   DEFAULT_L1="0 1e-3 1e-2 1e-1"

@@ -14,7 +14,7 @@ echo "== [1/4] offline data (idempotent: verified and skipped when already prepa
 python -m data.prepare
 
 echo "== [2/4] train"
-extra=(); if [ $# -gt 0 ]; then extra=(--set "$@"); fi
+extra=(); for kv in "$@"; do extra+=(--set "$kv"); done
 python -m experiments.train --config experiments/quickstart/config.yaml "${extra[@]}"
 
 echo "== [3/4] evaluate (lm-eval, 7 tasks, limit $limit)"

@@ -20,7 +20,7 @@ if [ ! -f "${SFL_DATA_DIR:-.data}/smollm2-135m/config.json" ]; then
   echo "no .data/smollm2-135m: run 'python -m data.prepare' first" >&2; exit 2
 fi
 if [ "$SCALE" = gpu ]; then
-  DEFAULT_L1="0 3e-4 1e-3 3e-3"
+  DEFAULT_L1="0 1e-3 3e-3 1e-2"
   EVAL_LIMIT="${EVAL_LIMIT:-500}"
   SPARSE_IMPL="${SPARSE_IMPL:-cuda}"
   EVAL_ARGS=(--device cuda --dtype bfloat16 --batch-size 64)

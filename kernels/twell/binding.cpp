@@ -17,6 +17,10 @@ cudaError_t twell_down_launch(const void* wdt, int rows, int K, int N, int S, in
                               const float* hval, void* y, float* yacc, cudaStream_t stream);
 cudaError_t twell_finalize_launch(const float* yacc, const int32_t* flag, int rows, int K, int nan_fill, void* y,
                                   cudaStream_t stream);
+cudaError_t twell_sample_stats_launch(const void* g, long long ldg, int rows, int N, int S, int32_t* out,
+                                      cudaStream_t stream);
+cudaError_t twell_row_stats_launch(const int32_t* counts, const int32_t* flag, int rows, int N,
+                                   unsigned long long* out, cudaStream_t stream);
 }
 
 // the loader passes -DTWELL_SRC_HASH=<hex> (no quotes: shell/ninja quoting differs); stringified here
@@ -121,6 +125,33 @@ void finalize(const at::Tensor& yacc, const at::Tensor& flag, at::Tensor y, int6
         "finalize");
 }
 
+// g: [rows, >=N] bf16 with unit column stride (a strided view of every k-th row of a dense gate output works).
+// out: int32 [rows, 2] = (active entries, would-be-flagged) per row.
+void sample_stats(const at::Tensor& g, int64_t N, int64_t S, at::Tensor out) {
+  TORCH_CHECK(g.is_cuda() && g.scalar_type() == at::kBFloat16 && g.dim() == 2 && g.stride(1) == 1,
+              "sample_stats: g must be a CUDA bf16 [rows, N] tensor with unit column stride");
+  TORCH_CHECK(g.size(1) >= N, "sample_stats: g has fewer than N columns");
+  req(out, "out", at::kInt, 2);
+  TORCH_CHECK(out.size(0) == g.size(0) && out.size(1) == 2, "sample_stats: out must be [rows, 2]");
+  const c10::cuda::CUDAGuard guard(g.device());
+  check(twell_sample_stats_launch(g.data_ptr(), g.stride(0), (int)g.size(0), (int)N, (int)S, i32(out),
+                                  c10::cuda::getCurrentCUDAStream().stream()),
+        "sample_stats");
+}
+
+// out: int64 [2], zeroed by the caller; += (sum of counts over unflagged rows, number of flagged rows).
+void row_stats(const at::Tensor& counts, const at::Tensor& flag, at::Tensor out) {
+  req(counts, "counts", at::kInt, 2);
+  req(flag, "flag", at::kInt, 1);
+  req(out, "out", at::kLong, 1);
+  TORCH_CHECK(flag.size(0) == counts.size(0) && out.size(0) == 2, "row_stats: shape mismatch");
+  const c10::cuda::CUDAGuard guard(counts.device());
+  check(twell_row_stats_launch(i32(counts), i32(flag), (int)counts.size(0), (int)(counts.size(1) * 256),
+                               reinterpret_cast<unsigned long long*>(out.data_ptr<int64_t>()),
+                               c10::cuda::getCurrentCUDAStream().stream()),
+        "row_stats");
+}
+
 std::string source_hash() { return TWELL_STR(TWELL_SRC_HASH); }
 
 }  // namespace
@@ -130,5 +161,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gated_up", &gated_up, "h = g * (x . W_u[j]) for every stored TwELL entry (fp32)");
   m.def("down", &down, "y = TwELL(h) @ W_d^T (fp32 accumulate)");
   m.def("finalize", &finalize, "fp32 accumulator -> bf16 output");
+  m.def("sample_stats", &sample_stats, "per sampled row: active entries and would-be-flagged (dispatch history)");
+  m.def("row_stats", &row_stats, "sum of counts over unflagged rows and number of flagged rows (dispatch history)");
   m.def("source_hash", &source_hash, "hash of the sources this library was built from");
 }

@@ -11,8 +11,8 @@ class _TwELLBase(nn.Module):
     def __init__(self, mode: Literal["auto", "sparse", "dense"], activity_hint: float):
         super().__init__()
         self.mode = mode
-        # sync-free calls (decode M <= 64, CUDA-graph capture) cannot measure activity before choosing a path:
-        # they go dense when this hint (expected fraction of active neurons) exceeds TWELL_DENSE_ABOVE.
+        # auto dispatch learns each layer's activity by itself (kernels/README.md, Dispatch); this hint (expected
+        # fraction of active neurons) is only a prior used until the first measurement of the layer lands
         self.activity_hint = activity_hint
         self.last_nnz_per_token: Tensor | None = None
         self._wdt: Tensor | None = None

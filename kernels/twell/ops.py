@@ -6,16 +6,22 @@ Ops (namespace ``sfl_twell``):
 - ``nongated_ffn(x, w_up, w_down_t, w_down, mode, activity_hint, want_stats) -> (y, nnz)``
 
 Paths (kernels/README.md has the full story):
-- eager, M > decode_max_m: chunked cuBLAS gate GEMM into an L2-sized bf16 scratch, compaction to TwELL with
-  S = slots (default 32 = C 8), one host sync after the first chunk for dispatch (measured activity), sparse
-  up/down kernels, then one sync to gather the flagged rows (tile overflow or non-finite gate) and compute
-  them exactly with dense cuBLAS (bf16, same math as PyTorch).
+- eager, M > decode_max_m: cuBLAS gate GEMM (one call over all rows when the transient bf16 output fits the
+  scratch budget, else in chunks), compaction to TwELL with S = slots (default 32 = C 8), sparse up/down, and
+  the rows flagged by compaction (tile overflow or non-finite gate) computed exactly with dense cuBLAS. The
+  number of flagged rows reaches the host through a pinned copy that is waited on only after the up/down
+  kernels are queued, so the GPU never idles on it.
 - sync-free (M <= decode_max_m, or while a CUDA graph is being captured): S = 256 (lossless: no row can
-  overflow), dispatch from ``activity_hint``, rows with a non-finite gate pre-activation become NaN.
+  overflow), rows with a non-finite gate pre-activation become NaN.
+- dispatch (mode auto): a per-weight history of measured activity (LayerHistory) picks sparse or dense with a
+  crossover per M bucket. Dense calls measure a row sample of the gate output they compute anyway, sparse calls
+  measure exactly; both read back asynchronously (pinned buffer + event), used on the next call. No host sync.
 """
 from __future__ import annotations
 
+import bisect
 import os
+from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
@@ -23,8 +29,12 @@ from torch import Tensor
 
 TILE_N = 256
 # path taken by the last call (for benchmarks/logs): "dense", "sparse", "sparse-syncfree"; not thread-safe
-LAST_PATH = {"path": None, "flagged_rows": None}
+LAST_PATH = {"path": None, "flagged_rows": None, "p_est": None}
 MODE_AUTO, MODE_SPARSE, MODE_DENSE = 0, 1, 2
+
+# Crossover per M bucket: "m:p,..." = for M >= m (largest such m), run sparse when the measured activity is
+# <= p. Calibrated on the H100 (experiments/kernel_bench, results/kernel_bench/calibration/calib_*.jsonl); see README.
+DEFAULT_CROSSOVER = "1:0.012,4:0.006,8:0.005,16:0.004,32:0.0033,64:0,16384:0.003,32768:0.004,65536:0.005"
 
 
 def _env_int(name: str, default: int) -> int:
@@ -35,19 +45,156 @@ def _env_float(name: str, default: float) -> float:
     return float(os.environ.get(name, default))
 
 
-def knobs() -> dict[str, float]:
-    """Current knob values (env vars read at call time so a benchmark can sweep them)."""
+_KNOB_ENV = ("TWELL_CHUNK_ROWS", "TWELL_GATE_SCRATCH_MB", "TWELL_SLOTS", "TWELL_DECODE_MAX_M", "TWELL_CROSSOVER",
+             "TWELL_PROBE_ROWS", "TWELL_FLAGGED_DENSE_ABOVE", "TWELL_DOWN_NB", "TWELL_DECODE_TILES_PER_WARP")
+_KNOB_CACHE: dict = {}
+
+
+def _parse_knobs() -> dict:
     return {
-        "chunk_rows": _env_int("TWELL_CHUNK_ROWS", 4096),
+        "chunk_rows": _env_int("TWELL_CHUNK_ROWS", 0),
+        "gate_scratch_mb": _env_int("TWELL_GATE_SCRATCH_MB", 1024),
         "slots": _env_int("TWELL_SLOTS", 32),
         "decode_max_m": _env_int("TWELL_DECODE_MAX_M", 64),
-        "dense_above": _env_float("TWELL_DENSE_ABOVE", 0.007),
-        "probe_rows": _env_int("TWELL_PROBE_ROWS", 1024),
-        "syncfree_sparse_max_m": _env_int("TWELL_SYNCFREE_SPARSE_MAX_M", 16),
-        "flagged_dense_above": _env_float("TWELL_FLAGGED_DENSE_ABOVE", 0.3),
+        "crossover": os.environ.get("TWELL_CROSSOVER", DEFAULT_CROSSOVER),
+        "probe_rows": _env_int("TWELL_PROBE_ROWS", 256),
+        "flagged_dense_above": _env_float("TWELL_FLAGGED_DENSE_ABOVE", 0.05),
         "down_nb": _env_int("TWELL_DOWN_NB", 4),
         "decode_tiles_per_warp": _env_int("TWELL_DECODE_TILES_PER_WARP", 4),
     }
+
+
+def knobs() -> dict:
+    """Current knob values. Env vars are read at every call (a benchmark can sweep them); the parsed values are
+    cached on the raw strings, which keeps this cheap: host time before the first launch is GPU idle time."""
+    data = getattr(os.environ, "_data", None)  # CPython's raw bytes dict: no encode/decode per lookup
+    if data is None:
+        return _parse_knobs()
+    key = tuple(data.get(k) for k in _KNOB_ENV_B)
+    kn = _KNOB_CACHE.get(key)
+    if kn is None:
+        if len(_KNOB_CACHE) > 64:
+            _KNOB_CACHE.clear()
+        kn = _KNOB_CACHE[key] = _parse_knobs()
+    return dict(kn)
+
+
+_KNOB_ENV_B = tuple(os.environ.encodekey(k) if hasattr(os.environ, "encodekey") else k for k in _KNOB_ENV)
+
+
+_XO_CACHE: dict[str, tuple[list[int], list[float]]] = {}
+
+
+def crossover(M: int, spec: str | None = None) -> float:
+    """Largest activity at which auto runs sparse for M rows (from the TWELL_CROSSOVER table)."""
+    spec = spec if spec is not None else knobs()["crossover"]
+    tab = _XO_CACHE.get(spec)
+    if tab is None:
+        try:
+            pairs = sorted((int(a), float(b)) for a, b in (kv.split(":") for kv in spec.split(",") if kv.strip()))
+        except ValueError as e:
+            raise ValueError(f"TWELL_CROSSOVER={spec!r} must look like '1:0.012,17:0,32768:0.006' "
+                             f"(M bucket start : max activity for sparse)") from e
+        if not pairs or pairs[0][0] > 1:
+            pairs.insert(0, (1, 0.0))
+        tab = ([m for m, _ in pairs], [q for _, q in pairs])
+        _XO_CACHE[spec] = tab
+    i = bisect.bisect_right(tab[0], M) - 1
+    return tab[1][max(0, i)]
+
+
+# ------------------------------------------------------------------------------------------------------
+class LayerHistory:
+    """Measured activity of one gate weight (one layer): what auto dispatch decides from.
+
+    ``p``: active fraction of the unflagged rows of the last measurement (None before the first one);
+    ``f``: fraction of rows that were flagged (would overflow S slots, or non-finite). Measurements are
+    enqueued on the stream and copied into a pinned buffer owned by this history (allocated on the layer's
+    first call, then reused: no allocation, no sync); ``poll`` picks them up once their event completed, so
+    the estimate lags by one call (more when the host runs far ahead of the GPU, in which case a new
+    measurement is skipped until the previous one landed).
+    """
+
+    HOST_WORDS = 1024  # int32 words per pinned slot: a dense sample of up to 512 rows
+
+    def __init__(self) -> None:
+        self.p: float | None = None
+        self.f: float = 0.0
+        self.measurements = 0
+        self.sparse_calls = 0
+        self.dense_calls = 0
+        self._pending: tuple | None = None
+        self._host: list[Tensor] | None = None
+        self._events: list[torch.cuda.Event] | None = None
+
+    def busy(self) -> bool:
+        """True while the previous asynchronous measurement has not been read back yet."""
+        return self._pending is not None
+
+    def poll(self) -> None:
+        pend = self._pending
+        if pend is None or not pend[0].query():
+            return
+        self._pending = None
+        _, buf, kind, rows, n = pend
+        if kind == "sample":  # int32 [P, 2]: (nnz, flagged) per sampled row
+            try:  # pinned host memory read in place: far less host time than torch CPU ops
+                a = buf.numpy()
+                bad = a[:, 1] != 0
+                self.update(int(a[:, 0][~bad].sum(dtype="int64")), int(bad.sum()), rows, n)
+            except (RuntimeError, TypeError):  # numpy missing
+                pairs = buf.tolist()
+                self.update(sum(c for c, b in pairs if not b), sum(1 for _, b in pairs if b), rows, n)
+        else:  # int64 [2]: (nnz over unflagged rows, flagged rows)
+            nnz_ok, n_bad = buf.tolist()
+            self.update(nnz_ok, n_bad, rows, n)
+
+    def update(self, nnz_ok: int, n_bad: int, rows: int, n: int) -> None:
+        self.p = 1.0 if rows == n_bad else nnz_ok / ((rows - n_bad) * n)
+        self.f = n_bad / max(1, rows)
+        self.measurements += 1
+
+    def to_host(self, t: Tensor, slot: int) -> tuple[torch.cuda.Event, Tensor]:
+        """Copy a small device tensor into pinned slot `slot` (0: asynchronous, 1: waited on in the call)."""
+        if self._host is None:
+            self._host = [torch.empty(self.HOST_WORDS, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+            self._events = [torch.cuda.Event(), torch.cuda.Event()]
+        buf = self._host[slot].view(t.dtype)[: t.numel()].view(t.shape)
+        buf.copy_(t, non_blocking=True)
+        ev = self._events[slot]
+        ev.record()
+        return ev, buf
+
+    def expect(self, event: torch.cuda.Event, buf: Tensor, kind: str, rows: int, n: int) -> None:
+        self._pending = (event, buf, kind, rows, n)
+
+    def __repr__(self) -> str:
+        return (f"LayerHistory(p={self.p}, f={self.f:.4f}, measurements={self.measurements}, "
+                f"sparse_calls={self.sparse_calls}, dense_calls={self.dense_calls})")
+
+
+_HISTORY: OrderedDict[tuple, LayerHistory] = OrderedDict()
+_HISTORY_MAX = 4096
+
+
+def history_for(w_gate: Tensor) -> LayerHistory:
+    """The dispatch history of a gate weight (non-gated: the up weight), keyed by its storage.
+
+    Keyed by (device, data_ptr, shape), not identity: modules pass a fresh .detach() view every call. A new
+    weight that reuses a freed weight's memory inherits its history; that can cost one call of speed (the
+    next call's measurement corrects it), never exactness.
+    """
+    key = (w_gate.device.index, w_gate.data_ptr(), tuple(w_gate.shape))
+    h = _HISTORY.get(key)
+    if h is None:
+        if len(_HISTORY) >= _HISTORY_MAX:
+            _HISTORY.popitem(last=False)
+        h = _HISTORY[key] = LayerHistory()
+    return h
+
+
+def reset_history() -> None:
+    _HISTORY.clear()
 
 
 def _ext():
@@ -56,26 +203,37 @@ def _ext():
     return load_twell()
 
 
-def _dense(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, want_h: bool):
-    """Dense bf16 FFN exactly as HF computes it (three/two F.linear)."""
+def _dense(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor):
+    """Dense bf16 FFN exactly as HF computes it (three/two F.linear); also returns h = relu(gate)."""
     if w_gate is not None:
         h = F.relu(F.linear(x, w_gate))
         y = F.linear(h * F.linear(x, w_up), w_down)
     else:
         h = F.relu(F.linear(x, w_up))
         y = F.linear(h, w_down)
-    return y, (h if want_h else None)
+    return y, h
 
 
-def _dense_from_pre(g: Tensor, x: Tensor, gated: bool, w_up: Tensor, w_down: Tensor):
-    h = F.relu(g)
-    hu = h * F.linear(x, w_up) if gated else h
-    return F.linear(hu, w_down), h
+def _measure_dense(h: Tensor, hist: LayerHistory, kn: dict) -> None:
+    """Enqueue the activity measurement of a row sample of h (evenly spaced rows, read in place)."""
+    try:
+        ext = _ext()
+    except Exception:  # no extension: dense still works, the history just stays empty
+        return
+    if hist.busy():  # the previous measurement has not landed: keep its slot, skip this one
+        return
+    M, N = h.shape
+    P = min(M, max(1, kn["probe_rows"]), LayerHistory.HOST_WORDS // 2)
+    view = h[:: M // P][:P]
+    out = torch.empty(P, 2, device=h.device, dtype=torch.int32)
+    ext.sample_stats(view, N, kn["slots"], out)
+    ev, buf = hist.to_host(out, 0)
+    hist.expect(ev, buf, "sample", P, N)
 
 
 def _gate_chunks(x: Tensor, w: Tensor, packed: Tensor, counts: Tensor, flag: Tensor, chunk: int, ext,
                  start: int = 0, scratch: Tensor | None = None) -> Tensor:
-    """Gate GEMM chunk by chunk into a reused scratch (stays in L2), compacting each chunk to TwELL."""
+    """Gate GEMM into a bf16 scratch of <= chunk rows, compacting each chunk to TwELL."""
     M, N = x.shape[0], w.shape[0]
     if scratch is None:
         scratch = torch.empty(min(chunk, M), N, device=x.device, dtype=torch.bfloat16)
@@ -87,6 +245,21 @@ def _gate_chunks(x: Tensor, w: Tensor, packed: Tensor, counts: Tensor, flag: Ten
     return scratch
 
 
+def chunk_rows_for(M: int, N: int, kn: dict | None = None) -> int:
+    """Rows per gate-GEMM call: TWELL_CHUNK_ROWS if set (> 0), else as many as TWELL_GATE_SCRATCH_MB holds."""
+    kn = kn or knobs()
+    if kn["chunk_rows"] > 0:
+        return kn["chunk_rows"]
+    return max(256, (kn["gate_scratch_mb"] << 20) // (2 * N))
+
+
+def _flagged_rows(flag: Tensor, R: int) -> Tensor:
+    """Indices (ascending) of the R flagged rows, without a host sync."""
+    if hasattr(torch, "nonzero_static"):
+        return torch.nonzero_static(flag, size=R).squeeze(1)
+    return torch.nonzero(flag).squeeze(1)  # older torch: syncs, still exact
+
+
 def _ffn_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down_t: Tensor, w_down: Tensor, mode: int,
               activity_hint: float, want_stats: bool) -> tuple[Tensor, Tensor]:
     kn = knobs()
@@ -96,49 +269,50 @@ def _ffn_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down_t: Tensor, 
     gated = w_gate is not None
     gate_w = w_gate if gated else w_up
     dev = x.device
-    empty_stats = torch.empty(0, device=dev, dtype=torch.int32)
     if M == 0:
-        return x.new_empty(0, K), (torch.empty(0, device=dev, dtype=torch.int32) if want_stats else empty_stats)
+        return x.new_empty(0, K), torch.empty(0, device=dev, dtype=torch.int32)
     capturing = torch.cuda.is_current_stream_capturing()
     sync_free = capturing or M <= kn["decode_max_m"]
+    hist = history_for(gate_w)
 
-    small_dense = capturing is False and kn["syncfree_sparse_max_m"] < M <= kn["decode_max_m"]
-    if mode == MODE_DENSE or (sync_free and mode == MODE_AUTO and (activity_hint > kn["dense_above"] or small_dense)):
-        y, h = _dense(x, w_gate, w_up, w_down, want_stats)
-        nnz = (h != 0).sum(1, dtype=torch.int32) if want_stats else empty_stats
+    if mode == MODE_AUTO:
+        if not capturing:  # event queries are not allowed while capturing; the graph keeps the choice made here
+            hist.poll()
+        p = hist.p if hist.p is not None else (activity_hint if activity_hint > 0 else None)
+        f = hist.f if hist.p is not None else 0.0
+        # first call of a layer (no history, no hint): dense, and measure
+        sparse = p is not None and p <= crossover(M, kn["crossover"]) and (sync_free or f <= kn["flagged_dense_above"])
+        LAST_PATH["p_est"] = p
+    else:
+        sparse = mode == MODE_SPARSE
+        LAST_PATH["p_est"] = None
+    if not sparse:
+        y, h = _dense(x, w_gate, w_up, w_down)
+        if mode == MODE_AUTO and not capturing:
+            _measure_dense(h, hist, kn)
+        hist.dense_calls += 1
+        nnz = (h != 0).sum(1, dtype=torch.int32) if want_stats else y.new_empty(0, dtype=torch.int32)
         LAST_PATH.update(path="dense", flagged_rows=None)
         return y, nnz
 
     ext = _ext()
-    chunk = max(1, kn["chunk_rows"])
+    hist.sparse_calls += 1
     S = TILE_N if sync_free else kn["slots"]
     if not 1 <= S <= TILE_N:
         raise ValueError(f"TWELL_SLOTS must be in 1..{TILE_N}, got {S}")
-    if not sync_free and mode == MODE_AUTO:
-        # probe the first rows (gate GEMM + compaction of <= probe_rows rows into small buffers, one host sync);
-        # go dense for the whole call when the measured activity says sparse would not win. Nothing of size M is
-        # allocated before this decision, so the dense path costs dense + the probe.
-        P = min(M, max(1, kn["probe_rows"]))
-        pp = torch.empty(P, T, S, device=dev, dtype=torch.int32)
-        pc = torch.empty(P, T, device=dev, dtype=torch.int32)
-        pf = torch.zeros(P, device=dev, dtype=torch.int32)
-        _gate_chunks(x[:P], gate_w, pp, pc, pf, P, ext)
-        bad = pf != 0
-        nnz_ok, n_bad = torch.stack([(pc.sum(1) * (~bad)).sum(), bad.sum()]).tolist()
-        del pp, pc, pf
-        p = nnz_ok / (max(1, P - n_bad) * N)
-        if p > kn["dense_above"] or n_bad / P > kn["flagged_dense_above"]:
-            y, h = _dense(x, w_gate, w_up, w_down, want_stats)
-            LAST_PATH.update(path="dense", flagged_rows=None)
-            return y, ((h != 0).sum(1, dtype=torch.int32) if want_stats else empty_stats)
-
+    chunk = chunk_rows_for(M, N, kn)
     packed = torch.empty(M, T, S, device=dev, dtype=torch.int32)
     counts = torch.empty(M, T, device=dev, dtype=torch.int32)
     flag = torch.zeros(M, device=dev, dtype=torch.int32)
     y = torch.empty(M, K, device=dev, dtype=torch.bfloat16)
+    _gate_chunks(x, gate_w, packed, counts, flag, chunk, ext)
+    measure = not capturing and (not sync_free or not hist.busy())
+    if measure:  # exact activity of this call, for the history (and the flagged-row count below)
+        stats = torch.zeros(2, device=dev, dtype=torch.int64)
+        ext.row_stats(counts, flag, stats)
+        ev, host = hist.to_host(stats, 0 if sync_free else 1)
 
     if sync_free:
-        _gate_chunks(x, gate_w, packed, counts, flag, chunk, ext)
         hval = torch.empty(0, device=dev, dtype=torch.float32)
         if gated:
             hval = torch.empty(M, T, S, device=dev, dtype=torch.float32)
@@ -153,22 +327,26 @@ def _ffn_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down_t: Tensor, 
             ext.down(w_down_t, packed, counts, flag, hval, y, torch.empty(0, device=dev), 1, T, 1)
         else:
             ext.down(w_down_t, packed, counts, flag, hval, y, torch.empty(0, device=dev), kn["down_nb"], T, 1)
+        if measure:
+            hist.expect(ev, host, "exact", M, N)
         LAST_PATH.update(path="sparse-syncfree", flagged_rows=None)
-        return y, (counts.sum(1, dtype=torch.int32) if want_stats else empty_stats)
+        return y, (counts.sum(1, dtype=torch.int32) if want_stats else y.new_empty(0, dtype=torch.int32))
 
-    # eager large-M path: whole gate in L2-sized chunks, sparse up/down, exact dense backup of flagged rows
-    _gate_chunks(x, gate_w, packed, counts, flag, chunk, ext)
+    # eager large-M path: sparse up/down queued first, then wait only for the (earlier) flagged-row count
     hval = torch.empty(0, device=dev, dtype=torch.float32)
     if gated:
         hval = torch.empty(M, T, S, device=dev, dtype=torch.float32)
         ext.gated_up(x, w_up, packed, counts, flag, hval, T)
     ext.down(w_down_t, packed, counts, flag, hval, y, torch.empty(0, device=dev), kn["down_nb"], T, 0)
-    rows = torch.nonzero(flag).squeeze(1)  # host sync: the backup must cover every flagged row, however many
-    if rows.numel() > 0:
-        yb, _ = _dense(x.index_select(0, rows), w_gate, w_up, w_down, False)
+    ev.synchronize()  # the compaction is done; up/down keep the GPU busy meanwhile
+    nnz_ok, R = (int(v) for v in host.tolist())
+    hist.update(nnz_ok, R, M, N)
+    if R > 0:  # exact dense backup of every flagged row, however many
+        rows = _flagged_rows(flag, R)
+        yb, _ = _dense(x.index_select(0, rows), w_gate, w_up, w_down)
         y.index_copy_(0, rows, yb)
-    LAST_PATH.update(path="sparse", flagged_rows=int(rows.numel()))
-    return y, (counts.sum(1, dtype=torch.int32) if want_stats else empty_stats)
+    LAST_PATH.update(path="sparse", flagged_rows=R)
+    return y, (counts.sum(1, dtype=torch.int32) if want_stats else y.new_empty(0, dtype=torch.int32))
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -181,7 +359,7 @@ def d2t(x: Tensor, w_gate: Tensor, slots: int) -> tuple[Tensor, Tensor, Tensor]:
     counts = torch.empty(M, T, device=x.device, dtype=torch.int32)
     flag = torch.zeros(M, device=x.device, dtype=torch.int32)
     if M > 0:
-        _gate_chunks(x, w_gate, packed, counts, flag, max(1, knobs()["chunk_rows"]), _ext())
+        _gate_chunks(x, w_gate, packed, counts, flag, chunk_rows_for(M, N), _ext())
     return packed, counts, flag
 
 

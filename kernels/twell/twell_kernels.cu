@@ -12,6 +12,7 @@
 //   down      : y = sum_j h_j W_dT[j, :] (fp32 accumulate). One warp per (row, K slice, group of tiles);
 //               direct bf16 store, or fp32 atomics into an accumulator when tiles are split across warps.
 //   finalize  : fp32 accumulator -> bf16 output (NaN rows for flagged rows in sync-free mode).
+//   sample_stats / row_stats : activity measurements for the dispatch history (kernels/README.md, Dispatch).
 // All launchers take the stream, return the cudaError_t of the launch, and never exit.
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -285,6 +286,74 @@ __global__ void finalize_kernel(const float* __restrict__ yacc, const int32_t* _
   reinterpret_cast<uint2*>(y)[i4] = o;
 }
 
+// ---------------------------------------------------------------------------------------------
+// sample_stats: activity of sampled rows of a dense gate output (pre- or post-ReLU, bf16; row stride ldg, so
+// evenly spaced rows of a larger matrix are read in place). out[2*r] = active entries of row r (NaN counts),
+// out[2*r+1] = 1 when the row would be flagged (a tile count > S, or a non-finite value). One block of 8 warps
+// per row; nothing to zero beforehand, so the dense path measures with one launch (plus a D2H copy).
+__global__ void __launch_bounds__(256) sample_stats_kernel(const __nv_bfloat16* __restrict__ g, long long ldg,
+                                                           int n_tiles, int S, int32_t* __restrict__ out) {
+  __shared__ int s_nnz[8], s_bad[8];
+  const int row = blockIdx.x;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  int nnz = 0, bad = 0;
+  for (int tile = warp; tile < n_tiles; tile += 8) {  // warp-uniform bound
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(g + (long long)row * ldg + (long long)tile * kTileN) + lane);
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+    int c = 0;
+    bool nf = false;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t b = (w[i >> 1] >> (16 * (i & 1))) & 0xffffu;
+      const uint32_t mag = b & 0x7fffu;
+      c += ((!(b & 0x8000u) && mag != 0) || mag > 0x7f80u) ? 1 : 0;
+      nf |= (mag >= 0x7f80u);
+    }
+    const int tc = __reduce_add_sync(kFull, c);
+    nnz += tc;
+    bad |= (tc > S || __any_sync(kFull, nf)) ? 1 : 0;
+  }
+  if (lane == 0) { s_nnz[warp] = nnz; s_bad[warp] = bad; }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int t = 0, b = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) { t += s_nnz[i]; b |= s_bad[i]; }
+    out[2 * row] = t;
+    out[2 * row + 1] = b;
+  }
+}
+
+// row_stats: out[0] += sum of counts over unflagged rows, out[1] += number of flagged rows (out zeroed by caller).
+__global__ void __launch_bounds__(256) row_stats_kernel(const int32_t* __restrict__ counts,
+                                                        const int32_t* __restrict__ flag, int rows, int n_tiles,
+                                                        unsigned long long* __restrict__ out) {
+  __shared__ unsigned long long s_n[8], s_f[8];
+  const int row = blockIdx.x * blockDim.x + threadIdx.x;
+  unsigned long long n = 0, f = 0;
+  if (row < rows) {
+    if (flag[row]) {
+      f = 1;
+    } else {
+      for (int t = 0; t < n_tiles; ++t) n += (unsigned long long)counts[(long long)row * n_tiles + t];
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    n += __shfl_xor_sync(kFull, n, o);
+    f += __shfl_xor_sync(kFull, f, o);
+  }
+  const int warp = threadIdx.x >> 5;
+  if ((threadIdx.x & 31) == 0) { s_n[warp] = n; s_f[warp] = f; }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned long long tn = 0, tf = 0;
+    for (int i = 0; i < (int)(blockDim.x >> 5); ++i) { tn += s_n[i]; tf += s_f[i]; }
+    atomicAdd(out, tn);
+    atomicAdd(out + 1, tf);
+  }
+}
+
 inline bool too_many_warps(long long warps) { return warps >= (1LL << 31) / 64; }
 inline unsigned blocks_for_warps(long long warps) { return (unsigned)((warps * 32 + 127) / 128); }
 
@@ -382,6 +451,24 @@ cudaError_t twell_finalize_launch(const float* yacc, const int32_t* flag, int ro
   const long long n4 = (long long)rows * K / 4;
   twell::finalize_kernel<<<(unsigned)((n4 + 255) / 256), 256, 0, stream>>>(
       yacc, flag, rows, K, nan_fill, reinterpret_cast<__nv_bfloat16*>(y));
+  return cudaGetLastError();
+}
+
+cudaError_t twell_sample_stats_launch(const void* g, long long ldg, int rows, int N, int S, int32_t* out,
+                                      cudaStream_t stream) {
+  if (rows <= 0) return cudaSuccess;
+  if (N % twell::kTileN != 0 || ldg % 8 != 0) return cudaErrorInvalidValue;
+  twell::sample_stats_kernel<<<(unsigned)rows, 256, 0, stream>>>(reinterpret_cast<const __nv_bfloat16*>(g), ldg,
+                                                                  N / twell::kTileN, S, out);
+  return cudaGetLastError();
+}
+
+cudaError_t twell_row_stats_launch(const int32_t* counts, const int32_t* flag, int rows, int N,
+                                   unsigned long long* out, cudaStream_t stream) {
+  if (rows <= 0) return cudaSuccess;
+  if (N % twell::kTileN != 0) return cudaErrorInvalidValue;
+  twell::row_stats_kernel<<<(unsigned)((rows + 255) / 256), 256, 0, stream>>>(counts, flag, rows,
+                                                                              N / twell::kTileN, out);
   return cudaGetLastError();
 }
 

@@ -1,0 +1,283 @@
+"""Where the non-zeros are (paper Figs 6, 7, 10, 11): per-layer, per-token, per-position and per-neuron activity
+of a trained checkpoint over held-out tokens, plus (on a GPU with the TwELL kernels) each layer's FFN time
+dense vs sparse, i.e. its share of the speed-up.
+
+    python -m experiments.activation_analysis.analyze --model runs/gpu/l1_sweep/relu_l1_1e-3/final \
+        --name l1_sweep/relu_l1_1e-3 [--tokens 262144] [--seq-len 512] [--out results/activation_analysis]
+
+Appends to <out>/ (schemas: notebooks/README.md "results/activation_analysis/"), replacing earlier rows of the
+same --name so a rerun never duplicates:
+  per_layer.jsonl  model, l1_coeff, layer, nnz_mean, nnz_max, dead_frac, dense_ms, sparse_ms, n_tokens[, figure]
+  tokens.jsonl     model, l1_coeff, token, token_id, count, nnz_mean, group ('lowest'|'highest')
+  position.jsonl   model, l1_coeff, position, nnz_mean, n
+  neurons.jsonl    model, l1_coeff, layer, n_tokens, dead_frac, bin_edges, counts (per-neuron firing frequency
+                   histogram: bin 0 = never fired, then log-spaced frequency bins), quantiles
+Every row carries `provenance`. "Non-zeros" of a token = active FFN neurons (relu(gate) != 0) in one layer;
+per-token and per-position values are means over layers. Token frequency filter as in the paper: tokens rarer
+than 1/2^14 of the counted tokens are dropped.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+for _k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ.setdefault(_k, "1")
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MIN_TOKEN_FREQ = 2.0 ** -14
+N_EXTREME_TOKENS = 30
+
+
+class ActivityRecorder:
+    """Forward hooks on every SparseLlamaMLP: per-layer nnz per token (the model's own count) and per-neuron
+    firing counts (recomputed from the MLP input with the same weights, in the same autocast dtype)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.mlps = model.sparse_mlps()
+        n_layers, n = len(self.mlps), self.mlps[0].intermediate_size
+        dev = next(model.parameters()).device
+        self.nnz_sum = torch.zeros(n_layers, dtype=torch.float64, device=dev)
+        self.nnz_max = torch.zeros(n_layers, device=dev)
+        self.fire = torch.zeros(n_layers, n, dtype=torch.int64, device=dev)
+        self.batch_nnz: list[torch.Tensor | None] = [None] * n_layers  # [M] of the current batch per layer
+        self.n_tokens = 0
+        self.handles = [m.register_forward_hook(self._hook(i)) for i, m in enumerate(self.mlps)]
+
+    def _hook(self, i: int):
+        def hook(mod, inp, out):
+            nnz = mod.last_nnz_per_token.reshape(-1).float()
+            self.batch_nnz[i] = nnz
+            self.nnz_sum[i] += nnz.sum(dtype=torch.float64)
+            self.nnz_max[i] = torch.maximum(self.nnz_max[i], nnz.max())
+            x2 = inp[0].reshape(-1, inp[0].shape[-1])
+            w = mod.gate_proj if mod.gated else mod.up_proj
+            a = F.relu(F.linear(x2, w.weight, w.bias))
+            self.fire[i] += (a != 0).sum(dim=0)  # NaN != 0: counts as active, as everywhere else
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def load_model(model_dir: Path, device: torch.device):
+    import models  # noqa: F401  (registers sparse_llama)
+    from models import SparseLlamaForCausalLM
+
+    cfg_path = model_dir / "config.json"
+    if not cfg_path.is_file():
+        raise SystemExit(f"--model {model_dir}: no config.json; pass a save_pretrained dir such as "
+                         "runs/gpu/l1_sweep/<run>/final")
+    if json.loads(cfg_path.read_text()).get("model_type") != "sparse_llama":
+        raise SystemExit(f"--model {model_dir}: not a sparse_llama checkpoint (train one with experiments/train.py)")
+    model = SparseLlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    model.set_mlp_impl("dense")
+    return model
+
+
+def decode_token(tok: Any, token_id: int) -> str:
+    return tok.decode([token_id]) if tok is not None else str(token_id)
+
+
+def time_layers(model: torch.nn.Module, xs: list[torch.Tensor], reps: int = 20, warmup: int = 5) -> list[dict[str, Any]]:
+    """Per layer: median ms of the dense FFN (three cuBLAS GEMMs) and of kernels.ffn on the same bf16 input."""
+    from kernels import ffn
+
+    out = []
+    for mlp, x in zip(model.sparse_mlps(), xs):
+        wg = mlp.gate_proj.weight.to(torch.bfloat16).contiguous() if mlp.gated else None
+        wu = mlp.up_proj.weight.to(torch.bfloat16).contiguous()
+        wd = mlp.down_proj.weight.to(torch.bfloat16).contiguous()
+        if wg is not None:
+            dense = lambda: F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd)  # noqa: E731
+            sparse = lambda: ffn.sparse_gated_ffn(x, wg, wu, wd)  # noqa: E731
+        else:
+            dense = lambda: F.linear(F.relu(F.linear(x, wu)), wd)  # noqa: E731
+            sparse = lambda: ffn.sparse_nongated_ffn(x, wu, wd)  # noqa: E731
+        err = (sparse().float() - dense().float()).abs().max().item()
+        row = {"max_abs_diff_vs_dense": err}
+        for name, fn in (("dense_ms", dense), ("sparse_ms", sparse)):
+            for _ in range(warmup):
+                fn()
+            times = []
+            for _ in range(reps):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                fn()
+                e.record()
+                torch.cuda.synchronize()
+                times.append(s.elapsed_time(e))
+            row[name] = sorted(times)[len(times) // 2]
+        out.append(row)
+    return out
+
+
+def replace_rows(path: Path, model_name: str, rows: list[dict[str, Any]]) -> None:
+    """Rewrite path without earlier rows of this model, then append the new ones (via a temp file + rename)."""
+    kept = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line).get("model") != model_name:
+                    kept.append(line)
+            except json.JSONDecodeError:
+                continue
+    tmp = path.with_name(f".tmp-{path.name}.{os.getpid()}")
+    tmp.write_text("".join(x + "\n" for x in kept + [json.dumps(r) for r in rows]))
+    os.replace(tmp, path)
+
+
+def analyze(model_dir: Path, name: str, out_dir: Path, tokens: int, seq_len: int, batch: int, device: str,
+            data_dir: str | None, figure: str | None, timing: bool) -> dict[str, Any]:
+    from experiments.data_loader import TokenData
+    from experiments.provenance import collect
+
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                       ("cpu" if device == "auto" else device))
+    model = load_model(model_dir, dev)
+    cfg = model.config
+    l1 = float(cfg.l1_coeff)
+    ddir = Path(data_dir or os.environ.get("SFL_DATA_DIR") or REPO_ROOT / ".data")
+    data = TokenData(ddir / "tokens", seq_len)
+    n_win = min(max(1, tokens // seq_len), data.n_val_windows)
+    windows = data.val_windows(n_win)
+    try:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(model_dir if (model_dir / "tokenizer.json").is_file() else ddir / "tokenizer")
+    except (OSError, ValueError) as e:
+        print(f"note: no tokenizer ({e}); tokens are reported by id", file=sys.stderr)
+        tok = None
+
+    vocab = int(cfg.vocab_size)
+    n_layers = cfg.num_hidden_layers
+    tok_sum = torch.zeros(vocab, dtype=torch.float64, device=dev)
+    tok_cnt = torch.zeros(vocab, dtype=torch.float64, device=dev)
+    pos_sum = torch.zeros(seq_len, dtype=torch.float64, device=dev)
+    pos_cnt = 0
+    rec = ActivityRecorder(model)
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
+    timing_inputs: list[torch.Tensor] = []
+    grab: list[Any] = []
+    if timing and dev.type == "cuda":
+        # Keep the first batch's MLP inputs (bf16, as the model's autocast forward sees them) for the timing pass.
+        grab = [m.register_forward_hook(lambda mod, inp, out: timing_inputs.append(
+            inp[0].reshape(-1, inp[0].shape[-1]).to(torch.bfloat16).contiguous()) if len(timing_inputs) < n_layers
+            else None) for m in model.sparse_mlps()]
+    with torch.no_grad(), amp:
+        for i in tqdm(range(0, len(windows), batch), desc=f"analyze {name}", dynamic_ncols=True):
+            x = windows[i:i + batch, :-1].to(dev)
+            model(input_ids=x)
+            for h in grab:
+                h.remove()
+            grab = []
+            per_tok = torch.stack([n.reshape(x.shape) for n in rec.batch_nnz]).mean(0).double()  # [B, T]
+            ids = x.reshape(-1)
+            tok_sum += torch.bincount(ids, weights=per_tok.reshape(-1), minlength=vocab)
+            tok_cnt += torch.bincount(ids, minlength=vocab).double()
+            pos_sum += per_tok.sum(0)
+            pos_cnt += x.shape[0]
+            rec.n_tokens += x.numel()
+    rec.remove()
+    n_tok = rec.n_tokens
+    prov = collect()
+    base = {"model": name, "l1_coeff": l1}
+
+    times = [{}] * n_layers
+    timing_note = None
+    if timing and dev.type == "cuda":
+        try:
+            times = time_layers(model, timing_inputs)
+        except Exception as e:  # noqa: BLE001 - kernels missing/unsupported: record why, keep the activity data
+            timing_note = f"{type(e).__name__}: {e}"
+    elif timing:
+        timing_note = "no CUDA device: per-layer FFN times need the TwELL kernels on a GPU"
+    fire_frac = (rec.fire.double() / n_tok).cpu()
+    per_layer = []
+    for i in range(n_layers):
+        r = dict(base, layer=i, nnz_mean=float(rec.nnz_sum[i] / n_tok), nnz_max=float(rec.nnz_max[i]),
+                 dead_frac=float((fire_frac[i] == 0).double().mean()),
+                 dense_ms=times[i].get("dense_ms"), sparse_ms=times[i].get("sparse_ms"),
+                 max_abs_diff_vs_dense=times[i].get("max_abs_diff_vs_dense"), n_tokens=n_tok,
+                 intermediate_size=int(cfg.intermediate_size), seq_len=seq_len, timing_batch_tokens=(
+                     batch * seq_len if times[i] else None), provenance=prov)
+        if timing_note:
+            r["timing_note"] = timing_note
+        if figure:
+            r["figure"] = figure
+        per_layer.append(r)
+
+    cnt = tok_cnt.cpu()
+    mean_by_tok = (tok_sum.cpu() / cnt.clamp(min=1))
+    keep = torch.nonzero(cnt >= MIN_TOKEN_FREQ * n_tok).reshape(-1)
+    order = keep[torch.argsort(mean_by_tok[keep])]
+    k = min(N_EXTREME_TOKENS, len(order) // 2)
+    token_rows = []
+    for group, ids in (("lowest", order[:k]), ("highest", order[len(order) - k:].flip(0))):
+        for t in ids.tolist():
+            token_rows.append(dict(base, token=decode_token(tok, t), token_id=t, count=int(cnt[t]),
+                                   nnz_mean=float(mean_by_tok[t]), group=group, n_tokens=n_tok,
+                                   min_freq=MIN_TOKEN_FREQ, provenance=prov))
+
+    pos = (pos_sum.cpu() / max(pos_cnt, 1)).tolist()
+    pos_rows = [dict(base, position=p, nnz_mean=v, n=pos_cnt, provenance=prov) for p, v in enumerate(pos)]
+
+    # Firing-frequency histogram: bin 0 = never fired; then 4 log-spaced bins per decade from 1/n_tok to 1.
+    lo = math.floor(math.log10(1.0 / n_tok))
+    edges = [10 ** (lo + j / 4) for j in range(-4 * lo + 1)]
+    neuron_rows = []
+    for i in range(n_layers):
+        f = fire_frac[i]
+        counts = [int((f == 0).sum())] + [int(((f > a) & (f <= b)).sum()) for a, b in zip([0.0] + edges[:-1], edges)]
+        neuron_rows.append(dict(base, layer=i, n_tokens=n_tok, dead_frac=float((f == 0).double().mean()),
+                                bin_edges=[0.0] + edges, counts=counts,
+                                quantiles={str(q): float(torch.quantile(f, q)) for q in (0.5, 0.9, 0.99, 1.0)},
+                                provenance=prov))
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for fname, rows in (("per_layer.jsonl", per_layer), ("tokens.jsonl", token_rows), ("position.jsonl", pos_rows),
+                        ("neurons.jsonl", neuron_rows)):
+        replace_rows(out_dir / fname, name, rows)
+    summary = {"model": name, "l1_coeff": l1, "n_tokens": n_tok,
+               "nnz_mean": sum(r["nnz_mean"] for r in per_layer) / n_layers,
+               "nnz_max": max(r["nnz_max"] for r in per_layer),
+               "lowest": [r["token"] for r in token_rows if r["group"] == "lowest"][:8],
+               "highest": [r["token"] for r in token_rows if r["group"] == "highest"][:8],
+               "timing": timing_note or ("per-layer FFN ms recorded" if times[0] else "off")}
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="save_pretrained dir of a sparse_llama model")
+    ap.add_argument("--name", required=True, help="model key in the logs, e.g. l1_sweep/relu_l1_1e-3")
+    ap.add_argument("--out", default=str(REPO_ROOT / "results" / "activation_analysis"))
+    ap.add_argument("--tokens", type=int, default=262144, help="val tokens to analyse (capped at the val split; "
+                    "paper: 2^20)")
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=16, help="sequences per forward")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--data-dir", default=None)
+    ap.add_argument("--figure", default=None, choices=["fig6", "fig10", "fig11"],
+                    help="which paper figure this model stands for (default: by L1, see notebooks/README.md)")
+    ap.add_argument("--no-timing", action="store_true", help="skip the per-layer dense vs sparse FFN timing (GPU)")
+    a = ap.parse_args(argv)
+    if a.tokens < a.seq_len:
+        raise SystemExit(f"--tokens {a.tokens} < --seq-len {a.seq_len}: analyse at least one sequence")
+    s = analyze(Path(a.model), a.name, Path(a.out), a.tokens, a.seq_len, a.batch, a.device, a.data_dir, a.figure,
+                not a.no_timing)
+    print(json.dumps(s))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""Benchmark: forward+backward of the ReLU FFN block with L1, dense autograd vs the sparse training op.
+
+Per configuration (M tokens, activity p, heavy-row fraction), in one run:
+- dense: bf16 autograd, three F.linear + relu + mul + L1 (as models' dense MLP), loss grads (gy, gl1);
+  also dense without the L1 term (the nine GEMMs alone);
+- ours forced sparse, and ours in mode="auto" (after the per-layer history has warmed up);
+- CUDA events, warm-up, median of reps, an L2 flush before every repetition;
+- peak memory of one fwd+bwd and bytes kept for backward by the block (allocated after forward - before - y);
+- outputs and all gradients checked in the same run: rel. error vs fp32 dense (M <= 16384) and vs bf16 dense.
+One JSONL row per configuration (with provenance); a table is printed at the end.
+
+    python -m experiments.kernel_bench.bench_training --out results/kernel_bench/training_h100.jsonl [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+DEV = "cuda"
+BF = torch.bfloat16
+
+
+def make_case(M, K, N, p, heavy, seed):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(M, K, device=DEV, generator=g)
+    x[:, 0] = 1.0
+    wg = torch.randn(N, K, device=DEV, generator=g) / K ** 0.5
+    wu = torch.randn(N, K, device=DEV, generator=g) / K ** 0.5
+    wd = torch.randn(K, N, device=DEV, generator=g) / N ** 0.5
+    wg[:, 0] = -torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(1.0 - p)).item()
+    if heavy > 0:
+        rows = torch.randperm(M, device=DEV, generator=g)[: max(1, int(round(heavy * M)))]
+        x[rows, 1:] *= 4.0
+    gy = torch.randn(M, K, device=DEV, generator=g).to(BF)
+    return x.to(BF), [w.to(BF).contiguous() for w in (wg, wu, wd)], gy
+
+
+def dense_block(x, wg, wu, wd, l1=True):
+    a = F.relu(F.linear(x, wg))
+    h = a * F.linear(x, wu)
+    y = F.linear(h, wd)
+    if not l1:
+        return y, None
+    return y, h.abs().sum(dtype=torch.float32) / (x.shape[0] * wu.shape[0])
+
+
+class Timer:
+    def __init__(self):
+        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
+
+    def time(self, fn, reps, warmup=2):
+        for _ in range(warmup):
+            fn()
+        ts = []
+        for _ in range(reps):
+            self.flush.zero_()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            ts.append(s.elapsed_time(e))
+        return statistics.median(ts)
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def run_config(M, K, N, p, heavy, reps, timer, check_fp32):
+    from kernels.train_ffn import DispatchState, sparse_gated_ffn_train
+
+    x, (wg, wu, wd), gy = make_case(M, K, N, p, heavy, seed=int(p * 1e5) + M + int(heavy * 1e4))
+    params = [t.clone().requires_grad_(True) for t in (x, wg, wu, wd)]
+    gl1 = torch.tensor(1000.0, device=DEV)  # L1 gradient weight (makes the sign(h) term visible in grads)
+
+    def dense_step(l1=True):
+        for t in params:
+            t.grad = None
+        y, l = dense_block(*params, l1=l1)
+        torch.autograd.backward([y, l] if l1 else [y], [gy, gl1] if l1 else [gy])
+
+    st_auto = DispatchState()
+
+    def ours_step(mode):
+        for t in params:
+            t.grad = None
+        y, l, stats = sparse_gated_ffn_train(*params, mode=mode, state=st_auto if mode == "auto" else None)
+        torch.autograd.backward([y, l], [gy, gl1])
+        return stats
+
+    # --- correctness in the same run
+    def outputs(fn):
+        for t in params:
+            t.grad = None
+        y, l = fn()
+        torch.autograd.backward([y, l], [gy.to(y.dtype), gl1])
+        return [y.detach().float(), l.detach().float()] + [t.grad.detach().float() for t in params]
+
+    o_bf = outputs(lambda: dense_block(*params))
+    st_sp = {}
+
+    def sp():
+        y, l, s = sparse_gated_ffn_train(*params, mode="sparse")
+        st_sp.update(s)
+        return y, l
+
+    o_sp = outputs(sp)
+    names = ["y", "l1", "dx", "dw_gate", "dw_up", "dw_down"]
+    err = {"vs_bf16_dense": {n: rel(a, b) for n, a, b in zip(names, o_sp, o_bf)}}
+    if check_fp32:
+        p32 = [t.detach().float().requires_grad_(True) for t in params]
+        y32, l32 = dense_block(*p32)
+        torch.autograd.backward([y32, l32], [gy.float(), gl1])
+        o32 = [y32.detach(), l32.detach()] + [t.grad for t in p32]
+        err["ours_vs_fp32"] = {n: rel(a, b) for n, a, b in zip(names, o_sp, o32)}
+        err["bf16_dense_vs_fp32"] = {n: rel(a, b) for n, a, b in zip(names, o_bf, o32)}
+        err["within_2x_bf16"] = all(err["ours_vs_fp32"][n] <= 2 * err["bf16_dense_vs_fp32"][n] + 1e-6 for n in names)
+        del p32, y32, l32, o32
+    finite = all(bool(torch.isfinite(t).all()) for t in o_sp)
+    del o_bf, o_sp
+    nnz = st_sp["nnz_per_token"].float()
+
+    # --- memory: kept for backward, peak of one fwd+bwd
+    def mem(fn_fwd):
+        for t in params:
+            t.grad = None
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        y, l = fn_fwd()
+        kept = torch.cuda.memory_allocated() - base - y.numel() * y.element_size() - l.numel() * l.element_size()
+        torch.autograd.backward([y, l], [gy, gl1])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        del y, l
+        return kept, peak
+
+    kept_d, peak_d = mem(lambda: dense_block(*params))
+    kept_s, peak_s = mem(lambda: sparse_gated_ffn_train(*params, mode="sparse")[:2])
+
+    # --- time
+    t_dense = timer.time(dense_step, reps)
+    t_dense_nol1 = timer.time(lambda: dense_step(False), reps)
+    t_sparse = timer.time(lambda: ours_step("sparse"), reps)
+    for _ in range(3):  # history for auto
+        ours_step("auto")
+        torch.cuda.synchronize()
+    t_auto = timer.time(lambda: ours_step("auto"), reps)
+    auto_path = st_auto.last_path
+
+    def fwd_only():
+        with torch.no_grad():
+            sparse_gated_ffn_train(*params, mode="sparse")
+    t_fwd = timer.time(fwd_only, reps)
+    return {
+        "M": M, "K": K, "N": N, "p": p, "heavy_frac": heavy,
+        "nnz_mean": nnz.mean().item(), "nnz_max": nnz.max().item(), "backup_rows": st_sp["backup_rows"],
+        "ell_width": st_sp["width"],
+        "dense_ms": t_dense, "dense_noL1_ms": t_dense_nol1, "sparse_ms": t_sparse, "auto_ms": t_auto,
+        "auto_path": auto_path, "sparse_fwd_nograd_ms": t_fwd,
+        "speedup_sparse": t_dense / t_sparse, "speedup_auto": t_dense / t_auto,
+        "speedup_auto_vs_dense_noL1": t_dense_nol1 / t_auto,
+        "kept_bytes_dense": kept_d, "kept_bytes_sparse": kept_s, "kept_ratio": kept_d / max(1, kept_s),
+        "op_kept_bytes": st_sp["kept_bytes"],
+        "peak_bytes_dense": peak_d, "peak_bytes_sparse": peak_s,
+        "errors": err, "finite": finite,
+    }
+
+
+def profile_phases(M, K, N, p, reps, timer):
+    """Per-kernel times of the sparse path (CUDA events), with the bytes each must move, for the README."""
+    from kernels.train import ops
+
+    ext = ops.load_ext()
+    x, (wg, wu, wd), gy = make_case(M, K, N, p, 0.0, seed=7)
+    out = ops.ffn_fwd(x, wg, wu, wd, 128, 1.0 / (M * N), M, True, "cuda")
+    y, l1, ell_col, ell_a, ell_u, nnz, flag, brow, backup = out
+    W = ell_col.shape[1]
+    E = int(nnz.sum())
+    wdt = wd.t().contiguous()
+    g = torch.empty(M, N, device=DEV, dtype=BF)
+    c_ = torch.empty(M, 128, device=DEV, dtype=torch.int32)
+    a_ = torch.empty(M, 128, device=DEV, dtype=BF)
+    z_ = torch.empty(M, device=DEV, dtype=torch.int32)
+    f_ = torch.empty(M, device=DEV, dtype=torch.int32)
+    yy = torch.empty(M, K, device=DEV, dtype=BF)
+    ra = torch.empty(M, device=DEV)
+    l1c = torch.ones(1, device=DEV)
+    cg = torch.empty(M, W, device=DEV)
+    cu = torch.empty(M, W, device=DEV)
+    dx = torch.empty(M, K, device=DEV, dtype=BF)
+    perm, colptr = ops.csr_by_neuron(ell_col, nnz, flag, N)
+    dwg, dwu, dwd = (torch.empty(N, K, device=DEV, dtype=BF) for _ in range(3))
+    kb = K * 2
+    res = {"M": M, "p": p, "pairs": E, "ell_width": W}
+    phases = {
+        "gate_gemm": (lambda: torch.mm(x, wg.t(), out=g), 2 * M * K * N / 1e12, "TFLOP"),
+        "compact": (lambda: ext.compact(g, N, c_, a_, z_, f_), M * N * 2 / 1e9, "GB"),
+        "fwd_rows": (lambda: ext.fwd_rows(True, x, wu, wdt, ell_col, ell_a, nnz, flag, ell_u, yy, ra),
+                     E * 2 * kb / 1e9, "GB"),
+        "bwd_rows": (lambda: ext.bwd_rows(True, gy, wg, wu, wdt, ell_col, ell_a, ell_u, nnz, flag, l1c, cg, cu,
+                                          dx), E * 3 * kb / 1e9, "GB"),
+        "csr_by_neuron": (lambda: ops.csr_by_neuron(ell_col, nnz, flag, N), 0.0, "-"),
+        "dense_gemm_same_shape": (lambda: torch.mm(x, wu.t(), out=g), 2 * M * K * N / 1e12, "TFLOP"),
+    }
+    for nb in (2, 4, 8):
+        phases[f"dw_nb{nb}"] = (lambda nb=nb: ext.dw(True, nb, x, gy, perm, colptr, ell_a, ell_u, cg, cu, None,
+                                                       None, None, dwg, dwu, dwd), E * 2 * kb / 1e9, "GB")
+    for name, (fn, amount, unit) in phases.items():
+        t = timer.time(fn, reps)
+        res[name + "_ms"] = t
+        if unit != "-":
+            res[name + "_" + unit + "_per_s"] = amount / (t / 1e3)
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--ms", type=str, default="4096,16384,65536")
+    args = ap.parse_args(argv)
+    from experiments.provenance import collect
+
+    prov = collect()
+    K, N = 2048, 5632
+    Ms = [int(m) for m in args.ms.split(",")]
+    cases = [(0.005, 0.0), (0.01, 0.0), (0.02, 0.0), (0.05, 0.0), (0.005, 0.01), (0.01, 0.01)]
+    if args.quick:
+        Ms, cases = [16384], [(0.005, 0.0), (0.01, 0.0), (0.05, 0.0), (0.005, 0.01)]
+    timer = Timer()
+    rows = []
+    with open(args.out, "a") as f:
+        for p in (0.005, 0.01):
+            r = profile_phases(16384, K, N, p, args.reps, timer)
+            r["kind"] = "phase_profile"
+            r["provenance"] = prov
+            f.write(json.dumps(r) + "\n")
+            print("profile", json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()
+                                         if k not in ("provenance",)}), flush=True)
+        for M in Ms:
+            for p, heavy in cases:
+                t0 = time.time()
+                r = run_config(M, K, N, p, heavy, args.reps, timer, check_fp32=M <= 16384)
+                r["kind"] = "fwd_bwd"
+                r["provenance"] = prov
+                r["wall_s"] = time.time() - t0
+                f.write(json.dumps(r) + "\n")
+                f.flush()
+                rows.append(r)
+                e = r["errors"]
+                print(f"M={M} p={p} heavy={heavy}: dense {r['dense_ms']:.2f} (noL1 {r['dense_noL1_ms']:.2f}) "
+                      f"sparse {r['sparse_ms']:.2f} auto {r['auto_ms']:.2f} [{r['auto_path']}] "
+                      f"x{r['speedup_sparse']:.2f}/x{r['speedup_auto']:.2f} kept x{r['kept_ratio']:.1f} "
+                      f"backup {r['backup_rows']} w {r['ell_width']} ok2x {e.get('within_2x_bf16')} "
+                      f"({r['wall_s']:.0f}s)", flush=True)
+                torch.cuda.empty_cache()
+    print("\n| M | p | heavy | nnz mean/max | backup rows | dense ms (no L1) | sparse ms | auto ms (path) | "
+          "speedup sparse / auto | kept MB dense / ours | peak MB dense / ours | 2x bf16 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['M']} | {r['p']:.3f} | {r['heavy_frac']} | {r['nnz_mean']:.0f} / {r['nnz_max']:.0f} | "
+              f"{r['backup_rows']} | {r['dense_ms']:.2f} ({r['dense_noL1_ms']:.2f}) | {r['sparse_ms']:.2f} | "
+              f"{r['auto_ms']:.2f} ({r['auto_path']}) | {r['speedup_sparse']:.2f}x / {r['speedup_auto']:.2f}x | "
+              f"{r['kept_bytes_dense'] / 2**20:.0f} / {r['kept_bytes_sparse'] / 2**20:.1f} | "
+              f"{r['peak_bytes_dense'] / 2**20:.0f} / {r['peak_bytes_sparse'] / 2**20:.0f} | "
+              f"{r['errors'].get('within_2x_bf16')} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Speed, energy and memory, dense vs sparse (paper Table 1 efficiency columns; Figs 4, 5). GPU only.
+#   (b) the paper's shapes: hidden 2048, N 5632, 32 heads, 8/18/28/38 layers (0.5B/1B/1.5B/2B), random weights with
+#       gates calibrated to the paper's mean non-zeros per token at L1 = 2e-5 (39/34*/29/24; *1B interpolated) with
+#       a per-layer profile and a heavy tail; inference at 32 x 2048 tokens, training (dense side) at 8 and 18 layers.
+#   (a) every trained model found under runs/gpu/{l1_sweep,ablations/*,sparsify_smollm2}/<run>/final, on validation
+#       tokens (64 x 512), inference + training.
+#   SCALE=gpu bash experiments/speed/run.sh            # ~5-10 min on one H100 (paper shapes ~3 min)
+#   SCALE=smoke bash experiments/speed/run.sh          # CPU: prints why it cannot run and exits 0
+# Env: SPEED_PARTS="paper trained" (default both); PAPER_LAYERS="8 18 28 38"; SPARSE_MODE=auto|sparse;
+# RESULTS_ROOT (rows appended to $RESULTS_ROOT/speed/{paper_shapes,trained}.jsonl; the notebook keeps the latest
+# row per model and mode). Energy needs nvidia-ml-py (pip install nvidia-ml-py); without it energy is null.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+. experiments/env.sh
+. experiments/run_lib.sh
+if ! python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  if [ "$SCALE" = gpu ]; then echo "SCALE=gpu: no CUDA GPU visible; the speed experiment needs one" >&2; exit 2; fi
+  echo "speed: skipped -- GPU only (model-level tokens/s, energy and memory of the TwELL CUDA kernels)."
+  echo "       On the H100 machine: SCALE=gpu bash experiments/speed/run.sh"
+  exit 0
+fi
+read -r -a PARTS <<< "${SPEED_PARTS:-paper trained}"
+read -r -a LAYERS <<< "${PAPER_LAYERS:-8 18 28 38}"
+MODE="${SPARSE_MODE:-auto}"
+OUT="$RESULTS_ROOT/speed"
+mkdir -p "$OUT"
+python -c "import pynvml" 2>/dev/null || echo "note: pynvml missing (pip install nvidia-ml-py): energy will be null"
+
+for part in "${PARTS[@]}"; do
+  case "$part" in
+    paper)
+      echo "== paper shapes: layers ${LAYERS[*]}"
+      python -m experiments.speed.bench paper --layers "${LAYERS[@]}" --train --train-layers 8 18 \
+        --sparse-mode "$MODE" --out "$OUT/paper_shapes.jsonl" || SFL_FAILED+=(paper_shapes)
+      ;;
+    trained)
+      mapfile -t finals < <(ls -d "$RUNS_ROOT"/l1_sweep/*/final "$RUNS_ROOT"/ablations/*/*/final \
+                                  "$RUNS_ROOT"/sparsify_smollm2/*/final 2>/dev/null || true)
+      echo "== trained models: ${#finals[@]} found under $RUNS_ROOT"
+      i=0
+      for f in "${finals[@]}"; do
+        i=$((i + 1))
+        name=${f#"$RUNS_ROOT"/}; name=${name%/final}
+        echo "[$i/${#finals[@]}] $name"
+        python -m experiments.speed.bench trained --model "$f" --name "$name" --sparse-mode "$MODE" \
+          --out "$OUT/trained.jsonl" || SFL_FAILED+=("$name")
+      done
+      ;;
+    *) echo "unknown part '$part' in SPEED_PARTS (paper, trained)" >&2; exit 2 ;;
+  esac
+done
+if [ ${#SFL_FAILED[@]} -gt 0 ]; then echo "FAILED: ${SFL_FAILED[*]}" >&2; exit 1; fi
+echo "rows in $OUT/; figures: python -m notebooks.run_all --only speed"

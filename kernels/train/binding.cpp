@@ -1,0 +1,180 @@
+// Torch-facing glue for the sparse training kernels: checks tensors, takes raw pointers and the CURRENT torch
+// stream, calls the extern "C" launchers in train_kernels.cu, and turns any CUDA error into a Python exception.
+// The algorithm (chunking, backup rows, transposes, dispatch) lives in kernels/train/ops.py.
+#include <torch/extension.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime.h>
+
+extern "C" {
+cudaError_t sfltrain_compact_launch(const void* g, long long ldg, int rows, int N, int W, int32_t* ell_col,
+                                    void* ell_a, int32_t* nnz, int32_t* flag, cudaStream_t stream);
+cudaError_t sfltrain_fwd_rows_launch(int gated, const void* x, const void* wu, const void* wdt, int M, int K, int W,
+                                     const int32_t* ell_col, const void* ell_a, const int32_t* nnz,
+                                     const int32_t* flag, float* ell_u, void* y, float* rowabs,
+                                     cudaStream_t stream);
+cudaError_t sfltrain_bwd_rows_launch(int gated, const void* dy, const void* wg, const void* wu, const void* wdt,
+                                     int M, int K, int W, const int32_t* ell_col, const void* ell_a,
+                                     const float* ell_u, const int32_t* nnz, const int32_t* flag, const float* l1c,
+                                     float* cg, float* cu, void* dx, cudaStream_t stream);
+cudaError_t sfltrain_dw_launch(int gated, int nb, const void* x, const void* dy, int N, int K, int W,
+                               const int64_t* perm, const int64_t* colptr, const void* ell_a, const float* ell_u,
+                               const float* cg, const float* cu, const void* add_g, const void* add_u,
+                               const void* add_d, void* dwg, void* dwu, void* dwdt, cudaStream_t stream);
+}
+
+#define SFL_STR2(x) #x
+#define SFL_STR(x) SFL_STR2(x)
+#ifndef SFL_SRC_HASH
+#define SFL_SRC_HASH unknown
+#endif
+
+namespace {
+
+void check(cudaError_t e, const char* what) {
+  TORCH_CHECK(e == cudaSuccess, "sparse training kernel '", what, "' failed: ", cudaGetErrorString(e),
+              " (invalid value = unsupported shape/knob; see kernels/train/README.md)");
+}
+
+void req(const at::Tensor& t, const char* name, at::ScalarType dt, int dim) {
+  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
+  TORCH_CHECK(t.scalar_type() == dt, name, " must be ", c10::toString(dt), ", got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dims, got ", t.dim());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous (call .contiguous())");
+}
+
+cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+int32_t* i32(const at::Tensor& t) { return t.data_ptr<int32_t>(); }
+const void* opt(const c10::optional<at::Tensor>& t, const char* name, int64_t N, int64_t K) {
+  if (!t.has_value() || !t->defined() || t->numel() == 0) return nullptr;
+  req(*t, name, at::kBFloat16, 2);
+  TORCH_CHECK(t->size(0) == N && t->size(1) == K, name, " must be [N, K]");
+  return t->data_ptr();
+}
+
+// g: bf16 [rows, >=N] with unit column stride (a view of the chunk scratch); outputs are row slices.
+void compact(const at::Tensor& g, int64_t N, at::Tensor ell_col, at::Tensor ell_a, at::Tensor nnz, at::Tensor flag) {
+  TORCH_CHECK(g.is_cuda() && g.scalar_type() == at::kBFloat16 && g.dim() == 2 && g.stride(1) == 1,
+              "compact: g must be a CUDA bf16 [rows, N] tensor with unit column stride");
+  const int64_t rows = g.size(0);
+  req(ell_col, "ell_col", at::kInt, 2);
+  req(ell_a, "ell_a", at::kBFloat16, 2);
+  req(nnz, "nnz", at::kInt, 1);
+  req(flag, "flag", at::kInt, 1);
+  TORCH_CHECK(ell_col.size(0) == rows && ell_a.sizes() == ell_col.sizes() && nnz.size(0) == rows &&
+                  flag.size(0) == rows, "compact: row mismatch");
+  const c10::cuda::CUDAGuard guard(g.device());
+  check(sfltrain_compact_launch(g.data_ptr(), g.stride(0), (int)rows, (int)N, (int)ell_col.size(1), i32(ell_col),
+                                ell_a.data_ptr(), i32(nnz), i32(flag), stream()),
+        "compact");
+}
+
+void fwd_rows(bool gated, const at::Tensor& x, const at::Tensor& wu, const at::Tensor& wdt, const at::Tensor& ell_col,
+              const at::Tensor& ell_a, const at::Tensor& nnz, const at::Tensor& flag, at::Tensor ell_u, at::Tensor y,
+              at::Tensor rowabs) {
+  req(x, "x", at::kBFloat16, 2);
+  req(wu, "w_up", at::kBFloat16, 2);
+  req(wdt, "w_down_t", at::kBFloat16, 2);
+  req(ell_col, "ell_col", at::kInt, 2);
+  req(ell_a, "ell_a", at::kBFloat16, 2);
+  req(nnz, "nnz", at::kInt, 1);
+  req(flag, "flag", at::kInt, 1);
+  req(y, "y", at::kBFloat16, 2);
+  req(rowabs, "rowabs", at::kFloat, 1);
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(wu.size(1) == K && wdt.size(1) == K && wdt.size(0) == wu.size(0), "fwd_rows: weight shapes");
+  TORCH_CHECK(ell_col.size(0) == M && y.size(0) == M && y.size(1) == K && rowabs.size(0) == M, "fwd_rows: rows");
+  float* up = nullptr;
+  if (gated) {
+    req(ell_u, "ell_u", at::kFloat, 2);
+    TORCH_CHECK(ell_u.sizes() == ell_col.sizes(), "fwd_rows: ell_u shape");
+    up = ell_u.data_ptr<float>();
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  check(sfltrain_fwd_rows_launch(gated ? 1 : 0, x.data_ptr(), wu.data_ptr(), wdt.data_ptr(), (int)M, (int)K,
+                                 (int)ell_col.size(1), i32(ell_col), ell_a.data_ptr(), i32(nnz), i32(flag), up,
+                                 y.data_ptr(), rowabs.data_ptr<float>(), stream()),
+        "fwd_rows");
+}
+
+void bwd_rows(bool gated, const at::Tensor& dy, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wdt,
+              const at::Tensor& ell_col, const at::Tensor& ell_a, const at::Tensor& ell_u, const at::Tensor& nnz,
+              const at::Tensor& flag, const at::Tensor& l1c, at::Tensor cg, at::Tensor cu, at::Tensor dx) {
+  req(dy, "dy", at::kBFloat16, 2);
+  req(wu, "w_up", at::kBFloat16, 2);
+  req(wdt, "w_down_t", at::kBFloat16, 2);
+  req(ell_col, "ell_col", at::kInt, 2);
+  req(ell_a, "ell_a", at::kBFloat16, 2);
+  req(nnz, "nnz", at::kInt, 1);
+  req(flag, "flag", at::kInt, 1);
+  req(l1c, "l1c", at::kFloat, 1);
+  req(cg, "cg", at::kFloat, 2);
+  req(dx, "dx", at::kBFloat16, 2);
+  const int64_t M = dy.size(0), K = dy.size(1);
+  TORCH_CHECK(cg.sizes() == ell_col.sizes() && dx.sizes() == dy.sizes() && ell_col.size(0) == M, "bwd_rows: shapes");
+  const void* wgp = nullptr;
+  const float* up = nullptr;
+  float* cup = nullptr;
+  if (gated) {
+    req(wg, "w_gate", at::kBFloat16, 2);
+    req(ell_u, "ell_u", at::kFloat, 2);
+    req(cu, "cu", at::kFloat, 2);
+    TORCH_CHECK(ell_u.sizes() == ell_col.sizes() && cu.sizes() == ell_col.sizes(), "bwd_rows: shapes");
+    wgp = wg.data_ptr();
+    up = ell_u.data_ptr<float>();
+    cup = cu.data_ptr<float>();
+  }
+  const c10::cuda::CUDAGuard guard(dy.device());
+  check(sfltrain_bwd_rows_launch(gated ? 1 : 0, dy.data_ptr(), wgp, wu.data_ptr(), wdt.data_ptr(), (int)M, (int)K,
+                                 (int)ell_col.size(1), i32(ell_col), ell_a.data_ptr(), up, i32(nnz), i32(flag),
+                                 l1c.data_ptr<float>(), cg.data_ptr<float>(), cup, dx.data_ptr(), stream()),
+        "bwd_rows");
+}
+
+void dw(bool gated, int64_t nb, const at::Tensor& x, const at::Tensor& dy, const at::Tensor& perm,
+        const at::Tensor& colptr, const at::Tensor& ell_a, const at::Tensor& ell_u, const at::Tensor& cg,
+        const at::Tensor& cu, const c10::optional<at::Tensor>& add_g, const c10::optional<at::Tensor>& add_u,
+        const c10::optional<at::Tensor>& add_d, at::Tensor dwg, at::Tensor dwu, at::Tensor dwdt) {
+  req(x, "x", at::kBFloat16, 2);
+  req(dy, "dy", at::kBFloat16, 2);
+  req(perm, "perm", at::kLong, 1);
+  req(colptr, "colptr", at::kLong, 1);
+  req(ell_a, "ell_a", at::kBFloat16, 2);
+  req(cg, "cg", at::kFloat, 2);
+  req(dwu, "dw_up", at::kBFloat16, 2);
+  req(dwdt, "dw_down_t", at::kBFloat16, 2);
+  const int64_t K = x.size(1), N = dwu.size(0);
+  TORCH_CHECK(dy.size(1) == K && dwu.size(1) == K && dwdt.size(0) == N && dwdt.size(1) == K, "dw: shapes");
+  TORCH_CHECK(colptr.size(0) == N + 1, "dw: colptr must be [N + 1]");
+  const float* up = nullptr;
+  const float* cup = nullptr;
+  void* gp = nullptr;
+  if (gated) {
+    req(ell_u, "ell_u", at::kFloat, 2);
+    req(cu, "cu", at::kFloat, 2);
+    req(dwg, "dw_gate", at::kBFloat16, 2);
+    TORCH_CHECK(dwg.sizes() == dwu.sizes(), "dw: dw_gate shape");
+    up = ell_u.data_ptr<float>();
+    cup = cu.data_ptr<float>();
+    gp = dwg.data_ptr();
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  check(sfltrain_dw_launch(gated ? 1 : 0, (int)nb, x.data_ptr(), dy.data_ptr(), (int)N, (int)K, (int)ell_a.size(1),
+                           perm.data_ptr<int64_t>(), colptr.data_ptr<int64_t>(), ell_a.data_ptr(), up,
+                           cg.data_ptr<float>(), cup, gated ? opt(add_g, "add_g", N, K) : nullptr,
+                           opt(add_u, "add_u", N, K), opt(add_d, "add_d", N, K), gp, dwu.data_ptr(),
+                           dwdt.data_ptr(), stream()),
+        "dw");
+}
+
+std::string source_hash() { return SFL_STR(SFL_SRC_HASH); }
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("compact", &compact, "bf16 gate pre-activation rows -> ReLU -> ELL (ell_col, ell_a, nnz, flag)");
+  m.def("fwd_rows", &fwd_rows, "light rows: u, h = a u, y = h W_d^T, per-row sum |h|");
+  m.def("bwd_rows", &bwd_rows, "light rows: dh, per-entry dgate / dup coefficients, dx");
+  m.def("dw", &dw, "neuron-major weight gradients from the CSR-by-neuron transpose");
+  m.def("source_hash", &source_hash, "hash of the sources this library was built from");
+}

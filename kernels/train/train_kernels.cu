@@ -1,0 +1,561 @@
+// Sparse training kernels for the ReLU FFN block (CUDA C++, no torch headers: CI compile-checks this file
+// with plain nvcc for sm_90a). Torch glue: binding.cpp. Algorithm and format: kernels/train/README.md.
+//
+// Saved-for-backward format (Hybrid, FORMAT.md): per token row, ELL slots of width W
+//   ell_col int32 [M, W] (global neuron, pad -1), ell_a bf16 [M, W] (a = relu(gate) value, pad 0),
+//   ell_u fp32 [M, W] (gated only: u = x . W_u[j], written by the forward), nnz int32 [M] (true count),
+//   flag int32 [M] (1 = row goes through the dense backup: nnz > W or a non-finite gate pre-activation).
+// Flagged rows are never touched here (their y / dx rows are written by the dense backup in ops.py).
+//
+// Kernels (all one warp per work item, 16-byte loads, fp32 accumulation):
+//   compact : bf16 gate pre-activations [rows, N] -> ReLU -> ELL (ascending columns) + nnz + flag.
+//   fwd_rows: light rows: u_e = x.W_u[j] (gated), h_e = a_e u_e, y = sum_e h_e W_dT[j], rowabs = sum |h_e|.
+//   bwd_rows: light rows: dh_e = dy.W_dT[j] + c sign(h_e); dg_e = dh_e u_e, du_e = dh_e a_e (gated) or
+//             dg_e = dh_e (non-gated); dx = sum_e dg_e W_g[j] + du_e W_u[j] (non-gated: dg_e W_u[j]).
+//   dw      : neuron-major (CSR by neuron, built from the ELL): dW_g[j] = sum dg x_r, dW_u[j] = sum du x_r,
+//             dW_dT[j] = sum h dy_r, plus an optional bf16 addend (the dense backup rows' contribution).
+// Launchers return the cudaError_t of the launch and never exit.
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace sfltrain {
+
+constexpr unsigned kFull = 0xffffffffu;
+
+__device__ __forceinline__ float bf16lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+__device__ __forceinline__ float bf2f(uint16_t b) { return __uint_as_float(((uint32_t)b) << 16); }
+
+__device__ __forceinline__ float dot8(const uint4& a, const uint4& b, float acc) {
+  acc = fmaf(bf16lo(a.x), bf16lo(b.x), acc); acc = fmaf(bf16hi(a.x), bf16hi(b.x), acc);
+  acc = fmaf(bf16lo(a.y), bf16lo(b.y), acc); acc = fmaf(bf16hi(a.y), bf16hi(b.y), acc);
+  acc = fmaf(bf16lo(a.z), bf16lo(b.z), acc); acc = fmaf(bf16hi(a.z), bf16hi(b.z), acc);
+  acc = fmaf(bf16lo(a.w), bf16lo(b.w), acc); acc = fmaf(bf16hi(a.w), bf16hi(b.w), acc);
+  return acc;
+}
+
+__device__ __forceinline__ void axpy8(float h, const uint4& w, float* acc) {
+  acc[0] = fmaf(h, bf16lo(w.x), acc[0]); acc[1] = fmaf(h, bf16hi(w.x), acc[1]);
+  acc[2] = fmaf(h, bf16lo(w.y), acc[2]); acc[3] = fmaf(h, bf16hi(w.y), acc[3]);
+  acc[4] = fmaf(h, bf16lo(w.z), acc[4]); acc[5] = fmaf(h, bf16hi(w.z), acc[5]);
+  acc[6] = fmaf(h, bf16lo(w.w), acc[6]); acc[7] = fmaf(h, bf16hi(w.w), acc[7]);
+}
+
+__device__ __forceinline__ uint32_t pack2(float a, float b) {
+  __nv_bfloat16 lo = __float2bfloat16_rn(a), hi = __float2bfloat16_rn(b);
+  return (uint32_t)__bfloat16_as_ushort(lo) | ((uint32_t)__bfloat16_as_ushort(hi) << 16);
+}
+
+__device__ __forceinline__ uint4 pack8(const float* a) {
+  return make_uint4(pack2(a[0], a[1]), pack2(a[2], a[3]), pack2(a[4], a[5]), pack2(a[6], a[7]));
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float signf(float h) { return (h > 0.f) ? 1.f : ((h < 0.f) ? -1.f : 0.f); }
+
+__device__ __forceinline__ long long warp_id() {
+  return ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// compact: one warp per row; 256 columns per step (8 per lane, one 16-byte load). N % 8 == 0.
+__global__ void __launch_bounds__(256) compact_kernel(const __nv_bfloat16* __restrict__ g, long long ldg, int rows,
+                                                      int N, int W, int32_t* __restrict__ ell_col,
+                                                      __nv_bfloat16* __restrict__ ell_a, int32_t* __restrict__ nnz,
+                                                      int32_t* __restrict__ flag) {
+  const long long row = warp_id();
+  const int lane = threadIdx.x & 31;
+  if (row >= rows) return;
+  const __nv_bfloat16* gr = g + row * ldg;
+  int32_t* oc = ell_col + row * W;
+  uint16_t* oa = reinterpret_cast<uint16_t*>(ell_a) + row * W;
+  int base = 0;
+  bool nonfinite = false;
+  for (int c0 = 0; c0 < N; c0 += 256) {
+    const int c = c0 + lane * 8;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (c < N) v = __ldg(reinterpret_cast<const uint4*>(gr + c));
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+    unsigned act = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t b = (w[i >> 1] >> (16 * (i & 1))) & 0xffffu;
+      const uint32_t mag = b & 0x7fffu;
+      const bool pos = !(b & 0x8000u) && mag != 0;  // relu keeps it (+Inf and positive subnormals too)
+      const bool nan = mag > 0x7f80u;                 // relu(NaN) = NaN counts as active
+      act |= (unsigned)(pos || nan) << i;
+      nonfinite |= (mag >= 0x7f80u);
+    }
+    const int cnt = __popc(act);
+    int inc = cnt;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int t = __shfl_up_sync(kFull, inc, o);
+      if (lane >= o) inc += t;
+    }
+    const int total = __shfl_sync(kFull, inc, 31);
+    int slot = base + inc - cnt;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      if ((act >> i) & 1u) {
+        if (slot < W) {
+          oc[slot] = c + i;
+          oa[slot] = (uint16_t)((w[i >> 1] >> (16 * (i & 1))) & 0xffffu);
+        }
+        ++slot;
+      }
+    }
+    base += total;
+  }
+  for (int s = base + lane; s < W; s += 32) {  // padding (format: col -1, value 0)
+    oc[s] = -1;
+    oa[s] = 0;
+  }
+  const bool any_nf = __any_sync(kFull, nonfinite);
+  if (lane == 0) {
+    nnz[row] = base;
+    flag[row] = (base > W || any_nf) ? 1 : 0;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// fwd_rows: NI = 16-byte chunks of a K row per lane (K <= 256 * NI; NI <= 12, i.e. K <= 3072, keeps the fp32
+// accumulators of a whole row in registers without spills).
+template <int NI, bool GATED>
+__global__ void __launch_bounds__(128, 1) fwd_rows_kernel(const __nv_bfloat16* __restrict__ x,
+                                                       const __nv_bfloat16* __restrict__ wu,
+                                                       const __nv_bfloat16* __restrict__ wdt, int M, int K, int W,
+                                                       const int32_t* __restrict__ ell_col,
+                                                       const __nv_bfloat16* __restrict__ ell_a,
+                                                       const int32_t* __restrict__ nnz,
+                                                       const int32_t* __restrict__ flag, float* __restrict__ ell_u,
+                                                       __nv_bfloat16* __restrict__ y, float* __restrict__ rowabs) {
+  const long long row = warp_id();
+  const int lane = threadIdx.x & 31;
+  if (row >= M) return;
+  if (flag[row]) {  // dense backup row: y written by the caller; contributes its L1 separately
+    if (lane == 0) rowabs[row] = 0.f;
+    return;
+  }
+  const int n = nnz[row];
+  const int K8 = K >> 3;
+  const long long rb = row * W;
+  const uint16_t* av = reinterpret_cast<const uint16_t*>(ell_a);
+  float absacc = 0.f;
+  if (GATED) {
+    uint4 xv[NI];
+    const uint4* xr = reinterpret_cast<const uint4*>(x + row * K);
+#pragma unroll
+    for (int i = 0; i < NI; ++i) {
+      const int c = lane + 32 * i;
+      xv[i] = c < K8 ? __ldg(xr + c) : make_uint4(0, 0, 0, 0);
+    }
+    for (int b0 = 0; b0 < n; b0 += 32) {
+      const int ne = min(32, n - b0);
+      const int col = lane < ne ? ell_col[rb + b0 + lane] : 0;
+      float myu = 0.f;
+#pragma unroll 1
+      for (int j = 0; j < ne; j += 2) {
+        const bool two = (j + 1) < ne;
+        const int c0 = __shfl_sync(kFull, col, j);
+        const int c1 = __shfl_sync(kFull, col, two ? j + 1 : j);
+        const uint4* r0 = reinterpret_cast<const uint4*>(wu + (long long)c0 * K);
+        const uint4* r1 = reinterpret_cast<const uint4*>(wu + (long long)c1 * K);
+        uint4 a[NI], b[NI];
+#pragma unroll
+        for (int i = 0; i < NI; ++i) {
+          const int c = lane + 32 * i;
+          a[i] = c < K8 ? __ldg(r0 + c) : make_uint4(0, 0, 0, 0);
+          b[i] = (c < K8 && two) ? __ldg(r1 + c) : make_uint4(0, 0, 0, 0);
+        }
+        float d0 = 0.f, d1 = 0.f;
+#pragma unroll
+        for (int i = 0; i < NI; ++i) { d0 = dot8(xv[i], a[i], d0); d1 = dot8(xv[i], b[i], d1); }
+        d0 = warp_sum(d0);
+        d1 = warp_sum(d1);
+        if (lane == j) myu = d0;
+        if (two && lane == j + 1) myu = d1;
+      }
+      if (lane < ne) ell_u[rb + b0 + lane] = myu;  // read back by the same lane below
+    }
+  }
+  float acc[NI * 8];
+#pragma unroll
+  for (int i = 0; i < NI * 8; ++i) acc[i] = 0.f;
+  for (int b0 = 0; b0 < n; b0 += 32) {
+    const int ne = min(32, n - b0);
+    int col = 0;
+    float h = 0.f;
+    if (lane < ne) {
+      col = ell_col[rb + b0 + lane];
+      h = bf2f(av[rb + b0 + lane]);
+      if (GATED) h *= ell_u[rb + b0 + lane];
+      absacc += fabsf(h);
+    }
+#pragma unroll 1
+    for (int j = 0; j < ne; j += 2) {
+      const bool two = (j + 1) < ne;
+      const int c0 = __shfl_sync(kFull, col, j);
+      const int c1 = __shfl_sync(kFull, col, two ? j + 1 : j);
+      const float h0 = __shfl_sync(kFull, h, j);
+      const float h1 = two ? __shfl_sync(kFull, h, j + 1) : 0.f;
+      const uint4* r0 = reinterpret_cast<const uint4*>(wdt + (long long)c0 * K);
+      const uint4* r1 = reinterpret_cast<const uint4*>(wdt + (long long)c1 * K);
+      uint4 a[NI], b[NI];
+#pragma unroll
+      for (int i = 0; i < NI; ++i) {
+        const int c = lane + 32 * i;
+        a[i] = c < K8 ? __ldg(r0 + c) : make_uint4(0, 0, 0, 0);
+        b[i] = (c < K8 && two) ? __ldg(r1 + c) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int i = 0; i < NI; ++i) { axpy8(h0, a[i], acc + 8 * i); axpy8(h1, b[i], acc + 8 * i); }
+    }
+  }
+  uint4* yr = reinterpret_cast<uint4*>(y + row * K);
+#pragma unroll
+  for (int i = 0; i < NI; ++i) {
+    const int c = lane + 32 * i;
+    if (c < K8) yr[c] = pack8(acc + 8 * i);
+  }
+  absacc = warp_sum(absacc);
+  if (lane == 0) rowabs[row] = absacc;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// bwd_rows: dgrad of the light rows + per-entry coefficients for the weight gradients.
+// l1c: device pointer to (dL/dl1) * l1 scale (so no host sync on the incoming gradient).
+template <int NI, bool GATED>
+__global__ void __launch_bounds__(128, 1) bwd_rows_kernel(const __nv_bfloat16* __restrict__ dy,
+                                                       const __nv_bfloat16* __restrict__ wg,
+                                                       const __nv_bfloat16* __restrict__ wu,
+                                                       const __nv_bfloat16* __restrict__ wdt, int M, int K, int W,
+                                                       const int32_t* __restrict__ ell_col,
+                                                       const __nv_bfloat16* __restrict__ ell_a,
+                                                       const float* __restrict__ ell_u,
+                                                       const int32_t* __restrict__ nnz,
+                                                       const int32_t* __restrict__ flag,
+                                                       const float* __restrict__ l1c, float* __restrict__ cg,
+                                                       float* __restrict__ cu, __nv_bfloat16* __restrict__ dx) {
+  const long long row = warp_id();
+  const int lane = threadIdx.x & 31;
+  if (row >= M) return;
+  if (flag[row]) return;  // dense backup row: dx written by the caller
+  const int n = nnz[row];
+  const int K8 = K >> 3;
+  const long long rb = row * W;
+  const uint16_t* av = reinterpret_cast<const uint16_t*>(ell_a);
+  const float c1s = *l1c;
+  {
+    uint4 dv[NI];
+    const uint4* dr = reinterpret_cast<const uint4*>(dy + row * K);
+#pragma unroll
+    for (int i = 0; i < NI; ++i) {
+      const int c = lane + 32 * i;
+      dv[i] = c < K8 ? __ldg(dr + c) : make_uint4(0, 0, 0, 0);
+    }
+    for (int b0 = 0; b0 < n; b0 += 32) {
+      const int ne = min(32, n - b0);
+      const int col = lane < ne ? ell_col[rb + b0 + lane] : 0;
+      float mydh = 0.f;
+#pragma unroll 1
+      for (int j = 0; j < ne; j += 2) {
+        const bool two = (j + 1) < ne;
+        const int c0 = __shfl_sync(kFull, col, j);
+        const int c1 = __shfl_sync(kFull, col, two ? j + 1 : j);
+        const uint4* r0 = reinterpret_cast<const uint4*>(wdt + (long long)c0 * K);
+        const uint4* r1 = reinterpret_cast<const uint4*>(wdt + (long long)c1 * K);
+        uint4 a[NI], b[NI];
+#pragma unroll
+        for (int i = 0; i < NI; ++i) {
+          const int c = lane + 32 * i;
+          a[i] = c < K8 ? __ldg(r0 + c) : make_uint4(0, 0, 0, 0);
+          b[i] = (c < K8 && two) ? __ldg(r1 + c) : make_uint4(0, 0, 0, 0);
+        }
+        float d0 = 0.f, d1 = 0.f;
+#pragma unroll
+        for (int i = 0; i < NI; ++i) { d0 = dot8(dv[i], a[i], d0); d1 = dot8(dv[i], b[i], d1); }
+        d0 = warp_sum(d0);
+        d1 = warp_sum(d1);
+        if (lane == j) mydh = d0;
+        if (two && lane == j + 1) mydh = d1;
+      }
+      if (lane < ne) {
+        const long long e = rb + b0 + lane;
+        const float a = bf2f(av[e]);
+        if (GATED) {
+          const float u = ell_u[e];
+          const float dh = mydh + c1s * signf(a * u);
+          cg[e] = dh * u;  // d/d(gate pre-activation): relu' = 1 on stored (active) entries
+          cu[e] = dh * a;  // d/du
+        } else {
+          cg[e] = mydh + c1s * signf(a);
+        }
+      }
+    }
+  }
+  float acc[NI * 8];
+#pragma unroll
+  for (int i = 0; i < NI * 8; ++i) acc[i] = 0.f;
+  for (int b0 = 0; b0 < n; b0 += 32) {
+    const int ne = min(32, n - b0);
+    int col = 0;
+    float vg = 0.f, vu = 0.f;
+    if (lane < ne) {
+      const long long e = rb + b0 + lane;
+      col = ell_col[e];
+      vg = cg[e];
+      if (GATED) vu = cu[e];
+    }
+#pragma unroll 1
+    for (int j = 0; j < ne; ++j) {
+      const int c0 = __shfl_sync(kFull, col, j);
+      const float g0 = __shfl_sync(kFull, vg, j);
+      const float u0 = GATED ? __shfl_sync(kFull, vu, j) : 0.f;
+      // gated: dx += dg W_g[j] + du W_u[j]; non-gated: dx += dg W_u[j]
+      const uint4* r0 = reinterpret_cast<const uint4*>((GATED ? wg : wu) + (long long)c0 * K);
+      const uint4* r1 = reinterpret_cast<const uint4*>(wu + (long long)c0 * K);
+      uint4 a[NI], b[NI];
+#pragma unroll
+      for (int i = 0; i < NI; ++i) {
+        const int c = lane + 32 * i;
+        a[i] = c < K8 ? __ldg(r0 + c) : make_uint4(0, 0, 0, 0);
+        b[i] = (c < K8 && GATED) ? __ldg(r1 + c) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int i = 0; i < NI; ++i) {
+        axpy8(g0, a[i], acc + 8 * i);
+        if (GATED) axpy8(u0, b[i], acc + 8 * i);
+      }
+    }
+  }
+  uint4* xr = reinterpret_cast<uint4*>(dx + row * K);
+#pragma unroll
+  for (int i = 0; i < NI; ++i) {
+    const int c = lane + 32 * i;
+    if (c < K8) xr[c] = pack8(acc + 8 * i);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// dw: one warp per (neuron j, K slice of 256*NB, part). part 0: rows of x with coefficients cg (and cu when
+// gated) -> dW_g / dW_u (non-gated: cg -> dW_u). part 1: rows of dy with coefficient h -> dW_dT.
+// perm: flat ELL indices (row * W + slot) sorted by neuron; colptr int64 [N + 1].
+template <int NB, bool GATED>
+__global__ void __launch_bounds__(128) dw_kernel(const __nv_bfloat16* __restrict__ x,
+                                                 const __nv_bfloat16* __restrict__ dy, int N, int K, int W,
+                                                 const int64_t* __restrict__ perm,
+                                                 const int64_t* __restrict__ colptr,
+                                                 const __nv_bfloat16* __restrict__ ell_a,
+                                                 const float* __restrict__ ell_u, const float* __restrict__ cg,
+                                                 const float* __restrict__ cu,
+                                                 const __nv_bfloat16* __restrict__ add_g,
+                                                 const __nv_bfloat16* __restrict__ add_u,
+                                                 const __nv_bfloat16* __restrict__ add_d,
+                                                 __nv_bfloat16* __restrict__ dwg, __nv_bfloat16* __restrict__ dwu,
+                                                 __nv_bfloat16* __restrict__ dwdt) {
+  const int K8 = K >> 3;
+  const int kslices = (K8 + 32 * NB - 1) / (32 * NB);
+  const long long w = warp_id();
+  const int lane = threadIdx.x & 31;
+  if (w >= (long long)N * kslices * 2) return;
+  const int part = (int)(w & 1);
+  const long long jw = w >> 1;
+  const int j = (int)(jw / kslices);
+  const int ks = (int)(jw % kslices);
+  const int cbase = ks * 32 * NB + lane;
+  const long long p0 = colptr[j], p1 = colptr[j + 1];
+  const uint16_t* av = reinterpret_cast<const uint16_t*>(ell_a);
+  const bool two_out = GATED && part == 0;
+  const __nv_bfloat16* src = part == 0 ? x : dy;
+  float acc1[NB * 8], acc2[NB * 8];
+#pragma unroll
+  for (int i = 0; i < NB * 8; ++i) { acc1[i] = 0.f; acc2[i] = 0.f; }
+  for (long long q0 = p0; q0 < p1; q0 += 32) {
+    const int ne = (int)min(32LL, p1 - q0);
+    long long r = 0;
+    float k1 = 0.f, k2 = 0.f;
+    if (lane < ne) {
+      const long long e = perm[q0 + lane];
+      r = e / W;
+      if (part == 0) {
+        k1 = cg[e];
+        if (GATED) k2 = cu[e];
+      } else {
+        k1 = bf2f(av[e]);
+        if (GATED) k1 *= ell_u[e];
+      }
+    }
+#pragma unroll 1
+    for (int t = 0; t < ne; t += 2) {
+      const bool two = (t + 1) < ne;
+      const long long r0 = __shfl_sync(kFull, r, t);
+      const long long r1 = __shfl_sync(kFull, r, two ? t + 1 : t);
+      const float a0 = __shfl_sync(kFull, k1, t), a1 = two ? __shfl_sync(kFull, k1, t + 1) : 0.f;
+      const float b0 = __shfl_sync(kFull, k2, t), b1 = two ? __shfl_sync(kFull, k2, t + 1) : 0.f;
+      const uint4* s0 = reinterpret_cast<const uint4*>(src + r0 * K);
+      const uint4* s1 = reinterpret_cast<const uint4*>(src + r1 * K);
+      uint4 va[NB], vb[NB];
+#pragma unroll
+      for (int i = 0; i < NB; ++i) {
+        const int c = cbase + 32 * i;
+        va[i] = c < K8 ? __ldg(s0 + c) : make_uint4(0, 0, 0, 0);
+        vb[i] = (c < K8 && two) ? __ldg(s1 + c) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int i = 0; i < NB; ++i) {
+        axpy8(a0, va[i], acc1 + 8 * i);
+        axpy8(a1, vb[i], acc1 + 8 * i);
+        if (two_out) {
+          axpy8(b0, va[i], acc2 + 8 * i);
+          axpy8(b1, vb[i], acc2 + 8 * i);
+        }
+      }
+    }
+  }
+  __nv_bfloat16* o1 = part == 1 ? dwdt : (GATED ? dwg : dwu);
+  const __nv_bfloat16* ad1 = part == 1 ? add_d : (GATED ? add_g : add_u);
+#pragma unroll
+  for (int i = 0; i < NB; ++i) {
+    const int c = cbase + 32 * i;
+    if (c >= K8) continue;
+    const long long off = (long long)j * K8 + c;
+    if (ad1 != nullptr) {
+      const uint4 ad = reinterpret_cast<const uint4*>(ad1)[off];
+      axpy8(1.f, ad, acc1 + 8 * i);
+    }
+    reinterpret_cast<uint4*>(o1)[off] = pack8(acc1 + 8 * i);
+    if (two_out) {
+      if (add_u != nullptr) {
+        const uint4 ad = reinterpret_cast<const uint4*>(add_u)[off];
+        axpy8(1.f, ad, acc2 + 8 * i);
+      }
+      reinterpret_cast<uint4*>(dwu)[off] = pack8(acc2 + 8 * i);
+    }
+  }
+}
+
+inline unsigned blocks_for(long long warps, int threads) {
+  return (unsigned)((warps * 32 + threads - 1) / threads);
+}
+
+}  // namespace sfltrain
+
+// ============================== extern launchers (called from binding.cpp) ==============================
+extern "C" {
+
+cudaError_t sfltrain_compact_launch(const void* g, long long ldg, int rows, int N, int W, int32_t* ell_col,
+                                    void* ell_a, int32_t* nnz, int32_t* flag, cudaStream_t stream) {
+  if (rows <= 0) return cudaSuccess;
+  if (N % 8 != 0 || ldg % 8 != 0 || W < 1) return cudaErrorInvalidValue;
+  sfltrain::compact_kernel<<<sfltrain::blocks_for(rows, 256), 256, 0, stream>>>(
+      reinterpret_cast<const __nv_bfloat16*>(g), ldg, rows, N, W, ell_col,
+      reinterpret_cast<__nv_bfloat16*>(ell_a), nnz, flag);
+  return cudaGetLastError();
+}
+
+#define SFL_NI_SWITCH(NI_VAR, CASE)                                                                     \
+  switch (NI_VAR) {                                                                                     \
+    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)                                     \
+    CASE(9) CASE(10) CASE(11) CASE(12)                                                                  \
+    default: return cudaErrorInvalidValue;                                                              \
+  }
+
+cudaError_t sfltrain_fwd_rows_launch(int gated, const void* x, const void* wu, const void* wdt, int M, int K, int W,
+                                     const int32_t* ell_col, const void* ell_a, const int32_t* nnz,
+                                     const int32_t* flag, float* ell_u, void* y, float* rowabs,
+                                     cudaStream_t stream) {
+  if (M <= 0) return cudaSuccess;
+  if (K % 8 != 0 || K > 3072 || W < 1) return cudaErrorInvalidValue;
+  const int ni = (K / 8 + 31) / 32;
+  const unsigned blocks = sfltrain::blocks_for(M, 128);
+  const auto* xb = reinterpret_cast<const __nv_bfloat16*>(x);
+  const auto* wub = reinterpret_cast<const __nv_bfloat16*>(wu);
+  const auto* wdb = reinterpret_cast<const __nv_bfloat16*>(wdt);
+  const auto* ab = reinterpret_cast<const __nv_bfloat16*>(ell_a);
+  auto* yb = reinterpret_cast<__nv_bfloat16*>(y);
+#define SFL_FWD_CASE(NI_)                                                                                 \
+  case NI_:                                                                                               \
+    if (gated)                                                                                            \
+      sfltrain::fwd_rows_kernel<NI_, true><<<blocks, 128, 0, stream>>>(xb, wub, wdb, M, K, W, ell_col, ab, \
+                                                                       nnz, flag, ell_u, yb, rowabs);     \
+    else                                                                                                  \
+      sfltrain::fwd_rows_kernel<NI_, false><<<blocks, 128, 0, stream>>>(xb, wub, wdb, M, K, W, ell_col,   \
+                                                                        ab, nnz, flag, ell_u, yb, rowabs); \
+    break;
+  SFL_NI_SWITCH(ni, SFL_FWD_CASE)
+#undef SFL_FWD_CASE
+  return cudaGetLastError();
+}
+
+cudaError_t sfltrain_bwd_rows_launch(int gated, const void* dy, const void* wg, const void* wu, const void* wdt,
+                                     int M, int K, int W, const int32_t* ell_col, const void* ell_a,
+                                     const float* ell_u, const int32_t* nnz, const int32_t* flag, const float* l1c,
+                                     float* cg, float* cu, void* dx, cudaStream_t stream) {
+  if (M <= 0) return cudaSuccess;
+  if (K % 8 != 0 || K > 3072 || W < 1) return cudaErrorInvalidValue;
+  const int ni = (K / 8 + 31) / 32;
+  const unsigned blocks = sfltrain::blocks_for(M, 128);
+  const auto* dyb = reinterpret_cast<const __nv_bfloat16*>(dy);
+  const auto* wgb = reinterpret_cast<const __nv_bfloat16*>(wg);
+  const auto* wub = reinterpret_cast<const __nv_bfloat16*>(wu);
+  const auto* wdb = reinterpret_cast<const __nv_bfloat16*>(wdt);
+  const auto* ab = reinterpret_cast<const __nv_bfloat16*>(ell_a);
+  auto* dxb = reinterpret_cast<__nv_bfloat16*>(dx);
+#define SFL_BWD_CASE(NI_)                                                                                   \
+  case NI_:                                                                                                 \
+    if (gated)                                                                                              \
+      sfltrain::bwd_rows_kernel<NI_, true><<<blocks, 128, 0, stream>>>(dyb, wgb, wub, wdb, M, K, W, ell_col, \
+                                                                       ab, ell_u, nnz, flag, l1c, cg, cu,   \
+                                                                       dxb);                                \
+    else                                                                                                    \
+      sfltrain::bwd_rows_kernel<NI_, false><<<blocks, 128, 0, stream>>>(dyb, wgb, wub, wdb, M, K, W,        \
+                                                                        ell_col, ab, ell_u, nnz, flag, l1c, \
+                                                                        cg, cu, dxb);                       \
+    break;
+  SFL_NI_SWITCH(ni, SFL_BWD_CASE)
+#undef SFL_BWD_CASE
+  return cudaGetLastError();
+}
+
+cudaError_t sfltrain_dw_launch(int gated, int nb, const void* x, const void* dy, int N, int K, int W,
+                               const int64_t* perm, const int64_t* colptr, const void* ell_a, const float* ell_u,
+                               const float* cg, const float* cu, const void* add_g, const void* add_u,
+                               const void* add_d, void* dwg, void* dwu, void* dwdt, cudaStream_t stream) {
+  if (N <= 0) return cudaSuccess;
+  if (K % 8 != 0 || W < 1) return cudaErrorInvalidValue;
+  if (nb != 1 && nb != 2 && nb != 4 && nb != 8) return cudaErrorInvalidValue;
+  const int kslices = (K / 8 + 32 * nb - 1) / (32 * nb);
+  const long long warps = (long long)N * kslices * 2;
+  const unsigned blocks = sfltrain::blocks_for(warps, 128);
+  using bf = __nv_bfloat16;
+  const auto* xb = reinterpret_cast<const bf*>(x);
+  const auto* dyb = reinterpret_cast<const bf*>(dy);
+  const auto* ab = reinterpret_cast<const bf*>(ell_a);
+  const auto* ag = reinterpret_cast<const bf*>(add_g);
+  const auto* au = reinterpret_cast<const bf*>(add_u);
+  const auto* ad = reinterpret_cast<const bf*>(add_d);
+  auto* og = reinterpret_cast<bf*>(dwg);
+  auto* ou = reinterpret_cast<bf*>(dwu);
+  auto* od = reinterpret_cast<bf*>(dwdt);
+#define SFL_DW(NB_)                                                                                         \
+  if (nb == NB_) {                                                                                          \
+    if (gated)                                                                                              \
+      sfltrain::dw_kernel<NB_, true><<<blocks, 128, 0, stream>>>(xb, dyb, N, K, W, perm, colptr, ab, ell_u,  \
+                                                                 cg, cu, ag, au, ad, og, ou, od);           \
+    else                                                                                                    \
+      sfltrain::dw_kernel<NB_, false><<<blocks, 128, 0, stream>>>(xb, dyb, N, K, W, perm, colptr, ab, ell_u, \
+                                                                  cg, cu, ag, au, ad, og, ou, od);          \
+  }
+  SFL_DW(1) SFL_DW(2) SFL_DW(4) SFL_DW(8)
+#undef SFL_DW
+  return cudaGetLastError();
+}
+
+}  // extern "C"

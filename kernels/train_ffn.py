@@ -1,0 +1,277 @@
+"""Differentiable sparse ReLU FFN block with fused L1, for training (issue #4).
+
+    y, l1, stats = sparse_gated_ffn_train(x, w_gate, w_up, w_down, l1_reduction="mean", state=st)
+    y, l1, stats = sparse_nongated_ffn_train(x, w_up, w_down, l1_reduction="mean", state=st)
+
+- y = (relu(x W_g^T) * (x W_u^T)) W_d^T (non-gated: relu(x W_u^T) W_d^T), x [..., K], weights in nn.Linear
+  layouts (w_gate/w_up [N, K], w_down [K, N]).
+- l1 = the layer's L1 term exactly as models.sparsity.l1_penalty(h, l1_reduction) with h the tensor fed to
+  down_proj: "mean" = sum |h| / (M N), "sum" = sum |h| / M. 0-dim fp32, differentiable.
+- Both are differentiable w.r.t. x and every weight; gradients are exact (no dropped rows, ever).
+- stats: {"path": "sparse" | "dense", "nnz_per_token": int32 [M] (detached), "backup_rows": int (rows kept
+  dense), "width": ELL width kept, "kept_bytes": bytes saved for backward by the block (sparse path)}.
+  With want_last_active=True also "last_active_row": int64 [N] (last token row where each neuron fired, -1 if
+  none; feed it to update_tokens_since_fire_sparse).
+
+Autocast: under torch.autocast("cuda", dtype=bf16) the inputs are cast (differentiably) to the autocast dtype,
+as F.linear would do, so fp32 master weights receive fp32 gradients.
+
+Dispatch (mode="auto"): a per-layer DispatchState remembers the activity measured in the previous calls
+(sync-free: device stats copied to pinned host memory and read once their event has completed) and picks the
+sparse path only where it was measured faster: activity <= SFL_TRAIN_DENSE_ABOVE and backup-row fraction <=
+SFL_TRAIN_BACKUP_DENSE_ABOVE. The first call of a layer goes dense (and measures). Knobs: kernels/train/README.md.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kernels.train import ops as _ops
+
+_L1_REDUCTIONS = ("mean", "sum")
+
+
+def knobs() -> dict[str, Any]:
+    """Knob values (environment variables, read at every call so benchmarks can sweep them)."""
+    e = os.environ.get
+    return {
+        "width": int(e("SFL_TRAIN_WIDTH", 128)),
+        "dense_above": float(e("SFL_TRAIN_DENSE_ABOVE", 0.007)),
+        "backup_dense_above": float(e("SFL_TRAIN_BACKUP_DENSE_ABOVE", 0.015)),
+        "chunk_rows": int(e("SFL_TRAIN_CHUNK_ROWS", 16384)),
+        "shrink": e("SFL_TRAIN_SHRINK", "1") != "0",
+        "dw_nb": int(e("SFL_TRAIN_DW_NB", 4)),
+        "probe_rows": int(e("SFL_TRAIN_PROBE_ROWS", 4096)),
+    }
+
+
+class DispatchState:
+    """Per-layer activity history for mode='auto' (keep one per FFN module; cheap, no tensors of size M)."""
+
+    def __init__(self) -> None:
+        self.activity: float | None = None     # mean active fraction of a, last completed measurement
+        self.backup_frac: float | None = None  # fraction of rows with nnz > width
+        self.last_path: str | None = None
+        self._pending: tuple[Any, int, int] | None = None  # (event or None, rows, n_cols)
+        self._host: Tensor | None = None
+
+    def _poll(self) -> None:
+        if self._pending is None:
+            return
+        ev, rows, n = self._pending
+        if ev is not None and not ev.query():
+            return  # not finished yet: keep the previous decision (no host sync)
+        tot, heavy = self._host.tolist()
+        if rows > 0:
+            self.activity = tot / (rows * n)
+            self.backup_frac = heavy / rows
+        self._pending = None
+
+    def record(self, nnz: Tensor, n_cols: int, width: int) -> None:
+        """Queue an async device->host copy of (sum nnz, rows with nnz > width) for a later decision.
+        Never blocks: no host->device tensors, one reused pinned buffer, skipped while a copy is in flight."""
+        if nnz.numel() == 0:
+            return
+        self._poll()
+        if self._pending is not None:
+            return
+        dev = torch.stack([nnz.sum(dtype=torch.int64), (nnz > width).sum(dtype=torch.int64)])
+        if nnz.is_cuda:
+            if self._host is None:
+                self._host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+            self._host.copy_(dev, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+            self._pending = (ev, nnz.numel(), n_cols)
+        else:
+            self._host = dev
+            self._pending = (None, nnz.numel(), n_cols)
+
+    def choose(self, kn: dict[str, Any]) -> str:
+        self._poll()
+        if self.activity is None:
+            return "dense"  # nothing measured yet: the dense path measures
+        if self.activity > kn["dense_above"] or (self.backup_frac or 0.0) > kn["backup_dense_above"]:
+            return "dense"
+        return "sparse"
+
+
+def _state_for(key: Tensor) -> DispatchState:
+    """Default per-layer state: stored on the caller's w_up tensor (a Parameter lives as long as its layer)."""
+    st = getattr(key, "_sfl_train_state", None)
+    if st is None:
+        st = DispatchState()
+        key._sfl_train_state = st
+    return st
+
+
+class _SparseFFN(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, w_down, width, scale, chunk_rows, shrink, dw_nb, backend):
+        out = _ops.ffn_fwd(x, w_gate, w_up, w_down, width, scale, chunk_rows, shrink, backend)
+        y, l1, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup = out
+        ctx.save_for_backward(x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup)
+        ctx.scale, ctx.dw_nb, ctx.backend = scale, dw_nb, backend
+        ctx.mark_non_differentiable(ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup)
+        ctx.set_materialize_grads(False)
+        return out
+
+    @staticmethod
+    def backward(ctx, gy, gl1, *_):
+        x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup = ctx.saved_tensors
+        if gy is None:
+            gy = torch.zeros_like(x)
+        if gl1 is None:
+            gl1 = torch.zeros((), device=x.device, dtype=torch.float32)
+        dx, dwg, dwu, dwdt = _ops.ffn_bwd(gy, gl1, x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag,
+                                          backup_rows, backup, ctx.scale, ctx.dw_nb, ctx.backend)
+        return dx, (dwg if w_gate is not None else None), dwu, dwdt.t(), None, None, None, None, None, None
+
+
+def _check(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, l1_reduction: str) -> None:
+    for name, t in (("x", x), ("w_up", w_up), ("w_down", w_down)) + ((("w_gate", w_gate),) if w_gate is not None
+                                                                     else ()):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be floating point, got {t.dtype}")
+    if x.dim() < 1:
+        raise ValueError("x must have shape [..., K]")
+    K = x.shape[-1]
+    if w_up.dim() != 2 or w_up.shape[1] != K:
+        raise ValueError(f"w_up must be [N, K={K}] (nn.Linear layout), got {tuple(w_up.shape)}")
+    N = w_up.shape[0]
+    if w_gate is not None and tuple(w_gate.shape) != (N, K):
+        raise ValueError(f"w_gate must be [N={N}, K={K}] like w_up, got {tuple(w_gate.shape)}")
+    if w_down.dim() != 2 or tuple(w_down.shape) != (K, N):
+        raise ValueError(f"w_down must be [K={K}, N={N}] (down_proj.weight, not its transpose), "
+                         f"got {tuple(w_down.shape)}")
+    devs = {t.device for t in (x, w_up, w_down) + ((w_gate,) if w_gate is not None else ())}
+    if len(devs) != 1:
+        raise ValueError(f"x and all weights must be on one device, got {sorted(map(str, devs))}")
+    if l1_reduction not in _L1_REDUCTIONS:
+        raise ValueError(f"l1_reduction must be one of {_L1_REDUCTIONS}, got {l1_reduction!r}")
+
+
+def _dense(x2, w_gate, w_up, w_down, scale, want_last_active, st, kn, M, N):
+    """Plain dense autograd (the same ops as models' dense MLP) + a cheap activity measurement."""
+    a = F.relu(F.linear(x2, w_gate if w_gate is not None else w_up))
+    h = a * F.linear(x2, w_up) if w_gate is not None else a
+    y = F.linear(h, w_down)
+    l1 = h.abs().sum(dtype=_ops._acc(h.dtype)) * scale
+    with torch.no_grad():
+        nnz = torch.count_nonzero(a, dim=1).to(torch.int32)  # one read of a; NaN counts as active
+        st.record(nnz, N, kn["width"])
+        stats = {"path": "dense", "nnz_per_token": nnz, "backup_rows": None, "width": None, "kept_bytes": None}
+        if want_last_active:
+            stats["last_active_row"] = _last_active_dense(a != 0)
+    return y, l1, stats
+
+
+def _last_active_dense(active: Tensor) -> Tensor:
+    m = active.shape[0]
+    fired = active.any(0)
+    last = m - 1 - active.flip(0).to(torch.uint8).argmax(0).to(torch.int64)
+    return torch.where(fired, last, torch.full_like(last, -1))
+
+
+def _last_active_sparse(ell_col, nnz, flag, backup_rows, backup, N) -> Tensor:
+    valid = _ops.light_valid(ell_col, nnz, flag)
+    r, s = valid.nonzero(as_tuple=True)
+    last = torch.full((N,), -1, dtype=torch.int64, device=ell_col.device)
+    last.scatter_reduce_(0, ell_col[r, s].long(), r, reduce="amax")
+    if backup_rows.numel():
+        rb = torch.where(backup != 0, backup_rows.unsqueeze(1), -1).amax(0)
+        last = torch.maximum(last, rb)
+    return last
+
+
+def update_tokens_since_fire_sparse(tokens_since_fire: Tensor, last_active_row: Tensor, n_tokens: int) -> None:
+    """Same update as models.sparsity.update_tokens_since_fire, from stats['last_active_row'] (no [M, N] mask)."""
+    with torch.no_grad():
+        since = (n_tokens - 1 - last_active_row).to(tokens_since_fire.dtype)
+        tokens_since_fire.copy_(torch.where(last_active_row >= 0, since, tokens_since_fire + n_tokens))
+
+
+def _run(x, w_gate, w_up, w_down, l1_reduction, mode, state, width, backend, want_last_active):
+    _check(x, w_gate, w_up, w_down, l1_reduction)
+    if mode not in ("auto", "sparse", "dense"):
+        raise ValueError(f"mode must be 'auto', 'sparse' or 'dense', got {mode!r}")
+    kn = knobs()
+    width = int(width if width is not None else kn["width"])
+    if width < 1:
+        raise ValueError(f"width must be >= 1, got {width}")
+    st = state if state is not None else _state_for(w_up)
+    dev_type = x.device.type
+    lead = x.shape[:-1]
+    K, N = x.shape[-1], w_up.shape[0]
+    ws = [w_gate, w_up, w_down]
+    if torch.is_autocast_enabled(dev_type):
+        dt = torch.get_autocast_dtype(dev_type)
+        x = x.to(dt)
+        ws = [w.to(dt) if w is not None else None for w in ws]
+    elif len({t.dtype for t in [x] + [w for w in ws if w is not None]}) != 1:
+        raise ValueError("x and the weights must share one dtype (or run under torch.autocast)")
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    scale = 0.0 if M == 0 or N == 0 else (1.0 / (M * N) if l1_reduction == "mean" else 1.0 / M)
+    with torch.autocast(dev_type, enabled=False):
+        why_not = _ops.cuda_backend_supported(x2, w_up)
+        if backend is None:
+            backend = "cuda" if why_not is None else "torch"
+        elif backend == "cuda" and why_not is not None:
+            raise ValueError(f"backend='cuda' cannot take these inputs: {why_not}; use backend='torch' "
+                             "(slow, exact) or mode='dense'")
+        elif backend not in ("cuda", "torch"):
+            raise ValueError(f"backend must be 'cuda', 'torch' or None, got {backend!r}")
+        path = mode
+        if mode == "auto":
+            # the torch backend is a correctness fallback, never faster than dense: auto keeps it off
+            path = st.choose(kn) if backend == "cuda" else "dense"
+        st.last_path = path
+        if path == "dense" or M == 0:
+            y, l1, stats = _dense(x2, ws[0], ws[1], ws[2], scale, want_last_active, st, kn, M, N)
+        else:
+            x2 = x2.contiguous()
+            wsc = [w.contiguous() if w is not None else None for w in ws]
+            out = _SparseFFN.apply(x2, wsc[0], wsc[1], wsc[2], width, scale, kn["chunk_rows"], kn["shrink"],
+                                   kn["dw_nb"], backend)
+            y, l1, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup = out
+            st.record(nnz, N, width)
+            kept = sum(t.numel() * t.element_size() for t in (ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup))
+            stats = {"path": "sparse", "nnz_per_token": nnz, "backup_rows": int(backup_rows.numel()),
+                     "width": int(ell_col.shape[1]), "kept_bytes": int(kept), "backend": backend}
+            if want_last_active:
+                stats["last_active_row"] = _last_active_sparse(ell_col, nnz, flag, backup_rows, backup, N)
+    return y.reshape(*lead, y.shape[-1]), l1, stats
+
+
+def sparse_gated_ffn_train(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, *,
+                           l1_reduction: Literal["mean", "sum"] = "mean",
+                           mode: Literal["auto", "sparse", "dense"] = "auto", state: DispatchState | None = None,
+                           width: int | None = None, backend: Literal["cuda", "torch"] | None = None,
+                           want_last_active: bool = False) -> tuple[Tensor, Tensor, dict[str, Any]]:
+    """Gated ReLU FFN + its L1 term, differentiable, exact; sparse (hybrid format) where that is faster.
+
+    Returns (y [..., K], l1 0-dim fp32, stats). mode: "auto" (per-layer measured dispatch), "sparse", "dense".
+    state: the layer's DispatchState (default: one per w_up tensor). width: ELL width W (default
+    $SFL_TRAIN_WIDTH = 128). backend: "cuda" (kernels; bf16 CUDA) / "torch" (core ops, any device) / None.
+    """
+    return _run(x, w_gate, w_up, w_down, l1_reduction, mode, state, width, backend, want_last_active)
+
+
+def sparse_nongated_ffn_train(x: Tensor, w_up: Tensor, w_down: Tensor, *,
+                              l1_reduction: Literal["mean", "sum"] = "mean",
+                              mode: Literal["auto", "sparse", "dense"] = "auto", state: DispatchState | None = None,
+                              width: int | None = None, backend: Literal["cuda", "torch"] | None = None,
+                              want_last_active: bool = False) -> tuple[Tensor, Tensor, dict[str, Any]]:
+    """Non-gated y = relu(x W_u^T) W_d^T + L1 of h = relu(x W_u^T); see sparse_gated_ffn_train."""
+    return _run(x, None, w_up, w_down, l1_reduction, mode, state, width, backend, want_last_active)
+
+
+__all__ = ["sparse_gated_ffn_train", "sparse_nongated_ffn_train", "DispatchState", "knobs",
+           "update_tokens_since_fire_sparse"]

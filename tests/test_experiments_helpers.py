@@ -1,0 +1,81 @@
+"""experiments/runs.py (config merge, run summaries) and the speed experiment's activity calibration (CPU)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from experiments.config import ConfigError
+from experiments.runs import has_final, merge_configs, run_summary
+from experiments.speed.bench import activity, calibrate_paper_model, paper_profile, small_paper_like_model
+
+
+def test_merge_later_wins_and_floats_parsed(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text("hidden_size: 64\nl1_coeff: 0.5\n")
+    (tmp_path / "b.yaml").write_text("hidden_size: 96\n")
+    cfg = merge_configs([str(tmp_path / "a.yaml"), str(tmp_path / "b.yaml")], ["l1_coeff=1e-5", "gated_mlp=false"])
+    assert cfg == {"hidden_size": 96, "l1_coeff": 1e-5, "gated_mlp": False}
+    assert isinstance(cfg["l1_coeff"], float)
+
+
+def test_merge_rejects_unknown_key(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text("hiden_size: 64\n")
+    with pytest.raises(ConfigError, match="hidden_size"):
+        merge_configs([str(tmp_path / "a.yaml")], [])
+
+
+def test_run_summary_and_final(tmp_path: Path) -> None:
+    rows = [{"type": "header", "config": {"l1_coeff": 1e-3, "intermediate_size": 256, "gated_mlp": True}},
+            {"type": "step", "step": 10, "tokens": 100, "ce": 5.0, "nnz_mean": 12.0, "nnz_max": 40.0, "dead_frac": 0.25},
+            {"type": "eval", "step": 10, "val_ce": 5.1, "val_nnz_mean": 11.0}]
+    (tmp_path / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"type": "fin')
+    assert not has_final(tmp_path)  # a torn last line is not a final line
+    s = run_summary(tmp_path)
+    assert s["val_nnz_mean"] == 11.0 and s["dead_frac"] == 0.25 and not s["finished"]
+    with open(tmp_path / "train_log.jsonl", "a") as f:
+        f.write('\n{"type": "final", "step": 10, "val_ce": 5.1, "wall_s": 3.0}\n')
+    assert has_final(tmp_path)
+    assert run_summary(tmp_path)["wall_s"] == 3.0
+
+
+def test_paper_profile_mean_and_shape() -> None:
+    p = paper_profile(28, 29.0)
+    assert sum(p) / len(p) == pytest.approx(29.0)
+    assert p[0] < p[1] < max(p) and p.index(max(p)) < 14  # least active first layers, hump in the first half
+
+
+def test_calibration_hits_targets_with_heavy_tail_and_dead_neurons() -> None:
+    torch.manual_seed(0)
+    vocab, n = 500, 512
+    model = small_paper_like_model(3, 128, n, 4, vocab, torch.device("cpu"))
+    targets = [4.0, 12.0, 8.0]
+    g = torch.Generator().manual_seed(0)
+    heavy = torch.randperm(vocab, generator=g)[:10]
+    calib = torch.randint(0, vocab, (8, 64), generator=g)
+    calibrate_paper_model(model, targets, calib, heavy_ids=heavy, dead_frac=0.3)
+    got = activity(model, calib)["nnz_mean_per_layer"]
+    for t, v in zip(targets, got):
+        assert v == pytest.approx(t, rel=0.1)  # bisection on exactly these tokens
+    # Heavy tokens fire more; dead neurons never fire (on any token).
+    fired = torch.zeros(3, n, dtype=torch.bool)
+
+    def record(i: int):
+        def hook(mod, inp, out) -> None:  # returns None: the layer output is left unchanged
+            x = inp[0].reshape(-1, inp[0].shape[-1])
+            fired[i] |= (torch.relu(x @ mod.gate_proj.weight.t()) != 0).any(0)
+        return hook
+
+    hooks = [m.register_forward_hook(record(i)) for i, m in enumerate(model.sparse_mlps())]
+    ids = torch.randint(0, vocab, (8, 64), generator=g)
+    ids[:, ::8] = heavy[torch.randint(0, len(heavy), (8, 8), generator=g)]
+    with torch.no_grad():
+        model.model(input_ids=ids)
+    for h in hooks:
+        h.remove()
+    per_tok = torch.stack([m.last_nnz_per_token for m in model.sparse_mlps()]).mean(0)
+    is_heavy = torch.isin(ids.reshape(-1), heavy)
+    assert per_tok[is_heavy].mean() > 3 * per_tok[~is_heavy].mean()
+    never = 1 - fired.float().mean(1)
+    assert (never > 0.2).all(), never
