@@ -45,7 +45,8 @@ def knobs() -> dict[str, Any]:
         "chunk_rows": int(e("SFL_TRAIN_CHUNK_ROWS", 16384)),
         "shrink": e("SFL_TRAIN_SHRINK", "1") != "0",
         "dw_nb": int(e("SFL_TRAIN_DW_NB", 4)),
-        "probe_rows": int(e("SFL_TRAIN_PROBE_ROWS", 4096)),
+        "probe_rows": int(e("SFL_TRAIN_PROBE_ROWS", 2048)),
+        "sparse_min_m": int(e("SFL_TRAIN_SPARSE_MIN_M", 8192)),
     }
 
 
@@ -65,24 +66,27 @@ class DispatchState:
         ev, rows, n = self._pending
         if ev is not None and not ev.query():
             return  # not finished yet: keep the previous decision (no host sync)
-        tot, heavy = self._host.tolist()
+        light_nnz, light_rows, heavy = self._host.tolist()
         if rows > 0:
-            self.activity = tot / (rows * n)
+            # activity of the rows the sparse kernels would take; heavy rows are priced by backup_frac
+            self.activity = light_nnz / (max(1, light_rows) * n)
             self.backup_frac = heavy / rows
         self._pending = None
 
     def record(self, nnz: Tensor, n_cols: int, width: int) -> None:
-        """Queue an async device->host copy of (sum nnz, rows with nnz > width) for a later decision.
+        """Queue an async device->host copy of (nnz of light rows, light rows, heavy rows) for a later decision.
         Never blocks: no host->device tensors, one reused pinned buffer, skipped while a copy is in flight."""
         if nnz.numel() == 0:
             return
         self._poll()
         if self._pending is not None:
             return
-        dev = torch.stack([nnz.sum(dtype=torch.int64), (nnz > width).sum(dtype=torch.int64)])
+        light = nnz <= width
+        dev = torch.stack([torch.where(light, nnz, 0).sum(dtype=torch.int64), light.sum(dtype=torch.int64),
+                           (~light).sum(dtype=torch.int64)])
         if nnz.is_cuda:
             if self._host is None:
-                self._host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+                self._host = torch.empty(3, dtype=torch.int64, pin_memory=True)
             self._host.copy_(dev, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record()
@@ -91,8 +95,10 @@ class DispatchState:
             self._host = dev
             self._pending = (None, nnz.numel(), n_cols)
 
-    def choose(self, kn: dict[str, Any]) -> str:
+    def choose(self, kn: dict[str, Any], m: int) -> str:
         self._poll()
+        if m < kn["sparse_min_m"]:
+            return "dense"  # measured: fixed costs (host syncs, small launches) lose below this size
         if self.activity is None:
             return "dense"  # nothing measured yet: the dense path measures
         if self.activity > kn["dense_above"] or (self.backup_frac or 0.0) > kn["backup_dense_above"]:
@@ -157,15 +163,19 @@ def _check(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, l1_re
         raise ValueError(f"l1_reduction must be one of {_L1_REDUCTIONS}, got {l1_reduction!r}")
 
 
-def _dense(x2, w_gate, w_up, w_down, scale, want_last_active, st, kn, M, N):
+def _dense(x2, w_gate, w_up, w_down, scale, want_last_active, want_stats, st, kn, M, N):
     """Plain dense autograd (the same ops as models' dense MLP) + a cheap activity measurement."""
     a = F.relu(F.linear(x2, w_gate if w_gate is not None else w_up))
     h = a * F.linear(x2, w_up) if w_gate is not None else a
     y = F.linear(h, w_down)
     l1 = h.abs().sum(dtype=_ops._acc(h.dtype)) * scale
     with torch.no_grad():
-        nnz = torch.count_nonzero(a, dim=1).to(torch.int32)  # one read of a; NaN counts as active
-        st.record(nnz, N, kn["width"])
+        if want_stats:  # per-token counts (what models' dense MLP logs); NaN != 0 counts as active
+            nnz = (a != 0).sum(1, dtype=torch.int32)
+            st.record(nnz, N, kn["width"])
+        else:  # dispatch only needs an estimate: count a row sample (cheap next to the GEMMs)
+            nnz = None
+            st.record((a[: kn["probe_rows"]] != 0).sum(1, dtype=torch.int32), N, kn["width"])
         stats = {"path": "dense", "nnz_per_token": nnz, "backup_rows": None, "width": None, "kept_bytes": None}
         if want_last_active:
             stats["last_active_row"] = _last_active_dense(a != 0)
@@ -197,7 +207,7 @@ def update_tokens_since_fire_sparse(tokens_since_fire: Tensor, last_active_row: 
         tokens_since_fire.copy_(torch.where(last_active_row >= 0, since, tokens_since_fire + n_tokens))
 
 
-def _run(x, w_gate, w_up, w_down, l1_reduction, mode, state, width, backend, want_last_active):
+def _run(x, w_gate, w_up, w_down, l1_reduction, mode, state, width, backend, want_last_active, want_stats):
     _check(x, w_gate, w_up, w_down, l1_reduction)
     if mode not in ("auto", "sparse", "dense"):
         raise ValueError(f"mode must be 'auto', 'sparse' or 'dense', got {mode!r}")
@@ -231,10 +241,10 @@ def _run(x, w_gate, w_up, w_down, l1_reduction, mode, state, width, backend, wan
         path = mode
         if mode == "auto":
             # the torch backend is a correctness fallback, never faster than dense: auto keeps it off
-            path = st.choose(kn) if backend == "cuda" else "dense"
+            path = st.choose(kn, M) if backend == "cuda" else "dense"
         st.last_path = path
         if path == "dense" or M == 0:
-            y, l1, stats = _dense(x2, ws[0], ws[1], ws[2], scale, want_last_active, st, kn, M, N)
+            y, l1, stats = _dense(x2, ws[0], ws[1], ws[2], scale, want_last_active, want_stats, st, kn, M, N)
         else:
             x2 = x2.contiguous()
             wsc = [w.contiguous() if w is not None else None for w in ws]
@@ -254,23 +264,27 @@ def sparse_gated_ffn_train(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tens
                            l1_reduction: Literal["mean", "sum"] = "mean",
                            mode: Literal["auto", "sparse", "dense"] = "auto", state: DispatchState | None = None,
                            width: int | None = None, backend: Literal["cuda", "torch"] | None = None,
-                           want_last_active: bool = False) -> tuple[Tensor, Tensor, dict[str, Any]]:
+                           want_last_active: bool = False, want_stats: bool = True
+                           ) -> tuple[Tensor, Tensor, dict[str, Any]]:
     """Gated ReLU FFN + its L1 term, differentiable, exact; sparse (hybrid format) where that is faster.
 
     Returns (y [..., K], l1 0-dim fp32, stats). mode: "auto" (per-layer measured dispatch), "sparse", "dense".
     state: the layer's DispatchState (default: one per w_up tensor). width: ELL width W (default
     $SFL_TRAIN_WIDTH = 128). backend: "cuda" (kernels; bf16 CUDA) / "torch" (core ops, any device) / None.
+    want_stats=False: the dense path skips the per-token count (stats["nnz_per_token"] is None there) and
+    measures activity on $SFL_TRAIN_PROBE_ROWS rows only; the sparse path gets its counts for free.
     """
-    return _run(x, w_gate, w_up, w_down, l1_reduction, mode, state, width, backend, want_last_active)
+    return _run(x, w_gate, w_up, w_down, l1_reduction, mode, state, width, backend, want_last_active, want_stats)
 
 
 def sparse_nongated_ffn_train(x: Tensor, w_up: Tensor, w_down: Tensor, *,
                               l1_reduction: Literal["mean", "sum"] = "mean",
                               mode: Literal["auto", "sparse", "dense"] = "auto", state: DispatchState | None = None,
                               width: int | None = None, backend: Literal["cuda", "torch"] | None = None,
-                              want_last_active: bool = False) -> tuple[Tensor, Tensor, dict[str, Any]]:
+                              want_last_active: bool = False, want_stats: bool = True
+                           ) -> tuple[Tensor, Tensor, dict[str, Any]]:
     """Non-gated y = relu(x W_u^T) W_d^T + L1 of h = relu(x W_u^T); see sparse_gated_ffn_train."""
-    return _run(x, None, w_up, w_down, l1_reduction, mode, state, width, backend, want_last_active)
+    return _run(x, None, w_up, w_down, l1_reduction, mode, state, width, backend, want_last_active, want_stats)
 
 
 __all__ = ["sparse_gated_ffn_train", "sparse_nongated_ffn_train", "DispatchState", "knobs",

@@ -154,16 +154,18 @@ def test_last_active_rows_and_tracker():
 
 def test_dispatch_state():
     st = DispatchState()
-    kn = {"dense_above": 0.01, "backup_dense_above": 0.1, "width": 8}
-    assert st.choose(kn) == "dense"  # nothing measured
+    kn = {"dense_above": 0.01, "backup_dense_above": 0.1, "width": 8, "sparse_min_m": 100}
+    assert st.choose(kn, 1000) == "dense"  # nothing measured
     st.record(torch.tensor([1, 2, 0, 3], dtype=torch.int32), 100, 8)
-    assert st.choose(kn) == "dense" and st.activity == 6 / 400  # 1.5% active > 1%
+    assert st.choose(kn, 1000) == "dense" and st.activity == 6 / 400  # 1.5% active > 1%
     st2 = DispatchState()
     st2.record(torch.tensor([1, 2, 0, 1], dtype=torch.int32), 1000, 8)
-    assert st2.choose(kn) == "sparse" and st2.activity == 4 / 4000
+    assert st2.choose(kn, 1000) == "sparse" and st2.activity == 4 / 4000
     st3 = DispatchState()
     st3.record(torch.tensor([50, 2, 0, 1], dtype=torch.int32), 1000, 8)  # 1 of 4 rows heavy
-    assert st3.choose(kn) == "dense" and st3.backup_frac == 0.25
+    assert st3.choose(kn, 1000) == "dense" and st3.backup_frac == 0.25
+    assert st3.activity == 3 / 3000  # activity is measured on the light rows
+    assert st2.choose(kn, 10) == "dense"  # below sparse_min_m
 
 
 def test_auto_mode_on_cpu_is_dense_and_exact():

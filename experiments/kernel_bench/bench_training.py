@@ -41,8 +41,11 @@ def make_case(M, K, N, p, heavy, seed):
     return x.to(BF), [w.to(BF).contiguous() for w in (wg, wu, wd)], gy
 
 
-def dense_block(x, wg, wu, wd, l1=True):
+def dense_block(x, wg, wu, wd, l1=True, count=False):
     a = F.relu(F.linear(x, wg))
+    if count:  # what models' dense MLP also does every forward: per-token active counts for logging
+        with torch.no_grad():
+            (a != 0).sum(1, dtype=torch.int32)
     h = a * F.linear(x, wu)
     y = F.linear(h, wd)
     if not l1:
@@ -81,18 +84,19 @@ def run_config(M, K, N, p, heavy, reps, timer, check_fp32):
     params = [t.clone().requires_grad_(True) for t in (x, wg, wu, wd)]
     gl1 = torch.tensor(1000.0, device=DEV)  # L1 gradient weight (makes the sign(h) term visible in grads)
 
-    def dense_step(l1=True):
+    def dense_step(l1=True, count=False):
         for t in params:
             t.grad = None
-        y, l = dense_block(*params, l1=l1)
+        y, l = dense_block(*params, l1=l1, count=count)
         torch.autograd.backward([y, l] if l1 else [y], [gy, gl1] if l1 else [gy])
 
     st_auto = DispatchState()
 
-    def ours_step(mode):
+    def ours_step(mode, want_stats=False):
         for t in params:
             t.grad = None
-        y, l, stats = sparse_gated_ffn_train(*params, mode=mode, state=st_auto if mode == "auto" else None)
+        y, l, stats = sparse_gated_ffn_train(*params, mode=mode, state=st_auto if mode == "auto" else None,
+                                             want_stats=want_stats)
         torch.autograd.backward([y, l], [gy, gl1])
         return stats
 
@@ -155,6 +159,8 @@ def run_config(M, K, N, p, heavy, reps, timer, check_fp32):
         torch.cuda.synchronize()
     t_auto = timer.time(lambda: ours_step("auto"), reps)
     auto_path = st_auto.last_path
+    t_dense_cnt = timer.time(lambda: dense_step(count=True), reps)
+    t_auto_cnt = timer.time(lambda: ours_step("auto", want_stats=True), reps)
 
     def fwd_only():
         with torch.no_grad():
@@ -168,6 +174,8 @@ def run_config(M, K, N, p, heavy, reps, timer, check_fp32):
         "auto_path": auto_path, "sparse_fwd_nograd_ms": t_fwd,
         "speedup_sparse": t_dense / t_sparse, "speedup_auto": t_dense / t_auto,
         "speedup_auto_vs_dense_noL1": t_dense_nol1 / t_auto,
+        "dense_with_counts_ms": t_dense_cnt, "auto_with_stats_ms": t_auto_cnt,
+        "speedup_auto_with_stats_vs_dense_with_counts": t_dense_cnt / t_auto_cnt,
         "kept_bytes_dense": kept_d, "kept_bytes_sparse": kept_s, "kept_ratio": kept_d / max(1, kept_s),
         "op_kept_bytes": st_sp["kept_bytes"],
         "peak_bytes_dense": peak_d, "peak_bytes_sparse": peak_s,
@@ -211,6 +219,10 @@ def profile_phases(M, K, N, p, reps, timer):
         "csr_by_neuron": (lambda: ops.csr_by_neuron(ell_col, nnz, flag, N), 0.0, "-"),
         "dense_gemm_same_shape": (lambda: torch.mm(x, wu.t(), out=g), 2 * M * K * N / 1e12, "TFLOP"),
     }
+    a = torch.relu(g)
+    phases["count_ne_sum_i32"] = (lambda: (a != 0).sum(1, dtype=torch.int32), M * N * 2 / 1e9, "GB")
+    phases["count_nonzero"] = (lambda: torch.count_nonzero(a, dim=1), M * N * 2 / 1e9, "GB")
+    phases["l1_abs_sum"] = (lambda: a.abs().sum(dtype=torch.float32), M * N * 2 / 1e9, "GB")
     for nb in (2, 4, 8):
         phases[f"dw_nb{nb}"] = (lambda nb=nb: ext.dw(True, nb, x, gy, perm, colptr, ell_a, ell_u, cg, cu, None,
                                                        None, None, dwg, dwu, dwd), E * 2 * kb / 1e9, "GB")
@@ -220,6 +232,10 @@ def profile_phases(M, K, N, p, reps, timer):
         if unit != "-":
             res[name + "_" + unit + "_per_s"] = amount / (t / 1e3)
     return res
+
+
+def t_fmt(v):
+    return f"{v:.2f}"
 
 
 def main(argv=None):
@@ -261,6 +277,7 @@ def main(argv=None):
                 print(f"M={M} p={p} heavy={heavy}: dense {r['dense_ms']:.2f} (noL1 {r['dense_noL1_ms']:.2f}) "
                       f"sparse {r['sparse_ms']:.2f} auto {r['auto_ms']:.2f} [{r['auto_path']}] "
                       f"x{r['speedup_sparse']:.2f}/x{r['speedup_auto']:.2f} kept x{r['kept_ratio']:.1f} "
+                      f"| counts: dense {t_fmt(r['dense_with_counts_ms'])} auto {t_fmt(r['auto_with_stats_ms'])} "
                       f"backup {r['backup_rows']} w {r['ell_width']} ok2x {e.get('within_2x_bf16')} "
                       f"({r['wall_s']:.0f}s)", flush=True)
                 torch.cuda.empty_cache()

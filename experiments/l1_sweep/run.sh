@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # L1 sweep (paper Figs 2, 3, 9; Table 3): from-scratch sparse ReLU-gated models at several L1 values, from
 # L1 = 0 (the dense ReLU baseline) up to where fewer than one neuron per token stays active, plus a dense
-# SiLU baseline when train.py supports it.
-#   SCALE=smoke bash experiments/l1_sweep/run.sh   # CPU, 4 L1 values, ~2-3 min on 2 cores (CI)
+# SiLU baseline (train.py's `activation: silu`).
+#   SCALE=smoke bash experiments/l1_sweep/run.sh   # CPU, 4 L1 values + SiLU, ~3 min on 2 cores (CI)
 #   SCALE=gpu   bash experiments/l1_sweep/run.sh   # one H100: 8 L1 values + SiLU, ~30-60 s per run
 # Env: L1_VALUES="0 1e-4 ..." replaces the list; EVAL_LIMIT=N adds lm-eval (7 tasks, N docs each) per run;
 # RUNS_ROOT / RESULTS_ROOT / KEEP_CKPT: see experiments/run_lib.sh. Resumable: finished runs are skipped.
@@ -35,7 +35,7 @@ done
 if [ "$HAVE_ACT" = 1 ]; then
   sfl_train "$EXP" silu_dense "$total" "$total" "$HERE/$SCALE.yaml" "$HERE/silu.yaml"
 else
-  echo "[-] $EXP/silu_dense: SKIPPED -- train.py has no 'activation' config key (SiLU FFN not implemented in models/);"
+  echo "[-] $EXP/silu_dense: SKIPPED -- this train.py has no 'activation' config key (no SiLU FFN);"
   echo "    Table 3's SiLU row stays 'not reproduced' until it exists (see $HERE/README.md)."
 fi
 
@@ -44,7 +44,7 @@ if [ "$EVAL_LIMIT" != 0 ]; then
   for l1 in "${L1S[@]}"; do
     sfl_eval "$EXP" "relu_l1_$l1" eval --limit "$EVAL_LIMIT" --mlp-impl dense "${EVAL_ARGS[@]}"
   done
-  [ "$HAVE_ACT" = 1 ] && sfl_eval "$EXP" silu_dense eval --limit "$EVAL_LIMIT" "${EVAL_ARGS[@]}"
+  if [ "$HAVE_ACT" = 1 ]; then sfl_eval "$EXP" silu_dense eval --limit "$EVAL_LIMIT" "${EVAL_ARGS[@]}"; fi
 fi
 
 # The sweep is meant to end below one active neuron per token; say so when it does not.

@@ -426,7 +426,7 @@ def measure_all(model, ids: torch.Tensor, a: argparse.Namespace, dev: torch.devi
     if train:
         mb = min(a.train_micro_batch, ids.shape[0])
         tr = measure_training(model, ids, mb, a.train_impl, a.train_steps, a.warmup, a.min_seconds, meter)
-        rows.append({**common, "mode": "training", "batch_tokens": mb * a.seq_len, "timed": "forward (L1 on) + "
+        rows.append({**common, "mode": "training", "batch_tokens": mb * a.seq_len, "timed": "forward (with the model's L1) + "
                      "backward + AdamW, fp32 weights + bf16 autocast", **tr, "provenance": collect()})
         sp = tr.get("sparse_tokens_per_s")
         print(f"[{name}] training: dense {tr['dense_tokens_per_s'] / 1e3 if tr.get('dense_tokens_per_s') else float('nan'):.1f} tok/ms, "
