@@ -42,6 +42,9 @@ _SPEC: dict[str, tuple[Any, str]] = {
     "l1_warmup_start": (0, "optimizer step at which the L1 ramp starts (coeff is 0 before)"),
     "l1_warmup_steps": (0, "linear ramp length in steps from 0 to l1_coeff (0 = no ramp)"),
     "dead_window_tokens": (None, "dead-neuron window in tokens; null = tokens per optimizer step per rank"),
+    "dead_reinit_lambda": (0.0, "paper Eq. 6 after every step: dead gate rows <- (1-lambda) w + lambda N(0, std^2); "
+                                "0 = off, the paper's ablation uses 0.1"),
+    "dead_reinit_std": (0.02, "std of the re-initialisation noise"),
     # --- data
     "data_dir": (None, "prepared data dir; null = $SFL_DATA_DIR or <repo>/.data"),
     "tokens_subdir": ("tokens", "subdir of data_dir with meta.json and the uint16 .bin files"),
@@ -181,6 +184,10 @@ def validate(cfg: dict[str, Any]) -> None:
     for k in ["tie_word_embeddings", "gated_mlp", "compile", "save_final", "progress"]:
         if not isinstance(cfg[k], bool):
             raise bad(k, "must be true or false")
+    if not _is_num(cfg["dead_reinit_lambda"]) or not 0 <= cfg["dead_reinit_lambda"] <= 1:
+        raise bad("dead_reinit_lambda", "must be a number in [0, 1] (0 = off; the paper uses 0.1)")
+    if not _is_num(cfg["dead_reinit_std"]) or cfg["dead_reinit_std"] <= 0:
+        raise bad("dead_reinit_std", "must be a finite number > 0")
     if cfg["l1_reduction"] not in ("mean", "sum"):
         raise bad("l1_reduction", "must be 'mean' (paper Eq. 2) or 'sum' (official code)")
     if cfg["activation"] not in ("relu", "silu"):

@@ -35,6 +35,7 @@ from experiments.checkpoint import atomic_write_text, find_latest, load_checkpoi
 from experiments.config import ConfigError, l1_coeff_at, load_config, lr_at
 from experiments.data_loader import TokenData
 from models import SparseLlamaConfig, SparseLlamaForCausalLM
+from models.sparsity import reinit_dead_rows
 
 # Keys that may change between a checkpoint and its resumption without breaking exactness.
 RESUME_MUTABLE = {"max_steps", "log_every", "eval_every", "eval_batches", "ckpt_every", "progress", "device",
@@ -345,7 +346,7 @@ def train(cfg: dict[str, Any], resume: bool = False) -> dict[str, Any]:
     clip = cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf")
     bar = tqdm(total=cfg["max_steps"], initial=step, disable=not (cfg["progress"] and d.main), desc="train",
                dynamic_ncols=True)
-    t_log, tok_log = time.time(), 0
+    t_log, tok_log, n_reinit = time.time(), 0, 0
     last_saved = step if ckpt_dir is not None else -1
     while step < cfg["max_steps"]:
         coeff = l1_coeff_at(cfg, step)
@@ -365,6 +366,8 @@ def train(cfg: dict[str, Any], resume: bool = False) -> dict[str, Any]:
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
+        if cfg["dead_reinit_lambda"] > 0:
+            n_reinit += reinit_dead(model, cfg, step, dead_window, d)
         step += 1
         tok_log += tokens_per_step
         bar.update(1)
@@ -382,6 +385,8 @@ def train(cfg: dict[str, Any], resume: bool = False) -> dict[str, Any]:
                     "nnz_max": st["nnz_max"], "dead_frac": st["dead_frac"],
                     "nnz_mean_per_layer": st["nnz_mean_per_layer"], "nnz_max_per_layer": st["nnz_max_per_layer"],
                     "dead_frac_per_layer": st["dead_frac_per_layer"]}
+            if cfg["dead_reinit_lambda"] > 0:
+                line["reinit_neurons"], n_reinit = n_reinit, 0
             log.write(line)
             bar.set_postfix(loss=f"{loss:.3f}", ce=f"{ce:.3f}", nnz=f"{st['nnz_mean']:.1f}")
             t_log, tok_log = now, 0
@@ -408,6 +413,25 @@ def train(cfg: dict[str, Any], resume: bool = False) -> dict[str, Any]:
         dist.barrier()
         dist.destroy_process_group()
     return final
+
+
+def reinit_dead(model: SparseLlamaForCausalLM, cfg: dict, step: int, window: int, d) -> int:
+    """Dead-neuron re-initialisation (paper Eq. 6) after an optimizer step; returns how many rows moved.
+
+    Under DDP a neuron counts as dead only if it is dead on every rank (min over ranks of the
+    tokens-since-fire trackers), and every rank draws the same noise (generator seeded by seed and
+    step), so the replicas stay identical. Seeding by step also keeps --resume exact.
+    """
+    gen = torch.Generator().manual_seed(cfg["seed"] * 1_000_003 + step)
+    total = 0
+    for mlp in model.sparse_mlps():
+        since = mlp.tokens_since_fire
+        if d.world > 1:
+            since = since.clone()
+            dist.all_reduce(since, op=dist.ReduceOp.MIN)
+        weight = mlp.gate_proj.weight if mlp.gated else mlp.up_proj.weight
+        total += reinit_dead_rows(weight, since, window, cfg["dead_reinit_lambda"], cfg["dead_reinit_std"], gen)
+    return total
 
 
 def save_final(model: SparseLlamaForCausalLM, dest: Path, data_dir: Path) -> None:

@@ -163,6 +163,19 @@ def _check(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, l1_re
         raise ValueError(f"l1_reduction must be one of {_L1_REDUCTIONS}, got {l1_reduction!r}")
 
 
+def _count_rows(a: Tensor) -> Tensor:
+    """int32 per-row count of a != 0: our 16-byte-load kernel on bf16 CUDA (torch's (a != 0).sum(1) measured
+    0.49 ms on [16384, 5632], ~375 GB/s), torch elsewhere."""
+    if a.is_cuda and a.dtype == torch.bfloat16 and a.shape[1] % 8 == 0 and a.stride(1) == 1 and a.stride(0) % 8 == 0:
+        from kernels.loader import KernelUnavailableError
+
+        try:
+            return _ops.load_ext().count(a)
+        except KernelUnavailableError:  # no extension here: the torch count is exact too, only slower
+            pass
+    return (a != 0).sum(1, dtype=torch.int32)
+
+
 def _dense(x2, w_gate, w_up, w_down, scale, want_last_active, want_stats, st, kn, M, N):
     """Plain dense autograd (the same ops as models' dense MLP) + a cheap activity measurement."""
     a = F.relu(F.linear(x2, w_gate if w_gate is not None else w_up))
@@ -171,11 +184,11 @@ def _dense(x2, w_gate, w_up, w_down, scale, want_last_active, want_stats, st, kn
     l1 = h.abs().sum(dtype=_ops._acc(h.dtype)) * scale
     with torch.no_grad():
         if want_stats:  # per-token counts (what models' dense MLP logs); NaN != 0 counts as active
-            nnz = (a != 0).sum(1, dtype=torch.int32)
+            nnz = _count_rows(a)
             st.record(nnz, N, kn["width"])
         else:  # dispatch only needs an estimate: count a row sample (cheap next to the GEMMs)
             nnz = None
-            st.record((a[: kn["probe_rows"]] != 0).sum(1, dtype=torch.int32), N, kn["width"])
+            st.record(_count_rows(a[: kn["probe_rows"]]), N, kn["width"])
         stats = {"path": "dense", "nnz_per_token": nnz, "backup_rows": None, "width": None, "kept_bytes": None}
         if want_last_active:
             stats["last_active_row"] = _last_active_dense(a != 0)

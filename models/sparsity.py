@@ -59,4 +59,24 @@ def dead_fraction(tokens_since_fire: torch.Tensor, window: int) -> torch.Tensor:
     return (tokens_since_fire >= window).float().mean()
 
 
-__all__ = ["l1_penalty", "active_mask", "nnz_per_token", "update_tokens_since_fire", "dead_fraction"]
+@torch.no_grad()
+def reinit_dead_rows(weight: torch.Tensor, tokens_since_fire: torch.Tensor, window: int, lam: float, std: float,
+                     generator: torch.Generator) -> int:
+    """Paper Eq. 6: w_j <- (1 - lam) w_j + lam * N(0, std^2) for every dead neuron j; returns their number.
+
+    weight is the activation's input projection in nn.Linear layout [N, K] (gate_proj, or up_proj for a
+    non-gated FFN), so neuron j is row j. Dead = not fired within the last `window` tokens. The noise is drawn
+    on the CPU from `generator` so that a resumed run draws exactly the same numbers.
+    """
+    dead = (tokens_since_fire >= window).nonzero().flatten()
+    if dead.numel() == 0:
+        return 0
+    noise = torch.randn((dead.numel(), weight.shape[1]), generator=generator, dtype=torch.float32)
+    rows = weight.index_select(0, dead).float()
+    new = (1.0 - lam) * rows + lam * std * noise.to(weight.device)
+    weight.index_copy_(0, dead, new.to(weight.dtype))
+    return int(dead.numel())
+
+
+__all__ = ["l1_penalty", "active_mask", "nnz_per_token", "update_tokens_since_fire", "dead_fraction",
+           "reinit_dead_rows"]

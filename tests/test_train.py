@@ -189,6 +189,60 @@ def test_silu_baseline_trains(data_dir, tmp_path) -> None:
     assert step["nnz_mean"] > 0.9 * 64  # SiLU activations are (almost) never exactly zero
 
 
+def test_dead_neuron_reinit(data_dir, tmp_path, monkeypatch) -> None:
+    """Eq. 6 moves exactly the dead gate rows toward N(0, std^2); live rows and other weights are untouched."""
+    from models.sparsity import reinit_dead_rows
+
+    w = torch.randn(6, 4)
+    since = torch.tensor([0, 100, 5, 64, 63, 1000])
+    before = w.clone()
+    n = reinit_dead_rows(w, since, window=64, lam=0.1, std=0.02, generator=torch.Generator().manual_seed(0))
+    dead = since >= 64
+    assert n == int(dead.sum()) == 3
+    assert torch.equal(w[~dead], before[~dead])
+    noise = torch.randn((3, 4), generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(w[dead], 0.9 * before[dead] + 0.1 * 0.02 * noise)
+
+    # In a run: gate rows zeroed at build time are dead (relu(0) = 0 never fires); the loop must move them,
+    # log how many it moved, and stay exact across a resume.
+    real_build = train_mod.build_model
+
+    def build_with_dead_rows(*a, **kw):
+        model = real_build(*a, **kw)
+        with torch.no_grad():
+            for mlp in model.sparse_mlps():
+                mlp.gate_proj.weight[:8] = 0.0
+        return model
+
+    monkeypatch.setattr(train_mod, "build_model", build_with_dead_rows)
+    over = dict(dead_reinit_lambda=0.1, max_steps=6, eval_every=0, ckpt_every=3)
+    train_mod.train(cfg_for(data_dir, tmp_path / "full", **over))
+    steps = [x for x in read_log(tmp_path / "full") if x["type"] == "step"]
+    assert steps[0]["reinit_neurons"] >= 2 * 8  # 2 layers x 8 dead rows moved after step 1
+    real = TokenData.train_batch
+
+    def dying(self, seed, step, rank, n):  # killed while drawing step 5's batch; checkpoint at 3
+        if step == 4:
+            raise Killed
+        return real(self, seed, step, rank, n)
+
+    monkeypatch.setattr(TokenData, "train_batch", dying)
+    with pytest.raises(Killed):
+        train_mod.train(cfg_for(data_dir, tmp_path / "cut", **over))
+    monkeypatch.setattr(TokenData, "train_batch", real)
+    train_mod.train(cfg_for(data_dir, tmp_path / "cut", **over), resume=True)
+    a = [x["loss"] for x in read_log(tmp_path / "full") if x["type"] == "step"]
+    b = [x["loss"] for x in read_log(tmp_path / "cut") if x["type"] == "step"]
+    assert a == b
+
+
+def test_dead_reinit_config_errors() -> None:
+    with pytest.raises(ConfigError, match="dead_reinit_lambda"):
+        load_config(None, ["dead_reinit_lambda=1.5"])
+    with pytest.raises(ConfigError, match="dead_reinit_std"):
+        load_config(None, ["dead_reinit_std=0"])
+
+
 # ----------------------------------------------------------------------------- crash safety
 def test_leftover_tmp_and_incomplete_checkpoints_are_ignored(data_dir, tmp_path) -> None:
     out = tmp_path / "run"

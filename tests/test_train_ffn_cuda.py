@@ -163,6 +163,12 @@ def test_auto_dispatch_and_history(monkeypatch):
     st = DispatchState()
     _, _, s1 = sparse_gated_ffn_train(x, wg, wu, wd, state=st)
     assert s1["path"] == "dense"       # first call: nothing measured yet
+    a = F.relu(F.linear(x, wg))
+    a[0, 5] = -0.0
+    a[1, 6] = float("nan")
+    from kernels.train_ffn import _count_rows
+    assert torch.equal(s1["nnz_per_token"], (F.relu(F.linear(x, wg)) != 0).sum(1, dtype=torch.int32))
+    assert torch.equal(_count_rows(a), (a != 0).sum(1, dtype=torch.int32))  # -0.0 inactive, NaN active
     torch.cuda.synchronize()
     _, _, s2 = sparse_gated_ffn_train(x, wg, wu, wd, state=st)
     assert s2["path"] == "sparse" and st.activity is not None and st.activity < 0.007

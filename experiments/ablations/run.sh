@@ -26,7 +26,6 @@ else
 fi
 read -r A B <<< "${ABL_L1:-$DEFAULT_ABL}"
 EVAL_LIMIT="${EVAL_LIMIT:-0}"
-REINIT_KEY=$(python -c "from experiments.config import DEFAULTS; print('dead_reinit_lambda' if 'dead_reinit_lambda' in DEFAULTS else '')")
 
 # train_or_reuse GROUP RUN IDX TOTAL L1 [override.yaml ...]; extra key=values in EXTRA_SETS. A run with nothing
 # but l1_coeff changed is the l1_sweep run of the same L1 when that one has finished.
@@ -57,18 +56,13 @@ train_or_reuse gating "nongated_l1_$A" 5 6 "$A" "$HERE/nongated.yaml"
 train_or_reuse gating "nongated_l1_$B" 6 6 "$B" "$HERE/nongated.yaml"
 
 EXTRA_SETS=()
-n=$([ -n "$REINIT_KEY" ] && echo 4 || echo 3)
+n=4
 train_or_reuse dead_neurons dense_l1_0 1 "$n" 0
 train_or_reuse dead_neurons "standard_l1_$A" 2 "$n" "$A"
 EXTRA_SETS=("${WARM[@]}")
 train_or_reuse dead_neurons "warmup_l1_$B" 3 "$n" "$B" "$HERE/warmup.yaml"
-if [ -n "$REINIT_KEY" ]; then
-  EXTRA_SETS=("$REINIT_KEY=0.1")
-  train_or_reuse dead_neurons "reinit_l1_$A" 4 "$n" "$A"
-else
-  echo "[-] ablations/dead_neurons/reinit_l1_$A: SKIPPED -- train.py has no 'dead_reinit_lambda' key (dead-neuron"
-  echo "    re-initialisation, paper Eq. 6); Table 5's reinit row stays 'not reproduced' (see $HERE/README.md)."
-fi
+EXTRA_SETS=("dead_reinit_lambda=0.1")
+train_or_reuse dead_neurons "reinit_l1_$A" 4 "$n" "$A"
 
 if [ "$EVAL_LIMIT" != 0 ]; then
   echo "== lm-eval (7 tasks, limit $EVAL_LIMIT)"

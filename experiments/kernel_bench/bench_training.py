@@ -222,6 +222,7 @@ def profile_phases(M, K, N, p, reps, timer):
     a = torch.relu(g)
     phases["count_ne_sum_i32"] = (lambda: (a != 0).sum(1, dtype=torch.int32), M * N * 2 / 1e9, "GB")
     phases["count_nonzero"] = (lambda: torch.count_nonzero(a, dim=1), M * N * 2 / 1e9, "GB")
+    phases["count_kernel"] = (lambda: ext.count(a), M * N * 2 / 1e9, "GB")
     phases["l1_abs_sum"] = (lambda: a.abs().sum(dtype=torch.float32), M * N * 2 / 1e9, "GB")
     for nb in (2, 4, 8):
         phases[f"dw_nb{nb}"] = (lambda nb=nb: ext.dw(True, nb, x, gy, perm, colptr, ell_a, ell_u, cg, cu, None,

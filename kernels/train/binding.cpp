@@ -9,6 +9,7 @@
 extern "C" {
 cudaError_t sfltrain_compact_launch(const void* g, long long ldg, int rows, int N, int W, int32_t* ell_col,
                                     void* ell_a, int32_t* nnz, int32_t* flag, cudaStream_t stream);
+cudaError_t sfltrain_count_launch(const void* a, long long lda, int rows, int N, int32_t* nnz, cudaStream_t stream);
 cudaError_t sfltrain_fwd_rows_launch(int gated, const void* x, const void* wu, const void* wdt, int M, int K, int W,
                                      const int32_t* ell_col, const void* ell_a, const int32_t* nnz,
                                      const int32_t* flag, float* ell_u, void* y, float* rowabs,
@@ -167,6 +168,17 @@ void dw(bool gated, int64_t nb, const at::Tensor& x, const at::Tensor& dy, const
         "dw");
 }
 
+// a: bf16 [rows, N] with unit column stride -> nnz int32 [rows] (a != 0, -0.0 excluded, NaN included)
+at::Tensor count(const at::Tensor& a) {
+  TORCH_CHECK(a.is_cuda() && a.scalar_type() == at::kBFloat16 && a.dim() == 2 && a.stride(1) == 1,
+              "count: a must be a CUDA bf16 [rows, N] tensor with unit column stride");
+  auto nnz = at::empty({a.size(0)}, a.options().dtype(at::kInt));
+  const c10::cuda::CUDAGuard guard(a.device());
+  check(sfltrain_count_launch(a.data_ptr(), a.stride(0), (int)a.size(0), (int)a.size(1), i32(nnz), stream()),
+        "count");
+  return nnz;
+}
+
 std::string source_hash() { return SFL_STR(SFL_SRC_HASH); }
 
 }  // namespace
@@ -176,5 +188,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fwd_rows", &fwd_rows, "light rows: u, h = a u, y = h W_d^T, per-row sum |h|");
   m.def("bwd_rows", &bwd_rows, "light rows: dh, per-entry dgate / dup coefficients, dx");
   m.def("dw", &dw, "neuron-major weight gradients from the CSR-by-neuron transpose");
+  m.def("count", &count, "per-row active count of a bf16 matrix (a != 0)");
   m.def("source_hash", &source_hash, "hash of the sources this library was built from");
 }

@@ -441,6 +441,27 @@ __global__ void __launch_bounds__(128) dw_kernel(const __nv_bfloat16* __restrict
   }
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// count: per-row number of active entries of a = relu(...) (a != 0; NaN counts) for the dense path's stats.
+// One warp per row, 16-byte loads (torch's (a != 0).sum(1) reaches ~375 GB/s on [16384, 5632]).
+__global__ void __launch_bounds__(256) count_kernel(const __nv_bfloat16* __restrict__ a, long long lda, int rows,
+                                                    int N, int32_t* __restrict__ nnz) {
+  const long long row = warp_id();
+  const int lane = threadIdx.x & 31;
+  if (row >= rows) return;
+  const __nv_bfloat16* ar = a + row * lda;
+  int cnt = 0;
+  for (int c = lane * 8; c < N; c += 256) {
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(ar + c));
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) cnt += ((w[i] & 0x7fffu) != 0) + ((w[i] & 0x7fff0000u) != 0);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) cnt += __shfl_xor_sync(kFull, cnt, o);
+  if (lane == 0) nnz[row] = cnt;
+}
+
 inline unsigned blocks_for(long long warps, int threads) {
   return (unsigned)((warps * 32 + threads - 1) / threads);
 }
@@ -457,6 +478,14 @@ cudaError_t sfltrain_compact_launch(const void* g, long long ldg, int rows, int 
   sfltrain::compact_kernel<<<sfltrain::blocks_for(rows, 256), 256, 0, stream>>>(
       reinterpret_cast<const __nv_bfloat16*>(g), ldg, rows, N, W, ell_col,
       reinterpret_cast<__nv_bfloat16*>(ell_a), nnz, flag);
+  return cudaGetLastError();
+}
+
+cudaError_t sfltrain_count_launch(const void* a, long long lda, int rows, int N, int32_t* nnz, cudaStream_t stream) {
+  if (rows <= 0) return cudaSuccess;
+  if (N % 8 != 0 || lda % 8 != 0) return cudaErrorInvalidValue;
+  sfltrain::count_kernel<<<sfltrain::blocks_for(rows, 256), 256, 0, stream>>>(
+      reinterpret_cast<const __nv_bfloat16*>(a), lda, rows, N, nnz);
   return cudaGetLastError();
 }
 
