@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import os
 import platform
 import socket
@@ -20,6 +21,25 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+_CODE_DIRS = ("kernels", "models", "experiments", "data")
+_CODE_SUFFIXES = {".py", ".cu", ".cpp", ".h", ".cuh", ".sh", ".yaml"}
+
+
+def source_tree_hash() -> str:
+    """sha256 over the code that produced a number (kernels/, models/, experiments/, data/ sources).
+
+    The GPU machine gets a copy of the working tree without .git: this hash still ties a log to the
+    exact code, and `python -c "from experiments.provenance import source_tree_hash as h; print(h())"`
+    at a commit checks whether that commit is the code of a log.
+    """
+    digest = hashlib.sha256()
+    for top in _CODE_DIRS:
+        for path in sorted((REPO_ROOT / top).rglob("*")):
+            if path.suffix in _CODE_SUFFIXES and path.is_file() and "__pycache__" not in path.parts:
+                digest.update(str(path.relative_to(REPO_ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 def collect(extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Return a flat dict: git commit + dirty flag, host, GPU, library versions, UTC time.
 
@@ -28,11 +48,14 @@ def collect(extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """
     import torch
 
-    commit = _git("rev-parse", "HEAD") or os.environ.get("SFL_GIT_COMMIT")
+    commit = _git("rev-parse", "HEAD") or os.environ.get("SFL_GIT_COMMIT") or None
+    if commit in ("unknown", "HEAD\nunknown"):
+        commit = None
     status = _git("status", "--porcelain", "--untracked-files=no")
     info: dict[str, Any] = {
         "git_commit": commit,
         "git_dirty": (bool(status) if status is not None else os.environ.get("SFL_GIT_DIRTY")),
+        "source_tree_hash": source_tree_hash(),
         "host": socket.gethostname(),
         "time_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),

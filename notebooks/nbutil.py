@@ -294,6 +294,9 @@ def load_bench(directory: Path | str | None = None) -> pd.DataFrame:
     if "type" in df:  # files may interleave header/summary records; keep the measurement rows
         df = df[df["type"].isna() | df["type"].isin(["bench", "row", "result", "measurement"])]
     needed = {"M", "activity", "speedup"}
+    # Profiles, calibration and other diagnostic rows share the folder; a measurement row has all of these.
+    if needed <= set(df.columns):
+        df = df.dropna(subset=sorted(needed))
     if not needed <= set(df.columns):
         raise ValueError(f"kernel_bench rows lack columns {sorted(needed - set(df.columns))}; see notebooks/README.md")
     df = df.copy()
