@@ -33,7 +33,7 @@ _SPEC: dict[str, tuple[Any, str]] = {
     "tie_word_embeddings": (True, "tie lm_head to the input embedding"),
     "gated_mlp": (True, "gated ReLU FFN (false: non-gated ReLU FFN, no gate_proj)"),
     "activation": ("relu", "relu (sparse model) | silu (dense SiLU baseline, paper Table 3; needs mlp_impl dense)"),
-    "mlp_impl": ("dense", "dense | reference | cuda (cuda is inference-only, rejected for training)"),
+    "mlp_impl": ("dense", "dense | reference | cuda (training through kernels/train_ffn.py, inference through kernels/ffn.py)"),
     "twell_tile_n": (256, "TwELL tile width for mlp_impl reference/cuda (intermediate_size % twell_tile_n == 0)"),
     "twell_slots": (32, "TwELL slots per (row, tile) = twell_tile_n // compression"),
     # --- sparsity
@@ -196,9 +196,9 @@ def validate(cfg: dict[str, Any]) -> None:
         raise bad("activation", "silu runs only with mlp_impl: dense")
     if cfg["mlp_impl"] not in ("dense", "reference", "cuda"):
         raise bad("mlp_impl", "must be one of dense, reference, cuda")
-    if cfg["mlp_impl"] == "cuda":
-        raise bad("mlp_impl", "the cuda TwELL kernels are inference-only (training kernels: issue #4); "
-                              "train with mlp_impl: dense")
+    if cfg["mlp_impl"] == "cuda" and str(cfg["device"]) == "cpu":
+        raise bad("mlp_impl", "the cuda kernels need device cuda (or auto on a GPU machine); on CPU train with "
+                              "mlp_impl: dense (or reference)")
     if cfg["mlp_impl"] != "dense" and cfg["init_from"] is None and cfg["intermediate_size"] % cfg["twell_tile_n"]:
         raise bad("intermediate_size", f"mlp_impl={cfg['mlp_impl']} needs a multiple of "
                                        f"twell_tile_n={cfg['twell_tile_n']}; change either, or use mlp_impl: dense")

@@ -35,6 +35,12 @@ from kernels.train import ops as _ops
 _L1_REDUCTIONS = ("mean", "sum")
 
 
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass (activation-checkpoint recompute happens there)."""
+    fn = getattr(torch._C, "_current_graph_task_id", None)
+    return fn is not None and fn() != -1
+
+
 def knobs() -> dict[str, Any]:
     """Knob values (environment variables, read at every call so benchmarks can sweep them)."""
     e = os.environ.get
@@ -47,6 +53,8 @@ def knobs() -> dict[str, Any]:
         "dw_nb": int(e("SFL_TRAIN_DW_NB", 4)),
         "probe_rows": int(e("SFL_TRAIN_PROBE_ROWS", 2048)),
         "sparse_min_m": int(e("SFL_TRAIN_SPARSE_MIN_M", 8192)),
+        # replaces mode="auto" (what models pass) by "sparse"/"dense": to test or benchmark one path in a model
+        "force_mode": e("SFL_TRAIN_FORCE_MODE", "auto"),
     }
 
 
@@ -57,6 +65,7 @@ class DispatchState:
         self.activity: float | None = None     # mean active fraction of a, last completed measurement
         self.backup_frac: float | None = None  # fraction of rows with nnz > width
         self.last_path: str | None = None
+        self.last_forward_path: str | None = None
         self._pending: tuple[Any, int, int] | None = None  # (event or None, rows, n_cols)
         self._host: Tensor | None = None
 
@@ -97,6 +106,10 @@ class DispatchState:
 
     def choose(self, kn: dict[str, Any], m: int) -> str:
         self._poll()
+        if _in_backward() and self.last_forward_path is not None:
+            # activation-checkpoint recompute: take the path of this layer's last forward, so the recomputed
+            # saved tensors have the metadata the checkpoint recorded
+            return self.last_forward_path
         if m < kn["sparse_min_m"]:
             return "dense"  # measured: fixed costs (host syncs, small launches) lose below this size
         if self.activity is None:
@@ -225,6 +238,10 @@ def _run(x, w_gate, w_up, w_down, l1_reduction, mode, state, width, backend, wan
     if mode not in ("auto", "sparse", "dense"):
         raise ValueError(f"mode must be 'auto', 'sparse' or 'dense', got {mode!r}")
     kn = knobs()
+    if mode == "auto" and kn["force_mode"] != "auto":
+        mode = kn["force_mode"]
+        if mode not in ("sparse", "dense"):
+            raise ValueError(f"SFL_TRAIN_FORCE_MODE must be auto, sparse or dense, got {mode!r}")
     width = int(width if width is not None else kn["width"])
     if width < 1:
         raise ValueError(f"width must be >= 1, got {width}")
@@ -256,6 +273,8 @@ def _run(x, w_gate, w_up, w_down, l1_reduction, mode, state, width, backend, wan
             # the torch backend is a correctness fallback, never faster than dense: auto keeps it off
             path = st.choose(kn, M) if backend == "cuda" else "dense"
         st.last_path = path
+        if not _in_backward():
+            st.last_forward_path = path
         if path == "dense" or M == 0:
             y, l1, stats = _dense(x2, ws[0], ws[1], ws[2], scale, want_last_active, want_stats, st, kn, M, N)
         else:

@@ -181,12 +181,8 @@ class SparseLlamaMLP(nn.Module):
         return y
 
     def _forward_cuda(self, x2: torch.Tensor) -> torch.Tensor:
-        if self.training and torch.is_grad_enabled():
-            raise NotImplementedError(
-                "mlp_impl='cuda' is inference-only (TwELL kernels have no backward yet; training "
-                "kernels are issue #4). Train with mlp_impl='dense', or call model.eval() / "
-                "torch.no_grad() for inference."
-            )
+        if torch.is_grad_enabled() and (self.training or x2.requires_grad):
+            return self._forward_cuda_train(x2)
         try:
             from kernels import ffn
         except ImportError as e:  # pragma: no cover - depends on the kernels package
@@ -200,9 +196,36 @@ class SparseLlamaMLP(nn.Module):
             y, stats = ffn.sparse_gated_ffn(x2, wg, wu, wd, return_stats=True)
         else:
             y, stats = ffn.sparse_nongated_ffn(x2, wu, wd, return_stats=True)
-        # h never leaves the kernel: L1 is unavailable on this path (reported as None).
+        # h never leaves the inference kernels: L1 is unavailable on this path (reported as None).
         self.last_l1 = None
         self._record(stats["nnz_per_token"].float(), None)
+        return y
+
+    def _forward_cuda_train(self, x2: torch.Tensor) -> torch.Tensor:
+        """Training through the hybrid-format op of kernels/train_ffn.py: exact y, L1 and gradients."""
+        try:
+            from kernels import train_ffn
+        except ImportError as e:  # pragma: no cover - depends on the kernels package
+            raise ImportError(f"mlp_impl='cuda' training needs kernels/train_ffn.py ({e}); use mlp_impl='dense'.") from e
+        if self.config.mlp_bias:
+            raise ValueError("mlp_impl='cuda' training supports mlp_bias=False only; use mlp_impl='dense'")
+        if getattr(self, "_train_state", None) is None:
+            self._train_state = train_ffn.DispatchState()  # this layer's measured-activity history
+        wg, wu, wd = self._weights()
+        recompute = _in_backward()  # activation checkpointing: statistics were taken in the first forward
+        kw = dict(l1_reduction=self.config.l1_reduction, state=self._train_state,
+                  want_last_active=self.training and not recompute)
+        if self.gated:
+            y, l1, st = train_ffn.sparse_gated_ffn_train(x2, wg, wu, wd, **kw)
+        else:
+            y, l1, st = train_ffn.sparse_nongated_ffn_train(x2, wu, wd, **kw)
+        if self.l1_mode is None:
+            self.last_l1 = None
+        else:
+            self.last_l1 = l1 if self.l1_mode == "grad" else l1.detach()
+        self._record(st["nnz_per_token"].float(), None)
+        if self.training and not recompute:
+            train_ffn.update_tokens_since_fire_sparse(self.tokens_since_fire, st["last_active_row"], x2.shape[0])
         return y
 
     def extra_repr(self) -> str:

@@ -226,11 +226,31 @@ def test_reference_impl_matches_dense(gated: bool) -> None:
         assert torch.equal(a, b)
 
 
-def test_cuda_impl_refuses_training_with_grad() -> None:
-    model = tiny_model(intermediate_size=256, mlp_impl="cuda").train()
-    x = torch.randint(0, VOCAB, (1, 4))
-    with pytest.raises(NotImplementedError, match=r"#4.*dense|dense.*#4"):
-        model(input_ids=x, labels=x)
+def test_cuda_impl_trains_through_hybrid_op_like_dense(monkeypatch) -> None:
+    """mlp_impl='cuda' with grad goes through kernels/train_ffn.py (its exact torch backend on CPU):
+    loss, L1 and every gradient equal the dense model's; statistics and dead trackers are kept.
+    A knob forces the sparse path (auto picks dense on CPU), with an ELL narrow enough that some rows
+    take the dense backup."""
+    pytest.importorskip("kernels.train_ffn")
+    monkeypatch.setenv("SFL_TRAIN_FORCE_MODE", "sparse")
+    monkeypatch.setenv("SFL_TRAIN_WIDTH", "96")
+    torch.manual_seed(0)
+    dense = tiny_model(intermediate_size=256, l1_coeff=1e-2).train()
+    sparse = tiny_model(intermediate_size=256, l1_coeff=1e-2, mlp_impl="cuda").train()
+    sparse.load_state_dict(dense.state_dict())
+    x = torch.randint(0, VOCAB, (2, 8))
+    out_d, out_s = dense(input_ids=x, labels=x), sparse(input_ids=x, labels=x)
+    assert {m._train_state.last_path for m in sparse.sparse_mlps()} == {"sparse"}
+    assert any(float(m.last_nnz_per_token.max()) > 96 for m in sparse.sparse_mlps())  # backup rows exercised
+    out_d.loss.backward()
+    out_s.loss.backward()
+    torch.testing.assert_close(out_s.loss, out_d.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out_s.l1, out_d.l1, rtol=1e-5, atol=1e-7)
+    for (name, pd_), (_, ps) in zip(dense.named_parameters(), sparse.named_parameters()):
+        torch.testing.assert_close(ps.grad, pd_.grad, rtol=1e-4, atol=1e-6, msg=name)
+    for md, ms in zip(dense.sparse_mlps(), sparse.sparse_mlps()):
+        assert torch.equal(md.last_nnz_per_token, ms.last_nnz_per_token)
+        assert torch.equal(md.tokens_since_fire, ms.tokens_since_fire)
 
 
 def test_set_mlp_impl_validates() -> None:

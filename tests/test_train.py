@@ -327,7 +327,8 @@ def test_schedules() -> None:
     ("precision=fp16", "precision"),
 ])
 def test_bad_config_names_key(override, key) -> None:
-    sets = [override] + (["intermediate_size=500"] if key == "intermediate_size" else [])
+    sets = [override] + (["intermediate_size=500"] if key == "intermediate_size" else []) \
+        + (["device=cpu"] if override == "mlp_impl=cuda" else [])
     with pytest.raises(ConfigError, match=key):
         load_config(None, sets)
 

@@ -226,3 +226,22 @@ def test_fake_impls_shapes():
         assert g[0].shape == (10, 64) and g[1].shape == (256, 64) and g[3].shape == (256, 64)
         out2 = torch.ops.sfl_train.ffn_fwd(x, None, wg, wd, 128, 1.0, 4096, False, "cuda")
         assert out2[2].shape == (10, 128) and out2[4].numel() == 0
+
+
+def test_recompute_in_backward_reuses_forward_path():
+    # activation-checkpoint recompute runs inside backward: the path must be the one of the layer's forward
+    # (else the recomputed saved tensors differ from what the checkpoint recorded), whatever the history says
+    st = DispatchState()
+    st.last_forward_path = "sparse"
+    kn = {"dense_above": 0.01, "backup_dense_above": 0.1, "width": 8, "sparse_min_m": 100}
+    assert st.choose(kn, 10) == "dense"  # outside backward: below sparse_min_m
+    seen = {}
+    t = torch.ones(3, requires_grad=True)
+    h = t * 2
+
+    def hook(g):
+        seen["path"] = st.choose(kn, 10)
+
+    h.register_hook(hook)
+    h.sum().backward()
+    assert seen["path"] == "sparse"

@@ -213,13 +213,68 @@ def overhead() -> int:
     return 0
 
 
+def explore() -> int:
+    """Variant timings for the round-3 decisions (one line each): compaction v1 vs v2, up/down grid caps at
+    M = 65536, fused vs unfused decode (CUDA-graph replays)."""
+    from kernels.ffn import sparse_gated_ffn, transposed_down, twell_d2t
+
+    timer = Timer()
+    K, N = 2048, 5632
+    wg32, wu32, wd32 = make_weights(K, N)
+    wu, wd = wu32.to(BF), wd32.to(BF)
+    wdt = transposed_down(wd)
+
+    def with_env(env: dict, fn):
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            return fn()
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    for pattern, p in (("uniform", 0.005), ("paper", 0.0025), ("paper", 0.005)):
+        M = 65536
+        x, wg = make_case(wg32, M, K, N, pattern, p, 0.0, seed=5)
+        d = lambda: dense_gated(x, wg, wu, wd)  # noqa: E731
+        sp = lambda: sparse_gated_ffn(x, wg, wu, wd, w_down_t=wdt, mode="sparse")  # noqa: E731
+        res = {"dense": timer.time(d, 10), "gate": timer.time(lambda: torch.mm(x, wg.t()), 10)}
+        for v in ("1", "2"):
+            res[f"d2t_v{v}"] = with_env({"TWELL_COMPACT": v}, lambda: timer.time(lambda: twell_d2t(x, wg, 32), 10))
+        for cap in ("0", "2", "3", "5"):
+            res[f"sparse_cap{cap}"] = with_env({"TWELL_UPDOWN_BLOCKS_PER_SM": cap}, lambda: timer.time(sp, 10))
+        res["sparse_v1_cap0"] = with_env({"TWELL_COMPACT": "1"}, lambda: timer.time(sp, 10))
+        print(f"[explore] M={M} {pattern} p={p} " + " ".join(f"{k}={v:.3f}" for k, v in res.items()), flush=True)
+        del x, wg
+        torch.cuda.empty_cache()
+    for M in (1, 4, 8):
+        for pattern, p in (("uniform", 0.005), ("paper", 0.005), ("uniform", 0.02)):
+            x, wg = make_case(wg32, M, K, N, pattern, p, 0.0, seed=6)
+            d = lambda: dense_gated(x, wg, wu, wd)  # noqa: E731
+            sp = lambda: sparse_gated_ffn(x, wg, wu, wd, w_down_t=wdt, mode="sparse")  # noqa: E731
+            rd, _ = graphed(d)
+            rf, _ = graphed(sp)
+            ru, _ = with_env({"TWELL_FUSED_DECODE_MAX_M": "0"}, lambda: graphed(sp))
+            res = {"dense": timer.time(rd, 50), "fused": timer.time(rf, 50), "unfused": timer.time(ru, 50)}
+            print(f"[explore] M={M} {pattern} p={p} " + " ".join(f"{k}={v * 1000:.1f}us" for k, v in res.items())
+                  + f" fused_x{res['dense'] / res['fused']:.2f} unfused_x{res['dense'] / res['unfused']:.2f}",
+                  flush=True)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="results/kernel_bench/bench.jsonl")
     ap.add_argument("--quick", action="store_true", help="fewer configurations (smoke run)")
     ap.add_argument("--calib", action="store_true", help="dense vs forced sparse over an M x activity grid")
     ap.add_argument("--overhead", action="store_true", help="host cost per call and a profiler table")
+    ap.add_argument("--explore", action="store_true", help="variant timings (compaction, grid cap, fused decode)")
     args = ap.parse_args()
+    if args.explore:
+        return explore()
     if args.calib:
         return calibrate(args.out)
     if args.overhead:
@@ -236,7 +291,7 @@ def main() -> int:
     wdt = transposed_down(wd)
     acts = [0.0025, 0.005, 0.01, 0.02, 0.05, 0.10]
     large = [(65536, 15), (16384, 30), (4096, 40)]
-    decode = [1, 16, 64]
+    decode = [1, 8, 16, 64]
     if args.quick:
         acts, large, decode = [0.005, 0.02, 0.10], [(65536, 5)], [1, 64]
     cases = []
@@ -306,6 +361,13 @@ def main() -> int:
             row["dense_ms"], row["ours_ms"] = timer.time_pair(rep_d, rep_o, reps)
             rep_s, y_s = graphed(lambda: ours_fn("sparse"))
             row["ours_sparse_forced_ms"] = timer.time(rep_s, reps)
+            if M <= 8:   # the older (unfused) sync-free decode path, for comparison
+                os.environ["TWELL_FUSED_DECODE_MAX_M"] = "0"
+                try:
+                    rep_u, _ = graphed(lambda: ours_fn("sparse"))
+                finally:
+                    del os.environ["TWELL_FUSED_DECODE_MAX_M"]
+                row["ours_unfused_decode_ms"] = timer.time(rep_u, reps)
             row["timing"] = "cuda_graph_replay"
         else:
             row["dense_ms"], row["ours_ms"] = timer.time_pair(dense_fn, ours_fn, reps)
@@ -318,6 +380,11 @@ def main() -> int:
 
                 row["gate_gemm_ms"] = timer.time(lambda: torch.mm(x, wg.t()), reps)
                 row["d2t_ms"] = timer.time(lambda: twell_d2t(x, wg, 32), reps)
+                os.environ["TWELL_COMPACT"] = "1"   # the first compaction kernel, for comparison
+                try:
+                    row["d2t_compact_v1_ms"] = timer.time(lambda: twell_d2t(x, wg, 32), reps)
+                finally:
+                    del os.environ["TWELL_COMPACT"]
                 for ch in (4096, 16384):
                     os.environ["TWELL_CHUNK_ROWS"] = str(ch)
                     try:
@@ -334,7 +401,9 @@ def main() -> int:
               f"ours={row['ours_ms']:.3f} x{row['speedup']:.2f} err={err:.2e}"
               + f" sparse_forced={row['ours_sparse_forced_ms']:.3f} p_est={p_est}"
               + (f" AA={row['dense_vs_dense_ratio']:.3f}" if "dense_vs_dense_ratio" in row else "")
-              + (f" gate={row['gate_gemm_ms']:.3f} d2t={row['d2t_ms']:.3f} d2t_chunk4096={row['d2t_chunk4096_ms']:.3f}"
+              + (f" unfused={row['ours_unfused_decode_ms']:.4f}" if "ours_unfused_decode_ms" in row else "")
+              + (f" gate={row['gate_gemm_ms']:.3f} d2t={row['d2t_ms']:.3f} d2t_v1={row['d2t_compact_v1_ms']:.3f}"
+                 f" d2t_chunk4096={row['d2t_chunk4096_ms']:.3f}"
                  f" d2t_chunk16384={row['d2t_chunk16384_ms']:.3f}" if "gate_gemm_ms" in row else ""),
               flush=True)
         del x, y_ref, y_ours

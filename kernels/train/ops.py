@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-import warnings
 from pathlib import Path
 from types import ModuleType
 

@@ -21,6 +21,11 @@ cudaError_t twell_sample_stats_launch(const void* g, long long ldg, int rows, in
                                       cudaStream_t stream);
 cudaError_t twell_row_stats_launch(const int32_t* counts, const int32_t* flag, int rows, int N,
                                    unsigned long long* out, cudaStream_t stream);
+cudaError_t twell_compact_v1_launch(const void* g, long long ldg, int rows, int N, int S, int32_t* packed,
+                                    int32_t* counts, int32_t* flag, cudaStream_t stream);
+void twell_set_grid_cap(int blocks);
+cudaError_t twell_decode_fused_launch(const void* x, const void* wg, const void* wu, const void* wdt, int rows,
+                                      int K, int N, float* yacc, int32_t* nnz, int32_t* flag, cudaStream_t stream);
 }
 
 // the loader passes -DTWELL_SRC_HASH=<hex> (no quotes: shell/ninja quoting differs); stringified here
@@ -47,7 +52,9 @@ void req(const at::Tensor& t, const char* name, at::ScalarType dt, int dim) {
 int32_t* i32(const at::Tensor& t) { return t.data_ptr<int32_t>(); }
 
 // g: [rows, ld] bf16 (row-major, unit column stride; rows may be a view of a larger scratch buffer).
-void compact(const at::Tensor& g, int64_t N, at::Tensor packed, at::Tensor counts, at::Tensor flag) {
+// version 2 (default): persistent grid, several 16-byte loads in flight per warp; 1: the first kernel (comparison)
+void compact(const at::Tensor& g, int64_t N, at::Tensor packed, at::Tensor counts, at::Tensor flag,
+             int64_t version) {
   TORCH_CHECK(g.is_cuda() && g.scalar_type() == at::kBFloat16 && g.dim() == 2 && g.stride(1) == 1,
               "compact: g must be a CUDA bf16 [rows, N] tensor with unit column stride");
   TORCH_CHECK(g.size(1) >= N, "compact: g has fewer than N columns");
@@ -58,8 +65,9 @@ void compact(const at::Tensor& g, int64_t N, at::Tensor packed, at::Tensor count
   TORCH_CHECK(packed.size(0) == rows && counts.size(0) == rows && flag.size(0) == rows, "compact: row mismatch");
   TORCH_CHECK(packed.size(1) * 256 == N && counts.size(1) == packed.size(1), "compact: tile mismatch");
   const c10::cuda::CUDAGuard guard(g.device());
-  check(twell_compact_launch(g.data_ptr(), g.stride(0), (int)rows, (int)N, (int)packed.size(2), i32(packed),
-                             i32(counts), i32(flag), c10::cuda::getCurrentCUDAStream().stream()),
+  auto launch = version == 1 ? twell_compact_v1_launch : twell_compact_launch;
+  check(launch(g.data_ptr(), g.stride(0), (int)rows, (int)N, (int)packed.size(2), i32(packed), i32(counts),
+               i32(flag), c10::cuda::getCurrentCUDAStream().stream()),
         "compact");
 }
 
@@ -152,12 +160,45 @@ void row_stats(const at::Tensor& counts, const at::Tensor& flag, at::Tensor out)
         "row_stats");
 }
 
+// Fused decode (rows <= 8): gate GEMV + ReLU + (gated) up + down into the zeroed fp32 yacc [M, K]; nnz/flag int32
+// [M] zeroed. wu empty = non-gated (wg is then W_up). finalize() converts yacc to bf16 (flagged rows NaN).
+void decode_fused(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wdt,
+                  at::Tensor yacc, at::Tensor nnz, at::Tensor flag) {
+  req(x, "x", at::kBFloat16, 2);
+  req(wg, "w_gate", at::kBFloat16, 2);
+  req(wdt, "w_down_t", at::kBFloat16, 2);
+  req(yacc, "yacc", at::kFloat, 2);
+  req(nnz, "nnz", at::kInt, 1);
+  req(flag, "flag", at::kInt, 1);
+  const int64_t M = x.size(0), K = x.size(1), N = wg.size(0);
+  TORCH_CHECK(M <= 8, "decode_fused: at most 8 rows, got ", M);
+  TORCH_CHECK(wg.size(1) == K && wdt.size(0) == N && wdt.size(1) == K, "decode_fused: weight shape mismatch");
+  TORCH_CHECK(yacc.size(0) == M && yacc.size(1) == K && nnz.size(0) == M && flag.size(0) == M,
+              "decode_fused: output shape mismatch");
+  const void* wup = nullptr;
+  if (wu.numel() > 0) {
+    req(wu, "w_up", at::kBFloat16, 2);
+    TORCH_CHECK(wu.sizes() == wg.sizes(), "decode_fused: w_up must be [N, K]");
+    wup = wu.data_ptr();
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  check(twell_decode_fused_launch(x.data_ptr(), wg.data_ptr(), wup, wdt.data_ptr(), (int)M, (int)K, (int)N,
+                                  yacc.data_ptr<float>(), i32(nnz), i32(flag),
+                                  c10::cuda::getCurrentCUDAStream().stream()),
+        "decode_fused");
+}
+
+void set_grid_cap(int64_t blocks) { twell_set_grid_cap((int)blocks); }
+
 std::string source_hash() { return TWELL_STR(TWELL_SRC_HASH); }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("compact", &compact, "bf16 gate pre-activation rows -> ReLU -> TwELL (packed, counts, flag)");
+  m.def("compact", &compact, "bf16 gate pre-activation rows -> ReLU -> TwELL (packed, counts, flag)",
+        py::arg("g"), py::arg("N"), py::arg("packed"), py::arg("counts"), py::arg("flag"), py::arg("version") = 2);
+  m.def("decode_fused", &decode_fused, "rows <= 8: fused gate GEMV + up + down into an fp32 accumulator");
+  m.def("set_grid_cap", &set_grid_cap, "grid cap (blocks) of gated_up/down: 0 = one warp per item");
   m.def("gated_up", &gated_up, "h = g * (x . W_u[j]) for every stored TwELL entry (fp32)");
   m.def("down", &down, "y = TwELL(h) @ W_d^T (fp32 accumulate)");
   m.def("finalize", &finalize, "fp32 accumulator -> bf16 output");

@@ -46,7 +46,8 @@ def _env_float(name: str, default: float) -> float:
 
 
 _KNOB_ENV = ("TWELL_CHUNK_ROWS", "TWELL_GATE_SCRATCH_MB", "TWELL_SLOTS", "TWELL_DECODE_MAX_M", "TWELL_CROSSOVER",
-             "TWELL_PROBE_ROWS", "TWELL_FLAGGED_DENSE_ABOVE", "TWELL_DOWN_NB", "TWELL_DECODE_TILES_PER_WARP")
+             "TWELL_PROBE_ROWS", "TWELL_FLAGGED_DENSE_ABOVE", "TWELL_DOWN_NB", "TWELL_DECODE_TILES_PER_WARP",
+             "TWELL_FUSED_DECODE_MAX_M", "TWELL_UPDOWN_BLOCKS_PER_SM", "TWELL_COMPACT")
 _KNOB_CACHE: dict = {}
 
 
@@ -61,6 +62,9 @@ def _parse_knobs() -> dict:
         "flagged_dense_above": _env_float("TWELL_FLAGGED_DENSE_ABOVE", 0.05),
         "down_nb": _env_int("TWELL_DOWN_NB", 4),
         "decode_tiles_per_warp": _env_int("TWELL_DECODE_TILES_PER_WARP", 4),
+        "fused_decode_max_m": _env_int("TWELL_FUSED_DECODE_MAX_M", 8),
+        "updown_blocks_per_sm": _env_int("TWELL_UPDOWN_BLOCKS_PER_SM", 0),
+        "compact": _env_int("TWELL_COMPACT", 2),
     }
 
 
@@ -232,7 +236,7 @@ def _measure_dense(h: Tensor, hist: LayerHistory, kn: dict) -> None:
 
 
 def _gate_chunks(x: Tensor, w: Tensor, packed: Tensor, counts: Tensor, flag: Tensor, chunk: int, ext,
-                 start: int = 0, scratch: Tensor | None = None) -> Tensor:
+                 start: int = 0, scratch: Tensor | None = None, compact_version: int = 2) -> Tensor:
     """Gate GEMM into a bf16 scratch of <= chunk rows, compacting each chunk to TwELL."""
     M, N = x.shape[0], w.shape[0]
     if scratch is None:
@@ -241,7 +245,7 @@ def _gate_chunks(x: Tensor, w: Tensor, packed: Tensor, counts: Tensor, flag: Ten
         c1 = min(M, c0 + chunk)
         g = scratch[: c1 - c0]
         torch.mm(x[c0:c1], w.t(), out=g)
-        ext.compact(g, N, packed[c0:c1], counts[c0:c1], flag[c0:c1])
+        ext.compact(g, N, packed[c0:c1], counts[c0:c1], flag[c0:c1], compact_version)
     return scratch
 
 
@@ -251,6 +255,44 @@ def chunk_rows_for(M: int, N: int, kn: dict | None = None) -> int:
     if kn["chunk_rows"] > 0:
         return kn["chunk_rows"]
     return max(256, (kn["gate_scratch_mb"] << 20) // (2 * N))
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _grid_cap(dev: torch.device, blocks_per_sm: int) -> int:
+    """TWELL_UPDOWN_BLOCKS_PER_SM -> a grid cap in blocks for gated_up/down (0: no cap, one warp per item)."""
+    if blocks_per_sm <= 0:
+        return 0
+    i = dev.index if dev.index is not None else torch.cuda.current_device()
+    n = _SM_COUNT.get(i)
+    if n is None:
+        n = _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return n * blocks_per_sm
+
+
+def _fused_decode(x: Tensor, gate_w: Tensor, w_up: Tensor | None, w_down_t: Tensor, hist: LayerHistory,
+                  measure: bool, want_stats: bool, ext) -> tuple[Tensor, Tensor]:
+    """M <= 8: one kernel (gate GEMV + ReLU + up + down, fp32 atomics) and one conversion; sync-free, lossless.
+
+    One zeroed workspace holds the fp32 accumulator and the int32 nnz/flag, so a call is 3 graph nodes."""
+    M, K = x.shape
+    N = gate_w.shape[0]
+    ws = torch.zeros(M * K + 2 * M, device=x.device, dtype=torch.float32)
+    yacc = ws[: M * K].view(M, K)
+    nnz = ws[M * K: M * K + M].view(torch.int32)
+    flag = ws[M * K + M:].view(torch.int32)
+    wu = w_up if w_up is not None else torch.empty(0, device=x.device, dtype=torch.bfloat16)
+    ext.decode_fused(x, gate_w, wu, w_down_t, yacc, nnz, flag)
+    if measure:
+        stats = torch.zeros(2, device=x.device, dtype=torch.int64)
+        ext.row_stats(nnz.view(M, 1), flag, stats)   # one "tile" per row: the row's nnz
+        ev, host = hist.to_host(stats, 0)
+        hist.expect(ev, host, "exact", M, N)
+    y = torch.empty(M, K, device=x.device, dtype=torch.bfloat16)
+    ext.finalize(yacc, flag, y, 1)
+    LAST_PATH.update(path="sparse-syncfree", flagged_rows=None)
+    return y, (nnz if want_stats else y.new_empty(0, dtype=torch.int32))
 
 
 def _flagged_rows(flag: Tensor, R: int) -> Tensor:
@@ -297,6 +339,9 @@ def _ffn_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down_t: Tensor, 
 
     ext = _ext()
     hist.sparse_calls += 1
+    if sync_free and M <= min(8, kn["fused_decode_max_m"]):
+        return _fused_decode(x, gate_w, w_up if gated else None, w_down_t, hist,
+                             not capturing and not hist.busy(), want_stats, ext)
     S = TILE_N if sync_free else kn["slots"]
     if not 1 <= S <= TILE_N:
         raise ValueError(f"TWELL_SLOTS must be in 1..{TILE_N}, got {S}")
@@ -305,7 +350,8 @@ def _ffn_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down_t: Tensor, 
     counts = torch.empty(M, T, device=dev, dtype=torch.int32)
     flag = torch.zeros(M, device=dev, dtype=torch.int32)
     y = torch.empty(M, K, device=dev, dtype=torch.bfloat16)
-    _gate_chunks(x, gate_w, packed, counts, flag, chunk, ext)
+    _gate_chunks(x, gate_w, packed, counts, flag, chunk, ext, compact_version=kn["compact"])
+    ext.set_grid_cap(_grid_cap(dev, kn["updown_blocks_per_sm"]))
     measure = not capturing and (not sync_free or not hist.busy())
     if measure:  # exact activity of this call, for the history (and the flagged-row count below)
         stats = torch.zeros(2, device=dev, dtype=torch.int64)
@@ -327,6 +373,7 @@ def _ffn_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down_t: Tensor, 
             ext.down(w_down_t, packed, counts, flag, hval, y, torch.empty(0, device=dev), 1, T, 1)
         else:
             ext.down(w_down_t, packed, counts, flag, hval, y, torch.empty(0, device=dev), kn["down_nb"], T, 1)
+        ext.set_grid_cap(0)
         if measure:
             hist.expect(ev, host, "exact", M, N)
         LAST_PATH.update(path="sparse-syncfree", flagged_rows=None)
@@ -338,6 +385,7 @@ def _ffn_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down_t: Tensor, 
         hval = torch.empty(M, T, S, device=dev, dtype=torch.float32)
         ext.gated_up(x, w_up, packed, counts, flag, hval, T)
     ext.down(w_down_t, packed, counts, flag, hval, y, torch.empty(0, device=dev), kn["down_nb"], T, 0)
+    ext.set_grid_cap(0)
     ev.synchronize()  # the compaction is done; up/down keep the GPU busy meanwhile
     nnz_ok, R = (int(v) for v in host.tolist())
     hist.update(nnz_ok, R, M, N)
@@ -359,7 +407,7 @@ def d2t(x: Tensor, w_gate: Tensor, slots: int) -> tuple[Tensor, Tensor, Tensor]:
     counts = torch.empty(M, T, device=x.device, dtype=torch.int32)
     flag = torch.zeros(M, device=x.device, dtype=torch.int32)
     if M > 0:
-        _gate_chunks(x, w_gate, packed, counts, flag, chunk_rows_for(M, N), _ext())
+        _gate_chunks(x, w_gate, packed, counts, flag, chunk_rows_for(M, N), _ext(), compact_version=knobs()["compact"])
     return packed, counts, flag
 
 

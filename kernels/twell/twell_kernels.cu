@@ -96,6 +96,81 @@ __global__ void __launch_bounds__(128, 1) compact_kernel(const __nv_bfloat16* __
   }
 }
 
+
+// compact_v2: same output as compact_kernel, but a persistent grid in which every warp first issues the 16-byte
+// loads of U (row, tile) items and only then processes them: U x 512 B in flight per warp instead of 512 B, and no
+// block turnover (v1 ran one short-lived warp per item: 1.4M warps at M = 65536, latency bound at ~0.9 TB/s).
+constexpr int kCompactU = 4;
+__device__ __forceinline__ void compact_item(uint4 v, int lane, int row, int tile, int n_tiles, int S,
+                                             int32_t* __restrict__ packed, int32_t* __restrict__ counts,
+                                             int32_t* __restrict__ flag) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  unsigned act = 0;
+  bool nonfinite = false;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t b = (w[i >> 1] >> (16 * (i & 1))) & 0xffffu;
+    const uint32_t mag = b & 0x7fffu;
+    const bool pos = !(b & 0x8000u) && mag != 0;
+    const bool nan = mag > 0x7f80u;
+    act |= (unsigned)(pos || nan) << i;
+    nonfinite |= (mag >= 0x7f80u);
+  }
+  const int c = __popc(act);
+  int inc = c;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int t = __shfl_up_sync(kFull, inc, o);
+    if (lane >= o) inc += t;
+  }
+  const int total = __shfl_sync(kFull, inc, 31);
+  int slot = inc - c;
+  int32_t* out = packed + ((long long)row * n_tiles + tile) * S;
+  if (act) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      if ((act >> i) & 1u) {
+        const uint32_t b = (w[i >> 1] >> (16 * (i & 1))) & 0xffffu;
+        if (slot < S) out[slot] = (int32_t)((b << 16) | (uint32_t)(lane * 8 + i));
+        ++slot;
+      }
+    }
+  }
+  const bool any_nf = __any_sync(kFull, nonfinite);
+  if (lane == 0) {
+    counts[(long long)row * n_tiles + tile] = total;
+    if (total > S || any_nf) flag[row] = 1;
+  }
+}
+
+__global__ void __launch_bounds__(256) compact_v2_kernel(const __nv_bfloat16* __restrict__ g, long long ldg,
+                                                         int rows, int n_tiles, int S,
+                                                         int32_t* __restrict__ packed,
+                                                         int32_t* __restrict__ counts,
+                                                         int32_t* __restrict__ flag) {
+  const long long items = (long long)rows * n_tiles;
+  const long long tw = (long long)gridDim.x * (blockDim.x >> 5);
+  const long long gw = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  for (long long base = 0; base < items; base += tw * kCompactU) {  // warp-uniform loop
+    uint4 v[kCompactU];
+#pragma unroll
+    for (int u = 0; u < kCompactU; ++u) {  // consecutive warps read consecutive items: coalesced rows
+      const long long it = base + u * tw + gw;
+      if (it < items) {
+        const int row = (int)(it / n_tiles), tile = (int)(it % n_tiles);
+        v[u] = __ldcs(reinterpret_cast<const uint4*>(g + (long long)row * ldg + (long long)tile * kTileN) + lane);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kCompactU; ++u) {
+      const long long it = base + u * tw + gw;
+      if (it < items) compact_item(v[u], lane, (int)(it / n_tiles), (int)(it % n_tiles), n_tiles, S, packed, counts,
+                                   flag);
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // gated_up: hval[row, tile, e] = g_e * (x[row] . W_u[col_e]) for e < min(count, S), unflagged rows.
 // NI = 16-byte chunks of x per lane (K/8 chunks spread over 32 lanes).
@@ -108,13 +183,15 @@ __global__ void __launch_bounds__(128, 1) gated_up_kernel(const __nv_bfloat16* _
                                                        const int32_t* __restrict__ flag,
                                                        float* __restrict__ hval) {
   const int groups = (n_tiles + tiles_per_warp - 1) / tiles_per_warp;
-  const int warp = (int)(((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5);  // < 2^31 (launcher checks)
   const int lane = threadIdx.x & 31;
-  if ((long long)warp >= (long long)rows * groups) return;
+  const int items = rows * groups;  // < 2^31 (launcher checks)
+  const int tw = (int)((gridDim.x * blockDim.x) >> 5);
+  // grid-stride over items: one pass when the grid covers them (default), persistent warps under a grid cap
+  for (int warp = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); warp < items; warp += tw) {
   const int row = warp / groups;
   const int t0 = (warp % groups) * tiles_per_warp;
   const int t1 = min(n_tiles, t0 + tiles_per_warp);
-  if (flag[row]) return;
+  if (flag[row]) continue;
   const int K8 = K >> 3;
   const uint4* xr = reinterpret_cast<const uint4*>(x + (long long)row * K);
   uint4 xv[NI];
@@ -163,6 +240,7 @@ __global__ void __launch_bounds__(128, 1) gated_up_kernel(const __nv_bfloat16* _
       if (lane < ne) hval[rt * S + base + lane] = myh;
     }
   }
+  }  // items
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -180,9 +258,10 @@ __global__ void __launch_bounds__(128, 1) down_kernel(const __nv_bfloat16* __res
   const int K8 = K >> 3;
   const int kslices = (K8 + 32 * NB - 1) / (32 * NB);
   const int groups = (n_tiles + tiles_per_warp - 1) / tiles_per_warp;
-  const int warp = (int)(((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5);  // < 2^31 (launcher checks)
   const int lane = threadIdx.x & 31;
-  if ((long long)warp >= (long long)rows * kslices * groups) return;
+  const int items = rows * kslices * groups;  // < 2^31 (launcher checks)
+  const int tw = (int)((gridDim.x * blockDim.x) >> 5);
+  for (int warp = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); warp < items; warp += tw) {
   const int row = warp / (kslices * groups);
   const int rem = warp % (kslices * groups);
   const int ks = rem / groups;
@@ -198,7 +277,7 @@ __global__ void __launch_bounds__(128, 1) down_kernel(const __nv_bfloat16* __res
         if (c < K8) reinterpret_cast<uint4*>(y + (long long)row * K)[c] = make_uint4(qnan, qnan, qnan, qnan);
       }
     }
-    return;  // eager mode: the dense backup writes this row
+    continue;  // eager mode: the dense backup writes this row
   }
   float acc[NB * 8];
 #pragma unroll
@@ -264,6 +343,149 @@ __global__ void __launch_bounds__(128, 1) down_kernel(const __nv_bfloat16* __res
       const uint4 o = make_uint4(pack2(acc[8 * i], acc[8 * i + 1]), pack2(acc[8 * i + 2], acc[8 * i + 3]),
                                  pack2(acc[8 * i + 4], acc[8 * i + 5]), pack2(acc[8 * i + 6], acc[8 * i + 7]));
       reinterpret_cast<uint4*>(y + (long long)row * K)[c] = o;
+    }
+  }
+  }  // items
+}
+
+// ---------------------------------------------------------------------------------------------
+// decode_fused (M <= 8 rows, sync-free, lossless): one kernel computes g = x W_g^T on CUDA cores (W_g streamed
+// from HBM exactly once), and for every neuron that is active in any row it reads W_u[j] (gated) and W_dT[j]
+// once and adds h * W_dT[j] into the fp32 accumulator yacc[r, :] of each active row r (float4 atomics).
+// Bytes: W_g once + the union of the active rows' W_u/W_dT rows. x lives in shared memory as fp32, split into
+// lo/hi float4 halves of each 8-element chunk so that a warp's 16-byte reads are bank-conflict free.
+// g is rounded to bf16 before the ReLU test and before use (as in the cuBLAS path); the fp32 summation order
+// differs from cuBLAS, so an entry whose pre-activation is within rounding of 0 may be classified differently
+// (its h is then ~0 either way). nnz[r] += active entries (NaN counts); flag[r] = 1 on a non-finite g (the row is
+// NaN-filled by finalize, as on the sync-free path). yacc, nnz and flag must be zeroed by the caller.
+template <int MR, int NI, bool GATED>
+__global__ void __launch_bounds__(384, 1) decode_fused_kernel(const __nv_bfloat16* __restrict__ x,
+                                                            const __nv_bfloat16* __restrict__ wg,
+                                                            const __nv_bfloat16* __restrict__ wu,
+                                                            const __nv_bfloat16* __restrict__ wdt, int M, int K,
+                                                            int N, float* __restrict__ yacc,
+                                                            int32_t* __restrict__ nnz, int32_t* __restrict__ flag) {
+  extern __shared__ float4 xs[];  // [MR][2][K8]: lo halves then hi halves of each row's 8-element chunks
+  const int K8 = K >> 3;
+  for (int idx = threadIdx.x; idx < MR * K8; idx += blockDim.x) {
+    const int r = idx / K8, c = idx % K8;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (r < M) v = __ldg(reinterpret_cast<const uint4*>(x + (long long)r * K) + c);
+    xs[(2 * r) * K8 + c] = make_float4(bf16lo(v.x), bf16hi(v.x), bf16lo(v.y), bf16hi(v.y));
+    xs[(2 * r + 1) * K8 + c] = make_float4(bf16lo(v.z), bf16hi(v.z), bf16lo(v.w), bf16hi(v.w));
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  const int tw = (int)((gridDim.x * blockDim.x) >> 5);
+  for (int j = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); j < N; j += tw) {
+    uint4 a[NI];
+    const uint4* row = reinterpret_cast<const uint4*>(wg + (long long)j * K);
+#pragma unroll
+    for (int i = 0; i < NI; ++i) {
+      const int c = lane + 32 * i;
+      a[i] = c < K8 ? __ldcs(row + c) : make_uint4(0, 0, 0, 0);  // streamed once: do not keep in L2
+    }
+    float acc[MR];
+#pragma unroll
+    for (int r = 0; r < MR; ++r) acc[r] = 0.f;
+#pragma unroll
+    for (int i = 0; i < NI; ++i) {
+      const int c = lane + 32 * i;
+      if (c < K8) {
+        const float w0 = bf16lo(a[i].x), w1 = bf16hi(a[i].x), w2 = bf16lo(a[i].y), w3 = bf16hi(a[i].y);
+        const float w4 = bf16lo(a[i].z), w5 = bf16hi(a[i].z), w6 = bf16lo(a[i].w), w7 = bf16hi(a[i].w);
+#pragma unroll
+        for (int r = 0; r < MR; ++r) {
+          const float4 lo = xs[(2 * r) * K8 + c], hi = xs[(2 * r + 1) * K8 + c];
+          float t = acc[r];
+          t = fmaf(w0, lo.x, t); t = fmaf(w1, lo.y, t); t = fmaf(w2, lo.z, t); t = fmaf(w3, lo.w, t);
+          t = fmaf(w4, hi.x, t); t = fmaf(w5, hi.y, t); t = fmaf(w6, hi.z, t); t = fmaf(w7, hi.w, t);
+          acc[r] = t;
+        }
+      }
+    }
+    unsigned active = 0;
+    float gv[MR];
+#pragma unroll
+    for (int r = 0; r < MR; ++r) {
+      float t = acc[r];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(kFull, t, o);  // identical result on every lane
+      const uint32_t b = (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(t));
+      const uint32_t mag = b & 0x7fffu;
+      const bool act = r < M && ((!(b & 0x8000u) && mag != 0) || mag > 0x7f80u);  // relu keeps it, or NaN
+      gv[r] = __uint_as_float(b << 16);
+      active |= (unsigned)act << r;
+      if (lane == 0 && r < M) {
+        if (act) atomicAdd(nnz + r, 1);
+        if (mag >= 0x7f80u) flag[r] = 1;  // benign race: every writer stores 1
+      }
+    }
+    if (!active) continue;  // warp-uniform
+    float h[MR];
+    if (GATED) {
+      const uint4* ur = reinterpret_cast<const uint4*>(wu + (long long)j * K);
+#pragma unroll
+      for (int i = 0; i < NI; ++i) {
+        const int c = lane + 32 * i;
+        a[i] = c < K8 ? __ldg(ur + c) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int r = 0; r < MR; ++r) acc[r] = 0.f;
+#pragma unroll
+      for (int i = 0; i < NI; ++i) {
+        const int c = lane + 32 * i;
+        if (c < K8) {
+          const float w0 = bf16lo(a[i].x), w1 = bf16hi(a[i].x), w2 = bf16lo(a[i].y), w3 = bf16hi(a[i].y);
+          const float w4 = bf16lo(a[i].z), w5 = bf16hi(a[i].z), w6 = bf16lo(a[i].w), w7 = bf16hi(a[i].w);
+#pragma unroll
+          for (int r = 0; r < MR; ++r) {
+            if (!((active >> r) & 1u)) continue;
+            const float4 lo = xs[(2 * r) * K8 + c], hi = xs[(2 * r + 1) * K8 + c];
+            float t = acc[r];
+            t = fmaf(w0, lo.x, t); t = fmaf(w1, lo.y, t); t = fmaf(w2, lo.z, t); t = fmaf(w3, lo.w, t);
+            t = fmaf(w4, hi.x, t); t = fmaf(w5, hi.y, t); t = fmaf(w6, hi.z, t); t = fmaf(w7, hi.w, t);
+            acc[r] = t;
+          }
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < MR; ++r) {
+        float t = acc[r];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(kFull, t, o);
+        h[r] = gv[r] * t;
+      }
+    } else {
+#pragma unroll
+      for (int r = 0; r < MR; ++r) h[r] = gv[r];  // non-gated: h = relu(x W_u^T) in bf16, as PyTorch
+    }
+    const uint4* dr = reinterpret_cast<const uint4*>(wdt + (long long)j * K);
+#pragma unroll
+    for (int i = 0; i < NI; ++i) {
+      const int c = lane + 32 * i;
+      a[i] = c < K8 ? __ldg(dr + c) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int r = 0; r < MR; ++r) {
+      if (!((active >> r) & 1u)) continue;
+#pragma unroll
+      for (int i = 0; i < NI; ++i) {
+        const int c = lane + 32 * i;
+        if (c >= K8) continue;
+        float v[8];
+#pragma unroll
+        for (int q = 0; q < 8; ++q) v[q] = 0.f;
+        axpy8(h[r], a[i], v);
+        float* dst = yacc + (long long)r * K + (long long)c * 8;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        atomicAdd(reinterpret_cast<float4*>(dst), make_float4(v[0], v[1], v[2], v[3]));
+        atomicAdd(reinterpret_cast<float4*>(dst + 4), make_float4(v[4], v[5], v[6], v[7]));
+#else
+#pragma unroll
+        for (int q = 0; q < 8; ++q) atomicAdd(dst + q, v[q]);
+#endif
+      }
     }
   }
 }
@@ -357,6 +579,21 @@ __global__ void __launch_bounds__(256) row_stats_kernel(const int32_t* __restric
 inline bool too_many_warps(long long warps) { return warps >= (1LL << 31) / 64; }
 inline unsigned blocks_for_warps(long long warps) { return (unsigned)((warps * 32 + 127) / 128); }
 
+// grid cap (blocks) of gated_up/down; 0 = one warp per item (no cap). Set per call by twell_set_grid_cap.
+static int g_grid_cap = 0;
+inline unsigned capped(unsigned blocks) { return g_grid_cap > 0 ? (blocks < (unsigned)g_grid_cap ? blocks : (unsigned)g_grid_cap) : blocks; }
+
+inline int sm_count() {
+  static int n[64] = {0};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 132;
+  if (n[dev] == 0) {
+    int v = 0;
+    n[dev] = (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess && v > 0) ? v : 132;
+  }
+  return n[dev];
+}
+
 }  // namespace twell
 
 template <int NB, bool HV>
@@ -372,6 +609,45 @@ static inline void launch_down(unsigned blocks, cudaStream_t stream, bool atomic
                                                                   counts, flag, hval, y, yacc);
 }
 
+template <int MR, int NI, bool G>
+static cudaError_t launch_decode(const __nv_bfloat16* x, const __nv_bfloat16* wg, const __nv_bfloat16* wu,
+                                 const __nv_bfloat16* wdt, int rows, int K, int N, float* yacc, int32_t* nnz,
+                                 int32_t* flag, cudaStream_t stream) {
+  const size_t smem = (size_t)MR * K * sizeof(float);
+  static bool attr_set = false;  // one instantiation per (MR, NI, G); the largest K it serves is 256 * NI
+  if (!attr_set) {
+    const cudaError_t e = cudaFuncSetAttribute(twell::decode_fused_kernel<MR, NI, G>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, MR * 256 * NI * 4);
+    if (e != cudaSuccess) return e;
+    attr_set = true;
+  }
+  // one block of 12 warps per SM (x is staged once per block), each warp streams whole W_g rows
+  const int want = (N + 11) / 12;
+  const int blocks = want < twell::sm_count() ? want : twell::sm_count();
+  twell::decode_fused_kernel<MR, NI, G><<<blocks, 384, smem, stream>>>(x, wg, wu, wdt, rows, K, N, yacc, nnz, flag);
+  return cudaGetLastError();
+}
+
+template <int MR, bool G>
+static cudaError_t decode_ni(int ni, const __nv_bfloat16* x, const __nv_bfloat16* wg, const __nv_bfloat16* wu,
+                             const __nv_bfloat16* wdt, int rows, int K, int N, float* yacc, int32_t* nnz,
+                             int32_t* flag, cudaStream_t stream) {
+  if (ni <= 2) return launch_decode<MR, 2, G>(x, wg, wu, wdt, rows, K, N, yacc, nnz, flag, stream);
+  if (ni <= 4) return launch_decode<MR, 4, G>(x, wg, wu, wdt, rows, K, N, yacc, nnz, flag, stream);
+  if (ni <= 8) return launch_decode<MR, 8, G>(x, wg, wu, wdt, rows, K, N, yacc, nnz, flag, stream);
+  return launch_decode<MR, 16, G>(x, wg, wu, wdt, rows, K, N, yacc, nnz, flag, stream);
+}
+
+template <bool G>
+static cudaError_t decode_mr(int ni, const __nv_bfloat16* x, const __nv_bfloat16* wg, const __nv_bfloat16* wu,
+                             const __nv_bfloat16* wdt, int rows, int K, int N, float* yacc, int32_t* nnz,
+                             int32_t* flag, cudaStream_t stream) {
+  if (rows <= 1) return decode_ni<1, G>(ni, x, wg, wu, wdt, rows, K, N, yacc, nnz, flag, stream);
+  if (rows <= 2) return decode_ni<2, G>(ni, x, wg, wu, wdt, rows, K, N, yacc, nnz, flag, stream);
+  if (rows <= 4) return decode_ni<4, G>(ni, x, wg, wu, wdt, rows, K, N, yacc, nnz, flag, stream);
+  return decode_ni<8, G>(ni, x, wg, wu, wdt, rows, K, N, yacc, nnz, flag, stream);
+}
+
 // ============================== extern launchers (called from binding.cpp) ==============================
 extern "C" {
 
@@ -382,9 +658,43 @@ cudaError_t twell_compact_launch(const void* g, long long ldg, int rows, int N, 
   const int n_tiles = N / twell::kTileN;
   const long long warps = (long long)rows * n_tiles;
   if (twell::too_many_warps(warps)) return cudaErrorInvalidValue;
+  // persistent grid: 8 blocks of 8 warps per SM, each warp U items per round (16-byte loads issued together)
+  const long long want = (warps + 7) / 8;
+  const long long cap = 8LL * twell::sm_count();
+  twell::compact_v2_kernel<<<(unsigned)(want < cap ? want : cap), 256, 0, stream>>>(
+      reinterpret_cast<const __nv_bfloat16*>(g), ldg, rows, n_tiles, S, packed, counts, flag);
+  return cudaGetLastError();
+}
+
+// the first compaction kernel (one short-lived warp per (row, tile)); kept for comparison (bench) and tests
+cudaError_t twell_compact_v1_launch(const void* g, long long ldg, int rows, int N, int S, int32_t* packed,
+                                    int32_t* counts, int32_t* flag, cudaStream_t stream) {
+  if (rows <= 0) return cudaSuccess;
+  if (N % twell::kTileN != 0 || ldg % 8 != 0) return cudaErrorInvalidValue;
+  const int n_tiles = N / twell::kTileN;
+  const long long warps = (long long)rows * n_tiles;
+  if (twell::too_many_warps(warps)) return cudaErrorInvalidValue;
   twell::compact_kernel<<<twell::blocks_for_warps(warps), 128, 0, stream>>>(
       reinterpret_cast<const __nv_bfloat16*>(g), ldg, rows, n_tiles, S, packed, counts, flag);
   return cudaGetLastError();
+}
+
+// grid cap (in blocks of 4 warps) for gated_up/down: 0 = one warp per item (the default), > 0 = persistent warps
+void twell_set_grid_cap(int blocks) { twell::g_grid_cap = blocks > 0 ? blocks : 0; }
+
+// decode_fused: rows <= 8, K % 64 == 0, K <= 4096, any N. wu == nullptr: non-gated (wg is then W_up).
+// yacc [rows, K] fp32, nnz [rows], flag [rows] int32: all zeroed by the caller; finalize_launch converts yacc.
+cudaError_t twell_decode_fused_launch(const void* x, const void* wg, const void* wu, const void* wdt, int rows,
+                                      int K, int N, float* yacc, int32_t* nnz, int32_t* flag, cudaStream_t stream) {
+  if (rows <= 0) return cudaSuccess;
+  if (rows > 8 || K % 64 != 0 || K > 4096 || N <= 0) return cudaErrorInvalidValue;
+  const int ni = (K / 8 + 31) / 32;
+  const auto* xb = reinterpret_cast<const __nv_bfloat16*>(x);
+  const auto* gb = reinterpret_cast<const __nv_bfloat16*>(wg);
+  const auto* ub = reinterpret_cast<const __nv_bfloat16*>(wu);
+  const auto* db = reinterpret_cast<const __nv_bfloat16*>(wdt);
+  if (wu != nullptr) return decode_mr<true>(ni, xb, gb, ub, db, rows, K, N, yacc, nnz, flag, stream);
+  return decode_mr<false>(ni, xb, gb, ub, db, rows, K, N, yacc, nnz, flag, stream);
 }
 
 #define TWELL_UP_CASE(NI_)                                                                                   \
@@ -401,7 +711,7 @@ cudaError_t twell_gated_up_launch(const void* x, const void* wu, int rows, int K
   const int n_tiles = N / twell::kTileN;
   const int groups = (n_tiles + tiles_per_warp - 1) / tiles_per_warp;
   if (twell::too_many_warps((long long)rows * groups)) return cudaErrorInvalidValue;
-  const unsigned blocks = twell::blocks_for_warps((long long)rows * groups);
+  const unsigned blocks = twell::capped(twell::blocks_for_warps((long long)rows * groups));
   const int ni = (K / 8 + 31) / 32;
   const auto* xb = reinterpret_cast<const __nv_bfloat16*>(x);
   const auto* wub = reinterpret_cast<const __nv_bfloat16*>(wu);
@@ -428,7 +738,7 @@ cudaError_t twell_down_launch(const void* wdt, int rows, int K, int N, int S, in
   const int kslices = (K / 8 + 32 * nb - 1) / (32 * nb);
   const int groups = (n_tiles + tiles_per_warp - 1) / tiles_per_warp;
   if (twell::too_many_warps((long long)rows * kslices * groups)) return cudaErrorInvalidValue;
-  const unsigned blocks = twell::blocks_for_warps((long long)rows * kslices * groups);
+  const unsigned blocks = twell::capped(twell::blocks_for_warps((long long)rows * kslices * groups));
   const auto* w = reinterpret_cast<const __nv_bfloat16*>(wdt);
   auto* yb = reinterpret_cast<__nv_bfloat16*>(y);
   const bool hv = hval != nullptr;
