@@ -285,6 +285,27 @@ def load_jsonl_dir(directory: Path | str, pattern: str = "*.jsonl") -> pd.DataFr
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
+def _normalise_training_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """experiments/kernel_bench/bench_training.py rows (kind 'fwd_bwd') in the inference rows' terms:
+    activity = p, speedup/ours_ms/path = the auto-dispatch measurement, saved memory in MiB."""
+    if "kind" not in df or not (df["kind"] == "fwd_bwd").any():
+        return df
+    df = df.copy()
+    t = df["kind"] == "fwd_bwd"
+    df.loc[t, "mode"] = "training"
+    for dst, src in [("activity", "p"), ("speedup", "speedup_auto"), ("ours_ms", "auto_ms"), ("path", "auto_path")]:
+        if src in df:
+            if dst not in df:
+                df[dst] = None
+            df.loc[t, dst] = df.loc[t, src]
+    if {"kept_bytes_dense", "kept_bytes_sparse"} <= set(df.columns):
+        df.loc[t, "dense_saved_mb"] = df.loc[t, "kept_bytes_dense"] / 2**20
+        df.loc[t, "ours_saved_mb"] = df.loc[t, "kept_bytes_sparse"] / 2**20
+    if "errors" in df:
+        df.loc[t, "rel_err"] = [e["vs_bf16_dense"]["y"] if isinstance(e, dict) else None for e in df.loc[t, "errors"]]
+    return df
+
+
 def load_bench(directory: Path | str | None = None) -> pd.DataFrame:
     """Kernel-bench rows (results/kernel_bench/*.jsonl) with 'mode' defaulting to inference and
     'pattern' normalised to a family: 'heavy' when it mentions heavy rows, else as written."""
@@ -293,6 +314,7 @@ def load_bench(directory: Path | str | None = None) -> pd.DataFrame:
         return df
     if "type" in df:  # files may interleave header/summary records; keep the measurement rows
         df = df[df["type"].isna() | df["type"].isin(["bench", "row", "result", "measurement"])]
+    df = _normalise_training_rows(df)
     needed = {"M", "activity", "speedup"}
     # Profiles, calibration and other diagnostic rows share the folder; a measurement row has all of these.
     if needed <= set(df.columns):
