@@ -265,40 +265,6 @@ def explore() -> int:
     return 0
 
 
-def profile() -> int:
-    """Per-kernel GPU times (torch.profiler) of d2t (both compaction kernels) and of the forced sparse block at
-    M = 65536, 0.5% uniform: where the time between the gate GEMM and the whole block goes."""
-    from kernels.ffn import sparse_gated_ffn, transposed_down, twell_d2t
-
-    K, N, M = 2048, 5632, 65536
-    wg32, wu32, wd32 = make_weights(K, N)
-    wu, wd = wu32.to(BF), wd32.to(BF)
-    wdt = transposed_down(wd)
-    x, wg = make_case(wg32, M, K, N, "uniform", 0.005, 0.0, seed=5)
-    runs = {"d2t_v2": lambda: twell_d2t(x, wg, 32), "sparse": lambda: sparse_gated_ffn(x, wg, wu, wd, w_down_t=wdt,
-                                                                                        mode="sparse")}
-    os.environ["TWELL_COMPACT"] = "1"
-    twell_d2t(x, wg, 32)
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            twell_d2t(x, wg, 32)
-        torch.cuda.synchronize()
-    del os.environ["TWELL_COMPACT"]
-    print("[profile] d2t_v1 x3")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60))
-    for name, fn in runs.items():
-        fn()
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                fn()
-            torch.cuda.synchronize()
-        print(f"[profile] {name} x3")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=60))
-    return 0
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="results/kernel_bench/bench.jsonl")
@@ -306,12 +272,9 @@ def main() -> int:
     ap.add_argument("--calib", action="store_true", help="dense vs forced sparse over an M x activity grid")
     ap.add_argument("--overhead", action="store_true", help="host cost per call and a profiler table")
     ap.add_argument("--explore", action="store_true", help="variant timings (compaction, grid cap, fused decode)")
-    ap.add_argument("--profile", action="store_true", help="per-kernel GPU times of d2t and the sparse block")
     args = ap.parse_args()
     if args.explore:
         return explore()
-    if args.profile:
-        return profile()
     if args.calib:
         return calibrate(args.out)
     if args.overhead:

@@ -34,8 +34,7 @@ MODE_AUTO, MODE_SPARSE, MODE_DENSE = 0, 1, 2
 
 # Crossover per M bucket: "m:p,..." = for M >= m (largest such m), run sparse when the measured activity is
 # <= p. Calibrated on the H100 (experiments/kernel_bench, results/kernel_bench/calibration/calib_*.jsonl); see README.
-DEFAULT_CROSSOVER = ("1:0.015,4:0.019,8:0.019,9:0.005,16:0.004,32:0.0033,64:0,16384:0.003,32768:0.004,"
-                     "65536:0.005")
+DEFAULT_CROSSOVER = "1:0.012,4:0.006,8:0.005,16:0.004,32:0.0033,64:0,16384:0.003,32768:0.004,65536:0.005"
 
 
 def _env_int(name: str, default: int) -> int:
