@@ -189,8 +189,8 @@ class SparseLlamaMLP(nn.Module):
             raise ImportError(
                 f"mlp_impl='cuda' needs kernels/ffn.py ({e}). Use mlp_impl='reference' or 'dense'."
             ) from e
-        wg, wu, wd = self._weights()
-        # The kernels take contiguous tensors of one dtype (bf16); the residual stream may be wider.
+        wg, wu, wd = self._inference_weights()
+        # The kernels take contiguous bf16; the residual stream (fp32 weights under autocast) may be wider.
         x2 = x2.to(wu.dtype).contiguous()
         if self.gated:
             y, stats = ffn.sparse_gated_ffn(x2, wg, wu, wd, return_stats=True)
@@ -200,6 +200,22 @@ class SparseLlamaMLP(nn.Module):
         self.last_l1 = None
         self._record(stats["nnz_per_token"].float(), None)
         return y
+
+    def _inference_weights(self) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """The weights in the dtype the inference kernels run in: bf16 under CUDA autocast (fp32 master
+        weights during training-time evaluation), else as stored. Casts are cached per weight version, so
+        the kernels' per-weight caches (transposed w_down, dispatch history) see stable tensors."""
+        ws = self._weights()
+        dt = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else ws[1].dtype
+        if all(w is None or w.dtype == dt for w in ws):
+            return ws
+        key = (dt,) + tuple(None if w is None else (w.data_ptr(), w._version) for w in ws)
+        cache = getattr(self, "_cast_cache", None)
+        if cache is None or cache[0] != key:
+            with torch.no_grad():
+                cache = (key, tuple(None if w is None else w.detach().to(dt).contiguous() for w in ws))
+            self._cast_cache = cache
+        return cache[1]
 
     def _forward_cuda_train(self, x2: torch.Tensor) -> torch.Tensor:
         """Training through the hybrid-format op of kernels/train_ffn.py: exact y, L1 and gradients."""
