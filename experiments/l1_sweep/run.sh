@@ -24,27 +24,21 @@ fi
 read -r -a L1S <<< "${L1_VALUES:-$DEFAULT_L1}"
 EVAL_LIMIT="${EVAL_LIMIT:-0}"
 
-HAVE_ACT=$(python -c "from experiments.config import DEFAULTS; print(int('activation' in DEFAULTS))")
-total=$(( ${#L1S[@]} + HAVE_ACT ))
-echo "== $EXP, SCALE=$SCALE: ${#L1S[@]} L1 values (${L1S[*]}, l1_reduction=sum) + $HAVE_ACT SiLU baseline"
+total=$(( ${#L1S[@]} + 1 ))
+echo "== $EXP, SCALE=$SCALE: ${#L1S[@]} L1 values (${L1S[*]}, l1_reduction=sum) + the SiLU baseline"
 i=0
 for l1 in "${L1S[@]}"; do
   i=$((i + 1))
   sfl_train "$EXP" "relu_l1_$l1" "$i" "$total" "$HERE/$SCALE.yaml" -- "l1_coeff=$l1"
 done
-if [ "$HAVE_ACT" = 1 ]; then
-  sfl_train "$EXP" silu_dense "$total" "$total" "$HERE/$SCALE.yaml" "$HERE/silu.yaml"
-else
-  echo "[-] $EXP/silu_dense: SKIPPED -- this train.py has no 'activation' config key (no SiLU FFN);"
-  echo "    Table 3's SiLU row stays 'not reproduced' until it exists (see $HERE/README.md)."
-fi
+sfl_train "$EXP" silu_dense "$total" "$total" "$HERE/$SCALE.yaml" "$HERE/silu.yaml"
 
 if [ "$EVAL_LIMIT" != 0 ]; then
   echo "== lm-eval (7 tasks, limit $EVAL_LIMIT) per run"
   for l1 in "${L1S[@]}"; do
     sfl_eval "$EXP" "relu_l1_$l1" eval --limit "$EVAL_LIMIT" --mlp-impl dense "${EVAL_ARGS[@]}"
   done
-  if [ "$HAVE_ACT" = 1 ]; then sfl_eval "$EXP" silu_dense eval --limit "$EVAL_LIMIT" "${EVAL_ARGS[@]}"; fi
+  sfl_eval "$EXP" silu_dense eval --limit "$EVAL_LIMIT" "${EVAL_ARGS[@]}"
 fi
 
 # The sweep is meant to end below one active neuron per token; say so when it does not.
