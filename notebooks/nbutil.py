@@ -31,7 +31,7 @@ import pandas as pd  # noqa: E402
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 SCALE_NOTE = (
-    "Scale: ours are small models (minutes of training on one GPU, or CPU smoke runs, on a ~26M-token local "
+    "Scale: ours are small models (minutes of training on one GPU, or CPU smoke runs, on a ~18M-token (SmolLM2 tokenizer) local "
     "corpus); the paper trained 0.5-2B-parameter models on 10-42B tokens on 8x H100 PCIe. Compare trends, "
     "ratios and sparsity fractions, not absolute values."
 )
