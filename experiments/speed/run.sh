@@ -3,6 +3,8 @@
 #   (b) the paper's shapes: hidden 2048, N 5632, 32 heads, 8/18/28/38 layers (0.5B/1B/1.5B/2B), random weights with
 #       gates calibrated to the paper's mean non-zeros per token at L1 = 2e-5 (39/34*/29/24; *1B interpolated) with
 #       a per-layer profile and a heavy tail; inference at 32 x 2048 tokens, training (dense side) at 8 and 18 layers.
+#   Dense and sparse are timed in interleaved blocks (ABBA..., --blocks per side; median block reported, spread and
+#   per-pair ratios logged), and the paper-shape gates are calibrated on the timed tokens themselves.
 #   (a) every trained model found under runs/gpu/{l1_sweep,ablations/*,sparsify_smollm2}/<run>/final, on validation
 #       tokens (64 x 512), inference + training.
 #   SCALE=gpu bash experiments/speed/run.sh            # ~5-10 min on one H100 (paper shapes ~3 min)
