@@ -109,3 +109,93 @@ def test_layer_history_update_and_keys():
     w = torch.empty(256, 64)
     assert history_for(w) is history_for(w.detach()) is history_for(w.view(256, 64))
     assert history_for(w) is not history_for(torch.empty(256, 64))
+
+
+def test_knobs_cached_until_reload(monkeypatch):
+    """The hot path reads a cached copy of the TWELL_* knobs; a changed env var takes effect after reload_knobs()."""
+    from kernels.twell import ops
+
+    monkeypatch.delenv("TWELL_PROBE_ROWS", raising=False)
+    monkeypatch.delenv("TWELL_CROSSOVER", raising=False)
+    assert ffn.reload_knobs()["probe_rows"] == 256
+    monkeypatch.setenv("TWELL_PROBE_ROWS", "64")
+    monkeypatch.setenv("TWELL_CROSSOVER", "1:0.5")
+    assert ops._knobs()["probe_rows"] == 256          # not yet: no env reads per call
+    with pytest.warns(UserWarning, match="reload_knobs"):
+        assert ops.knobs()["probe_rows"] == 256       # provenance names the values in use, and warns
+    kn = ffn.reload_knobs()
+    assert kn["probe_rows"] == 64 and ops._knobs()["probe_rows"] == 64 and ops._knobs()["_probe_max"] == 64
+    assert ops._crossover_at(100, ops._knobs()) == 0.5
+    kn["probe_rows"] = 1                              # callers get a copy: the cache stays intact
+    assert ops.knobs()["probe_rows"] == 64 and "_probe_max" not in ops.knobs()
+    monkeypatch.setenv("TWELL_CROSSOVER", "1:0.25")
+    ffn.reload_knobs()
+    assert ops._crossover_at(100, ops._knobs()) == 0.25   # the per-M crossover memo is cleared too
+    monkeypatch.setenv("TWELL_SLOTS", "many")
+    with pytest.raises(ValueError, match="TWELL_SLOTS='many' must be an integer"):
+        ffn.reload_knobs()
+    assert ops._knobs()["probe_rows"] == 64           # a failed reload leaves the knobs in use untouched
+    monkeypatch.undo()
+    ffn.reload_knobs()
+
+
+def _fake_cuda(monkeypatch):
+    """CPU tensors that claim to be CUDA for the validation code (which only reads attributes)."""
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+
+
+def test_fast_validation_agrees_with_validate(monkeypatch):
+    """The per-call fast check accepts exactly what validate() accepts, and re-checks every call: a weight
+    replaced by a new tensor (or edited in place into another dtype/layout) is caught on the next call."""
+    x, wg, wu, wd = _w()
+    _fake_cuda(monkeypatch)
+    assert ffn._fast_ok(x, wg, wu, wd) and ffn._fast_ok(x, None, wu, wd)
+    ffn.validate(x, wg, wu, wd)
+    assert ffn._fast_ok(x.view(2, 4, 576), wg, wu, wd)
+    bad = [(x.float(), wg, wu, wd), (x, wg.t().contiguous().t(), wu, wd), (x, wg, wu, wd.t().contiguous()),
+           (x, wg[:256].contiguous(), wu, wd), (x, wg, wu.float(), wd), (x, wg, wu, wd[:, :1024].contiguous()),
+           (x[:, :100].contiguous(), wg, wu, wd), (torch.tensor(1.0, dtype=torch.bfloat16), wg, wu, wd),
+           ("x", wg, wu, wd)]
+    for args in bad:
+        assert not ffn._fast_ok(*args)
+        with pytest.raises((ValueError, TypeError)):
+            ffn.validate(*args)
+    lin = torch.nn.Linear(576, 1536, bias=False, dtype=torch.bfloat16)
+    w = lin.weight.detach()
+    assert ffn._fast_ok(x, w, wu, wd)
+    with torch.no_grad():
+        lin.weight.data = lin.weight.data.float()     # new tensor under the same Parameter
+    assert not ffn._fast_ok(x, lin.weight.detach(), wu, wd)
+    wg2 = wg.clone()
+    wg2.t_()                                          # in-place metadata edit of the same tensor object
+    assert not ffn._fast_ok(x, wg2, wu, wd)
+    with pytest.raises(ValueError, match="contiguous|w_gate must be"):
+        ffn.validate(x, wg2, wu, wd)
+
+
+def test_dense_sample_readback_decodes_pairs():
+    """poll() reads the dense-path sample ([P, 2] int32 = (nnz, flagged) per row) through one int64 reduction;
+    with flagged rows it falls back to the exact masked sum. Both agree with a plain computation."""
+    from kernels.twell.ops import LayerHistory
+
+    for pairs in ([[5, 0], [7, 0], [0, 0]], [[5, 1], [7, 0], [3, 0], [1000, 1]], [[2, 1], [4, 1]]):
+        P, n = len(pairs), 1536
+        h = LayerHistory()
+        h._host = [torch.zeros(LayerHistory.HOST_WORDS, dtype=torch.int32) for _ in range(2)]   # unpinned on CPU
+        h._events = [None, None]
+        host = h._host[0][: 2 * P].view(P, 2)
+        host.copy_(torch.tensor(pairs, dtype=torch.int32))
+        packed = host.numpy().view("int64").reshape(P)
+
+        class Done:
+            def query(self):
+                return True
+
+        h.expect(Done(), host, "sample", P, n, packed)
+        h.poll()
+        ok = [c for c, b in pairs if not b]
+        n_bad = P - len(ok)
+        want = 1.0 if n_bad == P else sum(ok) / (len(ok) * n)
+        assert h.p == pytest.approx(want) and h.f == n_bad / P and h.measurements == 1 and not h.busy()
