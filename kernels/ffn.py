@@ -21,32 +21,12 @@ from kernels.loader import REFERENCE_HINT, KernelUnavailableError
 _MODES = {"auto": 0, "sparse": 1, "dense": 2}
 _WDT_CACHE: dict[tuple, tuple] = {}
 _WDT_CACHE_MAX = 16
-_BF16 = torch.bfloat16
-_IMPL = None   # kernels.twell.ops._ffn_impl, bound on first use (importing registers the torch.library ops)
 
 
 def _ops():
     import kernels.twell.ops  # noqa: F401  (registers torch.ops.sfl_twell.*)
 
     return torch.ops.sfl_twell
-
-
-def _impl():
-    global _IMPL
-    from kernels.twell.ops import _ffn_impl
-
-    _IMPL = _ffn_impl
-    return _ffn_impl
-
-
-def reload_knobs() -> dict:
-    """Re-read the TWELL_* environment knobs (kernels/README.md, KNOBS); returns the values now in use.
-
-    The calls read a cached copy (no env lookups on the hot path), so a benchmark or test that changes a knob
-    mid-process calls this afterwards (and again after restoring it)."""
-    from kernels.twell.ops import reload_knobs as _reload
-
-    return _reload()
 
 
 def transposed_down(w_down: Tensor) -> Tensor:
@@ -100,49 +80,26 @@ def validate(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor) -> 
                          f"use {REFERENCE_HINT}")
 
 
-def _fast_ok(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor) -> bool:
-    """The common valid case, from C attribute reads only (~2 us): what validate() checks, without building
-    names, sets or messages. False (or any exception) sends the call through validate() for the exact error.
-
-    Not cached per weight: a key (data_ptr, shape, dtype, strides) costs as many reads as the checks."""
-    try:
-        K = x.shape[-1]
-        N = w_up.shape[0]
-        dev = x.get_device()
-        return (x.is_cuda and x.dtype is _BF16 and x.is_contiguous()
-                and w_up.is_cuda and w_up.dtype is _BF16 and w_up.is_contiguous() and w_up.ndim == 2
-                and w_up.shape[1] == K and w_up.get_device() == dev
-                and w_down.is_cuda and w_down.dtype is _BF16 and w_down.is_contiguous()
-                and w_down.shape == (K, N) and w_down.get_device() == dev
-                and (w_gate is None or (w_gate.is_cuda and w_gate.dtype is _BF16 and w_gate.is_contiguous()
-                                        and w_gate.shape == w_up.shape and w_gate.get_device() == dev))
-                and K % 64 == 0 and K <= 4096 and N % 256 == 0 and N > 0)
-    except (AttributeError, IndexError, TypeError):   # not a tensor / 0-dim x: validate() says what is wrong
-        return False
-
-
 def _run(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, return_stats: bool, mode: str,
          activity_hint: float, w_down_t: Tensor | None):
-    if not _fast_ok(x, w_gate, w_up, w_down):
-        validate(x, w_gate, w_up, w_down)
-    m = _MODES.get(mode) if isinstance(mode, str) else None
-    if m is None:
+    validate(x, w_gate, w_up, w_down)
+    if mode not in _MODES:
         raise ValueError(f"mode must be one of {sorted(_MODES)}, got {mode!r}")
-    x2 = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    wdt = w_down_t if w_down_t is not None else transposed_down(w_down)
+    ops = _ops()
     if not torch.compiler.is_compiling():
         # eager (CUDA-graph capture included): call the implementation directly; the torch.library op costs
-        # tens of microseconds of host time per call, which the GPU waits for at small M. w_down_t may stay
-        # None: the implementation makes (and caches) it only when a sparse path runs
-        y, nnz = (_IMPL or _impl())(x2, w_gate, w_up, w_down_t, w_down, m, float(activity_hint), return_stats)
+        # tens of microseconds of host time per call, which the GPU waits for at small M
+        from kernels.twell.ops import _ffn_impl
+
+        y, nnz = _ffn_impl(x2, w_gate, w_up, wdt, w_down, _MODES[mode], float(activity_hint), return_stats)
+    elif w_gate is not None:
+        y, nnz = ops.gated_ffn(x2, w_gate, w_up, wdt, w_down, _MODES[mode], float(activity_hint), return_stats)
     else:
-        wdt = w_down_t if w_down_t is not None else transposed_down(w_down)
-        ops = _ops()
-        if w_gate is not None:
-            y, nnz = ops.gated_ffn(x2, w_gate, w_up, wdt, w_down, m, float(activity_hint), return_stats)
-        else:
-            y, nnz = ops.nongated_ffn(x2, w_up, wdt, w_down, m, float(activity_hint), return_stats)
-    if x2 is not x:
-        y = y.reshape(x.shape)
+        y, nnz = ops.nongated_ffn(x2, w_up, wdt, w_down, _MODES[mode], float(activity_hint), return_stats)
+    y = y.reshape(*lead, x.shape[-1])
     if return_stats:
         return y, {"nnz_per_token": nnz}
     return y
@@ -173,5 +130,5 @@ def twell_d2t(x: Tensor, w_gate: Tensor, slots: int = 32) -> tuple[Tensor, Tenso
 
 from kernels.twell.module import TwELLGatedMLP, TwELLMLP  # noqa: E402  (re-export)
 
-__all__ = ["sparse_gated_ffn", "sparse_nongated_ffn", "twell_d2t", "transposed_down", "validate", "reload_knobs",
+__all__ = ["sparse_gated_ffn", "sparse_nongated_ffn", "twell_d2t", "transposed_down", "validate",
            "TwELLGatedMLP", "TwELLMLP", "KernelUnavailableError"]

@@ -13,7 +13,6 @@ TWELL_CROSSOVER table of kernels/README.md) and prints the largest activity at w
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -27,25 +26,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 DEV = "cuda"
 BF = torch.bfloat16
 
-
-
-@contextlib.contextmanager
-def knob_env(**env: str):
-    """Set TWELL_* knobs for a block: kernels.ffn caches knobs, so every change is followed by reload_knobs()."""
-    from kernels.ffn import reload_knobs
-
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    reload_knobs()
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        reload_knobs()
 
 def shift_for(p: torch.Tensor) -> torch.Tensor:
     """Gate shift so that a N(0,1) pre-activation is positive with probability p."""
@@ -245,8 +225,16 @@ def explore() -> int:
     wdt = transposed_down(wd)
 
     def with_env(env: dict, fn):
-        with knob_env(**env):
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
             return fn()
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
     for pattern, p in (("uniform", 0.005), ("paper", 0.0025), ("paper", 0.005)):
         M = 65536
@@ -374,8 +362,11 @@ def main() -> int:
             rep_s, y_s = graphed(lambda: ours_fn("sparse"))
             row["ours_sparse_forced_ms"] = timer.time(rep_s, reps)
             if M <= 8:   # the older (unfused) sync-free decode path, for comparison
-                with knob_env(TWELL_FUSED_DECODE_MAX_M="0"):
+                os.environ["TWELL_FUSED_DECODE_MAX_M"] = "0"
+                try:
                     rep_u, _ = graphed(lambda: ours_fn("sparse"))
+                finally:
+                    del os.environ["TWELL_FUSED_DECODE_MAX_M"]
                 row["ours_unfused_decode_ms"] = timer.time(rep_u, reps)
             row["timing"] = "cuda_graph_replay"
         else:
@@ -389,11 +380,17 @@ def main() -> int:
 
                 row["gate_gemm_ms"] = timer.time(lambda: torch.mm(x, wg.t()), reps)
                 row["d2t_ms"] = timer.time(lambda: twell_d2t(x, wg, 32), reps)
-                with knob_env(TWELL_COMPACT="1"):   # the first compaction kernel, for comparison
+                os.environ["TWELL_COMPACT"] = "1"   # the first compaction kernel, for comparison
+                try:
                     row["d2t_compact_v1_ms"] = timer.time(lambda: twell_d2t(x, wg, 32), reps)
+                finally:
+                    del os.environ["TWELL_COMPACT"]
                 for ch in (4096, 16384):
-                    with knob_env(TWELL_CHUNK_ROWS=str(ch)):
+                    os.environ["TWELL_CHUNK_ROWS"] = str(ch)
+                    try:
                         row[f"d2t_chunk{ch}_ms"] = timer.time(lambda: twell_d2t(x, wg, 32), reps)
+                    finally:
+                        del os.environ["TWELL_CHUNK_ROWS"]
             row["timing"] = "eager"
         row["speedup"] = row["dense_ms"] / row["ours_ms"]
         rows_out.append(row)

@@ -27,12 +27,6 @@ class _TwELLBase(nn.Module):
         return self._wdt
 
     @staticmethod
-    def _w(lin: nn.Linear) -> Tensor:
-        # detach only when autograd is on (a detached view per weight costs ~1 us of host time per call)
-        w = lin.weight
-        return w.detach() if torch.is_grad_enabled() else w
-
-    @staticmethod
     def _check_linear(lin: nn.Linear, name: str) -> None:
         if lin.bias is not None:
             raise ValueError(f"{name} has a bias: the TwELL kernels implement bias-free MLPs (mlp_bias=False)")
@@ -64,8 +58,8 @@ class TwELLGatedMLP(_TwELLBase):
     def forward(self, x: Tensor) -> Tensor:
         from kernels.ffn import sparse_gated_ffn
 
-        out = sparse_gated_ffn(x.contiguous(), self._w(self.gate_proj), self._w(self.up_proj),
-                               self._w(self.down_proj), return_stats=self.track_stats, mode=self.mode,
+        out = sparse_gated_ffn(x.contiguous(), self.gate_proj.weight.detach(), self.up_proj.weight.detach(),
+                               self.down_proj.weight.detach(), return_stats=self.track_stats, mode=self.mode,
                                activity_hint=self.activity_hint, w_down_t=self._down_t())
         if self.track_stats:
             out, stats = out
@@ -97,7 +91,7 @@ class TwELLMLP(_TwELLBase):
     def forward(self, x: Tensor) -> Tensor:
         from kernels.ffn import sparse_nongated_ffn
 
-        out = sparse_nongated_ffn(x.contiguous(), self._w(self.up_proj), self._w(self.down_proj),
+        out = sparse_nongated_ffn(x.contiguous(), self.up_proj.weight.detach(), self.down_proj.weight.detach(),
                                   return_stats=self.track_stats, mode=self.mode, activity_hint=self.activity_hint,
                                   w_down_t=self._down_t())
         if self.track_stats:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import bisect
 import os
-import sys
 from collections import OrderedDict
 
 import torch
@@ -39,24 +38,17 @@ DEFAULT_CROSSOVER = "1:0.012,4:0.006,8:0.005,16:0.004,32:0.0033,64:0,16384:0.003
 
 
 def _env_int(name: str, default: int) -> int:
-    v = os.environ.get(name)
-    try:
-        return default if v is None else int(v)
-    except ValueError:
-        raise ValueError(f"{name}={v!r} must be an integer (see the KNOBS table in kernels/README.md)") from None
+    return int(os.environ.get(name, default))
 
 
 def _env_float(name: str, default: float) -> float:
-    v = os.environ.get(name)
-    try:
-        return default if v is None else float(v)
-    except ValueError:
-        raise ValueError(f"{name}={v!r} must be a number (see the KNOBS table in kernels/README.md)") from None
+    return float(os.environ.get(name, default))
 
 
 _KNOB_ENV = ("TWELL_CHUNK_ROWS", "TWELL_GATE_SCRATCH_MB", "TWELL_SLOTS", "TWELL_DECODE_MAX_M", "TWELL_CROSSOVER",
              "TWELL_PROBE_ROWS", "TWELL_FLAGGED_DENSE_ABOVE", "TWELL_DOWN_NB", "TWELL_DECODE_TILES_PER_WARP",
              "TWELL_FUSED_DECODE_MAX_M", "TWELL_UPDOWN_BLOCKS_PER_SM", "TWELL_COMPACT")
+_KNOB_CACHE: dict = {}
 
 
 def _parse_knobs() -> dict:
@@ -76,52 +68,22 @@ def _parse_knobs() -> dict:
     }
 
 
-# The knobs the kernels use: read from the environment once (first call) and again only by reload_knobs().
-# Reading 12 env vars per call cost microseconds of host time before the first launch, which the GPU waits for.
-_KNOBS: dict | None = None
-_KNOBS_ENV: tuple = ()         # the raw env strings _KNOBS was parsed from (to warn about a missed reload)
-_XO_BY_M: dict[int, float] = {}  # crossover(M) for the current table, filled on demand
-
-
-def reload_knobs() -> dict:
-    """Re-read the TWELL_* environment variables; the next call uses the new values. Returns a copy.
-
-    Call it after changing a knob mid-process (benchmark sweeps, tests): the hot path reads a cached copy.
-    """
-    global _KNOBS, _KNOBS_ENV
-    kn = _parse_knobs()   # raises (naming the variable) before anything changes
-    kn["_probe_max"] = max(1, min(kn["probe_rows"], LayerHistory.HOST_WORDS // 2))
-    _XO_BY_M.clear()
-    _KNOBS_ENV = tuple(os.environ.get(k) for k in _KNOB_ENV)
-    _KNOBS = kn
-    return _public(kn)
-
-
-def _public(kn: dict) -> dict:
-    return {k: v for k, v in kn.items() if not k.startswith("_")}
-
-
-def _knobs() -> dict:
-    """The cached knobs (hot path: no env reads, no copy; callers must not mutate it)."""
-    kn = _KNOBS
-    if kn is None:
-        reload_knobs()
-        kn = _KNOBS
-    return kn
-
-
 def knobs() -> dict:
-    """A copy of the knob values the kernels use now (loaded on first use; refreshed by reload_knobs()).
+    """Current knob values. Env vars are read at every call (a benchmark can sweep them); the parsed values are
+    cached on the raw strings, which keeps this cheap: host time before the first launch is GPU idle time."""
+    data = getattr(os.environ, "_data", None)  # CPython's raw bytes dict: no encode/decode per lookup
+    if data is None:
+        return _parse_knobs()
+    key = tuple(data.get(k) for k in _KNOB_ENV_B)
+    kn = _KNOB_CACHE.get(key)
+    if kn is None:
+        if len(_KNOB_CACHE) > 64:
+            _KNOB_CACHE.clear()
+        kn = _KNOB_CACHE[key] = _parse_knobs()
+    return dict(kn)
 
-    Warns when the environment holds other TWELL_* values than the ones in use (a reload_knobs() was missed),
-    so a logged provenance never names knobs that did not run."""
-    kn = _knobs()
-    if tuple(os.environ.get(k) for k in _KNOB_ENV) != _KNOBS_ENV:
-        import warnings
 
-        warnings.warn("TWELL_* environment variables changed since the knobs were loaded: the kernels still use "
-                      "the old values; call kernels.ffn.reload_knobs() to apply them", stacklevel=2)
-    return _public(kn)
+_KNOB_ENV_B = tuple(os.environ.encodekey(k) if hasattr(os.environ, "encodekey") else k for k in _KNOB_ENV)
 
 
 _XO_CACHE: dict[str, tuple[list[int], list[float]]] = {}
@@ -129,7 +91,7 @@ _XO_CACHE: dict[str, tuple[list[int], list[float]]] = {}
 
 def crossover(M: int, spec: str | None = None) -> float:
     """Largest activity at which auto runs sparse for M rows (from the TWELL_CROSSOVER table)."""
-    spec = spec if spec is not None else _knobs()["crossover"]
+    spec = spec if spec is not None else knobs()["crossover"]
     tab = _XO_CACHE.get(spec)
     if tab is None:
         try:
@@ -143,17 +105,6 @@ def crossover(M: int, spec: str | None = None) -> float:
         _XO_CACHE[spec] = tab
     i = bisect.bisect_right(tab[0], M) - 1
     return tab[1][max(0, i)]
-
-
-def _crossover_at(M: int, kn: dict) -> float:
-    """crossover(M) of the cached knobs, memoized per M (cleared by reload_knobs)."""
-    q = _XO_BY_M.get(M)
-    if q is None:
-        q = crossover(M, kn["crossover"])
-        if len(_XO_BY_M) > 4096:
-            _XO_BY_M.clear()
-        _XO_BY_M[M] = q
-    return q
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -179,9 +130,6 @@ class LayerHistory:
         self._pending: tuple | None = None
         self._host: list[Tensor] | None = None
         self._events: list[torch.cuda.Event] | None = None
-        self._views: dict = {}          # (slot, dtype, shape) -> pinned view (built once, not per call)
-        self._sample_out: Tensor | None = None   # device int32 [HOST_WORDS // 2, 2]: sample_stats output
-        self._sample_bufs: dict = {}    # P -> (device out [P, 2], pinned [P, 2], numpy int64 [P] view or None)
 
     def busy(self) -> bool:
         """True while the previous asynchronous measurement has not been read back yet."""
@@ -192,16 +140,8 @@ class LayerHistory:
         if pend is None or not pend[0].query():
             return
         self._pending = None
-        _, buf, kind, rows, n = pend[:5]
+        _, buf, kind, rows, n = pend
         if kind == "sample":  # int32 [P, 2]: (nnz, flagged) per sampled row
-            packed = pend[5]
-            if packed is not None:
-                # one reduction over the pairs read as little-endian int64 words nnz + (flagged << 32):
-                # the low half sums the nnz (< 2^32, checked when the view was made), the high half the flags
-                s = int(packed.sum())
-                if s >> 32 == 0:
-                    self.update(s, 0, rows, n)
-                    return
             try:  # pinned host memory read in place: far less host time than torch CPU ops
                 a = buf.numpy()
                 bad = a[:, 1] != 0
@@ -218,48 +158,19 @@ class LayerHistory:
         self.f = n_bad / max(1, rows)
         self.measurements += 1
 
-    def _alloc_host(self) -> None:
-        self._host = [torch.empty(self.HOST_WORDS, dtype=torch.int32, pin_memory=True) for _ in range(2)]
-        self._events = [torch.cuda.Event(), torch.cuda.Event()]
-        self._views = {}
-        self._sample_bufs = {}
-
     def to_host(self, t: Tensor, slot: int) -> tuple[torch.cuda.Event, Tensor]:
         """Copy a small device tensor into pinned slot `slot` (0: asynchronous, 1: waited on in the call)."""
         if self._host is None:
-            self._alloc_host()
-        key = (slot, t.dtype, t.shape)
-        buf = self._views.get(key)
-        if buf is None:
-            buf = self._views[key] = self._host[slot].view(t.dtype)[: t.numel()].view(t.shape)
+            self._host = [torch.empty(self.HOST_WORDS, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+            self._events = [torch.cuda.Event(), torch.cuda.Event()]
+        buf = self._host[slot].view(t.dtype)[: t.numel()].view(t.shape)
         buf.copy_(t, non_blocking=True)
         ev = self._events[slot]
         ev.record()
         return ev, buf
 
-    def sample_buffers(self, P: int, n: int, device: torch.device) -> tuple:
-        """(device out [P, 2], pinned [P, 2], numpy int64 [P] or None) for a P-row sample, made once per P.
-
-        The device buffer is reused: a new sample is only enqueued once the previous one has been read back."""
-        bufs = self._sample_bufs.get(P)
-        if bufs is not None and bufs[3] == n:
-            return bufs
-        if self._host is None:
-            self._alloc_host()
-        if self._sample_out is None or self._sample_out.device != device:
-            self._sample_out = torch.empty(self.HOST_WORDS // 2, 2, device=device, dtype=torch.int32)
-        host = self._host[0][: 2 * P].view(P, 2)
-        packed = None
-        if sys.byteorder == "little" and P * n < 2 ** 32:
-            try:
-                packed = host.numpy().view("int64").reshape(P)
-            except (RuntimeError, TypeError):  # numpy missing: poll() falls back to tolist()
-                packed = None
-        bufs = self._sample_bufs[P] = (self._sample_out[:P], host, packed, n)
-        return bufs
-
-    def expect(self, event: torch.cuda.Event, buf: Tensor, kind: str, rows: int, n: int, packed=None) -> None:
-        self._pending = (event, buf, kind, rows, n, packed)
+    def expect(self, event: torch.cuda.Event, buf: Tensor, kind: str, rows: int, n: int) -> None:
+        self._pending = (event, buf, kind, rows, n)
 
     def __repr__(self) -> str:
         return (f"LayerHistory(p={self.p}, f={self.f:.4f}, measurements={self.measurements}, "
@@ -277,7 +188,7 @@ def history_for(w_gate: Tensor) -> LayerHistory:
     weight that reuses a freed weight's memory inherits its history; that can cost one call of speed (the
     next call's measurement corrects it), never exactness.
     """
-    key = (w_gate.get_device(), w_gate.data_ptr(), w_gate.shape)   # torch.Size hashes like a tuple
+    key = (w_gate.device.index, w_gate.data_ptr(), tuple(w_gate.shape))
     h = _HISTORY.get(key)
     if h is None:
         if len(_HISTORY) >= _HISTORY_MAX:
@@ -290,66 +201,38 @@ def reset_history() -> None:
     _HISTORY.clear()
 
 
-_EXT = None            # the loaded extension, cached (load_twell takes a lock and a dict lookup per call)
-_EXT_MISSING = False   # the dense path's measurement gave up on loading it (sparse paths still raise)
-
-
 def _ext():
-    global _EXT
-    if _EXT is None:
-        from kernels.loader import load_twell
+    from kernels.loader import load_twell
 
-        _EXT = load_twell()
-    return _EXT
-
-
-_EMPTY: dict = {}   # (device, dtype) -> a 0-element tensor passed where a kernel argument is unused
-
-
-def _empty(dev: torch.device, dtype: torch.dtype) -> Tensor:
-    t = _EMPTY.get((dev, dtype))
-    if t is None:
-        t = _EMPTY[(dev, dtype)] = torch.empty(0, device=dev, dtype=dtype)
-    return t
+    return load_twell()
 
 
 def _dense(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor):
     """Dense bf16 FFN exactly as HF computes it (three/two F.linear); also returns h = relu(gate)."""
-    # in place on the fresh GEMM outputs: the same values as F.relu / h * u (elementwise, commutative), two
-    # allocations fewer per call
     if w_gate is not None:
-        h = F.linear(x, w_gate).relu_()
-        y = F.linear(F.linear(x, w_up).mul_(h), w_down)
+        h = F.relu(F.linear(x, w_gate))
+        y = F.linear(h * F.linear(x, w_up), w_down)
     else:
-        h = F.linear(x, w_up).relu_()
+        h = F.relu(F.linear(x, w_up))
         y = F.linear(h, w_down)
     return y, h
 
 
 def _measure_dense(h: Tensor, hist: LayerHistory, kn: dict) -> None:
-    """Enqueue the activity measurement of a row sample of h (evenly spaced rows, read in place).
-
-    The caller checked that no earlier measurement of this layer is pending. Buffers are per layer and reused."""
-    global _EXT_MISSING
-    ext = _EXT
-    if ext is None:
-        if _EXT_MISSING:
-            return
-        try:
-            ext = _ext()
-        except Exception:  # no extension: dense still works, the history just stays empty
-            _EXT_MISSING = True
-            return
+    """Enqueue the activity measurement of a row sample of h (evenly spaced rows, read in place)."""
+    try:
+        ext = _ext()
+    except Exception:  # no extension: dense still works, the history just stays empty
+        return
+    if hist.busy():  # the previous measurement has not landed: keep its slot, skip this one
+        return
     M, N = h.shape
-    P = min(M, kn["_probe_max"])
-    step = M // P
-    view = h if P == M else h.as_strided((P, N), (step * N, 1))   # rows 0, step, ..., (P-1)*step
-    out, host, packed, _ = hist.sample_buffers(P, N, h.device)
+    P = min(M, max(1, kn["probe_rows"]), LayerHistory.HOST_WORDS // 2)
+    view = h[:: M // P][:P]
+    out = torch.empty(P, 2, device=h.device, dtype=torch.int32)
     ext.sample_stats(view, N, kn["slots"], out)
-    host.copy_(out, non_blocking=True)
-    ev = hist._events[0]
-    ev.record()
-    hist._pending = (ev, host, "sample", P, N, packed)
+    ev, buf = hist.to_host(out, 0)
+    hist.expect(ev, buf, "sample", P, N)
 
 
 def _gate_chunks(x: Tensor, w: Tensor, packed: Tensor, counts: Tensor, flag: Tensor, chunk: int, ext,
@@ -368,7 +251,7 @@ def _gate_chunks(x: Tensor, w: Tensor, packed: Tensor, counts: Tensor, flag: Ten
 
 def chunk_rows_for(M: int, N: int, kn: dict | None = None) -> int:
     """Rows per gate-GEMM call: TWELL_CHUNK_ROWS if set (> 0), else as many as TWELL_GATE_SCRATCH_MB holds."""
-    kn = kn or _knobs()
+    kn = kn or knobs()
     if kn["chunk_rows"] > 0:
         return kn["chunk_rows"]
     return max(256, (kn["gate_scratch_mb"] << 20) // (2 * N))
@@ -399,7 +282,7 @@ def _fused_decode(x: Tensor, gate_w: Tensor, w_up: Tensor | None, w_down_t: Tens
     yacc = ws[: M * K].view(M, K)
     nnz = ws[M * K: M * K + M].view(torch.int32)
     flag = ws[M * K + M:].view(torch.int32)
-    wu = w_up if w_up is not None else _empty(x.device, torch.bfloat16)
+    wu = w_up if w_up is not None else torch.empty(0, device=x.device, dtype=torch.bfloat16)
     ext.decode_fused(x, gate_w, wu, w_down_t, yacc, nnz, flag)
     if measure:
         stats = torch.zeros(2, device=x.device, dtype=torch.int64)
@@ -409,7 +292,7 @@ def _fused_decode(x: Tensor, gate_w: Tensor, w_up: Tensor | None, w_down_t: Tens
     y = torch.empty(M, K, device=x.device, dtype=torch.bfloat16)
     ext.finalize(yacc, flag, y, 1)
     LAST_PATH.update(path="sparse-syncfree", flagged_rows=None)
-    return y, (nnz if want_stats else None)
+    return y, (nnz if want_stats else y.new_empty(0, dtype=torch.int32))
 
 
 def _flagged_rows(flag: Tensor, R: int) -> Tensor:
@@ -419,55 +302,43 @@ def _flagged_rows(flag: Tensor, R: int) -> Tensor:
     return torch.nonzero(flag).squeeze(1)  # older torch: syncs, still exact
 
 
-def _ffn_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down_t: Tensor | None, w_down: Tensor, mode: int,
-              activity_hint: float, want_stats: bool) -> tuple[Tensor, Tensor | None]:
-    """(y, nnz per token or None when not want_stats). w_down_t None: made (cached) only if a sparse path runs.
-
-    Everything before the first launch is host time the GPU may wait for: keep it to attribute reads."""
-    kn = _KNOBS
-    if kn is None:
-        kn = _knobs()
+def _ffn_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down_t: Tensor, w_down: Tensor, mode: int,
+              activity_hint: float, want_stats: bool) -> tuple[Tensor, Tensor]:
+    kn = knobs()
     M, K = x.shape
-    if M == 0:
-        return x.new_empty(0, K), torch.empty(0, device=x.device, dtype=torch.int32)
+    N = w_up.shape[0]
+    T = N // TILE_N
     gated = w_gate is not None
     gate_w = w_gate if gated else w_up
+    dev = x.device
+    if M == 0:
+        return x.new_empty(0, K), torch.empty(0, device=dev, dtype=torch.int32)
     capturing = torch.cuda.is_current_stream_capturing()
     sync_free = capturing or M <= kn["decode_max_m"]
     hist = history_for(gate_w)
 
     if mode == MODE_AUTO:
-        # event queries are not allowed while capturing; the graph keeps the choice made here
-        if hist._pending is not None and not capturing:
+        if not capturing:  # event queries are not allowed while capturing; the graph keeps the choice made here
             hist.poll()
-        p = hist.p
-        if p is None:   # first call of a layer (no history, no hint): dense, and measure
-            p, f = (activity_hint if activity_hint > 0 else None), 0.0
-        else:
-            f = hist.f
-        sparse = p is not None and p <= _crossover_at(M, kn) and (sync_free or f <= kn["flagged_dense_above"])
+        p = hist.p if hist.p is not None else (activity_hint if activity_hint > 0 else None)
+        f = hist.f if hist.p is not None else 0.0
+        # first call of a layer (no history, no hint): dense, and measure
+        sparse = p is not None and p <= crossover(M, kn["crossover"]) and (sync_free or f <= kn["flagged_dense_above"])
         LAST_PATH["p_est"] = p
     else:
         sparse = mode == MODE_SPARSE
         LAST_PATH["p_est"] = None
     if not sparse:
         y, h = _dense(x, w_gate, w_up, w_down)
-        if mode == MODE_AUTO and not capturing and hist._pending is None:
-            _measure_dense(h, hist, kn)   # after the launches: hidden behind the GEMMs
+        if mode == MODE_AUTO and not capturing:
+            _measure_dense(h, hist, kn)
         hist.dense_calls += 1
-        LAST_PATH["path"] = "dense"
-        LAST_PATH["flagged_rows"] = None
-        return y, ((h != 0).sum(1, dtype=torch.int32) if want_stats else None)
+        nnz = (h != 0).sum(1, dtype=torch.int32) if want_stats else y.new_empty(0, dtype=torch.int32)
+        LAST_PATH.update(path="dense", flagged_rows=None)
+        return y, nnz
 
-    ext = _EXT if _EXT is not None else _ext()
+    ext = _ext()
     hist.sparse_calls += 1
-    N = w_up.shape[0]
-    T = N // TILE_N
-    dev = x.device
-    if w_down_t is None:
-        from kernels.ffn import transposed_down
-
-        w_down_t = transposed_down(w_down)
     if sync_free and M <= min(8, kn["fused_decode_max_m"]):
         return _fused_decode(x, gate_w, w_up if gated else None, w_down_t, hist,
                              not capturing and not hist.busy(), want_stats, ext)
@@ -488,7 +359,7 @@ def _ffn_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down_t: Tensor |
         ev, host = hist.to_host(stats, 0 if sync_free else 1)
 
     if sync_free:
-        hval = _empty(dev, torch.float32)
+        hval = torch.empty(0, device=dev, dtype=torch.float32)
         if gated:
             hval = torch.empty(M, T, S, device=dev, dtype=torch.float32)
             ext.gated_up(x, w_up, packed, counts, flag, hval, 1 if M <= kn["decode_max_m"] else T)
@@ -499,21 +370,21 @@ def _ffn_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down_t: Tensor |
             ext.down(w_down_t, packed, counts, flag, hval, y, yacc, 1, tpw, 1)
             ext.finalize(yacc, flag, y, 1)
         elif M <= kn["decode_max_m"]:
-            ext.down(w_down_t, packed, counts, flag, hval, y, _empty(dev, torch.float32), 1, T, 1)
+            ext.down(w_down_t, packed, counts, flag, hval, y, torch.empty(0, device=dev), 1, T, 1)
         else:
-            ext.down(w_down_t, packed, counts, flag, hval, y, _empty(dev, torch.float32), kn["down_nb"], T, 1)
+            ext.down(w_down_t, packed, counts, flag, hval, y, torch.empty(0, device=dev), kn["down_nb"], T, 1)
         ext.set_grid_cap(0)
         if measure:
             hist.expect(ev, host, "exact", M, N)
         LAST_PATH.update(path="sparse-syncfree", flagged_rows=None)
-        return y, (counts.sum(1, dtype=torch.int32) if want_stats else None)
+        return y, (counts.sum(1, dtype=torch.int32) if want_stats else y.new_empty(0, dtype=torch.int32))
 
     # eager large-M path: sparse up/down queued first, then wait only for the (earlier) flagged-row count
-    hval = _empty(dev, torch.float32)
+    hval = torch.empty(0, device=dev, dtype=torch.float32)
     if gated:
         hval = torch.empty(M, T, S, device=dev, dtype=torch.float32)
         ext.gated_up(x, w_up, packed, counts, flag, hval, T)
-    ext.down(w_down_t, packed, counts, flag, hval, y, _empty(dev, torch.float32), kn["down_nb"], T, 0)
+    ext.down(w_down_t, packed, counts, flag, hval, y, torch.empty(0, device=dev), kn["down_nb"], T, 0)
     ext.set_grid_cap(0)
     ev.synchronize()  # the compaction is done; up/down keep the GPU busy meanwhile
     nnz_ok, R = (int(v) for v in host.tolist())
@@ -523,7 +394,7 @@ def _ffn_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down_t: Tensor |
         yb, _ = _dense(x.index_select(0, rows), w_gate, w_up, w_down)
         y.index_copy_(0, rows, yb)
     LAST_PATH.update(path="sparse", flagged_rows=R)
-    return y, (counts.sum(1, dtype=torch.int32) if want_stats else None)
+    return y, (counts.sum(1, dtype=torch.int32) if want_stats else y.new_empty(0, dtype=torch.int32))
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -536,8 +407,7 @@ def d2t(x: Tensor, w_gate: Tensor, slots: int) -> tuple[Tensor, Tensor, Tensor]:
     counts = torch.empty(M, T, device=x.device, dtype=torch.int32)
     flag = torch.zeros(M, device=x.device, dtype=torch.int32)
     if M > 0:
-        kn = _knobs()
-        _gate_chunks(x, w_gate, packed, counts, flag, chunk_rows_for(M, N, kn), _ext(), compact_version=kn["compact"])
+        _gate_chunks(x, w_gate, packed, counts, flag, chunk_rows_for(M, N), _ext(), compact_version=knobs()["compact"])
     return packed, counts, flag
 
 
@@ -552,8 +422,7 @@ def _(x: Tensor, w_gate: Tensor, slots: int):
 @torch.library.custom_op("sfl_twell::gated_ffn", mutates_args=())
 def gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, w_down: Tensor, mode: int,
               activity_hint: float, want_stats: bool) -> tuple[Tensor, Tensor]:
-    y, nnz = _ffn_impl(x, w_gate, w_up, w_down_t, w_down, mode, activity_hint, want_stats)
-    return y, (nnz if nnz is not None else y.new_empty(0, dtype=torch.int32))
+    return _ffn_impl(x, w_gate, w_up, w_down_t, w_down, mode, activity_hint, want_stats)
 
 
 @gated_ffn.register_fake
@@ -564,8 +433,7 @@ def _(x, w_gate, w_up, w_down_t, w_down, mode, activity_hint, want_stats):
 @torch.library.custom_op("sfl_twell::nongated_ffn", mutates_args=())
 def nongated_ffn(x: Tensor, w_up: Tensor, w_down_t: Tensor, w_down: Tensor, mode: int, activity_hint: float,
                  want_stats: bool) -> tuple[Tensor, Tensor]:
-    y, nnz = _ffn_impl(x, None, w_up, w_down_t, w_down, mode, activity_hint, want_stats)
-    return y, (nnz if nnz is not None else y.new_empty(0, dtype=torch.int32))
+    return _ffn_impl(x, None, w_up, w_down_t, w_down, mode, activity_hint, want_stats)
 
 
 @nongated_ffn.register_fake
