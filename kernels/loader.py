@@ -68,6 +68,49 @@ def _load_prebuilt(path: str, name: str) -> ModuleType:
     return mod
 
 
+def build_extension(name: str, sources: list[Path], arch: str, *, define: str, what: str, hint: str,
+                    verbose: bool = False) -> ModuleType:
+    """JIT-build `sources` (one binding.cpp + plain-CUDA .cu files) as extension `name` for `arch`.
+
+    Shared by every extension of the project: same flags, build cache under $SFL_KERNEL_BUILD_DIR, the
+    nvidia-wheel include folders (torch's headers pull in cuBLAS/cuSPARSE headers that live there), and a
+    KernelUnavailableError naming `hint` when nvcc is missing or the build fails (never exit()).
+    """
+    cuda_home = _find_cuda_home()
+    if cuda_home is None:
+        raise KernelUnavailableError("nvcc not found: install the CUDA toolkit matching torch.version.cuda or set "
+                                     "CUDA_HOME; " + hint)
+    os.environ.setdefault("CUDA_HOME", cuda_home)
+    build_dir = Path(os.environ.get("SFL_KERNEL_BUILD_DIR", Path.home() / ".cache" / "sfl_kernels")) / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    extra_inc = []
+    try:
+        import nvidia  # type: ignore
+
+        for root in nvidia.__path__:
+            for sub in ("cu13/include", "cu12/include"):
+                if (Path(root) / sub).is_dir():
+                    extra_inc.append(str(Path(root) / sub))
+    except ImportError:
+        pass
+    old_arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    os.environ["TORCH_CUDA_ARCH_LIST"] = arch
+    os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 4))
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(name=name, sources=[str(p) for p in sources], extra_cflags=["-O3", f"-D{define}"],
+                    extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo"], extra_include_paths=extra_inc,
+                    build_directory=str(build_dir), verbose=verbose)
+    except Exception as e:  # compiler missing/broken: say so, never exit
+        raise KernelUnavailableError(f"building {what} failed: {e}; " + hint) from e
+    finally:
+        if old_arch is None:
+            os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+        else:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = old_arch
+
+
 def load_twell(verbose: bool = False) -> ModuleType:
     """Build (once per source version) and return the TwELL extension module."""
     import torch
@@ -95,47 +138,8 @@ def load_twell(verbose: bool = False) -> ModuleType:
                               f"({mod.source_hash()} != {src_hash}); rebuilding", stacklevel=2)
             except ImportError as e:  # built for another python/torch
                 warnings.warn(f"TWELL_PREBUILT={pre} cannot be imported ({e}); rebuilding", stacklevel=2)
-        cuda_home = _find_cuda_home()
-        if cuda_home is None:
-            raise KernelUnavailableError(
-                "nvcc not found: install the CUDA toolkit matching torch.version.cuda="
-                f"{torch.version.cuda} or set CUDA_HOME; " + REFERENCE_HINT)
-        os.environ.setdefault("CUDA_HOME", cuda_home)
-        build_root = Path(os.environ.get("SFL_KERNEL_BUILD_DIR", Path.home() / ".cache" / "sfl_kernels"))
-        build_dir = build_root / name
-        build_dir.mkdir(parents=True, exist_ok=True)
-        extra_inc = []
-        try:  # cuBLAS/cuSPARSE headers pulled in by torch headers live in the nvidia wheels
-            import nvidia  # type: ignore
-
-            for root in nvidia.__path__:
-                for sub in ("cu13/include", "cu12/include"):
-                    if (Path(root) / sub).is_dir():
-                        extra_inc.append(str(Path(root) / sub))
-        except ImportError:
-            pass
-        old_arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
-        os.environ["TORCH_CUDA_ARCH_LIST"] = arch
-        os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 4))
-        try:
-            from torch.utils.cpp_extension import load
-
-            mod = load(
-                name=name,
-                sources=[str(p) for p in TWELL_SOURCES],
-                extra_cflags=["-O3", f"-DTWELL_SRC_HASH={src_hash}"],
-                extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo"],
-                extra_include_paths=extra_inc,
-                build_directory=str(build_dir),
-                verbose=verbose,
-            )
-        except Exception as e:  # compiler missing/broken: say so, never exit
-            raise KernelUnavailableError(f"building the TwELL extension failed: {e}; " + REFERENCE_HINT) from e
-        finally:
-            if old_arch is None:
-                os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
-            else:
-                os.environ["TORCH_CUDA_ARCH_LIST"] = old_arch
+        mod = build_extension(name, TWELL_SOURCES, arch, define=f"TWELL_SRC_HASH={src_hash}",
+                              what="the TwELL extension", hint=REFERENCE_HINT, verbose=verbose)
         _CACHE["twell"] = mod
         return mod
 

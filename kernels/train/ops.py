@@ -19,7 +19,6 @@ Backends: "cuda" = the kernels of train_kernels.cu (bf16, CUDA) + cuBLAS for the
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -37,7 +36,9 @@ _EXT: dict[str, ModuleType] = {}
 # ----------------------------------------------------------------------------------------------- loader
 def load_ext(verbose: bool = False) -> ModuleType:
     """Build (once per source version, cached on disk) and return the training-kernel extension."""
-    from kernels.loader import REFERENCE_HINT, KernelUnavailableError, _arch_for_device, _find_cuda_home, source_hash
+    from kernels.loader import REFERENCE_HINT, KernelUnavailableError, _arch_for_device, build_extension, source_hash
+
+    hint = "use backend='torch' or mode='dense'"
 
     with _LOCK:
         if "ext" in _EXT:
@@ -49,42 +50,8 @@ def load_ext(verbose: bool = False) -> ModuleType:
         arch = _arch_for_device()
         tag = hashlib.sha1(f"{src_hash}-{arch}-{torch.__version__}".encode()).hexdigest()[:10]
         name = f"sfl_train_{tag}"
-        cuda_home = _find_cuda_home()
-        if cuda_home is None:
-            raise KernelUnavailableError("nvcc not found: install the CUDA toolkit or set CUDA_HOME; use "
-                                         "backend='torch' or mode='dense'")
-        os.environ.setdefault("CUDA_HOME", cuda_home)
-        build_root = Path(os.environ.get("SFL_KERNEL_BUILD_DIR", Path.home() / ".cache" / "sfl_kernels"))
-        build_dir = build_root / name
-        build_dir.mkdir(parents=True, exist_ok=True)
-        extra_inc = []
-        try:  # cuBLAS headers pulled in by torch headers live in the nvidia wheels
-            import nvidia  # type: ignore
-
-            for root in nvidia.__path__:
-                for sub in ("cu13/include", "cu12/include"):
-                    if (Path(root) / sub).is_dir():
-                        extra_inc.append(str(Path(root) / sub))
-        except ImportError:
-            pass
-        old_arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
-        os.environ["TORCH_CUDA_ARCH_LIST"] = arch
-        os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 4))
-        try:
-            from torch.utils.cpp_extension import load
-
-            mod = load(name=name, sources=[str(p) for p in SOURCES],
-                       extra_cflags=["-O3", f"-DSFL_SRC_HASH={src_hash}"],
-                       extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo"],
-                       extra_include_paths=extra_inc, build_directory=str(build_dir), verbose=verbose)
-        except Exception as e:  # compiler missing/broken: say so, never exit
-            raise KernelUnavailableError(f"building the sparse training extension failed: {e}; use "
-                                         "backend='torch' or mode='dense'") from e
-        finally:
-            if old_arch is None:
-                os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
-            else:
-                os.environ["TORCH_CUDA_ARCH_LIST"] = old_arch
+        mod = build_extension(name, SOURCES, arch, define=f"SFL_SRC_HASH={src_hash}",
+                              what="the sparse training extension", hint=hint, verbose=verbose)
         _EXT["ext"] = mod
         return mod
 
