@@ -82,6 +82,11 @@ def validate(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor) -> 
 
 def _run(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, return_stats: bool, mode: str,
          activity_hint: float, w_down_t: Tensor | None):
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w_gate, w_up, w_down)):
+        # the inference kernels have no backward: refuse rather than return a result whose gradients are missing
+        raise ValueError("kernels.ffn is inference-only (no backward): call it under torch.no_grad() / "
+                         "torch.inference_mode() or pass detached tensors; to train, use "
+                         "kernels.train_ffn.sparse_gated_ffn_train / sparse_nongated_ffn_train")
     validate(x, w_gate, w_up, w_down)
     if mode not in _MODES:
         raise ValueError(f"mode must be one of {sorted(_MODES)}, got {mode!r}")

@@ -181,7 +181,9 @@ class SparseLlamaMLP(nn.Module):
         return y
 
     def _forward_cuda(self, x2: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and (self.training or x2.requires_grad):
+        # differentiable whenever autograd needs it (the inference kernels have no backward)
+        if torch.is_grad_enabled() and (self.training or x2.requires_grad
+                                        or any(w is not None and w.requires_grad for w in self._weights())):
             return self._forward_cuda_train(x2)
         try:
             from kernels import ffn

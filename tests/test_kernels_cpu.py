@@ -109,3 +109,22 @@ def test_layer_history_update_and_keys():
     w = torch.empty(256, 64)
     assert history_for(w) is history_for(w.detach()) is history_for(w.view(256, 64))
     assert history_for(w) is not history_for(torch.empty(256, 64))
+
+
+def test_inference_entry_refuses_autograd_inputs() -> None:
+    """No backward in the inference kernels: grad-requiring inputs get a clear error (before any device check),
+    and the same call under no_grad goes on to the usual checks."""
+    from kernels import ffn
+
+    K, N = 64, 256
+    x = torch.randn(4, K, dtype=torch.bfloat16)
+    w = [torch.randn(N, K, dtype=torch.bfloat16, requires_grad=True), torch.randn(N, K, dtype=torch.bfloat16),
+         torch.randn(K, N, dtype=torch.bfloat16)]
+    with pytest.raises(ValueError, match="no_grad.*train_ffn"):
+        ffn.sparse_gated_ffn(x, *w)
+    with pytest.raises(ValueError, match="inference-only"):
+        ffn.sparse_nongated_ffn(x.requires_grad_(), w[1], w[2])
+    with torch.no_grad(), pytest.raises(Exception) as e:
+        ffn.sparse_gated_ffn(x, *w)
+    assert "inference-only" not in str(e.value)
+

@@ -89,6 +89,7 @@ def decode_token(tok: Any, token_id: int) -> str:
     return tok.decode([token_id]) if tok is not None else str(token_id)
 
 
+@torch.no_grad()  # the inference kernels refuse grad-requiring weights (they have no backward)
 def time_layers(model: torch.nn.Module, xs: list[torch.Tensor], reps: int = 20, warmup: int = 5) -> list[dict[str, Any]]:
     """Per layer: median ms of the dense FFN (three cuBLAS GEMMs) and of kernels.ffn on the same bf16 input."""
     from kernels import ffn
