@@ -5,6 +5,7 @@
 #   SCALE=smoke (default)  CPU, tiny, minutes: exercises the whole pipeline (what CI runs).
 #                          Outputs: runs/smoke/<exp>/<run>/ (checkpoints, final model) and the logs under
 #                          runs/smoke/results/<exp>/<run>/ -- never results/ (smoke numbers are not results).
+#   SCALE=cpu              where an experiment ships cpu.yaml: the largest run 2 CPU cores allow; real results.
 #   SCALE=gpu              one H100: the scale the README reports. Logs go to results/<exp>/<run>/,
 #                          models to runs/gpu/<exp>/<run>/final.
 # Overrides: RUNS_ROOT, RESULTS_ROOT (e.g. $OUT/results on the GPU machine), KEEP_CKPT=1 keeps the
@@ -15,10 +16,13 @@
 SCALE="${SCALE:-smoke}"
 case "$SCALE" in
   smoke|gpu) ;;
-  *) echo "SCALE=$SCALE: choose SCALE=smoke (CPU, minutes) or SCALE=gpu (one H100)" >&2; exit 2 ;;
+  cpu) ;;  # only experiments that ship a cpu.yaml (sfl_train says so otherwise)
+  *) echo "SCALE=$SCALE: choose SCALE=smoke (CPU, minutes), cpu (CPU, the largest run 2 cores allow; where a" \
+          "cpu.yaml exists) or gpu (one H100)" >&2; exit 2 ;;
 esac
 RUNS_ROOT="${RUNS_ROOT:-runs/$SCALE}"
-if [ "$SCALE" = gpu ]; then RESULTS_ROOT="${RESULTS_ROOT:-results}"; else RESULTS_ROOT="${RESULTS_ROOT:-runs/smoke/results}"; fi
+# gpu and cpu runs are real (committed) results; smoke runs only exercise the pipeline
+if [ "$SCALE" = smoke ]; then RESULTS_ROOT="${RESULTS_ROOT:-runs/smoke/results}"; else RESULTS_ROOT="${RESULTS_ROOT:-results}"; fi
 KEEP_CKPT="${KEEP_CKPT:-0}"
 export SFL_GIT_COMMIT="${SFL_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 SFL_FAILED=()
@@ -42,7 +46,10 @@ sfl_train() {
     if [ "$1" = "--" ]; then shift; sets=("$@"); break; fi
     yamls+=("$1"); shift
   done
-  local out="$RUNS_ROOT/$exp/$run" res="$RESULTS_ROOT/$exp/$run"
+  local out="$RUNS_ROOT/$exp/$run" res="$RESULTS_ROOT/$exp/$run" y
+  for y in "${yamls[@]}"; do
+    [ -f "$y" ] || { echo "$exp/$run: no config $y (SCALE=$SCALE is not offered by this experiment)" >&2; exit 2; }
+  done
   if python -m experiments.runs done "$res"; then
     echo "[$idx/$total] $exp/$run: finished before, skipped -- $(python -m experiments.runs describe "$res")"
     return 0

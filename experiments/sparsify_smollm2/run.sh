@@ -4,6 +4,7 @@
 # way; then lm-eval on the 7 tasks, once through the dense MLP (eval.json) and once with the sparse path in
 # the loop (eval_sparse.json: mlp_impl=cuda on GPU, the pure-PyTorch TwELL reference on CPU) -- same accuracy.
 #   SCALE=smoke bash experiments/sparsify_smollm2/run.sh   # CPU: 2 runs x 4 steps, lm-eval --limit 5, ~5-8 min
+#   SCALE=cpu   bash experiments/sparsify_smollm2/run.sh   # CPU: 2 runs x 40 steps x 256 tokens, --limit 30, ~15 min
 #   SCALE=gpu   bash experiments/sparsify_smollm2/run.sh   # one H100: 4 runs x ~1-2 min + eval (limit 500)
 # Env: L1_VALUES="0 ..." replaces the list; EVAL_LIMIT=N docs per task (EVAL_LIMIT=all: the full sets);
 # SPARSE_IMPL=cuda|reference overrides the sparse path. Needs .data/smollm2-135m (python -m data.prepare) and
@@ -24,6 +25,11 @@ if [ "$SCALE" = gpu ]; then
   EVAL_LIMIT="${EVAL_LIMIT:-500}"
   SPARSE_IMPL="${SPARSE_IMPL:-cuda}"
   EVAL_ARGS=(--device cuda --dtype bfloat16 --batch-size 64)
+elif [ "$SCALE" = cpu ]; then
+  DEFAULT_L1="0 1e-2"
+  EVAL_LIMIT="${EVAL_LIMIT:-30}"
+  SPARSE_IMPL="${SPARSE_IMPL:-reference}"
+  EVAL_ARGS=(--device cpu --batch-size 8)
 else
   DEFAULT_L1="0 3e-3"
   EVAL_LIMIT="${EVAL_LIMIT:-5}"
