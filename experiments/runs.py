@@ -70,6 +70,7 @@ def run_summary(run_dir: Path) -> dict[str, Any] | None:
     if not headers:
         return None
     cfg = headers[-1].get("config", {})
+    model = headers[-1].get("model", {})  # the built model's shape (logs from before it existed: config only)
     steps = [r for r in rows if r.get("type") == "step"]
     evals = [r for r in rows if r.get("type") == "eval"]
     final = next((r for r in reversed(rows) if r.get("type") == "final"), None)
@@ -77,8 +78,8 @@ def run_summary(run_dir: Path) -> dict[str, Any] | None:
     out: dict[str, Any] = {
         "run": run_dir.name,
         "activation": cfg.get("activation", "relu"),
-        "gated_mlp": cfg.get("gated_mlp"),
-        "intermediate_size": cfg.get("intermediate_size"),
+        "gated_mlp": model.get("gated_mlp", cfg.get("gated_mlp")),
+        "intermediate_size": model.get("intermediate_size", cfg.get("intermediate_size")),
         "l1_coeff": cfg.get("l1_coeff"),
         "l1_reduction": cfg.get("l1_reduction"),
         "l1_warmup_steps": cfg.get("l1_warmup_steps"),

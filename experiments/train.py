@@ -308,7 +308,10 @@ def train(cfg: dict[str, Any], resume: bool = False) -> dict[str, Any]:
     log = JsonlLog(log_path, d.main)
     from experiments.provenance import collect
     if ckpt_dir is None:
-        log.write({"type": "header", "provenance": collect(), "config": cfg, "n_params": n_params})
+        mc = model.config  # the built model's shape (with init_from the arch keys of cfg are not used)
+        arch = {k: getattr(mc, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                            "num_attention_heads", "vocab_size", "gated_mlp")}
+        log.write({"type": "header", "provenance": collect(), "config": cfg, "model": arch, "n_params": n_params})
     else:
         log.write({"type": "resume", "step": step, "provenance": collect()})
 

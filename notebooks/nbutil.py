@@ -146,7 +146,8 @@ class TrainLog:
 
     @property
     def intermediate_size(self) -> int | None:
-        v = cfg_get(self.config, "intermediate_size")
+        # the built model's N (header "model"; with init_from the config's arch keys are not used)
+        v = (self.header.get("model") or {}).get("intermediate_size") or cfg_get(self.config, "intermediate_size")
         return int(v) if v is not None else None
 
     @property
