@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from kernels.loader import REFERENCE_HINT, KernelUnavailableError
+from kernels.reference import check_ffn_layouts
 
 _MODES = {"auto": 0, "sparse": 1, "dense": 2}
 _WDT_CACHE: dict[tuple, tuple] = {}
@@ -63,16 +64,7 @@ def validate(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor) -> 
             raise ValueError(f"{name} is not contiguous: call .contiguous() first")
     if len({t.device for _, t in names}) != 1:
         raise ValueError("x and all weights must be on the same CUDA device")
-    if x.dim() < 1:
-        raise ValueError("x must have shape [..., K]")
-    K = x.shape[-1]
-    if w_up.dim() != 2 or w_up.shape[1] != K:
-        raise ValueError(f"w_up must be [N, K={K}] (nn.Linear layout), got {tuple(w_up.shape)}")
-    N = w_up.shape[0]
-    if w_gate is not None and tuple(w_gate.shape) != (N, K):
-        raise ValueError(f"w_gate must be [N={N}, K={K}] like w_up, got {tuple(w_gate.shape)}")
-    if w_down.dim() != 2 or tuple(w_down.shape) != (K, N):
-        raise ValueError(f"w_down must be [K={K}, N={N}] (nn.Linear layout of down_proj), got {tuple(w_down.shape)}")
+    K, N = check_ffn_layouts(x, w_gate, w_up, w_down)
     if K % 64 != 0 or K > 4096:
         raise ValueError(f"hidden size K={K} unsupported: need K % 64 == 0 and K <= 4096; use {REFERENCE_HINT}")
     if N % 256 != 0 or N == 0:

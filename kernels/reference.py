@@ -76,6 +76,26 @@ def _check_matrix(t: Any, name: str) -> None:
         raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
 
 
+def check_ffn_layouts(x: torch.Tensor, w_gate: torch.Tensor | None, w_up: torch.Tensor,
+                      w_down: torch.Tensor) -> tuple[int, int]:
+    """Shapes of an FFN call in nn.Linear layouts (x [..., K], w_gate/w_up [N, K], w_down [K, N]); returns (K, N).
+
+    Shared by the CUDA entry points (kernels.ffn, kernels.train_ffn), which add their own dtype/device rules.
+    """
+    if x.dim() < 1:
+        raise ValueError("x must have shape [..., K]")
+    k = x.shape[-1]
+    if w_up.dim() != 2 or w_up.shape[1] != k:
+        raise ValueError(f"w_up must be [N, K={k}] (nn.Linear layout), got {tuple(w_up.shape)}")
+    n = w_up.shape[0]
+    if w_gate is not None and tuple(w_gate.shape) != (n, k):
+        raise ValueError(f"w_gate must be [N={n}, K={k}] like w_up, got {tuple(w_gate.shape)}")
+    if w_down.dim() != 2 or tuple(w_down.shape) != (k, n):
+        raise ValueError(f"w_down must be [K={k}, N={n}] (down_proj.weight in nn.Linear layout, not its "
+                         f"transpose), got {tuple(w_down.shape)}")
+    return k, n
+
+
 def _check_ffn_args(x: Any, named_weights: list[tuple[str, Any, str]]) -> tuple[int, int, int]:
     """Check x [..., K] and weights against the nn.Linear layouts; return (K, N, K_out)."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 1:

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels.reference import check_ffn_layouts
 from kernels.train import ops as _ops
 
 _L1_REDUCTIONS = ("mean", "sum")
@@ -158,17 +159,7 @@ def _check(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, l1_re
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if not t.is_floating_point():
             raise ValueError(f"{name} must be floating point, got {t.dtype}")
-    if x.dim() < 1:
-        raise ValueError("x must have shape [..., K]")
-    K = x.shape[-1]
-    if w_up.dim() != 2 or w_up.shape[1] != K:
-        raise ValueError(f"w_up must be [N, K={K}] (nn.Linear layout), got {tuple(w_up.shape)}")
-    N = w_up.shape[0]
-    if w_gate is not None and tuple(w_gate.shape) != (N, K):
-        raise ValueError(f"w_gate must be [N={N}, K={K}] like w_up, got {tuple(w_gate.shape)}")
-    if w_down.dim() != 2 or tuple(w_down.shape) != (K, N):
-        raise ValueError(f"w_down must be [K={K}, N={N}] (down_proj.weight, not its transpose), "
-                         f"got {tuple(w_down.shape)}")
+    check_ffn_layouts(x, w_gate, w_up, w_down)
     devs = {t.device for t in (x, w_up, w_down) + ((w_gate,) if w_gate is not None else ())}
     if len(devs) != 1:
         raise ValueError(f"x and all weights must be on one device, got {sorted(map(str, devs))}")
