@@ -209,26 +209,60 @@ def test_bad_inputs_on_gpu(ffn):
         ffn.sparse_gated_ffn(x, wg, wu, wd.t().contiguous())
 
 
-def test_sample_stats_kernel(ffn):
-    """The dense-path measurement: per sampled row, active count (NaN active) and would-be-flagged."""
+@pytest.mark.parametrize("gated", [True, False])
+def test_relu_mul_stats_kernel(ffn, gated):
+    """The dense path's fused relu(g) * u (in place): the same bits as torch's relu then mul on finite values
+    (NaN where torch has NaN, 0 * Inf included), per-row active counts, and the exact dispatch measurement."""
     from kernels.loader import load_twell
 
     ext = load_twell()
-    N, S = 1536, 32
-    g = torch.randn(600, N, device=DEV).to(BF)
-    g[3] = float("nan")
-    g[5, 7] = float("inf")
-    g[7, :200] = 1.0          # tile 0 overflows
-    g[9] = -1.0               # nothing active
-    view = g[::3][:200]       # strided rows, read in place
-    out = torch.empty(200, 2, device=DEV, dtype=torch.int32)
-    ext.sample_stats(view, N, S, out)
-    v = view.float()
-    act = (v > 0) | torch.isnan(v)
-    tiles = act.view(200, N // 256, 256).sum(2)
-    bad = (tiles > S).any(1) | (~torch.isfinite(v)).any(1)
-    assert torch.equal(out[:, 0].long(), act.sum(1))
-    assert torch.equal(out[:, 1].bool(), bad)
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    for rows, N, S in ((1, 256, 32), (13, 1536, 32), (3001, 5632, 32), (40, 8192, 8)):
+        ld = N + 64   # strided rows, written in place
+        g = torch.randn(rows, ld, device=DEV, generator=gen).sub(1.5).to(BF)
+        u = torch.randn(rows, ld, device=DEV, generator=gen).to(BF)
+        if rows > 9:
+            g[3] = float("nan")
+            g[5, 7] = float("inf")
+            g[6, 9] = float("-inf")
+            u[8, 11] = float("inf")   # relu(g) = 0 there or not: torch gives NaN or Inf, so must we
+            g[8, 11] = -1.0
+            u[8, 12] = float("inf")
+            g[8, 12] = 2.0
+            g[7, :200] = 1.0          # tile 0 overflows S
+            g[9] = -1.0               # nothing active
+            g[2] = -0.0
+        gv, uv = g[:, :N], u[:, :N]
+        act = (gv.float() > 0) | torch.isnan(gv.float())
+        want = F.relu(gv) * uv if gated else F.relu(gv)
+        tiles = act.view(rows, N // 256, 256).sum(2)
+        bad = (tiles > S).any(1) | (~torch.isfinite(gv.float())).any(1)
+        tail_g, tail_u = g[:, N:].clone(), u[:, N:].clone()
+        rownnz = torch.full((rows,), -7, device=DEV, dtype=torch.int32)
+        stats = torch.zeros(2, device=DEV, dtype=torch.int64)
+        ext.relu_mul_stats(gv, uv if gated else torch.empty(0, device=DEV, dtype=BF), N, S, rownnz, stats)
+        got = uv if gated else gv
+        nan_w = torch.isnan(want.float())
+        assert torch.equal(torch.isnan(got.float()), nan_w), "NaN pattern differs from torch relu/mul"
+        assert torch.equal(got.float()[~nan_w], want.float()[~nan_w]), "values differ from torch relu/mul"
+        assert torch.equal(g[:, N:], tail_g) and torch.equal(u[:, N:], tail_u), "wrote past N columns"
+        assert torch.equal(rownnz.long(), act.sum(1))
+        assert stats.tolist() == [int(act.sum(1)[~bad].sum()), int(bad.sum())]
+
+
+def test_dense_path_is_torch_dense(ffn):
+    """mode='dense' (fused relu*mul) gives exactly HF's three F.linear on every finite row; stats match."""
+    for gated, N in ((True, 5632), (False, 8192)):
+        x, wg, wu, wd = make_problem(1000, 2048, N, 0.02, seed=11, gated=gated)
+        poison()
+        fn = ffn.sparse_gated_ffn if gated else (lambda x, wg, wu, wd, **k: ffn.sparse_nongated_ffn(x, wu, wd, **k))
+        y, st = fn(x, wg, wu, wd, mode="dense", return_stats=True)
+        ref = dense(x, wg, wu, wd, gated)
+        fin = torch.isfinite(ref).all(1)
+        assert torch.equal(torch.isfinite(y), torch.isfinite(ref))
+        assert torch.equal(y[fin], ref[fin])
+        h = F.relu(F.linear(x, wg if gated else wu))
+        assert torch.equal(st["nnz_per_token"].long(), (h != 0).sum(1))
 
 
 def test_row_stats_kernel(ffn):

@@ -17,13 +17,13 @@ cudaError_t twell_down_launch(const void* wdt, int rows, int K, int N, int S, in
                               const float* hval, void* y, float* yacc, cudaStream_t stream);
 cudaError_t twell_finalize_launch(const float* yacc, const int32_t* flag, int rows, int K, int nan_fill, void* y,
                                   cudaStream_t stream);
-cudaError_t twell_sample_stats_launch(const void* g, long long ldg, int rows, int N, int S, int32_t* out,
-                                      cudaStream_t stream);
 cudaError_t twell_row_stats_launch(const int32_t* counts, const int32_t* flag, int rows, int N,
                                    unsigned long long* out, cudaStream_t stream);
 cudaError_t twell_compact_v1_launch(const void* g, long long ldg, int rows, int N, int S, int32_t* packed,
                                     int32_t* counts, int32_t* flag, cudaStream_t stream);
 void twell_set_grid_cap(int blocks);
+cudaError_t twell_relu_mul_stats_launch(void* g, long long ldg, void* u, long long ldu, int rows, int N, int S,
+                                        int32_t* rownnz, unsigned long long* stats, cudaStream_t stream);
 cudaError_t twell_decode_fused_launch(const void* x, const void* wg, const void* wu, const void* wdt, int rows,
                                       int K, int N, float* yacc, int32_t* nnz, int32_t* flag, cudaStream_t stream);
 }
@@ -133,18 +133,40 @@ void finalize(const at::Tensor& yacc, const at::Tensor& flag, at::Tensor y, int6
         "finalize");
 }
 
-// g: [rows, >=N] bf16 with unit column stride (a strided view of every k-th row of a dense gate output works).
-// out: int32 [rows, 2] = (active entries, would-be-flagged) per row.
-void sample_stats(const at::Tensor& g, int64_t N, int64_t S, at::Tensor out) {
+// Dense path, in place: gated (u non-empty): u <- relu(g) * u; non-gated: g <- relu(g). g/u [rows, >=N] bf16 with
+// unit column stride. rownnz int32 [rows] (or empty: skipped); stats int64 [2] zeroed by the caller (or empty):
+// += (active entries of unflagged rows, flagged rows), where flagged = a 256-column tile with more than S active
+// entries, or a non-finite gate value.
+void relu_mul_stats(at::Tensor g, at::Tensor u, int64_t N, int64_t S, at::Tensor rownnz, at::Tensor stats) {
   TORCH_CHECK(g.is_cuda() && g.scalar_type() == at::kBFloat16 && g.dim() == 2 && g.stride(1) == 1,
-              "sample_stats: g must be a CUDA bf16 [rows, N] tensor with unit column stride");
-  TORCH_CHECK(g.size(1) >= N, "sample_stats: g has fewer than N columns");
-  req(out, "out", at::kInt, 2);
-  TORCH_CHECK(out.size(0) == g.size(0) && out.size(1) == 2, "sample_stats: out must be [rows, 2]");
+              "relu_mul_stats: g must be a CUDA bf16 [rows, N] tensor with unit column stride");
+  TORCH_CHECK(g.size(1) >= N, "relu_mul_stats: g has fewer than N columns");
+  const int64_t rows = g.size(0);
+  void* up = nullptr;
+  int64_t ldu = 0;
+  if (u.numel() > 0) {
+    TORCH_CHECK(u.is_cuda() && u.scalar_type() == at::kBFloat16 && u.dim() == 2 && u.stride(1) == 1 &&
+                    u.size(0) == rows && u.size(1) >= N,
+                "relu_mul_stats: u must be a CUDA bf16 [rows, N] tensor with unit column stride");
+    up = u.data_ptr();
+    ldu = u.stride(0);
+  }
+  int32_t* rn = nullptr;
+  if (rownnz.numel() > 0) {
+    req(rownnz, "rownnz", at::kInt, 1);
+    TORCH_CHECK(rownnz.size(0) == rows, "relu_mul_stats: rownnz must be [rows]");
+    rn = i32(rownnz);
+  }
+  unsigned long long* st = nullptr;
+  if (stats.numel() > 0) {
+    req(stats, "stats", at::kLong, 1);
+    TORCH_CHECK(stats.size(0) == 2, "relu_mul_stats: stats must be int64 [2]");
+    st = reinterpret_cast<unsigned long long*>(stats.data_ptr<int64_t>());
+  }
   const c10::cuda::CUDAGuard guard(g.device());
-  check(twell_sample_stats_launch(g.data_ptr(), g.stride(0), (int)g.size(0), (int)N, (int)S, i32(out),
-                                  c10::cuda::getCurrentCUDAStream().stream()),
-        "sample_stats");
+  check(twell_relu_mul_stats_launch(g.data_ptr(), g.stride(0), up, ldu, (int)rows, (int)N, (int)S, rn, st,
+                                    c10::cuda::getCurrentCUDAStream().stream()),
+        "relu_mul_stats");
 }
 
 // out: int64 [2], zeroed by the caller; += (sum of counts over unflagged rows, number of flagged rows).
@@ -202,7 +224,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gated_up", &gated_up, "h = g * (x . W_u[j]) for every stored TwELL entry (fp32)");
   m.def("down", &down, "y = TwELL(h) @ W_d^T (fp32 accumulate)");
   m.def("finalize", &finalize, "fp32 accumulator -> bf16 output");
-  m.def("sample_stats", &sample_stats, "per sampled row: active entries and would-be-flagged (dispatch history)");
+  m.def("relu_mul_stats", &relu_mul_stats, "dense path: relu(g) * u in place (or relu(g)), measuring activity");
   m.def("row_stats", &row_stats, "sum of counts over unflagged rows and number of flagged rows (dispatch history)");
   m.def("source_hash", &source_hash, "hash of the sources this library was built from");
 }

@@ -13,9 +13,11 @@ Paths (kernels/README.md has the full story):
   kernels are queued, so the GPU never idles on it.
 - sync-free (M <= decode_max_m, or while a CUDA graph is being captured): S = 256 (lossless: no row can
   overflow), rows with a non-finite gate pre-activation become NaN.
+- dense: cuBLAS GEMMs as HF computes them, with relu(g) * u fused into one in-place pass (fewer bytes than
+  torch's relu then mul, same bits) that also measures the activity exactly.
 - dispatch (mode auto): a per-weight history of measured activity (LayerHistory) picks sparse or dense with a
-  crossover per M bucket. Dense calls measure a row sample of the gate output they compute anyway, sparse calls
-  measure exactly; both read back asynchronously (pinned buffer + event), used on the next call. No host sync.
+  crossover per M bucket. Both paths measure exactly and read back asynchronously (pinned buffer + event), used
+  on the next call. No host sync.
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ def _env_float(name: str, default: float) -> float:
 
 
 _KNOB_ENV = ("TWELL_CHUNK_ROWS", "TWELL_GATE_SCRATCH_MB", "TWELL_SLOTS", "TWELL_DECODE_MAX_M", "TWELL_CROSSOVER",
-             "TWELL_PROBE_ROWS", "TWELL_FLAGGED_DENSE_ABOVE", "TWELL_DOWN_NB", "TWELL_DECODE_TILES_PER_WARP",
+             "TWELL_FLAGGED_DENSE_ABOVE", "TWELL_DOWN_NB", "TWELL_DECODE_TILES_PER_WARP",
              "TWELL_FUSED_DECODE_MAX_M", "TWELL_UPDOWN_BLOCKS_PER_SM", "TWELL_COMPACT")
 _KNOB_CACHE: dict = {}
 
@@ -58,7 +60,7 @@ def _parse_knobs() -> dict:
         "slots": _env_int("TWELL_SLOTS", 32),
         "decode_max_m": _env_int("TWELL_DECODE_MAX_M", 64),
         "crossover": os.environ.get("TWELL_CROSSOVER", DEFAULT_CROSSOVER),
-        "probe_rows": _env_int("TWELL_PROBE_ROWS", 256),
+        "probe_rows": _env_int(256),
         "flagged_dense_above": _env_float("TWELL_FLAGGED_DENSE_ABOVE", 0.05),
         "down_nb": _env_int("TWELL_DOWN_NB", 4),
         "decode_tiles_per_warp": _env_int("TWELL_DECODE_TILES_PER_WARP", 4),
@@ -119,7 +121,7 @@ class LayerHistory:
     measurement is skipped until the previous one landed).
     """
 
-    HOST_WORDS = 1024  # int32 words per pinned slot: a dense sample of up to 512 rows
+    HOST_WORDS = 4  # int32 words per pinned slot: one int64 [2] measurement
 
     def __init__(self) -> None:
         self.p: float | None = None
@@ -141,17 +143,8 @@ class LayerHistory:
             return
         self._pending = None
         _, buf, kind, rows, n = pend
-        if kind == "sample":  # int32 [P, 2]: (nnz, flagged) per sampled row
-            try:  # pinned host memory read in place: far less host time than torch CPU ops
-                a = buf.numpy()
-                bad = a[:, 1] != 0
-                self.update(int(a[:, 0][~bad].sum(dtype="int64")), int(bad.sum()), rows, n)
-            except (RuntimeError, TypeError):  # numpy missing
-                pairs = buf.tolist()
-                self.update(sum(c for c, b in pairs if not b), sum(1 for _, b in pairs if b), rows, n)
-        else:  # int64 [2]: (nnz over unflagged rows, flagged rows)
-            nnz_ok, n_bad = buf.tolist()
-            self.update(nnz_ok, n_bad, rows, n)
+        nnz_ok, n_bad = buf.tolist()  # int64 [2]: (nnz over unflagged rows, flagged rows)
+        self.update(nnz_ok, n_bad, rows, n)
 
     def update(self, nnz_ok: int, n_bad: int, rows: int, n: int) -> None:
         self.p = 1.0 if rows == n_bad else nnz_ok / ((rows - n_bad) * n)
@@ -218,21 +211,35 @@ def _dense(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor):
     return y, h
 
 
-def _measure_dense(h: Tensor, hist: LayerHistory, kn: dict) -> None:
-    """Enqueue the activity measurement of a row sample of h (evenly spaced rows, read in place)."""
+def _dense_measured(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, hist: LayerHistory | None,
+                    want_stats: bool, kn: dict) -> tuple[Tensor, Tensor]:
+    """The dense path: the same GEMMs as ``_dense``, with relu(g) * u done in one in-place pass (our kernel) that
+    also measures the layer's activity exactly for the dispatch history (hist=None: no measurement).
+
+    torch's relu then mul read/write five [M, N] bf16 arrays; the fused pass three, and the result is the same
+    bits. Without the extension this is ``_dense`` (exact, no measurement)."""
     try:
         ext = _ext()
-    except Exception:  # no extension: dense still works, the history just stays empty
-        return
-    if hist.busy():  # the previous measurement has not landed: keep its slot, skip this one
-        return
-    M, N = h.shape
-    P = min(M, max(1, kn["probe_rows"]), LayerHistory.HOST_WORDS // 2)
-    view = h[:: M // P][:P]
-    out = torch.empty(P, 2, device=h.device, dtype=torch.int32)
-    ext.sample_stats(view, N, kn["slots"], out)
-    ev, buf = hist.to_host(out, 0)
-    hist.expect(ev, buf, "sample", P, N)
+    except Exception:  # no extension here: dense still works, the history just stays empty
+        y, h = _dense(x, w_gate, w_up, w_down)
+        return y, ((h != 0).sum(1, dtype=torch.int32) if want_stats else y.new_empty(0, dtype=torch.int32))
+    M, N = x.shape[0], w_up.shape[0]
+    empty_i = x.new_empty(0, dtype=torch.int32)
+    rownnz = torch.empty(M, device=x.device, dtype=torch.int32) if want_stats else empty_i
+    stats = torch.zeros(2, device=x.device, dtype=torch.int64) if hist is not None else x.new_empty(0, dtype=torch.int64)
+    if w_gate is not None:
+        g = F.linear(x, w_gate)
+        u = F.linear(x, w_up)
+        ext.relu_mul_stats(g, u, N, kn["slots"], rownnz, stats)
+        y = F.linear(u, w_down)
+    else:
+        g = F.linear(x, w_up)
+        ext.relu_mul_stats(g, x.new_empty(0), N, kn["slots"], rownnz, stats)
+        y = F.linear(g, w_down)
+    if hist is not None:
+        ev, buf = hist.to_host(stats, 0)
+        hist.expect(ev, buf, "exact", M, N)
+    return y, rownnz
 
 
 def _gate_chunks(x: Tensor, w: Tensor, packed: Tensor, counts: Tensor, flag: Tensor, chunk: int, ext,
@@ -329,11 +336,10 @@ def _ffn_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down_t: Tensor, 
         sparse = mode == MODE_SPARSE
         LAST_PATH["p_est"] = None
     if not sparse:
-        y, h = _dense(x, w_gate, w_up, w_down)
-        if mode == MODE_AUTO and not capturing:
-            _measure_dense(h, hist, kn)
+        # measure unless capturing (no event queries in a graph) or the previous measurement is still in flight
+        measure = mode == MODE_AUTO and not capturing and not hist.busy()
+        y, nnz = _dense_measured(x, w_gate, w_up, w_down, hist if measure else None, want_stats, kn)
         hist.dense_calls += 1
-        nnz = (h != 0).sum(1, dtype=torch.int32) if want_stats else y.new_empty(0, dtype=torch.int32)
         LAST_PATH.update(path="dense", flagged_rows=None)
         return y, nnz
 

@@ -12,7 +12,8 @@
 //   down      : y = sum_j h_j W_dT[j, :] (fp32 accumulate). One warp per (row, K slice, group of tiles);
 //               direct bf16 store, or fp32 atomics into an accumulator when tiles are split across warps.
 //   finalize  : fp32 accumulator -> bf16 output (NaN rows for flagged rows in sync-free mode).
-//   sample_stats / row_stats : activity measurements for the dispatch history (kernels/README.md, Dispatch).
+//   relu_mul_stats : the dense path's relu(g) * u in one pass (in place), measuring activity on the way.
+//   row_stats : activity measurement of a sparse call for the dispatch history (kernels/README.md, Dispatch).
 // All launchers take the stream, return the cudaError_t of the launch, and never exit.
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -509,40 +510,85 @@ __global__ void finalize_kernel(const float* __restrict__ yacc, const int32_t* _
 }
 
 // ---------------------------------------------------------------------------------------------
-// sample_stats: activity of sampled rows of a dense gate output (pre- or post-ReLU, bf16; row stride ldg, so
-// evenly spaced rows of a larger matrix are read in place). out[2*r] = active entries of row r (NaN counts),
-// out[2*r+1] = 1 when the row would be flagged (a tile count > S, or a non-finite value). One block of 8 warps
-// per row; nothing to zero beforehand, so the dense path measures with one launch (plus a D2H copy).
-__global__ void __launch_bounds__(256) sample_stats_kernel(const __nv_bfloat16* __restrict__ g, long long ldg,
-                                                           int n_tiles, int S, int32_t* __restrict__ out) {
-  __shared__ int s_nnz[8], s_bad[8];
-  const int row = blockIdx.x;
+// relu_mul_stats: the dense path's elementwise step in one pass, measuring activity for free while g is read.
+// Gated (u != nullptr): u <- bf16(relu(g) * u) in place (fp32 product rounded once: the same bits as torch's
+// relu then mul, including 0 * Inf = NaN). Non-gated: g <- relu(g) in place. Measures relu(g): rownnz[r] =
+// active entries of row r (NaN counts; skipped when rownnz is null); stats[0] += active entries of unflagged
+// rows, stats[1] += flagged rows (a tile count > S or a non-finite gate; skipped when stats is null; zeroed by
+// the caller). Against torch's two elementwise kernels this reads/writes 3 instead of 5 [rows, N] bf16 arrays.
+// One warp per row (tiles kRmU at a time, loads issued together), 8 rows per block, 2 atomics per block.
+constexpr int kRmU = 4;
+template <bool GATED>
+__global__ void __launch_bounds__(256) relu_mul_stats_kernel(__nv_bfloat16* __restrict__ g, long long ldg,
+                                                             __nv_bfloat16* __restrict__ u, long long ldu, int rows,
+                                                             int n_tiles, int S, int32_t* __restrict__ rownnz,
+                                                             unsigned long long* __restrict__ stats) {
+  __shared__ unsigned long long s_n[8], s_f[8];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  int nnz = 0, bad = 0;
-  for (int tile = warp; tile < n_tiles; tile += 8) {  // warp-uniform bound
-    const uint4 v = __ldg(reinterpret_cast<const uint4*>(g + (long long)row * ldg + (long long)tile * kTileN) + lane);
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-    int c = 0;
-    bool nf = false;
+  const int row = blockIdx.x * 8 + warp;
+  int nnz = 0;
+  bool bad = false;
+  if (row < rows) {  // warp-uniform
+    uint4* gr = reinterpret_cast<uint4*>(g + (long long)row * ldg) + lane;
+    uint4* ur = GATED ? reinterpret_cast<uint4*>(u + (long long)row * ldu) + lane : nullptr;
+    for (int t0 = 0; t0 < n_tiles; t0 += kRmU) {
+      uint4 gv[kRmU], uv[kRmU];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const uint32_t b = (w[i >> 1] >> (16 * (i & 1))) & 0xffffu;
-      const uint32_t mag = b & 0x7fffu;
-      c += ((!(b & 0x8000u) && mag != 0) || mag > 0x7f80u) ? 1 : 0;
-      nf |= (mag >= 0x7f80u);
+      for (int k = 0; k < kRmU; ++k) {
+        if (t0 + k < n_tiles) {
+          gv[k] = __ldcs(gr + (t0 + k) * 32);       // g is dead after this pass
+          if (GATED) uv[k] = __ldcs(ur + (t0 + k) * 32);
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < kRmU; ++k) {
+        if (t0 + k < n_tiles) {
+          const uint32_t w[4] = {gv[k].x, gv[k].y, gv[k].z, gv[k].w};
+          uint32_t o[4];
+          int c = 0;
+          bool nf = false;
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            uint32_t keep = 0;  // 0xffff per half that relu keeps (positive or NaN)
+#pragma unroll
+            for (int hlf = 0; hlf < 2; ++hlf) {
+              const uint32_t b = (w[i] >> (16 * hlf)) & 0xffffu;
+              const uint32_t mag = b & 0x7fffu;
+              const bool act = (!(b & 0x8000u) && mag != 0) || mag > 0x7f80u;
+              c += act ? 1 : 0;
+              nf |= (mag >= 0x7f80u);
+              keep |= act ? (0xffffu << (16 * hlf)) : 0u;
+            }
+            const uint32_t h = w[i] & keep;  // relu(g) as bf16 bits (inactive -> +0)
+            if (GATED) {
+              const uint32_t uw = i == 0 ? uv[k].x : i == 1 ? uv[k].y : i == 2 ? uv[k].z : uv[k].w;
+              o[i] = pack2(bf16lo(h) * bf16lo(uw), bf16hi(h) * bf16hi(uw));
+            } else {
+              o[i] = h;
+            }
+          }
+          const uint4 ov = make_uint4(o[0], o[1], o[2], o[3]);
+          if (GATED) ur[(t0 + k) * 32] = ov; else gr[(t0 + k) * 32] = ov;  // read next by the down GEMM: keep in L2
+          const int tc = __reduce_add_sync(kFull, c);
+          nnz += tc;
+          bad |= (tc > S) || __any_sync(kFull, nf);
+        }
+      }
     }
-    const int tc = __reduce_add_sync(kFull, c);
-    nnz += tc;
-    bad |= (tc > S || __any_sync(kFull, nf)) ? 1 : 0;
+    if (rownnz != nullptr && lane == 0) rownnz[row] = nnz;
   }
-  if (lane == 0) { s_nnz[warp] = nnz; s_bad[warp] = bad; }
+  if (stats == nullptr) return;  // grid-uniform
+  if (lane == 0) {
+    s_n[warp] = (row < rows && !bad) ? (unsigned long long)nnz : 0ull;
+    s_f[warp] = (row < rows && bad) ? 1ull : 0ull;
+  }
   __syncthreads();
   if (threadIdx.x == 0) {
-    int t = 0, b = 0;
+    unsigned long long tn = 0, tf = 0;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) { t += s_nnz[i]; b |= s_bad[i]; }
-    out[2 * row] = t;
-    out[2 * row + 1] = b;
+    for (int i = 0; i < 8; ++i) { tn += s_n[i]; tf += s_f[i]; }
+    if (tn) atomicAdd(stats, tn);
+    if (tf) atomicAdd(stats + 1, tf);
   }
 }
 
@@ -764,21 +810,29 @@ cudaError_t twell_finalize_launch(const float* yacc, const int32_t* flag, int ro
   return cudaGetLastError();
 }
 
-cudaError_t twell_sample_stats_launch(const void* g, long long ldg, int rows, int N, int S, int32_t* out,
-                                      cudaStream_t stream) {
-  if (rows <= 0) return cudaSuccess;
-  if (N % twell::kTileN != 0 || ldg % 8 != 0) return cudaErrorInvalidValue;
-  twell::sample_stats_kernel<<<(unsigned)rows, 256, 0, stream>>>(reinterpret_cast<const __nv_bfloat16*>(g), ldg,
-                                                                  N / twell::kTileN, S, out);
-  return cudaGetLastError();
-}
-
 cudaError_t twell_row_stats_launch(const int32_t* counts, const int32_t* flag, int rows, int N,
                                    unsigned long long* out, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
   if (N % twell::kTileN != 0) return cudaErrorInvalidValue;
   twell::row_stats_kernel<<<(unsigned)((rows + 255) / 256), 256, 0, stream>>>(counts, flag, rows,
                                                                               N / twell::kTileN, out);
+  return cudaGetLastError();
+}
+
+// relu_mul_stats: g [rows, >=N] (ldg), u [rows, >=N] (ldu) or nullptr (non-gated), N % 256 == 0, ld % 8 == 0.
+cudaError_t twell_relu_mul_stats_launch(void* g, long long ldg, void* u, long long ldu, int rows, int N, int S,
+                                        int32_t* rownnz, unsigned long long* stats, cudaStream_t stream) {
+  if (rows <= 0) return cudaSuccess;
+  if (N % twell::kTileN != 0 || ldg % 8 != 0 || (u != nullptr && ldu % 8 != 0)) return cudaErrorInvalidValue;
+  const unsigned blocks = (unsigned)((rows + 7) / 8);
+  auto* gb = reinterpret_cast<__nv_bfloat16*>(g);
+  auto* ub = reinterpret_cast<__nv_bfloat16*>(u);
+  if (u != nullptr)
+    twell::relu_mul_stats_kernel<true><<<blocks, 256, 0, stream>>>(gb, ldg, ub, ldu, rows, N / twell::kTileN, S,
+                                                                   rownnz, stats);
+  else
+    twell::relu_mul_stats_kernel<false><<<blocks, 256, 0, stream>>>(gb, ldg, ub, 0, rows, N / twell::kTileN, S,
+                                                                    rownnz, stats);
   return cudaGetLastError();
 }
 
