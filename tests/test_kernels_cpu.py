@@ -128,3 +128,17 @@ def test_inference_entry_refuses_autograd_inputs() -> None:
         ffn.sparse_gated_ffn(x, *w)
     assert "inference-only" not in str(e.value)
 
+
+
+def test_knobs_parse_every_env_var(monkeypatch):
+    """knobs() runs on CPU too: every TWELL_* knob parses, a set value reaches the dict, unset ones default."""
+    from kernels.twell import ops
+
+    base = ops.knobs()
+    assert base["slots"] == 32 and base["compact"] == 2 and "crossover" in base
+    for name in ops._KNOB_ENV:
+        assert name.startswith("TWELL_")
+    monkeypatch.setenv("TWELL_SLOTS", "16")
+    monkeypatch.setenv("TWELL_FLAGGED_DENSE_ABOVE", "0.25")
+    kn = ops.knobs()
+    assert kn["slots"] == 16 and kn["flagged_dense_above"] == 0.25

@@ -397,8 +397,8 @@ def test_compact_v2_equals_v1_and_reference(ffn):
     from kernels.loader import load_twell
 
     ext = load_twell()
-    gen = torch.Generator(device=DEV).manual_seed(1234)   # seeded: this test failed once unseeded (see kernels/README.md)
-    for rows, N in ((1, 256), (7, 1536), (3001, 5632)):
+    gen = torch.Generator(device=DEV).manual_seed(1234)
+    for rows, N in ((1, 256), (7, 1536), (3001, 5632)) * 4:   # repeated draws: row 2 (NaN) is often unflagged
         g = torch.randn(rows, N + 64, device=DEV, generator=gen).mul(2).sub(2.5).to(BF)   # ~6% active, tiles overflow
         g[0, :N // 2] = 1.0
         if rows > 5:
@@ -413,7 +413,10 @@ def test_compact_v2_equals_v1_and_reference(ffn):
             flag = torch.zeros(rows, device=DEV, dtype=torch.int32)
             ext.compact(view, N, packed, counts, flag, v)
             outs.append((packed, counts, flag))
-        ref = reference.d2t(F.relu(view.float()).to(BF), 256, 32)
+        # relu in bf16 by selection, keeping NaN payloads: a float round trip canonicalizes NaN (0x7fc0 -> 0x7fff
+        # on CUDA) while the kernels store the input's bits; that difference was this test's intermittent failure
+        keep = (view > 0) | torch.isnan(view)
+        ref = reference.d2t(torch.where(keep, view, torch.zeros_like(view)), 256, 32)
         valid = ref.valid_mask()
         nonfinite = (~torch.isfinite(view.float())).any(1)
         for version, (packed, counts, flag) in zip((1, 2), outs):

@@ -60,7 +60,6 @@ def _parse_knobs() -> dict:
         "slots": _env_int("TWELL_SLOTS", 32),
         "decode_max_m": _env_int("TWELL_DECODE_MAX_M", 64),
         "crossover": os.environ.get("TWELL_CROSSOVER", DEFAULT_CROSSOVER),
-        "probe_rows": _env_int(256),
         "flagged_dense_above": _env_float("TWELL_FLAGGED_DENSE_ABOVE", 0.05),
         "down_nb": _env_int("TWELL_DOWN_NB", 4),
         "decode_tiles_per_warp": _env_int("TWELL_DECODE_TILES_PER_WARP", 4),
