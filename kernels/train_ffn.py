@@ -54,6 +54,8 @@ def knobs() -> dict[str, Any]:
         "dw_nb": int(e("SFL_TRAIN_DW_NB", 4)),
         "probe_rows": int(e("SFL_TRAIN_PROBE_ROWS", 2048)),
         "sparse_min_m": int(e("SFL_TRAIN_SPARSE_MIN_M", 8192)),
+        # dense path: fused elementwise kernels (1) or plain torch autograd (0, the reference for comparisons)
+        "fused_dense": e("SFL_TRAIN_FUSED_DENSE", "1") != "0",
         # replaces mode="auto" (what models pass) by "sparse"/"dense": to test or benchmark one path in a model
         "force_mode": e("SFL_TRAIN_FORCE_MODE", "auto"),
     }
@@ -76,7 +78,12 @@ class DispatchState:
         ev, rows, n = self._pending
         if ev is not None and not ev.query():
             return  # not finished yet: keep the previous decision (no host sync)
-        light_nnz, light_rows, heavy = self._host.tolist()
+        vals = self._host.tolist()
+        if len(vals) == 2:  # (nnz of light rows, heavy rows) from the fused dense path
+            light_nnz, heavy = vals
+            light_rows = rows - heavy
+        else:
+            light_nnz, light_rows, heavy = vals
         if rows > 0:
             # activity of the rows the sparse kernels would take; heavy rows are priced by backup_frac
             self.activity = light_nnz / (max(1, light_rows) * n)
@@ -97,6 +104,8 @@ class DispatchState:
         if nnz.is_cuda:
             if self._host is None:
                 self._host = torch.empty(3, dtype=torch.int64, pin_memory=True)
+            if self._host.numel() != 3:
+                self._host = torch.empty(3, dtype=torch.int64, pin_memory=True)
             self._host.copy_(dev, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record()
@@ -104,6 +113,18 @@ class DispatchState:
         else:
             self._host = dev
             self._pending = (None, nnz.numel(), n_cols)
+
+    def record_pair(self, stats: Tensor, rows: int, n_cols: int) -> None:
+        """Queue an async copy of int64 [2] = (nnz of light rows, heavy rows) measured on the device."""
+        self._poll()
+        if self._pending is not None or rows == 0:
+            return
+        if self._host is None or self._host.numel() != 2:
+            self._host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+        self._host.copy_(stats, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        self._pending = (ev, rows, n_cols)
 
     def choose(self, kn: dict[str, Any], m: int) -> str:
         self._poll()
@@ -180,8 +201,87 @@ def _count_rows(a: Tensor) -> Tensor:
     return (a != 0).sum(1, dtype=torch.int32)
 
 
-def _dense(x2, w_gate, w_up, w_down, scale, want_last_active, want_stats, st, kn, M, N):
-    """Plain dense autograd (the same ops as models' dense MLP) + a cheap activity measurement."""
+class _FusedDenseFFN(torch.autograd.Function):
+    """The dense path with fused elementwise kernels: the same cuBLAS GEMMs as dense autograd, but relu(g) * u,
+    |h| summed for the L1 term and the activity measurement in one forward pass (kernels/twell relu_mul_stats),
+    and dh + L1 term -> dg, du in one backward pass (kernels/train dense_bwd). Saves g, u, h (dense autograd
+    saves relu(g), u, h: the same bytes). Returns (y, l1, rownnz, stats, last_active); the last three are
+    measurements (not differentiable)."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, w_down, scale, row_cap, want_stats, want_last_active):
+        from kernels.loader import load_twell
+
+        tw = load_twell()
+        gated = w_gate is not None
+        M, N = x.shape[0], w_up.shape[0]
+        g = torch.mm(x, (w_gate if gated else w_up).t())
+        u = torch.mm(x, w_up.t()) if gated else None
+        h = torch.empty_like(g) if gated else g   # non-gated: relu in place (a = h, g is not needed after)
+        rownnz = torch.empty(M if want_stats else 0, device=x.device, dtype=torch.int32)
+        stats = torch.zeros(2, device=x.device, dtype=torch.int64)
+        part = torch.empty((M + 7) // 8, device=x.device, dtype=torch.float32)
+        last = (_last_active_dense((g > 0) | torch.isnan(g)) if want_last_active
+                else torch.empty(0, device=x.device, dtype=torch.int64))
+        tw.relu_mul_stats(g, u if gated else x.new_empty(0), h, N, 256, row_cap, rownnz, stats, part)
+        y = torch.mm(h, w_down.t())
+        l1 = part.sum() * scale
+        ctx.save_for_backward(x, w_gate, w_up, w_down, g if gated else None, u, h)
+        ctx.scale = scale
+        ctx.mark_non_differentiable(rownnz, stats, last)
+        return y, l1, rownnz, stats, last
+
+    @staticmethod
+    def backward(ctx, gy, gl1, *_):
+        x, w_gate, w_up, w_down, g, u, h = ctx.saved_tensors
+        gated = w_gate is not None
+        gy = gy.to(h.dtype).contiguous()
+        dg = torch.mm(gy, w_down)   # dh; becomes dg in place
+        du = torch.empty_like(dg) if gated else dg.new_empty(0)
+        gl1 = (gl1 if gl1 is not None else torch.zeros((), device=gy.device)).float().reshape(1).contiguous()
+        _ops.load_ext().dense_bwd(dg, g if gated else h, u if gated else dg.new_empty(0), h, du, gl1, ctx.scale)
+        need = ctx.needs_input_grad
+        dx = dwg = dwu = dwd = None
+        if need[0]:
+            dx = torch.mm(dg, w_gate if gated else w_up)
+            if gated:
+                dx.addmm_(du, w_up)
+        if gated and need[1]:
+            dwg = torch.mm(dg.t(), x)
+        if need[2]:
+            dwu = torch.mm((du if gated else dg).t(), x)
+        if need[3]:
+            dwd = torch.mm(gy.t(), h)
+        return dx, dwg, dwu, dwd, None, None, None, None
+
+
+def _fused_dense_ok(x2: Tensor, backend: str, kn: dict[str, Any], N: int) -> bool:
+    """The fused dense path takes bf16 CUDA inputs with N % 256 == 0 when both extensions load."""
+    if not kn["fused_dense"] or backend != "cuda" or x2.dtype != torch.bfloat16 or N % 256 != 0 or x2.shape[0] == 0:
+        return False
+    from kernels.loader import KernelUnavailableError, load_twell
+
+    try:
+        load_twell()
+        _ops.load_ext()
+    except KernelUnavailableError:
+        return False
+    return True
+
+
+def _dense(x2, w_gate, w_up, w_down, scale, want_last_active, want_stats, st, kn, M, N, backend="torch"):
+    """Dense path: the fused function above where it applies, else plain dense autograd (the same ops as
+    models' dense MLP); both measure activity for dispatch."""
+    if _fused_dense_ok(x2, backend, kn, N):
+        ws = [w.contiguous() if w is not None else None for w in (w_gate, w_up, w_down)]
+        y, l1, nnz, dstats, last = _FusedDenseFFN.apply(x2.contiguous(), ws[0], ws[1], ws[2], scale, kn["width"],
+                                                        want_stats, want_last_active)
+        st.record_pair(dstats, M, N)
+        stats = {"path": "dense", "nnz_per_token": nnz if want_stats else None, "backup_rows": None,
+                 "width": None, "kept_bytes": None}
+        if want_last_active:
+            stats["last_active_row"] = last
+        return y, l1, stats
     a = F.relu(F.linear(x2, w_gate if w_gate is not None else w_up))
     h = a * F.linear(x2, w_up) if w_gate is not None else a
     y = F.linear(h, w_down)
@@ -267,7 +367,8 @@ def _run(x, w_gate, w_up, w_down, l1_reduction, mode, state, width, backend, wan
         if not _in_backward():
             st.last_forward_path = path
         if path == "dense" or M == 0:
-            y, l1, stats = _dense(x2, ws[0], ws[1], ws[2], scale, want_last_active, want_stats, st, kn, M, N)
+            y, l1, stats = _dense(x2, ws[0], ws[1], ws[2], scale, want_last_active, want_stats, st, kn, M, N,
+                                  backend)
         else:
             x2 = x2.contiguous()
             wsc = [w.contiguous() if w is not None else None for w in ws]

@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <cuda_runtime.h>
 
 extern "C" {
@@ -18,6 +19,8 @@ cudaError_t sfltrain_bwd_rows_launch(int gated, const void* dy, const void* wg, 
                                      int M, int K, int W, const int32_t* ell_col, const void* ell_a,
                                      const float* ell_u, const int32_t* nnz, const int32_t* flag, const float* l1c,
                                      float* cg, float* cu, void* dx, cudaStream_t stream);
+cudaError_t sfltrain_dense_bwd_launch(int gated, void* dh, const void* g, const void* u, const void* h, void* du,
+                                      long long n, const float* gl1, float scale, int sms, cudaStream_t stream);
 cudaError_t sfltrain_dw_launch(int gated, int nb, const void* x, const void* dy, int N, int K, int W,
                                const int64_t* perm, const int64_t* colptr, const void* ell_a, const float* ell_u,
                                const float* cg, const float* cu, const void* add_g, const void* add_u,
@@ -168,6 +171,28 @@ void dw(bool gated, int64_t nb, const at::Tensor& x, const at::Tensor& dy, const
         "dw");
 }
 
+// Dense path backward elementwise (fused): dh [M, N] bf16 in/out (becomes dg), g/h (and u, du when gated) same
+// shape, contiguous; gl1: fp32 scalar on the device (the L1 output's gradient), scale: the L1 scale.
+void dense_bwd(at::Tensor dh, const at::Tensor& g, const at::Tensor& u, const at::Tensor& h, at::Tensor du,
+               const at::Tensor& gl1, double scale) {
+  const bool gated = u.numel() > 0;
+  for (const at::Tensor* t : {&dh, &g, &h}) req(*t, "dense_bwd tensor", at::kBFloat16, 2);
+  TORCH_CHECK(g.sizes() == dh.sizes() && h.sizes() == dh.sizes(), "dense_bwd: g, h and dh must have one shape");
+  if (gated) {
+    req(u, "u", at::kBFloat16, 2);
+    req(du, "du", at::kBFloat16, 2);
+    TORCH_CHECK(u.sizes() == dh.sizes() && du.sizes() == dh.sizes(), "dense_bwd: u/du shape mismatch");
+  }
+  TORCH_CHECK(gl1.is_cuda() && gl1.scalar_type() == at::kFloat && gl1.numel() == 1 && gl1.is_contiguous(),
+              "dense_bwd: gl1 must be one fp32 CUDA value");
+  const c10::cuda::CUDAGuard guard(dh.device());
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  check(sfltrain_dense_bwd_launch(gated ? 1 : 0, dh.data_ptr(), g.data_ptr(), gated ? u.data_ptr() : nullptr,
+                                  h.data_ptr(), gated ? du.data_ptr() : nullptr, dh.numel(), gl1.data_ptr<float>(),
+                                  (float)scale, sms, stream()),
+        "dense_bwd");
+}
+
 // a: bf16 [rows, N] with unit column stride -> nnz int32 [rows] (a != 0, -0.0 excluded, NaN included)
 at::Tensor count(const at::Tensor& a) {
   TORCH_CHECK(a.is_cuda() && a.scalar_type() == at::kBFloat16 && a.dim() == 2 && a.stride(1) == 1,
@@ -188,6 +213,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fwd_rows", &fwd_rows, "light rows: u, h = a u, y = h W_d^T, per-row sum |h|");
   m.def("bwd_rows", &bwd_rows, "light rows: dh, per-entry dgate / dup coefficients, dx");
   m.def("dw", &dw, "neuron-major weight gradients from the CSR-by-neuron transpose");
+  m.def("dense_bwd", &dense_bwd, "dense path backward elementwise: dh + L1 term -> dg (in place), du");
   m.def("count", &count, "per-row active count of a bf16 matrix (a != 0)");
   m.def("source_hash", &source_hash, "hash of the sources this library was built from");
 }

@@ -14,6 +14,7 @@
 //             dg_e = dh_e (non-gated); dx = sum_e dg_e W_g[j] + du_e W_u[j] (non-gated: dg_e W_u[j]).
 //   dw      : neuron-major (CSR by neuron, built from the ELL): dW_g[j] = sum dg x_r, dW_u[j] = sum du x_r,
 //             dW_dT[j] = sum h dy_r, plus an optional bf16 addend (the dense backup rows' contribution).
+//   dense_bwd: the dense path's elementwise backward (dh + L1 term -> dg, du) in one pass.
 // Launchers return the cudaError_t of the launch and never exit.
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -462,6 +463,53 @@ __global__ void __launch_bounds__(256) count_kernel(const __nv_bfloat16* __restr
   if (lane == 0) nnz[row] = cnt;
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// dense_bwd: the dense path's elementwise backward in one pass (train_ffn's fused dense autograd function).
+// t = dh + c sgn(h) with c = gl1[0] * scale (the L1 term; sgn(NaN) = NaN, as torch's abs backward);
+// gated: dg = t u where relu(g) passes gradient (g > 0 or NaN, as torch's threshold_backward) else 0,
+// du = t relu(g); non-gated: dg = t where relu(g) passes gradient else 0. dg overwrites dh in place.
+// fp32 math, one bf16 rounding per output (torch rounds after every op). All [n] contiguous, n % 8 == 0.
+template <bool GATED>
+__global__ void __launch_bounds__(256) dense_bwd_kernel(__nv_bfloat16* dh, const __nv_bfloat16* __restrict__ g,
+                                                        const __nv_bfloat16* __restrict__ u,
+                                                        const __nv_bfloat16* __restrict__ h,
+                                                        __nv_bfloat16* __restrict__ du, long long n8,
+                                                        const float* __restrict__ gl1, float scale) {
+  const float c = gl1[0] * scale;
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n8; i += stride) {
+    const uint4 dv = reinterpret_cast<const uint4*>(dh)[i];
+    const uint4 gv = __ldcs(reinterpret_cast<const uint4*>(g) + i);
+    const uint4 hv = __ldcs(reinterpret_cast<const uint4*>(h) + i);
+    uint4 uv = make_uint4(0, 0, 0, 0);
+    if (GATED) uv = __ldcs(reinterpret_cast<const uint4*>(u) + i);
+    const uint32_t dw[4] = {dv.x, dv.y, dv.z, dv.w}, gw[4] = {gv.x, gv.y, gv.z, gv.w};
+    const uint32_t hw[4] = {hv.x, hv.y, hv.z, hv.w}, uw[4] = {uv.x, uv.y, uv.z, uv.w};
+    float og[8], ou[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int q = k >> 1;
+      const bool hi = k & 1;
+      const float d = hi ? bf16hi(dw[q]) : bf16lo(dw[q]);
+      const float gg = hi ? bf16hi(gw[q]) : bf16lo(gw[q]);
+      const float hh = hi ? bf16hi(hw[q]) : bf16lo(hw[q]);
+      const float sg = (hh > 0.f) ? 1.f : (hh < 0.f) ? -1.f : (hh == 0.f) ? 0.f : hh;  // NaN stays NaN
+      const float t = d + c * sg;
+      const bool pass = gg > 0.f || gg != gg;                   // relu(g) > 0, or NaN
+      const float a = pass ? gg : 0.f;                          // relu(g)
+      if (GATED) {
+        const float uu = hi ? bf16hi(uw[q]) : bf16lo(uw[q]);
+        og[k] = pass ? t * uu : 0.f;
+        ou[k] = t * a;
+      } else {
+        og[k] = pass ? t : 0.f;
+      }
+    }
+    reinterpret_cast<uint4*>(dh)[i] = pack8(og);
+    if (GATED) reinterpret_cast<uint4*>(du)[i] = pack8(ou);
+  }
+}
+
 inline unsigned blocks_for(long long warps, int threads) {
   return (unsigned)((warps * 32 + threads - 1) / threads);
 }
@@ -584,6 +632,26 @@ cudaError_t sfltrain_dw_launch(int gated, int nb, const void* x, const void* dy,
   }
   SFL_DW(1) SFL_DW(2) SFL_DW(4) SFL_DW(8)
 #undef SFL_DW
+  return cudaGetLastError();
+}
+
+// dense_bwd: dh/g/h (and u/du when gated) contiguous bf16 of n elements (n % 8 == 0); gl1: one fp32 on device.
+cudaError_t sfltrain_dense_bwd_launch(int gated, void* dh, const void* g, const void* u, const void* h, void* du,
+                                      long long n, const float* gl1, float scale, int sms, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  if (n % 8 != 0) return cudaErrorInvalidValue;
+  using bf = __nv_bfloat16;
+  const long long n8 = n / 8;
+  const long long want = (n8 + 255) / 256, cap = 16LL * (sms > 0 ? sms : 132);
+  const unsigned blocks = (unsigned)(want < cap ? want : cap);
+  if (gated)
+    sfltrain::dense_bwd_kernel<true><<<blocks, 256, 0, stream>>>(
+        reinterpret_cast<bf*>(dh), reinterpret_cast<const bf*>(g), reinterpret_cast<const bf*>(u),
+        reinterpret_cast<const bf*>(h), reinterpret_cast<bf*>(du), n8, gl1, scale);
+  else
+    sfltrain::dense_bwd_kernel<false><<<blocks, 256, 0, stream>>>(
+        reinterpret_cast<bf*>(dh), reinterpret_cast<const bf*>(g), nullptr, reinterpret_cast<const bf*>(h), nullptr,
+        n8, gl1, scale);
   return cudaGetLastError();
 }
 

@@ -22,8 +22,9 @@ cudaError_t twell_row_stats_launch(const int32_t* counts, const int32_t* flag, i
 cudaError_t twell_compact_v1_launch(const void* g, long long ldg, int rows, int N, int S, int32_t* packed,
                                     int32_t* counts, int32_t* flag, cudaStream_t stream);
 void twell_set_grid_cap(int blocks);
-cudaError_t twell_relu_mul_stats_launch(void* g, long long ldg, void* u, long long ldu, int rows, int N, int S,
-                                        int32_t* rownnz, unsigned long long* stats, cudaStream_t stream);
+cudaError_t twell_relu_mul_stats_launch(const void* g, long long ldg, const void* u, long long ldu, void* out,
+                                        long long ldo, int rows, int N, int S, int row_cap, int32_t* rownnz,
+                                        unsigned long long* stats, float* l1_part, cudaStream_t stream);
 cudaError_t twell_decode_fused_launch(const void* x, const void* wg, const void* wu, const void* wdt, int rows,
                                       int K, int N, float* yacc, int32_t* nnz, int32_t* flag, cudaStream_t stream);
 }
@@ -133,21 +134,25 @@ void finalize(const at::Tensor& yacc, const at::Tensor& flag, at::Tensor y, int6
         "finalize");
 }
 
-// Dense path, in place: gated (u non-empty): u <- relu(g) * u; non-gated: g <- relu(g). g/u [rows, >=N] bf16 with
-// unit column stride. rownnz int32 [rows] (or empty: skipped); stats int64 [2] zeroed by the caller (or empty):
-// += (active entries of unflagged rows, flagged rows), where flagged = a 256-column tile with more than S active
-// entries, or a non-finite gate value.
-void relu_mul_stats(at::Tensor g, at::Tensor u, int64_t N, int64_t S, at::Tensor rownnz, at::Tensor stats) {
-  TORCH_CHECK(g.is_cuda() && g.scalar_type() == at::kBFloat16 && g.dim() == 2 && g.stride(1) == 1,
-              "relu_mul_stats: g must be a CUDA bf16 [rows, N] tensor with unit column stride");
-  TORCH_CHECK(g.size(1) >= N, "relu_mul_stats: g has fewer than N columns");
+// Dense path: out = relu(g) * u (gated, u non-empty) or relu(g); out may be g or u (in place). g/u/out
+// [rows, >=N] bf16 with unit column stride. rownnz int32 [rows] (or empty: skipped); stats int64 [2] zeroed by
+// the caller (or empty): += (active entries of unflagged rows, flagged rows), flagged = a 256-column tile with
+// more than S active entries, a row with more than row_cap, or a non-finite gate value. l1_part fp32
+// [(rows + 7) / 8] (or empty): per-block sums of |out|.
+void relu_mul_stats(const at::Tensor& g, const at::Tensor& u, at::Tensor out, int64_t N, int64_t S,
+                    int64_t row_cap, at::Tensor rownnz, at::Tensor stats, at::Tensor l1_part) {
+  auto mat = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kBFloat16 && t.dim() == 2 && t.stride(1) == 1 &&
+                    t.size(0) == g.size(0) && t.size(1) >= N,
+                "relu_mul_stats: ", name, " must be a CUDA bf16 [rows, >=N] tensor with unit column stride");
+  };
+  mat(g, "g");
+  mat(out, "out");
   const int64_t rows = g.size(0);
-  void* up = nullptr;
+  const void* up = nullptr;
   int64_t ldu = 0;
   if (u.numel() > 0) {
-    TORCH_CHECK(u.is_cuda() && u.scalar_type() == at::kBFloat16 && u.dim() == 2 && u.stride(1) == 1 &&
-                    u.size(0) == rows && u.size(1) >= N,
-                "relu_mul_stats: u must be a CUDA bf16 [rows, N] tensor with unit column stride");
+    mat(u, "u");
     up = u.data_ptr();
     ldu = u.stride(0);
   }
@@ -163,8 +168,15 @@ void relu_mul_stats(at::Tensor g, at::Tensor u, int64_t N, int64_t S, at::Tensor
     TORCH_CHECK(stats.size(0) == 2, "relu_mul_stats: stats must be int64 [2]");
     st = reinterpret_cast<unsigned long long*>(stats.data_ptr<int64_t>());
   }
+  float* lp = nullptr;
+  if (l1_part.numel() > 0) {
+    req(l1_part, "l1_part", at::kFloat, 1);
+    TORCH_CHECK(l1_part.size(0) == (rows + 7) / 8, "relu_mul_stats: l1_part must be fp32 [(rows + 7) / 8]");
+    lp = l1_part.data_ptr<float>();
+  }
   const c10::cuda::CUDAGuard guard(g.device());
-  check(twell_relu_mul_stats_launch(g.data_ptr(), g.stride(0), up, ldu, (int)rows, (int)N, (int)S, rn, st,
+  check(twell_relu_mul_stats_launch(g.data_ptr(), g.stride(0), up, ldu, out.data_ptr(), out.stride(0), (int)rows,
+                                    (int)N, (int)S, (int)std::min<int64_t>(row_cap, INT32_MAX), rn, st, lp,
                                     c10::cuda::getCurrentCUDAStream().stream()),
         "relu_mul_stats");
 }
@@ -224,7 +236,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gated_up", &gated_up, "h = g * (x . W_u[j]) for every stored TwELL entry (fp32)");
   m.def("down", &down, "y = TwELL(h) @ W_d^T (fp32 accumulate)");
   m.def("finalize", &finalize, "fp32 accumulator -> bf16 output");
-  m.def("relu_mul_stats", &relu_mul_stats, "dense path: relu(g) * u in place (or relu(g)), measuring activity");
+  m.def("relu_mul_stats", &relu_mul_stats, "dense path: relu(g) * u (or relu(g)) in one pass, measuring activity (and the L1 sum)");
   m.def("row_stats", &row_stats, "sum of counts over unflagged rows and number of flagged rows (dispatch history)");
   m.def("source_hash", &source_hash, "hash of the sources this library was built from");
 }

@@ -211,29 +211,35 @@ def _dense(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor):
 
 
 def _dense_measured(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, hist: LayerHistory | None,
-                    want_stats: bool, kn: dict) -> tuple[Tensor, Tensor]:
+                    want_stats: bool, kn: dict, g: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The dense path: the same GEMMs as ``_dense``, with relu(g) * u done in one in-place pass (our kernel) that
-    also measures the layer's activity exactly for the dispatch history (hist=None: no measurement).
+    also measures the layer's activity exactly for the dispatch history (hist=None: no measurement). g: the gate
+    GEMM x @ w_gate^T (x @ w_up^T non-gated) if the caller already launched it.
 
     torch's relu then mul read/write five [M, N] bf16 arrays; the fused pass three, and the result is the same
     bits. Without the extension this is ``_dense`` (exact, no measurement)."""
     try:
         ext = _ext()
     except Exception:  # no extension here: dense still works, the history just stays empty
+        if g is not None:
+            h = F.relu(g)
+            y = F.linear(h * F.linear(x, w_up) if w_gate is not None else h, w_down)
+            return y, ((h != 0).sum(1, dtype=torch.int32) if want_stats else y.new_empty(0, dtype=torch.int32))
         y, h = _dense(x, w_gate, w_up, w_down)
         return y, ((h != 0).sum(1, dtype=torch.int32) if want_stats else y.new_empty(0, dtype=torch.int32))
     M, N = x.shape[0], w_up.shape[0]
     empty_i = x.new_empty(0, dtype=torch.int32)
     rownnz = torch.empty(M, device=x.device, dtype=torch.int32) if want_stats else empty_i
     stats = torch.zeros(2, device=x.device, dtype=torch.int64) if hist is not None else x.new_empty(0, dtype=torch.int64)
+    if g is None:
+        g = F.linear(x, w_gate if w_gate is not None else w_up)
+    no_l1 = x.new_empty(0, dtype=torch.float32)
     if w_gate is not None:
-        g = F.linear(x, w_gate)
         u = F.linear(x, w_up)
-        ext.relu_mul_stats(g, u, N, kn["slots"], rownnz, stats)
+        ext.relu_mul_stats(g, u, u, N, kn["slots"], N, rownnz, stats, no_l1)
         y = F.linear(u, w_down)
     else:
-        g = F.linear(x, w_up)
-        ext.relu_mul_stats(g, x.new_empty(0), N, kn["slots"], rownnz, stats)
+        ext.relu_mul_stats(g, x.new_empty(0), g, N, kn["slots"], N, rownnz, stats, no_l1)
         y = F.linear(g, w_down)
     if hist is not None:
         ev, buf = hist.to_host(stats, 0)
@@ -321,6 +327,11 @@ def _ffn_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down_t: Tensor, 
         return x.new_empty(0, K), torch.empty(0, device=dev, dtype=torch.int32)
     capturing = torch.cuda.is_current_stream_capturing()
     sync_free = capturing or M <= kn["decode_max_m"]
+    chunk = chunk_rows_for(M, N, kn)
+    # Eager large M: the dense and the sparse path both start with the same gate GEMM over all rows (when one
+    # scratch chunk holds them). Launch it before the dispatch logic: host time before the first kernel is GPU
+    # idle time whenever the GPU has nothing queued (the first layer after a sync, small M).
+    g_pre = torch.mm(x, gate_w.t()) if not sync_free and M <= chunk else None
     hist = history_for(gate_w)
 
     if mode == MODE_AUTO:
@@ -337,7 +348,7 @@ def _ffn_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down_t: Tensor, 
     if not sparse:
         # measure unless capturing (no event queries in a graph) or the previous measurement is still in flight
         measure = mode == MODE_AUTO and not capturing and not hist.busy()
-        y, nnz = _dense_measured(x, w_gate, w_up, w_down, hist if measure else None, want_stats, kn)
+        y, nnz = _dense_measured(x, w_gate, w_up, w_down, hist if measure else None, want_stats, kn, g_pre)
         hist.dense_calls += 1
         LAST_PATH.update(path="dense", flagged_rows=None)
         return y, nnz
@@ -350,12 +361,14 @@ def _ffn_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down_t: Tensor, 
     S = TILE_N if sync_free else kn["slots"]
     if not 1 <= S <= TILE_N:
         raise ValueError(f"TWELL_SLOTS must be in 1..{TILE_N}, got {S}")
-    chunk = chunk_rows_for(M, N, kn)
     packed = torch.empty(M, T, S, device=dev, dtype=torch.int32)
     counts = torch.empty(M, T, device=dev, dtype=torch.int32)
     flag = torch.zeros(M, device=dev, dtype=torch.int32)
     y = torch.empty(M, K, device=dev, dtype=torch.bfloat16)
-    _gate_chunks(x, gate_w, packed, counts, flag, chunk, ext, compact_version=kn["compact"])
+    if g_pre is not None:
+        ext.compact(g_pre, N, packed, counts, flag, kn["compact"])
+    else:
+        _gate_chunks(x, gate_w, packed, counts, flag, chunk, ext, compact_version=kn["compact"])
     ext.set_grid_cap(_grid_cap(dev, kn["updown_blocks_per_sm"]))
     measure = not capturing and (not sync_free or not hist.busy())
     if measure:  # exact activity of this call, for the history (and the flagged-row count below)

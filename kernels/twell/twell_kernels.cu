@@ -511,33 +511,40 @@ __global__ void finalize_kernel(const float* __restrict__ yacc, const int32_t* _
 
 // ---------------------------------------------------------------------------------------------
 // relu_mul_stats: the dense path's elementwise step in one pass, measuring activity for free while g is read.
-// Gated (u != nullptr): u <- bf16(relu(g) * u) in place (fp32 product rounded once: the same bits as torch's
-// relu then mul, including 0 * Inf = NaN). Non-gated: g <- relu(g) in place. Measures relu(g): rownnz[r] =
-// active entries of row r (NaN counts; skipped when rownnz is null); stats[0] += active entries of unflagged
-// rows, stats[1] += flagged rows (a tile count > S or a non-finite gate; skipped when stats is null; zeroed by
-// the caller). Against torch's two elementwise kernels this reads/writes 3 instead of 5 [rows, N] bf16 arrays.
+// Gated (u != nullptr): out = bf16(relu(g) * u) (fp32 product rounded once: the same bits as torch's relu then
+// mul, including 0 * Inf = NaN); non-gated: out = relu(g). out may alias g or u (in place). Measures relu(g):
+// rownnz[r] = active entries of row r (NaN counts; skipped when null); stats[0] += active entries of unflagged
+// rows, stats[1] += flagged rows (a tile count > S, a row count > row_cap, or a non-finite gate; skipped when
+// null; zeroed by the caller); l1_part[block] = sum of |out| over the block's rows in fp32 (skipped when null).
+// Against torch's two elementwise kernels this reads/writes 3 instead of 5 [rows, N] bf16 arrays.
 // One warp per row (tiles kRmU at a time, loads issued together), 8 rows per block, 2 atomics per block.
 constexpr int kRmU = 4;
 template <bool GATED>
-__global__ void __launch_bounds__(256) relu_mul_stats_kernel(__nv_bfloat16* __restrict__ g, long long ldg,
-                                                             __nv_bfloat16* __restrict__ u, long long ldu, int rows,
-                                                             int n_tiles, int S, int32_t* __restrict__ rownnz,
-                                                             unsigned long long* __restrict__ stats) {
+__global__ void __launch_bounds__(256) relu_mul_stats_kernel(const __nv_bfloat16* g, long long ldg,
+                                                             const __nv_bfloat16* u, long long ldu,
+                                                             __nv_bfloat16* out, long long ldo, int rows,
+                                                             int n_tiles, int S, int row_cap,
+                                                             int32_t* __restrict__ rownnz,
+                                                             unsigned long long* __restrict__ stats,
+                                                             float* __restrict__ l1_part) {
   __shared__ unsigned long long s_n[8], s_f[8];
+  __shared__ float s_l1[8];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row = blockIdx.x * 8 + warp;
   int nnz = 0;
   bool bad = false;
+  float l1 = 0.f;
   if (row < rows) {  // warp-uniform
-    uint4* gr = reinterpret_cast<uint4*>(g + (long long)row * ldg) + lane;
-    uint4* ur = GATED ? reinterpret_cast<uint4*>(u + (long long)row * ldu) + lane : nullptr;
+    const uint4* gr = reinterpret_cast<const uint4*>(g + (long long)row * ldg) + lane;
+    const uint4* ur = GATED ? reinterpret_cast<const uint4*>(u + (long long)row * ldu) + lane : nullptr;
+    uint4* orow = reinterpret_cast<uint4*>(out + (long long)row * ldo) + lane;
     for (int t0 = 0; t0 < n_tiles; t0 += kRmU) {
       uint4 gv[kRmU], uv[kRmU];
 #pragma unroll
       for (int k = 0; k < kRmU; ++k) {
         if (t0 + k < n_tiles) {
-          gv[k] = __ldcs(gr + (t0 + k) * 32);       // g is dead after this pass
-          if (GATED) uv[k] = __ldcs(ur + (t0 + k) * 32);
+          gv[k] = gr[(t0 + k) * 32];
+          if (GATED) uv[k] = ur[(t0 + k) * 32];
         }
       }
 #pragma unroll
@@ -566,29 +573,39 @@ __global__ void __launch_bounds__(256) relu_mul_stats_kernel(__nv_bfloat16* __re
             } else {
               o[i] = h;
             }
+            if (l1_part != nullptr) l1 += fabsf(bf16lo(o[i])) + fabsf(bf16hi(o[i]));
           }
-          const uint4 ov = make_uint4(o[0], o[1], o[2], o[3]);
-          if (GATED) ur[(t0 + k) * 32] = ov; else gr[(t0 + k) * 32] = ov;  // read next by the down GEMM: keep in L2
+          orow[(t0 + k) * 32] = make_uint4(o[0], o[1], o[2], o[3]);  // read next by a GEMM: keep in L2
           const int tc = __reduce_add_sync(kFull, c);
           nnz += tc;
           bad |= (tc > S) || __any_sync(kFull, nf);
         }
       }
     }
+    bad |= nnz > row_cap;
     if (rownnz != nullptr && lane == 0) rownnz[row] = nnz;
   }
-  if (stats == nullptr) return;  // grid-uniform
+  if (stats == nullptr && l1_part == nullptr) return;  // grid-uniform
+  if (l1_part != nullptr) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) l1 += __shfl_xor_sync(kFull, l1, o);
+  }
   if (lane == 0) {
     s_n[warp] = (row < rows && !bad) ? (unsigned long long)nnz : 0ull;
     s_f[warp] = (row < rows && bad) ? 1ull : 0ull;
+    s_l1[warp] = l1;
   }
   __syncthreads();
   if (threadIdx.x == 0) {
     unsigned long long tn = 0, tf = 0;
+    float tl = 0.f;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) { tn += s_n[i]; tf += s_f[i]; }
-    if (tn) atomicAdd(stats, tn);
-    if (tf) atomicAdd(stats + 1, tf);
+    for (int i = 0; i < 8; ++i) { tn += s_n[i]; tf += s_f[i]; tl += s_l1[i]; }
+    if (stats != nullptr) {
+      if (tn) atomicAdd(stats, tn);
+      if (tf) atomicAdd(stats + 1, tf);
+    }
+    if (l1_part != nullptr) l1_part[blockIdx.x] = tl;  // fixed order: the caller's sum is deterministic
   }
 }
 
@@ -819,20 +836,26 @@ cudaError_t twell_row_stats_launch(const int32_t* counts, const int32_t* flag, i
   return cudaGetLastError();
 }
 
-// relu_mul_stats: g [rows, >=N] (ldg), u [rows, >=N] (ldu) or nullptr (non-gated), N % 256 == 0, ld % 8 == 0.
-cudaError_t twell_relu_mul_stats_launch(void* g, long long ldg, void* u, long long ldu, int rows, int N, int S,
-                                        int32_t* rownnz, unsigned long long* stats, cudaStream_t stream) {
+// relu_mul_stats: g/u/out [rows, >=N] with row strides ld* (% 8), u == nullptr for non-gated, N % 256 == 0.
+// l1_part (if not null) holds (rows + 7) / 8 floats.
+cudaError_t twell_relu_mul_stats_launch(const void* g, long long ldg, const void* u, long long ldu, void* out,
+                                        long long ldo, int rows, int N, int S, int row_cap, int32_t* rownnz,
+                                        unsigned long long* stats, float* l1_part, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
-  if (N % twell::kTileN != 0 || ldg % 8 != 0 || (u != nullptr && ldu % 8 != 0)) return cudaErrorInvalidValue;
+  if (N % twell::kTileN != 0 || ldg % 8 != 0 || ldo % 8 != 0 || (u != nullptr && ldu % 8 != 0))
+    return cudaErrorInvalidValue;
   const unsigned blocks = (unsigned)((rows + 7) / 8);
-  auto* gb = reinterpret_cast<__nv_bfloat16*>(g);
-  auto* ub = reinterpret_cast<__nv_bfloat16*>(u);
+  const auto* gb = reinterpret_cast<const __nv_bfloat16*>(g);
+  const auto* ub = reinterpret_cast<const __nv_bfloat16*>(u);
+  auto* ob = reinterpret_cast<__nv_bfloat16*>(out);
   if (u != nullptr)
-    twell::relu_mul_stats_kernel<true><<<blocks, 256, 0, stream>>>(gb, ldg, ub, ldu, rows, N / twell::kTileN, S,
-                                                                   rownnz, stats);
+    twell::relu_mul_stats_kernel<true><<<blocks, 256, 0, stream>>>(gb, ldg, ub, ldu, ob, ldo, rows,
+                                                                   N / twell::kTileN, S, row_cap, rownnz, stats,
+                                                                   l1_part);
   else
-    twell::relu_mul_stats_kernel<false><<<blocks, 256, 0, stream>>>(gb, ldg, ub, 0, rows, N / twell::kTileN, S,
-                                                                    rownnz, stats);
+    twell::relu_mul_stats_kernel<false><<<blocks, 256, 0, stream>>>(gb, ldg, ub, 0, ob, ldo, rows,
+                                                                    N / twell::kTileN, S, row_cap, rownnz, stats,
+                                                                    l1_part);
   return cudaGetLastError();
 }
 
