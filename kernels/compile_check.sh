@@ -18,4 +18,33 @@ for f in "${srcs[@]}"; do
     echo "FAIL   $f"; cat "$log"; fail=1
   fi
 done
+
+# Bindings (binding.cpp, torch-facing): a syntax check against the installed torch's headers, so a C++ error
+# is caught here and not on the GPU machine. A CPU-only torch wheel lacks one generated CUDA header (stubbed)
+# and the cuBLAS/cuSPARSE headers (bindings must not include ATen/cuda/CUDAContext.h). Skipped without torch.
+PY="${PYTHON:-}"
+if [ -z "$PY" ]; then   # the project's Python (creates .venv on first use, as the tests would)
+  # shellcheck disable=SC1091
+  PY="$(. experiments/env.sh >/dev/null && command -v python)" || PY=python3
+fi
+if inc=$("$PY" -c "import torch.utils.cpp_extension as c, sysconfig; print(' '.join(['-isystem ' + p for p in c.include_paths()] + ['-isystem ' + sysconfig.get_paths()['include']]))" 2>/dev/null); then
+  cuda_inc=""   # the toolkit's include folder (nvcc may be a wrapper script, so try the usual places too)
+  for d in "${CUDA_HOME:-}/include" "$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")/include" \
+           /usr/local/cuda/include /usr/local/cuda-*/include; do
+    if [ -f "$d/cuda_runtime_api.h" ]; then cuda_inc="$d"; break; fi
+  done
+  mkdir -p "$out/stub/c10/cuda/impl"
+  printf '#pragma once\n' > "$out/stub/c10/cuda/impl/cuda_cmake_macros.h"
+  while IFS= read -r f; do
+    # shellcheck disable=SC2086
+    if g++ -std=c++17 -fsyntax-only -isystem "$out/stub" $inc -isystem "$cuda_inc" -DTORCH_EXTENSION_NAME=check \
+         -DTORCH_API_INCLUDE_EXTENSION_H "$f" >"$out/binding.log" 2>&1; then
+      echo "ok     $f (syntax)"
+    else
+      echo "FAIL   $f"; cat "$out/binding.log"; fail=1
+    fi
+  done < <(find kernels -name 'binding.cpp' | sort)
+else
+  echo "skip   bindings (torch not importable by $PY)"
+fi
 exit "$fail"

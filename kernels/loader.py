@@ -138,8 +138,14 @@ def load_twell(verbose: bool = False) -> ModuleType:
                               f"({mod.source_hash()} != {src_hash}); rebuilding", stacklevel=2)
             except ImportError as e:  # built for another python/torch
                 warnings.warn(f"TWELL_PREBUILT={pre} cannot be imported ({e}); rebuilding", stacklevel=2)
-        mod = build_extension(name, TWELL_SOURCES, arch, define=f"TWELL_SRC_HASH={src_hash}",
-                              what="the TwELL extension", hint=REFERENCE_HINT, verbose=verbose)
+        if "twell_error" in _CACHE:  # a failed build is not retried on every call (each try runs ninja)
+            raise _CACHE["twell_error"]
+        try:
+            mod = build_extension(name, TWELL_SOURCES, arch, define=f"TWELL_SRC_HASH={src_hash}",
+                                  what="the TwELL extension", hint=REFERENCE_HINT, verbose=verbose)
+        except KernelUnavailableError as e:
+            _CACHE["twell_error"] = e
+            raise
         _CACHE["twell"] = mod
         return mod
 

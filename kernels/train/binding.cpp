@@ -4,7 +4,6 @@
 #include <torch/extension.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <ATen/cuda/CUDAContext.h>
 #include <cuda_runtime.h>
 
 extern "C" {
@@ -20,7 +19,7 @@ cudaError_t sfltrain_bwd_rows_launch(int gated, const void* dy, const void* wg, 
                                      const float* ell_u, const int32_t* nnz, const int32_t* flag, const float* l1c,
                                      float* cg, float* cu, void* dx, cudaStream_t stream);
 cudaError_t sfltrain_dense_bwd_launch(int gated, void* dh, const void* g, const void* u, const void* h, void* du,
-                                      long long n, const float* gl1, float scale, int sms, cudaStream_t stream);
+                                      long long n, const float* gl1, float scale, cudaStream_t stream);
 cudaError_t sfltrain_dw_launch(int gated, int nb, const void* x, const void* dy, int N, int K, int W,
                                const int64_t* perm, const int64_t* colptr, const void* ell_a, const float* ell_u,
                                const float* cg, const float* cu, const void* add_g, const void* add_u,
@@ -176,7 +175,7 @@ void dw(bool gated, int64_t nb, const at::Tensor& x, const at::Tensor& dy, const
 void dense_bwd(at::Tensor dh, const at::Tensor& g, const at::Tensor& u, const at::Tensor& h, at::Tensor du,
                const at::Tensor& gl1, double scale) {
   const bool gated = u.numel() > 0;
-  for (const at::Tensor* t : {&dh, &g, &h}) req(*t, "dense_bwd tensor", at::kBFloat16, 2);
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&dh, &g, &h}) req(*t, "dense_bwd tensor", at::kBFloat16, 2);
   TORCH_CHECK(g.sizes() == dh.sizes() && h.sizes() == dh.sizes(), "dense_bwd: g, h and dh must have one shape");
   if (gated) {
     req(u, "u", at::kBFloat16, 2);
@@ -186,10 +185,9 @@ void dense_bwd(at::Tensor dh, const at::Tensor& g, const at::Tensor& u, const at
   TORCH_CHECK(gl1.is_cuda() && gl1.scalar_type() == at::kFloat && gl1.numel() == 1 && gl1.is_contiguous(),
               "dense_bwd: gl1 must be one fp32 CUDA value");
   const c10::cuda::CUDAGuard guard(dh.device());
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   check(sfltrain_dense_bwd_launch(gated ? 1 : 0, dh.data_ptr(), g.data_ptr(), gated ? u.data_ptr() : nullptr,
                                   h.data_ptr(), gated ? du.data_ptr() : nullptr, dh.numel(), gl1.data_ptr<float>(),
-                                  (float)scale, sms, stream()),
+                                  (float)scale, stream()),
         "dense_bwd");
 }
 

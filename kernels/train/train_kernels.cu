@@ -637,12 +637,18 @@ cudaError_t sfltrain_dw_launch(int gated, int nb, const void* x, const void* dy,
 
 // dense_bwd: dh/g/h (and u/du when gated) contiguous bf16 of n elements (n % 8 == 0); gl1: one fp32 on device.
 cudaError_t sfltrain_dense_bwd_launch(int gated, void* dh, const void* g, const void* u, const void* h, void* du,
-                                      long long n, const float* gl1, float scale, int sms, cudaStream_t stream) {
+                                      long long n, const float* gl1, float scale, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   if (n % 8 != 0) return cudaErrorInvalidValue;
   using bf = __nv_bfloat16;
   const long long n8 = n / 8;
-  const long long want = (n8 + 255) / 256, cap = 16LL * (sms > 0 ? sms : 132);
+  static int sms = 0;  // grid-stride loop over a capped grid (16 blocks per SM)
+  if (sms == 0) {
+    int dev = 0, v = 0;
+    sms = (cudaGetDevice(&dev) == cudaSuccess &&
+           cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess && v > 0) ? v : 132;
+  }
+  const long long want = (n8 + 255) / 256, cap = 16LL * sms;
   const unsigned blocks = (unsigned)(want < cap ? want : cap);
   if (gated)
     sfltrain::dense_bwd_kernel<true><<<blocks, 256, 0, stream>>>(
