@@ -220,7 +220,7 @@ class _FusedDenseFFN(torch.autograd.Function):
         h = torch.empty_like(g) if gated else g   # non-gated: relu in place (a = h, g is not needed after)
         rownnz = torch.empty(M if want_stats else 0, device=x.device, dtype=torch.int32)
         stats = torch.zeros(2, device=x.device, dtype=torch.int64)
-        part = torch.empty((M + 7) // 8, device=x.device, dtype=torch.float32)
+        part = torch.empty(M, device=x.device, dtype=torch.float32)   # per-row sum |h|: a deterministic L1
         last = (_last_active_dense((g > 0) | torch.isnan(g)) if want_last_active
                 else torch.empty(0, device=x.device, dtype=torch.int64))
         tw.relu_mul_stats(g, u if gated else x.new_empty(0), h, N, 256, row_cap, rownnz, stats, part)

@@ -217,7 +217,7 @@ def test_relu_mul_stats_kernel(ffn, gated):
 
     ext = load_twell()
     gen = torch.Generator(device=DEV).manual_seed(7)
-    for rows, N, S in ((1, 256, 32), (13, 1536, 32), (3001, 5632, 32), (40, 8192, 8)):
+    for rows, N, S in ((1, 256, 32), (13, 1536, 32), (3001, 5632, 32), (40, 8192, 8), (1057, 5632, 32)):
         ld = N + 64   # strided rows, written in place
         g = torch.randn(rows, ld, device=DEV, generator=gen).sub(1.5).to(BF)
         u = torch.randn(rows, ld, device=DEV, generator=gen).to(BF)
@@ -251,6 +251,27 @@ def test_relu_mul_stats_kernel(ffn, gated):
             "wrote past N columns"
         assert torch.equal(rownnz.long(), act.sum(1))
         assert stats.tolist() == [int(act.sum(1)[~bad].sum()), int(bad.sum())]
+        # training form: separate output, a row cap, per-row L1 sums (inputs untouched)
+        g2, u2 = g.clone(), u.clone()
+        g2v, u2v = g2[:, :N], u2[:, :N]
+        keep = (g2v > 0) | torch.isnan(g2v)
+        want2 = torch.where(keep, g2v, torch.zeros_like(g2v))
+        want2 = want2 * u2v if gated else want2
+        out = torch.full((rows, N), 7.0, device=DEV, dtype=BF)
+        l1_row = torch.full((rows,), -1.0, device=DEV)
+        stats2 = torch.zeros(2, device=DEV, dtype=torch.int64)
+        cap = 20
+        ext.relu_mul_stats(g2v, u2v if gated else torch.empty(0, device=DEV, dtype=BF), out, N, 256, cap,
+                           torch.empty(0, device=DEV, dtype=torch.int32), stats2, l1_row)
+        assert torch.equal(bits(g2), bits(g)) and torch.equal(bits(u2), bits(u)), "inputs modified"
+        nan2 = torch.isnan(want2.float())
+        assert torch.equal(torch.isnan(out.float()), nan2) and torch.equal(out.float()[~nan2], want2.float()[~nan2])
+        l1_want = want2.float().abs().sum(1)
+        fin = torch.isfinite(l1_want)
+        assert torch.equal(torch.isfinite(l1_row), fin)
+        assert torch.allclose(l1_row[fin], l1_want[fin], rtol=1e-5, atol=1e-6)
+        bad2 = (act.sum(1) > cap) | (~torch.isfinite(gv.float())).any(1)
+        assert stats2.tolist() == [int(act.sum(1)[~bad2].sum()), int(bad2.sum())]
 
 
 def test_dense_path_is_torch_dense(ffn):

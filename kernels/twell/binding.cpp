@@ -24,7 +24,7 @@ cudaError_t twell_compact_v1_launch(const void* g, long long ldg, int rows, int 
 void twell_set_grid_cap(int blocks);
 cudaError_t twell_relu_mul_stats_launch(const void* g, long long ldg, const void* u, long long ldu, void* out,
                                         long long ldo, int rows, int N, int S, int row_cap, int32_t* rownnz,
-                                        unsigned long long* stats, float* l1_part, cudaStream_t stream);
+                                        unsigned long long* stats, float* l1_row, cudaStream_t stream);
 cudaError_t twell_decode_fused_launch(const void* x, const void* wg, const void* wu, const void* wdt, int rows,
                                       int K, int N, float* yacc, int32_t* nnz, int32_t* flag, cudaStream_t stream);
 }
@@ -137,10 +137,10 @@ void finalize(const at::Tensor& yacc, const at::Tensor& flag, at::Tensor y, int6
 // Dense path: out = relu(g) * u (gated, u non-empty) or relu(g); out may be g or u (in place). g/u/out
 // [rows, >=N] bf16 with unit column stride. rownnz int32 [rows] (or empty: skipped); stats int64 [2] zeroed by
 // the caller (or empty): += (active entries of unflagged rows, flagged rows), flagged = a 256-column tile with
-// more than S active entries, a row with more than row_cap, or a non-finite gate value. l1_part fp32
-// [(rows + 7) / 8] (or empty): per-block sums of |out|.
+// more than S active entries, a row with more than row_cap, or a non-finite gate value. l1_row fp32 [rows]
+// (or empty): per-row sums of |out|.
 void relu_mul_stats(const at::Tensor& g, const at::Tensor& u, at::Tensor out, int64_t N, int64_t S,
-                    int64_t row_cap, at::Tensor rownnz, at::Tensor stats, at::Tensor l1_part) {
+                    int64_t row_cap, at::Tensor rownnz, at::Tensor stats, at::Tensor l1_row) {
   auto mat = [&](const at::Tensor& t, const char* name) {
     TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kBFloat16 && t.dim() == 2 && t.stride(1) == 1 &&
                     t.size(0) == g.size(0) && t.size(1) >= N,
@@ -169,10 +169,10 @@ void relu_mul_stats(const at::Tensor& g, const at::Tensor& u, at::Tensor out, in
     st = reinterpret_cast<unsigned long long*>(stats.data_ptr<int64_t>());
   }
   float* lp = nullptr;
-  if (l1_part.numel() > 0) {
-    req(l1_part, "l1_part", at::kFloat, 1);
-    TORCH_CHECK(l1_part.size(0) == (rows + 7) / 8, "relu_mul_stats: l1_part must be fp32 [(rows + 7) / 8]");
-    lp = l1_part.data_ptr<float>();
+  if (l1_row.numel() > 0) {
+    req(l1_row, "l1_row", at::kFloat, 1);
+    TORCH_CHECK(l1_row.size(0) == rows, "relu_mul_stats: l1_row must be fp32 [rows]");
+    lp = l1_row.data_ptr<float>();
   }
   const c10::cuda::CUDAGuard guard(g.device());
   check(twell_relu_mul_stats_launch(g.data_ptr(), g.stride(0), up, ldu, out.data_ptr(), out.stride(0), (int)rows,

@@ -210,37 +210,42 @@ def _dense(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor):
     return y, h
 
 
+_EMPTY: dict[tuple, Tensor] = {}
+
+
+def _empty(dev: torch.device, dtype: torch.dtype) -> Tensor:
+    """A cached 0-element tensor ("no such output" for the kernels): no allocation per call."""
+    t = _EMPTY.get((dev, dtype))
+    if t is None:
+        t = _EMPTY[(dev, dtype)] = torch.empty(0, device=dev, dtype=dtype)
+    return t
+
+
 def _dense_measured(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, hist: LayerHistory | None,
-                    want_stats: bool, kn: dict, g: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                    want_stats: bool, kn: dict) -> tuple[Tensor, Tensor]:
     """The dense path: the same GEMMs as ``_dense``, with relu(g) * u done in one in-place pass (our kernel) that
-    also measures the layer's activity exactly for the dispatch history (hist=None: no measurement). g: the gate
-    GEMM x @ w_gate^T (x @ w_up^T non-gated) if the caller already launched it.
+    also measures the layer's activity exactly for the dispatch history (hist=None: no measurement).
 
     torch's relu then mul read/write five [M, N] bf16 arrays; the fused pass three, and the result is the same
-    bits. Without the extension this is ``_dense`` (exact, no measurement)."""
+    bits. The GEMMs are queued first, so the GPU has work while the host sets up the rest. Without the
+    extension this is ``_dense`` (exact, no measurement)."""
+    g = F.linear(x, w_gate if w_gate is not None else w_up)
+    u = F.linear(x, w_up) if w_gate is not None else None
     try:
         ext = _ext()
     except Exception:  # no extension here: dense still works, the history just stays empty
-        if g is not None:
-            h = F.relu(g)
-            y = F.linear(h * F.linear(x, w_up) if w_gate is not None else h, w_down)
-            return y, ((h != 0).sum(1, dtype=torch.int32) if want_stats else y.new_empty(0, dtype=torch.int32))
-        y, h = _dense(x, w_gate, w_up, w_down)
+        h = F.relu(g)
+        y = F.linear(h * u if u is not None else h, w_down)
         return y, ((h != 0).sum(1, dtype=torch.int32) if want_stats else y.new_empty(0, dtype=torch.int32))
     M, N = x.shape[0], w_up.shape[0]
-    empty_i = x.new_empty(0, dtype=torch.int32)
-    rownnz = torch.empty(M, device=x.device, dtype=torch.int32) if want_stats else empty_i
-    stats = torch.zeros(2, device=x.device, dtype=torch.int64) if hist is not None else x.new_empty(0, dtype=torch.int64)
-    if g is None:
-        g = F.linear(x, w_gate if w_gate is not None else w_up)
-    no_l1 = x.new_empty(0, dtype=torch.float32)
-    if w_gate is not None:
-        u = F.linear(x, w_up)
-        ext.relu_mul_stats(g, u, u, N, kn["slots"], N, rownnz, stats, no_l1)
-        y = F.linear(u, w_down)
-    else:
-        ext.relu_mul_stats(g, x.new_empty(0), g, N, kn["slots"], N, rownnz, stats, no_l1)
-        y = F.linear(g, w_down)
+    dev = x.device
+    empty_i = _empty(dev, torch.int32)
+    rownnz = torch.empty(M, device=dev, dtype=torch.int32) if want_stats else empty_i
+    stats = torch.zeros(2, device=dev, dtype=torch.int64) if hist is not None else _empty(dev, torch.int64)
+    h = u if u is not None else g   # in place
+    ext.relu_mul_stats(g, u if u is not None else _empty(dev, torch.bfloat16), h, N, kn["slots"], N, rownnz, stats,
+                       _empty(dev, torch.float32))
+    y = F.linear(h, w_down)
     if hist is not None:
         ev, buf = hist.to_host(stats, 0)
         hist.expect(ev, buf, "exact", M, N)
@@ -327,11 +332,6 @@ def _ffn_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down_t: Tensor, 
         return x.new_empty(0, K), torch.empty(0, device=dev, dtype=torch.int32)
     capturing = torch.cuda.is_current_stream_capturing()
     sync_free = capturing or M <= kn["decode_max_m"]
-    chunk = chunk_rows_for(M, N, kn)
-    # Eager large M: the dense and the sparse path both start with the same gate GEMM over all rows (when one
-    # scratch chunk holds them). Launch it before the dispatch logic: host time before the first kernel is GPU
-    # idle time whenever the GPU has nothing queued (the first layer after a sync, small M).
-    g_pre = torch.mm(x, gate_w.t()) if not sync_free and M <= chunk else None
     hist = history_for(gate_w)
 
     if mode == MODE_AUTO:
@@ -348,7 +348,7 @@ def _ffn_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down_t: Tensor, 
     if not sparse:
         # measure unless capturing (no event queries in a graph) or the previous measurement is still in flight
         measure = mode == MODE_AUTO and not capturing and not hist.busy()
-        y, nnz = _dense_measured(x, w_gate, w_up, w_down, hist if measure else None, want_stats, kn, g_pre)
+        y, nnz = _dense_measured(x, w_gate, w_up, w_down, hist if measure else None, want_stats, kn)
         hist.dense_calls += 1
         LAST_PATH.update(path="dense", flagged_rows=None)
         return y, nnz
@@ -365,10 +365,7 @@ def _ffn_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down_t: Tensor, 
     counts = torch.empty(M, T, device=dev, dtype=torch.int32)
     flag = torch.zeros(M, device=dev, dtype=torch.int32)
     y = torch.empty(M, K, device=dev, dtype=torch.bfloat16)
-    if g_pre is not None:
-        ext.compact(g_pre, N, packed, counts, flag, kn["compact"])
-    else:
-        _gate_chunks(x, gate_w, packed, counts, flag, chunk, ext, compact_version=kn["compact"])
+    _gate_chunks(x, gate_w, packed, counts, flag, chunk_rows_for(M, N, kn), ext, compact_version=kn["compact"])
     ext.set_grid_cap(_grid_cap(dev, kn["updown_blocks_per_sm"]))
     measure = not capturing and (not sync_free or not hist.busy())
     if measure:  # exact activity of this call, for the history (and the flagged-row count below)

@@ -515,22 +515,24 @@ __global__ void finalize_kernel(const float* __restrict__ yacc, const int32_t* _
 // mul, including 0 * Inf = NaN); non-gated: out = relu(g). out may alias g or u (in place). Measures relu(g):
 // rownnz[r] = active entries of row r (NaN counts; skipped when null); stats[0] += active entries of unflagged
 // rows, stats[1] += flagged rows (a tile count > S, a row count > row_cap, or a non-finite gate; skipped when
-// null; zeroed by the caller); l1_part[block] = sum of |out| over the block's rows in fp32 (skipped when null).
+// null; zeroed by the caller); l1_row[r] = sum of |out[r, :]| in fp32 (skipped when null).
 // Against torch's two elementwise kernels this reads/writes 3 instead of 5 [rows, N] bf16 arrays.
-// One warp per row (tiles kRmU at a time, loads issued together), 8 rows per block, 2 atomics per block.
+// WPR warps per row (8 rows of one warp per block for large M; 8 warps on one row for small M, where one warp
+// per row would wait on ~N/1024 rounds of loads), tiles kRmU at a time per warp (loads issued together).
 constexpr int kRmU = 4;
-template <bool GATED>
+template <bool GATED, int WPR>
 __global__ void __launch_bounds__(256) relu_mul_stats_kernel(const __nv_bfloat16* g, long long ldg,
                                                              const __nv_bfloat16* u, long long ldu,
                                                              __nv_bfloat16* out, long long ldo, int rows,
                                                              int n_tiles, int S, int row_cap,
                                                              int32_t* __restrict__ rownnz,
                                                              unsigned long long* __restrict__ stats,
-                                                             float* __restrict__ l1_part) {
-  __shared__ unsigned long long s_n[8], s_f[8];
+                                                             float* __restrict__ l1_row) {
+  constexpr int RPB = 8 / WPR;  // rows per block
+  __shared__ int s_n[8], s_b[8];
   __shared__ float s_l1[8];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int row = blockIdx.x * 8 + warp;
+  const int row = blockIdx.x * RPB + warp / WPR, sub = warp % WPR;
   int nnz = 0;
   bool bad = false;
   float l1 = 0.f;
@@ -538,18 +540,20 @@ __global__ void __launch_bounds__(256) relu_mul_stats_kernel(const __nv_bfloat16
     const uint4* gr = reinterpret_cast<const uint4*>(g + (long long)row * ldg) + lane;
     const uint4* ur = GATED ? reinterpret_cast<const uint4*>(u + (long long)row * ldu) + lane : nullptr;
     uint4* orow = reinterpret_cast<uint4*>(out + (long long)row * ldo) + lane;
-    for (int t0 = 0; t0 < n_tiles; t0 += kRmU) {
+    for (int t0 = sub; t0 < n_tiles; t0 += WPR * kRmU) {
       uint4 gv[kRmU], uv[kRmU];
 #pragma unroll
       for (int k = 0; k < kRmU; ++k) {
-        if (t0 + k < n_tiles) {
-          gv[k] = gr[(t0 + k) * 32];
-          if (GATED) uv[k] = ur[(t0 + k) * 32];
+        const int t = t0 + k * WPR;
+        if (t < n_tiles) {
+          gv[k] = gr[t * 32];
+          if (GATED) uv[k] = ur[t * 32];
         }
       }
 #pragma unroll
       for (int k = 0; k < kRmU; ++k) {
-        if (t0 + k < n_tiles) {
+        const int t = t0 + k * WPR;
+        if (t < n_tiles) {
           const uint32_t w[4] = {gv[k].x, gv[k].y, gv[k].z, gv[k].w};
           uint32_t o[4];
           int c = 0;
@@ -573,39 +577,38 @@ __global__ void __launch_bounds__(256) relu_mul_stats_kernel(const __nv_bfloat16
             } else {
               o[i] = h;
             }
-            if (l1_part != nullptr) l1 += fabsf(bf16lo(o[i])) + fabsf(bf16hi(o[i]));
+            if (l1_row != nullptr) l1 += fabsf(bf16lo(o[i])) + fabsf(bf16hi(o[i]));
           }
-          orow[(t0 + k) * 32] = make_uint4(o[0], o[1], o[2], o[3]);  // read next by a GEMM: keep in L2
+          orow[t * 32] = make_uint4(o[0], o[1], o[2], o[3]);  // read next by a GEMM: keep in L2
           const int tc = __reduce_add_sync(kFull, c);
           nnz += tc;
           bad |= (tc > S) || __any_sync(kFull, nf);
         }
       }
     }
-    bad |= nnz > row_cap;
-    if (rownnz != nullptr && lane == 0) rownnz[row] = nnz;
-  }
-  if (stats == nullptr && l1_part == nullptr) return;  // grid-uniform
-  if (l1_part != nullptr) {
+    if (l1_row != nullptr) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) l1 += __shfl_xor_sync(kFull, l1, o);
-  }
-  if (lane == 0) {
-    s_n[warp] = (row < rows && !bad) ? (unsigned long long)nnz : 0ull;
-    s_f[warp] = (row < rows && bad) ? 1ull : 0ull;
-    s_l1[warp] = l1;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned long long tn = 0, tf = 0;
-    float tl = 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) { tn += s_n[i]; tf += s_f[i]; tl += s_l1[i]; }
-    if (stats != nullptr) {
-      if (tn) atomicAdd(stats, tn);
-      if (tf) atomicAdd(stats + 1, tf);
+      for (int o = 16; o > 0; o >>= 1) l1 += __shfl_xor_sync(kFull, l1, o);
     }
-    if (l1_part != nullptr) l1_part[blockIdx.x] = tl;  // fixed order: the caller's sum is deterministic
+  }
+  if (lane == 0) { s_n[warp] = nnz; s_b[warp] = bad ? 1 : 0; s_l1[warp] = l1; }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  unsigned long long tn = 0, tf = 0;
+  for (int r = 0; r < RPB; ++r) {
+    const int rr = blockIdx.x * RPB + r;
+    if (rr >= rows) break;
+    int n = 0, b = 0;
+    float l = 0.f;
+    for (int w = r * WPR; w < (r + 1) * WPR; ++w) { n += s_n[w]; b |= s_b[w]; l += s_l1[w]; }  // fixed order
+    b |= n > row_cap;
+    if (rownnz != nullptr) rownnz[rr] = n;
+    if (l1_row != nullptr) l1_row[rr] = l;
+    if (b) ++tf; else tn += (unsigned long long)n;
+  }
+  if (stats != nullptr) {
+    if (tn) atomicAdd(stats, tn);
+    if (tf) atomicAdd(stats + 1, tf);
   }
 }
 
@@ -837,25 +840,28 @@ cudaError_t twell_row_stats_launch(const int32_t* counts, const int32_t* flag, i
 }
 
 // relu_mul_stats: g/u/out [rows, >=N] with row strides ld* (% 8), u == nullptr for non-gated, N % 256 == 0.
-// l1_part (if not null) holds (rows + 7) / 8 floats.
+// l1_row (if not null) holds rows floats.
 cudaError_t twell_relu_mul_stats_launch(const void* g, long long ldg, const void* u, long long ldu, void* out,
                                         long long ldo, int rows, int N, int S, int row_cap, int32_t* rownnz,
-                                        unsigned long long* stats, float* l1_part, cudaStream_t stream) {
+                                        unsigned long long* stats, float* l1_row, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
   if (N % twell::kTileN != 0 || ldg % 8 != 0 || ldo % 8 != 0 || (u != nullptr && ldu % 8 != 0))
     return cudaErrorInvalidValue;
-  const unsigned blocks = (unsigned)((rows + 7) / 8);
+  const int n_tiles = N / twell::kTileN;
   const auto* gb = reinterpret_cast<const __nv_bfloat16*>(g);
   const auto* ub = reinterpret_cast<const __nv_bfloat16*>(u);
   auto* ob = reinterpret_cast<__nv_bfloat16*>(out);
-  if (u != nullptr)
-    twell::relu_mul_stats_kernel<true><<<blocks, 256, 0, stream>>>(gb, ldg, ub, ldu, ob, ldo, rows,
-                                                                   N / twell::kTileN, S, row_cap, rownnz, stats,
-                                                                   l1_part);
-  else
-    twell::relu_mul_stats_kernel<false><<<blocks, 256, 0, stream>>>(gb, ldg, ub, 0, ob, ldo, rows,
-                                                                    N / twell::kTileN, S, row_cap, rownnz, stats,
-                                                                    l1_part);
+  // few rows: 8 warps per row (parallelism); else one warp per row (8 rows per block)
+  const bool wide = rows <= 8 * twell::sm_count();
+#define TWELL_RMS(G_, W_)                                                                                      \
+  twell::relu_mul_stats_kernel<G_, W_><<<(unsigned)((rows + 8 / W_ - 1) / (8 / W_)), 256, 0, stream>>>(        \
+      gb, ldg, ub, ldu, ob, ldo, rows, n_tiles, S, row_cap, rownnz, stats, l1_row)
+  if (u != nullptr) {
+    if (wide) TWELL_RMS(true, 8); else TWELL_RMS(true, 1);
+  } else {
+    if (wide) TWELL_RMS(false, 8); else TWELL_RMS(false, 1);
+  }
+#undef TWELL_RMS
   return cudaGetLastError();
 }
 
