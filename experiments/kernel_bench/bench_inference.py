@@ -89,9 +89,12 @@ class Timer:
         return statistics.median(times)
 
 
-    def time_pair(self, fa, fb, reps: int, warmup: int = 2) -> tuple[float, float]:
+    def time_pair(self, fa, fb, reps: int, warmup: int = 2, calls: int = 1) -> tuple[float, float]:
         """Median times of fa and fb, timed in alternation (ABAB...) so that clock/thermal drift during the
-        run hits both equally (timing all of A, then all of B, biased B by up to several % at large M)."""
+        run hits both equally (timing all of A, then all of B, biased B by up to several % at large M).
+        calls > 1: that many back-to-back calls per timed repetition (per-call time reported): the steady state
+        of a model, where the host runs ahead of the GPU; calls = 1 also counts the host latency before the
+        first kernel (the GPU is idle after the L2 flush)."""
         for _ in range(warmup):
             fa()
             fb()
@@ -101,10 +104,11 @@ class Timer:
                 self.flush_buf.zero_()
                 s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 s.record()
-                fn()
+                for _ in range(calls):
+                    fn()
                 e.record()
                 e.synchronize()
-                out.append(s.elapsed_time(e))
+                out.append(s.elapsed_time(e) / calls)
         return statistics.median(ta), statistics.median(tb)
 
 
@@ -128,9 +132,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def crossover_spec(rows: list[dict]) -> str:
-    """TWELL_CROSSOVER from calibration rows: per M, the activity where sparse/dense crosses 1 (linear
-    interpolation between measured points), the minimum over the profiles, rounded down to 0.0001."""
+def crossover_spec(rows: list[dict], threshold: float = 0.98) -> str:
+    """TWELL_CROSSOVER from calibration rows: per M, the activity where our dense / forced sparse time falls
+    below `threshold` (linear interpolation between measured points), the minimum over the profiles, rounded
+    down to 0.0001. A profile that loses already at its lowest measured activity (the paper profile's hot
+    neurons keep it above ~0.27%) limits the table to just below that activity. 0.98 rather than 1: our dense path runs ~4% ahead of HF's dense, so sparse within 2% of it
+    is still faster than the baseline, and a point measured at 0.99 does not flip the table run to run."""
     out = []
     for M in sorted({r["M"] for r in rows}):
         per = []
@@ -138,14 +145,20 @@ def crossover_spec(rows: list[dict]) -> str:
             pts = sorted((r["p_measured"], r["speedup"]) for r in rows if r["M"] == M and r["pattern"] == pattern)
             cross = 0.0
             for i, (p, sp) in enumerate(pts):
-                if sp < 1.0:
+                if sp < threshold:
                     if i > 0:
                         (p0, s0) = pts[i - 1]
-                        cross = p0 + (p - p0) * (s0 - 1.0) / (s0 - sp)
+                        cross = p0 + (p - p0) * (s0 - threshold) / (s0 - sp)
+                    else:  # loses at its lowest activity: it constrains the table only where it occurs
+                        cross = max(0.0, p - 1e-4)
                     break
                 cross = p
             per.append(cross)
-        out.append(f"{M}:{math.floor(min(per) * 1e4) / 1e4:g}")
+        cross = min(per)
+        wins = [r["p_measured"] for r in rows if r["M"] == M and r["speedup"] >= threshold]
+        if not any(w <= cross for w in wins):  # no measured win below the limit: never sparse
+            cross = 0.0
+        out.append(f"{M}:{math.floor(cross * 1e4) / 1e4:g}")
     return ",".join(out)
 
 
@@ -399,6 +412,9 @@ def main() -> int:
             row["timing"] = "cuda_graph_replay"
         else:
             row["dense_ms"], row["ours_ms"] = timer.time_pair(dense_fn, ours_fn, reps)
+            row["dense_ms_steady"], row["ours_ms_steady"] = timer.time_pair(dense_fn, ours_fn, max(3, reps // 3),
+                                                                            calls=8)
+            row["speedup_steady"] = row["dense_ms_steady"] / row["ours_ms_steady"]
             if kind == "gated" and p == 0.02 and heavy == 0:  # A/A control: dense against itself, same method
                 row["dense_vs_dense_ratio"] = (lambda a, b: a / b)(*timer.time_pair(dense_fn, dense_fn, reps))
             row["ours_sparse_forced_ms"] = timer.time(lambda: ours_fn("sparse"), reps)
@@ -426,7 +442,8 @@ def main() -> int:
         f.flush()
         print(f"[{i + 1}/{len(cases)} {time.time() - t_start:.0f}s] {kind} M={M} {pattern} p={p} heavy={heavy} "
               f"nnz={row['nnz_mean']:.1f}/{row['nnz_max']:.0f} path={path} ovf={flagged} dense={row['dense_ms']:.3f} "
-              f"ours={row['ours_ms']:.3f} x{row['speedup']:.2f} err={err:.2e}"
+              f"ours={row['ours_ms']:.3f} x{row['speedup']:.2f}"
+              + (f" steady x{row['speedup_steady']:.2f}" if "speedup_steady" in row else "") + f" err={err:.2e}"
               + f" sparse_forced={row['ours_sparse_forced_ms']:.3f} p_est={p_est}"
               + (f" AA={row['dense_vs_dense_ratio']:.3f}" if "dense_vs_dense_ratio" in row else "")
               + (f" unfused={row['ours_unfused_decode_ms']:.4f}" if "ours_unfused_decode_ms" in row else "")
@@ -437,12 +454,14 @@ def main() -> int:
         del x, y_ref, y_ours
         torch.cuda.empty_cache()
     f.close()
-    print("\n| kind | M | pattern | p | heavy | nnz mean/max | path | dense ms | ours ms | speedup | rel err |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| kind | M | pattern | p | heavy | nnz mean/max | path | dense ms | ours ms | speedup | steady (8 calls) "
+          "| rel err |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows_out:
         print(f"| {r['kind']} | {r['M']} | {r['pattern']} | {r['activity'] * 100:g}% | {r['heavy_frac'] * 100:g}% | "
               f"{r['nnz_mean']:.1f} / {r['nnz_max']:.0f} | {r['path']} | {r['dense_ms']:.3f} | {r['ours_ms']:.3f} | "
-              f"{r['speedup']:.2f}x | {r['rel_err_vs_dense_bf16']:.1e} |")
+              f"{r['speedup']:.2f}x | " + (f"{r['speedup_steady']:.2f}x" if "speedup_steady" in r else "graph") +
+              f" | {r['rel_err_vs_dense_bf16']:.1e} |")
     return 0
 
 

@@ -168,6 +168,36 @@ def gap(out_dir: str) -> None:
             for k in ("kernels_hf", "kernels_ours_auto"):
                 print(k, json.dumps(rec[k][:8]), flush=True)
             rows.append(rec)
+    with torch.no_grad():   # non-gated (N = 8192): HF's linear-relu-linear against our dense path, kernel by kernel
+        from experiments.kernel_bench.bench_inference import dense_nongated
+        from kernels.ffn import sparse_nongated_ffn
+
+        wn32 = make_weights(K, 8192, seed=1)
+        wdn = wn32[2].to(BF)
+        for M, reps in ((16384, 30), (65536, 10)):
+            x, wun = make_case(wn32[0], M, K, 8192, "uniform", 0.01, 0.0, seed=9)
+            hf = lambda: dense_nongated(x, wun, wdn)  # noqa: E731
+            ours_dense = lambda: sparse_nongated_ffn(x, wun, wdn, mode="dense")  # noqa: E731
+            g = torch.mm(x, wun.t())
+            relu_torch = lambda: torch.relu(g)  # noqa: E731
+            from kernels.loader import load_twell
+            ext = load_twell()
+            e_i, e_l = torch.empty(0, device=DEV, dtype=torch.int32), torch.empty(0, device=DEV)
+            st2 = torch.zeros(2, device=DEV, dtype=torch.int64)
+            out = torch.empty_like(g)
+            relu_ours = lambda: ext.relu_mul_stats(g, torch.empty(0, device=DEV, dtype=BF), out, 8192, 32, 8192, e_i, st2, e_l)  # noqa: E731
+            rec = {"kind": "nongated_gap", "M": M, "K": K, "N": 8192, "activity": 0.01}
+            for name, (fa, fb) in (("block", (hf, ours_dense)), ("relu", (relu_torch, relu_ours))):
+                for calls in (1, 8):
+                    a, b = timer.pair(fa, fb, reps, calls)
+                    rec[f"{name}_x{calls}"] = {"hf_ms": a, "ours_ms": b, "ratio": a / b}
+            rec["kernels_hf"] = kernel_table(hf)
+            rec["kernels_ours"] = kernel_table(ours_dense)
+            print(json.dumps({k: v for k, v in rec.items() if not k.startswith("kernels")}), flush=True)
+            for k in ("kernels_hf", "kernels_ours"):
+                print(k, json.dumps(rec[k][:6]), flush=True)
+            rows.append(rec)
+            del x, g, out
     for M, reps in ((4096, 30), (16384, 20)):
         x, (wg, wu_, wd_), gy = make_train_case(M, K, N, 0.01, 0.0, seed=7)
         params = [t.clone().requires_grad_(True) for t in (x, wg, wu_, wd_)]

@@ -35,8 +35,10 @@ LAST_PATH = {"path": None, "flagged_rows": None, "p_est": None}
 MODE_AUTO, MODE_SPARSE, MODE_DENSE = 0, 1, 2
 
 # Crossover per M bucket: "m:p,..." = for M >= m (largest such m), run sparse when the measured activity is
-# <= p. Calibrated on the H100 (experiments/kernel_bench, results/kernel_bench/calibration/calib_*.jsonl); see README.
-DEFAULT_CROSSOVER = "1:0.012,4:0.006,8:0.005,16:0.004,32:0.0033,64:0,16384:0.003,32768:0.004,65536:0.005"
+# <= p. Calibrated on the H100 against our dense path (experiments/kernel_bench --calib; the elementwise minimum
+# of two runs, results/kernel_bench/calibration/calib_h100_r4*.jsonl); see kernels/README.md.
+DEFAULT_CROSSOVER = ("1:0.0152,4:0.0193,8:0.0202,16:0.0039,32:0.0035,64:0.0019,256:0,1024:0,4096:0.0023,8192:0.0025,"
+                     "16384:0.0026,32768:0.0031,65536:0.0045")
 
 
 def _env_int(name: str, default: int) -> int:
