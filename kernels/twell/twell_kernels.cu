@@ -518,9 +518,9 @@ __global__ void finalize_kernel(const float* __restrict__ yacc, const int32_t* _
 // null; zeroed by the caller); l1_row[r] = sum of |out[r, :]| in fp32 (skipped when null).
 // Against torch's two elementwise kernels this reads/writes 3 instead of 5 [rows, N] bf16 arrays.
 // WPR warps per row (8 rows of one warp per block for large M; 8 warps on one row for small M, where one warp
-// per row would wait on ~N/1024 rounds of loads), tiles kRmU at a time per warp (loads issued together).
-constexpr int kRmU = 4;
-template <bool GATED, int WPR>
+// per row would wait on ~N/1024 rounds of loads), tiles U at a time per warp (loads issued together; 8 for the
+// non-gated pass, which has one input stream and so half the bytes in flight per tile).
+template <bool GATED, int WPR, int U = GATED ? 4 : 8>
 __global__ void __launch_bounds__(256) relu_mul_stats_kernel(const __nv_bfloat16* g, long long ldg,
                                                              const __nv_bfloat16* u, long long ldu,
                                                              __nv_bfloat16* out, long long ldo, int rows,
@@ -540,10 +540,10 @@ __global__ void __launch_bounds__(256) relu_mul_stats_kernel(const __nv_bfloat16
     const uint4* gr = reinterpret_cast<const uint4*>(g + (long long)row * ldg) + lane;
     const uint4* ur = GATED ? reinterpret_cast<const uint4*>(u + (long long)row * ldu) + lane : nullptr;
     uint4* orow = reinterpret_cast<uint4*>(out + (long long)row * ldo) + lane;
-    for (int t0 = sub; t0 < n_tiles; t0 += WPR * kRmU) {
-      uint4 gv[kRmU], uv[kRmU];
+    for (int t0 = sub; t0 < n_tiles; t0 += WPR * U) {
+      uint4 gv[U], uv[U];
 #pragma unroll
-      for (int k = 0; k < kRmU; ++k) {
+      for (int k = 0; k < U; ++k) {
         const int t = t0 + k * WPR;
         if (t < n_tiles) {
           gv[k] = gr[t * 32];
@@ -551,7 +551,7 @@ __global__ void __launch_bounds__(256) relu_mul_stats_kernel(const __nv_bfloat16
         }
       }
 #pragma unroll
-      for (int k = 0; k < kRmU; ++k) {
+      for (int k = 0; k < U; ++k) {
         const int t = t0 + k * WPR;
         if (t < n_tiles) {
           const uint32_t w[4] = {gv[k].x, gv[k].y, gv[k].z, gv[k].w};
