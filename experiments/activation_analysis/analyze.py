@@ -7,7 +7,8 @@ dense vs sparse, i.e. its share of the speed-up.
 
 Appends to <out>/ (schemas: notebooks/README.md "results/activation_analysis/"), replacing earlier rows of the
 same --name so a rerun never duplicates:
-  per_layer.jsonl  model, l1_coeff, layer, nnz_mean, nnz_max, dead_frac, dense_ms, sparse_ms, n_tokens[, figure]
+  per_layer.jsonl  model, l1_coeff, layer, nnz_mean, nnz_max, dead_frac, dense_ms, sparse_ms (auto dispatch),
+                   sparse_forced_ms, path, flagged_rows_frac, n_tokens[, figure]
   tokens.jsonl     model, l1_coeff, token, token_id, count, nnz_mean, group ('lowest'|'highest')
   position.jsonl   model, l1_coeff, position, nnz_mean, n
   neurons.jsonl    model, l1_coeff, layer, n_tokens, dead_frac, bin_edges, counts (per-neuron firing frequency
@@ -101,13 +102,21 @@ def time_layers(model: torch.nn.Module, xs: list[torch.Tensor], reps: int = 20, 
         wd = mlp.down_proj.weight.to(torch.bfloat16).contiguous()
         if wg is not None:
             dense = lambda: F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd)  # noqa: E731
-            sparse = lambda: ffn.sparse_gated_ffn(x, wg, wu, wd)  # noqa: E731
+            sparse = lambda mode="auto": ffn.sparse_gated_ffn(x, wg, wu, wd, mode=mode)  # noqa: E731
         else:
             dense = lambda: F.linear(F.relu(F.linear(x, wu)), wd)  # noqa: E731
-            sparse = lambda: ffn.sparse_nongated_ffn(x, wu, wd)  # noqa: E731
+            sparse = lambda mode="auto": ffn.sparse_nongated_ffn(x, wu, wd, mode=mode)  # noqa: E731
+        from kernels.twell import ops as twops
+
+        for _ in range(3):   # auto dispatch measures the layer on its first calls
+            sparse()
+        torch.cuda.synchronize()
         err = (sparse().float() - dense().float()).abs().max().item()
-        row = {"max_abs_diff_vs_dense": err}
-        for name, fn in (("dense_ms", dense), ("sparse_ms", sparse)):
+        # sparse_ms: what a model gets (auto dispatch, path recorded); sparse_forced_ms: the TwELL kernels alone
+        row = {"max_abs_diff_vs_dense": err, "path": twops.LAST_PATH["path"],
+               "flagged_rows_frac": twops.history_for(wg if wg is not None else wu).f}
+        forced = lambda: sparse("sparse")  # noqa: E731
+        for name, fn in (("dense_ms", dense), ("sparse_ms", sparse), ("sparse_forced_ms", forced)):
             for _ in range(warmup):
                 fn()
             times = []
@@ -208,6 +217,8 @@ def analyze(model_dir: Path, name: str, out_dir: Path, tokens: int, seq_len: int
         r = dict(base, layer=i, nnz_mean=float(rec.nnz_sum[i] / n_tok), nnz_max=float(rec.nnz_max[i]),
                  dead_frac=float((fire_frac[i] == 0).double().mean()),
                  dense_ms=times[i].get("dense_ms"), sparse_ms=times[i].get("sparse_ms"),
+                 sparse_forced_ms=times[i].get("sparse_forced_ms"), path=times[i].get("path"),
+                 flagged_rows_frac=times[i].get("flagged_rows_frac"),
                  max_abs_diff_vs_dense=times[i].get("max_abs_diff_vs_dense"), n_tokens=n_tok,
                  intermediate_size=int(cfg.intermediate_size), seq_len=seq_len, timing_batch_tokens=(
                      batch * seq_len if times[i] else None), provenance=prov)
