@@ -142,3 +142,31 @@ def test_knobs_parse_every_env_var(monkeypatch):
     monkeypatch.setenv("TWELL_FLAGGED_DENSE_ABOVE", "0.25")
     kn = ops.knobs()
     assert kn["slots"] == 16 and kn["flagged_dense_above"] == 0.25
+
+
+def test_self_timing_decisions_on_cpu():
+    """LayerHistory's self-timing bookkeeping (no GPU needed: samples injected)."""
+    from kernels.twell.ops import LayerHistory
+
+    h = LayerHistory()
+    b = 13
+    h.count_call(b)
+    assert h.needs_dense_probe(b) and not h.sparse_slower(b) and h.want_timing(b, "dense")
+    for ms in (5.0, 1.0):               # a warm-up outlier, then the real dense time
+        h.add_sample(b, "dense", ms)
+    assert not h.needs_dense_probe(b)
+    h.add_sample(b, "sparse", 1.5)
+    assert not h.sparse_slower(b)        # one sparse sample is not enough
+    h.add_sample(b, "sparse", 1.2)
+    h.count_call(b)
+    assert h.sparse_slower(b)            # min 1.2 > min 1.0
+    for ms in (0.8, 0.9, 0.7):           # activity fell: sparse now faster; only the last 3 samples count
+        h.add_sample(b, "sparse", ms)
+    assert h.times[(b, "sparse")] == [0.8, 0.9, 0.7] and not h.sparse_slower(b)
+    h.add_sample(b, "sparse", 2.0)
+    h.add_sample(b, "sparse", 2.0)
+    h.add_sample(b, "sparse", 2.0)
+    h.bucket_calls[b] = LayerHistory.REPROBE_EVERY
+    assert not h.sparse_slower(b)        # the periodic re-probe runs sparse again
+    h.bucket_calls[b] += 1
+    assert h.sparse_slower(b)

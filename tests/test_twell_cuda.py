@@ -314,6 +314,7 @@ def test_dispatch_history_follows_activity(ffn, monkeypatch, M):
     from kernels.twell import ops
 
     monkeypatch.setenv("TWELL_CROSSOVER", "1:0.01")   # sparse whenever measured activity <= 1%
+    monkeypatch.setenv("TWELL_SELF_TIMING", "0")       # the table alone (self-timing: its own test)
     K, N = 2048, 5632
     x, wg, wu, wd = make_problem(M, K, N, 0.004, seed=31, adversarial=False)
     lo, hi = _set_activity(x, 1.0), _set_activity(x, 0.2)   # ~0.4% and ~20% active
@@ -542,3 +543,42 @@ def test_fused_decode_graph_replay(ffn, M):
         graph.replay()
         torch.cuda.synchronize()
         check(static_y, x2, wg, wu, wd, True)
+
+
+def test_self_timing_leaves_a_slower_sparse_path(ffn, monkeypatch):
+    """A crossover table that is wrong for a layer (here: 'always sparse' at ~20% activity, where sparse is several
+    times slower): auto probes dense, times both paths and settles on dense within a few calls; exact throughout."""
+    from kernels.twell import ops
+
+    monkeypatch.setenv("TWELL_CROSSOVER", "1:1")
+    K, N, M = 2048, 5632, 4096
+    x, wg, wu, wd = make_problem(M, K, N, 0.2, seed=41, adversarial=False)
+    hist = ops.history_for(wg)
+    hist.__init__()
+    paths = []
+    for _ in range(12):
+        y = ffn.sparse_gated_ffn(x, wg, wu, wd)
+        paths.append(ops.LAST_PATH["path"])
+        torch.cuda.synchronize()
+        check(y, x, wg, wu, wd, True)
+    bucket = M.bit_length()
+    assert paths[:2] == ["dense", "dense"] and "sparse" in paths[2:6], paths   # measure, dense probe, then sparse
+    assert paths[-4:] == ["dense"] * 4, (paths, hist.times)
+    assert min(hist.times[(bucket, "sparse")]) > min(hist.times[(bucket, "dense")])
+
+
+def test_self_timing_keeps_a_faster_sparse_path(ffn, monkeypatch):
+    """Where the table is right (0.25% activity at M = 65536, sparse ~1.4x faster), timing confirms it."""
+    from kernels.twell import ops
+
+    monkeypatch.setenv("TWELL_CROSSOVER", "1:0.01")
+    K, N, M = 2048, 5632, 65536
+    x, wg, wu, wd = make_problem(M, K, N, 0.0025, seed=42, adversarial=False)
+    hist = ops.history_for(wg)
+    hist.__init__()
+    paths = []
+    for _ in range(10):
+        ffn.sparse_gated_ffn(x, wg, wu, wd)
+        paths.append(ops.LAST_PATH["path"])
+        torch.cuda.synchronize()
+    assert paths[-4:] == ["sparse"] * 4, (paths, hist.times)

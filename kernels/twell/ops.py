@@ -51,7 +51,8 @@ def _env_float(name: str, default: float) -> float:
 
 _KNOB_ENV = ("TWELL_CHUNK_ROWS", "TWELL_GATE_SCRATCH_MB", "TWELL_SLOTS", "TWELL_DECODE_MAX_M", "TWELL_CROSSOVER",
              "TWELL_FLAGGED_DENSE_ABOVE", "TWELL_DOWN_NB", "TWELL_DECODE_TILES_PER_WARP",
-             "TWELL_FUSED_DECODE_MAX_M", "TWELL_UPDOWN_BLOCKS_PER_SM", "TWELL_COMPACT")
+             "TWELL_FUSED_DECODE_MAX_M", "TWELL_UPDOWN_BLOCKS_PER_SM", "TWELL_COMPACT",
+             "TWELL_SELF_TIMING")
 _KNOB_CACHE: dict = {}
 
 
@@ -68,6 +69,7 @@ def _parse_knobs() -> dict:
         "fused_decode_max_m": _env_int("TWELL_FUSED_DECODE_MAX_M", 8),
         "updown_blocks_per_sm": _env_int("TWELL_UPDOWN_BLOCKS_PER_SM", 0),
         "compact": _env_int("TWELL_COMPACT", 2),
+        "self_timing": _env_int("TWELL_SELF_TIMING", 1),
     }
 
 
@@ -165,6 +167,63 @@ class LayerHistory:
 
     def expect(self, event: torch.cuda.Event, buf: Tensor, kind: str, rows: int, n: int) -> None:
         self._pending = (event, buf, kind, rows, n)
+
+    # ---- self-timing: the crossover table is calibrated on one shape and GPU; these timings catch the cases where
+    # it is wrong for this layer (another shape, another GPU, a heavy-row profile) so auto never stays on the
+    # slower path. Per M bucket (power of two) and path, the last few GPU times of timed calls (CUDA events, read
+    # back without a sync like the activity).
+    TIMING_KEEP = 3       # samples kept per (bucket, path); decisions use their minimum (robust to warm-up)
+    REPROBE_EVERY = 256   # a bucket where sparse was measured slower runs sparse again every this many calls
+
+    def _timing_state(self) -> None:
+        if not hasattr(self, "times"):
+            self.times: dict[tuple[int, str], list[float]] = {}
+            self._tpending: list[tuple] = []
+            self.bucket_calls: dict[int, int] = {}
+
+    def count_call(self, bucket: int) -> int:
+        self._timing_state()
+        n = self.bucket_calls.get(bucket, 0) + 1
+        self.bucket_calls[bucket] = n
+        return n
+
+    def want_timing(self, bucket: int, path: str) -> bool:
+        self._timing_state()
+        if len(self._tpending) >= 4:
+            return False
+        return len(self.times.get((bucket, path), ())) < self.TIMING_KEEP or self.bucket_calls.get(bucket, 0) % 64 == 0
+
+    def add_timing(self, start: torch.cuda.Event, end: torch.cuda.Event, bucket: int, path: str) -> None:
+        self._tpending.append((start, end, bucket, path))
+
+    def poll_timings(self) -> None:
+        self._timing_state()
+        keep = []
+        for start, end, bucket, path in self._tpending:
+            if end.query():
+                self.add_sample(bucket, path, start.elapsed_time(end))
+            else:
+                keep.append((start, end, bucket, path))
+        self._tpending = keep
+
+    def add_sample(self, bucket: int, path: str, ms: float) -> None:
+        self._timing_state()
+        lst = self.times.setdefault((bucket, path), [])
+        lst.append(ms)
+        del lst[: -self.TIMING_KEEP]
+
+    def needs_dense_probe(self, bucket: int) -> bool:
+        """The table says sparse but this bucket has fewer than 2 dense timings to compare with."""
+        self._timing_state()
+        return len(self.times.get((bucket, "dense"), ())) < 2
+
+    def sparse_slower(self, bucket: int) -> bool:
+        """Measured here: sparse slower than dense at this bucket (>= 2 samples each, minimum vs minimum)."""
+        self._timing_state()
+        sp, de = self.times.get((bucket, "sparse"), ()), self.times.get((bucket, "dense"), ())
+        if self.bucket_calls.get(bucket, 0) % self.REPROBE_EVERY == 0:
+            return False  # re-probe: the activity may have fallen since
+        return len(sp) >= 2 and len(de) >= 2 and min(sp) > min(de)
 
     def __repr__(self) -> str:
         return (f"LayerHistory(p={self.p}, f={self.f:.4f}, measurements={self.measurements}, "
@@ -347,14 +406,45 @@ def _ffn_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down_t: Tensor, 
     else:
         sparse = mode == MODE_SPARSE
         LAST_PATH["p_est"] = None
+    timed = False
+    # Self-timing (eager M > decode_max_m only: small-M eager calls are host-bound, and decode is calibrated and
+    # used as CUDA-graph replays, where the table's choice is the one that was timed).
+    if mode == MODE_AUTO and kn["self_timing"] and not sync_free:
+        bucket = M.bit_length()
+        if not capturing:
+            hist.poll_timings()
+            hist.count_call(bucket)
+        if sparse and not capturing and hist.needs_dense_probe(bucket):
+            sparse = False          # time dense here first (a dense call is never slower than dense)
+        elif sparse and hist.sparse_slower(bucket):
+            sparse = False          # measured slower on this layer: the table does not fit it
+        timed = not capturing and hist.want_timing(bucket, "sparse" if sparse else "dense")
+    if timed:
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
     if not sparse:
         # measure unless capturing (no event queries in a graph) or the previous measurement is still in flight
         measure = mode == MODE_AUTO and not capturing and not hist.busy()
-        y, nnz = _dense_measured(x, w_gate, w_up, w_down, hist if measure else None, want_stats, kn)
+        out = _dense_measured(x, w_gate, w_up, w_down, hist if measure else None, want_stats, kn)
         hist.dense_calls += 1
         LAST_PATH.update(path="dense", flagged_rows=None)
-        return y, nnz
+    else:
+        out = _sparse_call(x, w_gate, w_up, w_down_t, w_down, want_stats, kn, hist, capturing, sync_free)
+    if timed:
+        t1.record()
+        hist.add_timing(t0, t1, bucket, "sparse" if sparse else "dense")
+    return out
 
+
+def _sparse_call(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down_t: Tensor, w_down: Tensor, want_stats: bool,
+                 kn: dict, hist: LayerHistory, capturing: bool, sync_free: bool) -> tuple[Tensor, Tensor]:
+    """The TwELL path (eager, sync-free or fused decode), exact on every row."""
+    M, K = x.shape
+    N = w_up.shape[0]
+    T = N // TILE_N
+    gated = w_gate is not None
+    gate_w = w_gate if gated else w_up
+    dev = x.device
     ext = _ext()
     hist.sparse_calls += 1
     if sync_free and M <= min(8, kn["fused_decode_max_m"]):
