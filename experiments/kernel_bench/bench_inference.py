@@ -162,18 +162,20 @@ def crossover_spec(rows: list[dict], threshold: float = 0.98) -> str:
     return ",".join(out)
 
 
-def calibrate(out: str) -> int:
+def calibrate(out: str, kind: str = "gated") -> int:
     """Our dense path vs forced sparse over M x activity (uniform and paper profiles): the crossover table.
     Dispatch chooses between these two paths, so they are what the table compares (HF's dense is slower
-    than our dense path; the benchmark compares against HF)."""
+    than our dense path; the benchmark compares against HF). kind: gated (K 2048, N 5632 -> TWELL_CROSSOVER) or
+    nongated (K 2048, N 8192 -> TWELL_CROSSOVER_NONGATED)."""
     from experiments.provenance import collect
-    from kernels.ffn import sparse_gated_ffn, transposed_down
+    from kernels.ffn import sparse_gated_ffn, sparse_nongated_ffn, transposed_down
     from kernels.twell import ops as twops
 
     prov = collect({"knobs": twops.knobs(), "calibration": True})
     timer = Timer()
-    K, N = 2048, 5632
-    wg32, wu32, wd32 = make_weights(K, N)
+    gated = kind == "gated"
+    K, N = (2048, 5632) if gated else (2048, 8192)
+    wg32, wu32, wd32 = make_weights(K, N) if gated else make_weights(K, N, seed=1)
     wu, wd = wu32.to(BF), wd32.to(BF)
     wdt = transposed_down(wd)
     Ms = [1, 4, 8, 16, 32, 64, 256, 1024, 4096, 8192, 16384, 32768, 65536]
@@ -188,8 +190,12 @@ def calibrate(out: str) -> int:
         for pattern in ("uniform", "paper"):
             for p in acts:
                 x, wg = make_case(wg32, M, K, N, pattern, p, 0.0, seed=int(p * 1e5) + M)
-                d = lambda: sparse_gated_ffn(x, wg, wu, wd, w_down_t=wdt, mode="dense")  # noqa: E731
-                sp = lambda: sparse_gated_ffn(x, wg, wu, wd, w_down_t=wdt, mode="sparse")  # noqa: E731
+                if gated:
+                    d = lambda: sparse_gated_ffn(x, wg, wu, wd, w_down_t=wdt, mode="dense")  # noqa: E731
+                    sp = lambda: sparse_gated_ffn(x, wg, wu, wd, w_down_t=wdt, mode="sparse")  # noqa: E731
+                else:   # the first weight of make_case is the non-gated block's up projection
+                    d = lambda: sparse_nongated_ffn(x, wg, wd, w_down_t=wdt, mode="dense")  # noqa: E731
+                    sp = lambda: sparse_nongated_ffn(x, wg, wd, w_down_t=wdt, mode="sparse")  # noqa: E731
                 y_s = sp()
                 err = rel_err(y_s, d())
                 if M <= 64:
@@ -200,7 +206,7 @@ def calibrate(out: str) -> int:
                     dm, sm = timer.time(d, reps), timer.time(sp, reps)
                 h = F.relu(F.linear(x, wg))
                 p_meas = (h != 0).float().mean().item()
-                row = {"provenance": prov, "kind": "gated", "dense": "ours (mode=dense)", "M": M, "K": K, "N": N,
+                row = {"provenance": prov, "kind": kind, "dense": "ours (mode=dense)", "M": M, "K": K, "N": N,
                        "pattern": pattern,
                        "activity": p, "p_measured": p_meas, "dense_ms": dm, "sparse_ms": sm, "speedup": dm / sm,
                        "rel_err_vs_dense_bf16": err, "timing": "cuda_graph_replay" if M <= 64 else "eager"}
@@ -217,7 +223,7 @@ def calibrate(out: str) -> int:
     print("\nlargest measured activity at which sparse beat dense (0 = never):")
     for M in Ms:
         print(f"  M={M}: uniform {best.get((M, 'uniform'), 0):.4f}  paper {best.get((M, 'paper'), 0):.4f}")
-    print(f"TWELL_CROSSOVER={crossover_spec(rows)}")
+    print(f"TWELL_CROSSOVER{'' if gated else '_NONGATED'}={crossover_spec(rows)}")
     return 0
 
 
@@ -311,13 +317,14 @@ def main() -> int:
     ap.add_argument("--out", default="results/kernel_bench/bench.jsonl")
     ap.add_argument("--quick", action="store_true", help="fewer configurations (smoke run)")
     ap.add_argument("--calib", action="store_true", help="dense vs forced sparse over an M x activity grid")
+    ap.add_argument("--kind", choices=["gated", "nongated"], default="gated", help="block calibrated by --calib")
     ap.add_argument("--overhead", action="store_true", help="host cost per call and a profiler table")
     ap.add_argument("--explore", action="store_true", help="variant timings (compaction, grid cap, fused decode)")
     args = ap.parse_args()
     if args.explore:
         return explore()
     if args.calib:
-        return calibrate(args.out)
+        return calibrate(args.out, args.kind)
     if args.overhead:
         return overhead()
     from experiments.provenance import collect

@@ -39,6 +39,9 @@ MODE_AUTO, MODE_SPARSE, MODE_DENSE = 0, 1, 2
 # of two runs, results/kernel_bench/calibration/calib_h100_r4*.jsonl); see kernels/README.md.
 DEFAULT_CROSSOVER = ("1:0.0152,4:0.0193,8:0.0202,16:0.0039,32:0.0035,64:0.0019,256:0,1024:0,4096:0.0023,8192:0.0025,"
                      "16384:0.0026,32768:0.0031,65536:0.0045")
+# The non-gated block (relu(x W_u^T) W_d^T; no up-projection gather, so sparse wins to higher activity): its own
+# table, calibrated the same way at K = 2048, N = 8192 (bench_inference --calib --kind nongated).
+DEFAULT_CROSSOVER_NONGATED = DEFAULT_CROSSOVER
 
 
 def _env_int(name: str, default: int) -> int:
@@ -52,7 +55,7 @@ def _env_float(name: str, default: float) -> float:
 _KNOB_ENV = ("TWELL_CHUNK_ROWS", "TWELL_GATE_SCRATCH_MB", "TWELL_SLOTS", "TWELL_DECODE_MAX_M", "TWELL_CROSSOVER",
              "TWELL_FLAGGED_DENSE_ABOVE", "TWELL_DOWN_NB", "TWELL_DECODE_TILES_PER_WARP",
              "TWELL_FUSED_DECODE_MAX_M", "TWELL_UPDOWN_BLOCKS_PER_SM", "TWELL_COMPACT",
-             "TWELL_SELF_TIMING")
+             "TWELL_SELF_TIMING", "TWELL_CROSSOVER_NONGATED")
 _KNOB_CACHE: dict = {}
 
 
@@ -63,6 +66,7 @@ def _parse_knobs() -> dict:
         "slots": _env_int("TWELL_SLOTS", 32),
         "decode_max_m": _env_int("TWELL_DECODE_MAX_M", 64),
         "crossover": os.environ.get("TWELL_CROSSOVER", DEFAULT_CROSSOVER),
+        "crossover_nongated": os.environ.get("TWELL_CROSSOVER_NONGATED", DEFAULT_CROSSOVER_NONGATED),
         "flagged_dense_above": _env_float("TWELL_FLAGGED_DENSE_ABOVE", 0.05),
         "down_nb": _env_int("TWELL_DOWN_NB", 4),
         "decode_tiles_per_warp": _env_int("TWELL_DECODE_TILES_PER_WARP", 4),
@@ -401,7 +405,8 @@ def _ffn_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down_t: Tensor, 
         p = hist.p if hist.p is not None else (activity_hint if activity_hint > 0 else None)
         f = hist.f if hist.p is not None else 0.0
         # first call of a layer (no history, no hint): dense, and measure
-        sparse = p is not None and p <= crossover(M, kn["crossover"]) and (sync_free or f <= kn["flagged_dense_above"])
+        xo = crossover(M, kn["crossover"] if gated else kn["crossover_nongated"])
+        sparse = p is not None and p <= xo and (sync_free or f <= kn["flagged_dense_above"])
         LAST_PATH["p_est"] = p
     else:
         sparse = mode == MODE_SPARSE
