@@ -76,6 +76,19 @@ def build_extension(name: str, sources: list[Path], arch: str, *, define: str, w
     nvidia-wheel include folders (torch's headers pull in cuBLAS/cuSPARSE headers that live there), and a
     KernelUnavailableError naming `hint` when nvcc is missing or the build fails (never exit()).
     """
+    if name in _BUILD_ERRORS:  # a failed build is not retried on every call (each try runs ninja)
+        raise _BUILD_ERRORS[name]
+    try:
+        return _build(name, sources, arch, define, what, hint, verbose)
+    except KernelUnavailableError as e:
+        _BUILD_ERRORS[name] = e
+        raise
+
+
+_BUILD_ERRORS: dict[str, KernelUnavailableError] = {}
+
+
+def _build(name: str, sources: list[Path], arch: str, define: str, what: str, hint: str, verbose: bool) -> ModuleType:
     cuda_home = _find_cuda_home()
     if cuda_home is None:
         raise KernelUnavailableError("nvcc not found: install the CUDA toolkit matching torch.version.cuda or set "
@@ -138,14 +151,8 @@ def load_twell(verbose: bool = False) -> ModuleType:
                               f"({mod.source_hash()} != {src_hash}); rebuilding", stacklevel=2)
             except ImportError as e:  # built for another python/torch
                 warnings.warn(f"TWELL_PREBUILT={pre} cannot be imported ({e}); rebuilding", stacklevel=2)
-        if "twell_error" in _CACHE:  # a failed build is not retried on every call (each try runs ninja)
-            raise _CACHE["twell_error"]
-        try:
-            mod = build_extension(name, TWELL_SOURCES, arch, define=f"TWELL_SRC_HASH={src_hash}",
-                                  what="the TwELL extension", hint=REFERENCE_HINT, verbose=verbose)
-        except KernelUnavailableError as e:
-            _CACHE["twell_error"] = e
-            raise
+        mod = build_extension(name, TWELL_SOURCES, arch, define=f"TWELL_SRC_HASH={src_hash}",
+                              what="the TwELL extension", hint=REFERENCE_HINT, verbose=verbose)
         _CACHE["twell"] = mod
         return mod
 

@@ -170,3 +170,30 @@ def test_self_timing_decisions_on_cpu():
     assert not h.sparse_slower(b)        # the periodic re-probe runs sparse again
     h.bucket_calls[b] += 1
     assert h.sparse_slower(b)
+
+
+def test_nongated_table_is_its_own(monkeypatch):
+    from kernels.twell import ops
+
+    kn = ops.knobs()
+    assert kn["crossover_nongated"] == ops.DEFAULT_CROSSOVER_NONGATED != kn["crossover"]
+    monkeypatch.setenv("TWELL_CROSSOVER_NONGATED", "1:0.5")
+    assert ops.crossover(100, ops.knobs()["crossover_nongated"]) == 0.5
+
+
+def test_crossover_spec_from_calibration_rows():
+    """The calibration -> table rule: interpolated 0.98 crossing, min over profiles, a profile that loses at its
+    lowest activity limits the table just below it, no measured win -> 0."""
+    pytest.importorskip("experiments.kernel_bench.bench_inference")
+    from experiments.kernel_bench.bench_inference import crossover_spec
+
+    def rows(M, pattern, pts):
+        return [{"M": M, "pattern": pattern, "p_measured": p, "speedup": s} for p, s in pts]
+
+    data = (rows(4, "u", [(0.001, 1.5), (0.005, 1.18), (0.01, 0.78)])      # crosses 0.98 at 0.0075
+            + rows(4, "p", [(0.003, 1.2), (0.02, 1.1)])                    # never loses: 0.02
+            + rows(64, "u", [(0.001, 1.3), (0.005, 0.9)])                   # crosses at 0.0042
+            + rows(64, "p", [(0.0027, 0.9), (0.005, 0.8)])                  # loses at its lowest: limit 0.0026
+            + rows(256, "u", [(0.001, 0.5)]) + rows(256, "p", [(0.002, 0.4)]))   # never wins: 0
+    spec = dict(kv.split(":") for kv in crossover_spec(data).split(","))
+    assert spec == {"4": "0.0075", "64": "0.0026", "256": "0"}

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 
 import torch
@@ -81,28 +80,6 @@ def compact(out_dir: str, seeds: int, max_rows: int) -> None:
     _write(out_dir, "compact_stress.jsonl", rows_out)
 
 
-class Timer:
-    def __init__(self) -> None:
-        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
-
-    def pair(self, fa, fb, reps: int, calls: int = 1) -> tuple[float, float]:
-        for _ in range(2):
-            fa(), fb()
-        ta, tb = [], []
-        for i in range(reps):
-            order = ((fa, ta), (fb, tb)) if i % 2 == 0 else ((fb, tb), (fa, ta))   # ABBA
-            for fn, acc in order:
-                self.flush.zero_()
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                for _ in range(calls):
-                    fn()
-                e.record()
-                e.synchronize()
-                acc.append(s.elapsed_time(e) / calls)
-        return statistics.median(ta), statistics.median(tb)
-
-
 def host_us(fn, n: int = 20) -> float:
     """Host time per call while the GPU is busy (so nothing waits on the GPU)."""
     fn()
@@ -133,7 +110,7 @@ def kernel_table(fn) -> list[dict]:
 
 
 def gap(out_dir: str) -> None:
-    from experiments.kernel_bench.bench_inference import dense_gated, make_case, make_weights
+    from experiments.kernel_bench.bench_inference import Timer, dense_gated, make_case, make_weights
     from experiments.kernel_bench.bench_training import dense_block
     from experiments.kernel_bench.bench_training import make_case as make_train_case
     from kernels.ffn import sparse_gated_ffn, transposed_down
@@ -158,7 +135,7 @@ def gap(out_dir: str) -> None:
             rec = {"kind": "inference_gap", "M": M, "K": K, "N": N, "activity": 0.02}
             for name, fn in (("ours_dense", ours_dense), ("ours_auto", ours_auto), ("hf_again", hf)):
                 for calls in (1, 8):
-                    a, b = timer.pair(hf, fn, reps, calls)
+                    a, b = timer.time_pair(hf, fn, reps, calls=calls)
                     rec[f"{name}_x{calls}"] = {"hf_ms": a, "ours_ms": b, "ratio": a / b}
                 rec[f"{name}_host_us"] = host_us(fn)
             rec["hf_host_us"] = host_us(hf)
@@ -189,7 +166,7 @@ def gap(out_dir: str) -> None:
             rec = {"kind": "nongated_gap", "M": M, "K": K, "N": 8192, "activity": 0.01}
             for name, (fa, fb) in (("block", (hf, ours_dense)), ("relu", (relu_torch, relu_ours))):
                 for calls in (1, 8):
-                    a, b = timer.pair(fa, fb, reps, calls)
+                    a, b = timer.time_pair(fa, fb, reps, calls=calls)
                     rec[f"{name}_x{calls}"] = {"hf_ms": a, "ours_ms": b, "ratio": a / b}
             rec["kernels_hf"] = kernel_table(hf)
             rec["kernels_ours"] = kernel_table(ours_dense)
@@ -223,7 +200,7 @@ def gap(out_dir: str) -> None:
         rec = {"kind": "training_gap", "M": M, "K": K, "N": N, "activity": 0.01, "auto_path": st.last_path}
         for name, fn in (("ours_dense", ours("dense")), ("ours_auto", ours("auto")), ("dense_again", dense_step)):
             for calls in (1, 4):
-                a, b = timer.pair(dense_step, fn, reps, calls)
+                a, b = timer.time_pair(dense_step, fn, reps, calls=calls)
                 rec[f"{name}_x{calls}"] = {"dense_ms": a, "ours_ms": b, "ratio": a / b}
             rec[f"{name}_host_us"] = host_us(fn)
         rec["dense_host_us"] = host_us(dense_step)

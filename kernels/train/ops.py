@@ -50,14 +50,8 @@ def load_ext(verbose: bool = False) -> ModuleType:
         arch = _arch_for_device()
         tag = hashlib.sha1(f"{src_hash}-{arch}-{torch.__version__}".encode()).hexdigest()[:10]
         name = f"sfl_train_{tag}"
-        if "error" in _EXT:  # a failed build is not retried on every call (each try runs ninja)
-            raise _EXT["error"]
-        try:
-            mod = build_extension(name, SOURCES, arch, define=f"SFL_SRC_HASH={src_hash}",
-                                  what="the sparse training extension", hint=hint, verbose=verbose)
-        except KernelUnavailableError as e:
-            _EXT["error"] = e
-            raise
+        mod = build_extension(name, SOURCES, arch, define=f"SFL_SRC_HASH={src_hash}",
+                              what="the sparse training extension", hint=hint, verbose=verbose)
         _EXT["ext"] = mod
         return mod
 

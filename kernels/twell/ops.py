@@ -40,8 +40,10 @@ MODE_AUTO, MODE_SPARSE, MODE_DENSE = 0, 1, 2
 DEFAULT_CROSSOVER = ("1:0.0152,4:0.0193,8:0.0202,16:0.0039,32:0.0035,64:0.0019,256:0,1024:0,4096:0.0023,8192:0.0025,"
                      "16384:0.0026,32768:0.0031,65536:0.0045")
 # The non-gated block (relu(x W_u^T) W_d^T; no up-projection gather, so sparse wins to higher activity): its own
-# table, calibrated the same way at K = 2048, N = 8192 (bench_inference --calib --kind nongated).
-DEFAULT_CROSSOVER_NONGATED = DEFAULT_CROSSOVER
+# table, calibrated the same way at K = 2048, N = 8192 (bench_inference --calib --kind nongated; one run,
+# results/kernel_bench/calibration/calib_nongated_h100_r7.jsonl).
+DEFAULT_CROSSOVER_NONGATED = ("1:0.0164,4:0.0184,8:0,16:0.0098,32:0.0084,64:0.0056,256:0,1024:0,4096:0.0025,"
+                              "8192:0.0034,16384:0.0055,32768:0.0067,65536:0.0095")
 
 
 def _env_int(name: str, default: int) -> int:
@@ -388,13 +390,10 @@ def _ffn_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down_t: Tensor, 
               activity_hint: float, want_stats: bool) -> tuple[Tensor, Tensor]:
     kn = knobs()
     M, K = x.shape
-    N = w_up.shape[0]
-    T = N // TILE_N
     gated = w_gate is not None
     gate_w = w_gate if gated else w_up
-    dev = x.device
     if M == 0:
-        return x.new_empty(0, K), torch.empty(0, device=dev, dtype=torch.int32)
+        return x.new_empty(0, K), torch.empty(0, device=x.device, dtype=torch.int32)
     capturing = torch.cuda.is_current_stream_capturing()
     sync_free = capturing or M <= kn["decode_max_m"]
     hist = history_for(gate_w)
