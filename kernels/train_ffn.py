@@ -256,8 +256,10 @@ class _FusedDenseFFN(torch.autograd.Function):
 
 
 def _fused_dense_ok(x2: Tensor, backend: str, kn: dict[str, Any], N: int) -> bool:
-    """The fused dense path takes bf16 CUDA inputs with N % 256 == 0 when both extensions load."""
+    """The fused dense path takes bf16 CUDA inputs with N % 256 == 0 when both extensions load (eager only)."""
     if not kn["fused_dense"] or backend != "cuda" or x2.dtype != torch.bfloat16 or N % 256 != 0 or x2.shape[0] == 0:
+        return False
+    if torch.compiler.is_compiling():  # plain torch ops trace cleanly, and inductor fuses the elementwise part itself
         return False
     from kernels.loader import KernelUnavailableError, load_twell
 
