@@ -32,9 +32,14 @@ class KernelUnavailableError(RuntimeError):
     """Raised when the CUDA extension cannot be built or loaded here."""
 
 
+# device helpers included by every .cu (not compiled on their own, but part of what a build is made from)
+COMMON_HEADERS = sorted((_HERE / "common").glob("*.cuh"))
+
+
 def source_hash(sources: list[Path] | None = None) -> str:
+    """Hash of an extension's sources plus the shared headers: the build cache and prebuilt-library check key."""
     h = hashlib.sha1()
-    for p in sources or TWELL_SOURCES:
+    for p in list(sources or TWELL_SOURCES) + COMMON_HEADERS:
         h.update(p.name.encode())
         h.update(p.read_bytes())
     return h.hexdigest()[:12]

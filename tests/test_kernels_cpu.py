@@ -197,3 +197,15 @@ def test_crossover_spec_from_calibration_rows():
             + rows(256, "u", [(0.001, 0.5)]) + rows(256, "p", [(0.002, 0.4)]))   # never wins: 0
     spec = dict(kv.split(":") for kv in crossover_spec(data).split(","))
     assert spec == {"4": "0.0075", "64": "0.0026", "256": "0"}
+
+
+def test_source_hash_covers_the_shared_header(tmp_path, monkeypatch):
+    """Editing kernels/common/*.cuh must change every extension's hash (else a stale build would load)."""
+    from kernels import loader
+
+    hdr = tmp_path / "x.cuh"
+    hdr.write_text("// a")
+    monkeypatch.setattr(loader, "COMMON_HEADERS", [hdr])
+    before = loader.source_hash()
+    hdr.write_text("// b")
+    assert loader.source_hash() != before

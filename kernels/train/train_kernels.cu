@@ -20,43 +20,11 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "../common/bf16.cuh"
+
 namespace sfltrain {
 
-constexpr unsigned kFull = 0xffffffffu;
-
-__device__ __forceinline__ float bf16lo(uint32_t w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
-__device__ __forceinline__ float bf2f(uint16_t b) { return __uint_as_float(((uint32_t)b) << 16); }
-
-__device__ __forceinline__ float dot8(const uint4& a, const uint4& b, float acc) {
-  acc = fmaf(bf16lo(a.x), bf16lo(b.x), acc); acc = fmaf(bf16hi(a.x), bf16hi(b.x), acc);
-  acc = fmaf(bf16lo(a.y), bf16lo(b.y), acc); acc = fmaf(bf16hi(a.y), bf16hi(b.y), acc);
-  acc = fmaf(bf16lo(a.z), bf16lo(b.z), acc); acc = fmaf(bf16hi(a.z), bf16hi(b.z), acc);
-  acc = fmaf(bf16lo(a.w), bf16lo(b.w), acc); acc = fmaf(bf16hi(a.w), bf16hi(b.w), acc);
-  return acc;
-}
-
-__device__ __forceinline__ void axpy8(float h, const uint4& w, float* acc) {
-  acc[0] = fmaf(h, bf16lo(w.x), acc[0]); acc[1] = fmaf(h, bf16hi(w.x), acc[1]);
-  acc[2] = fmaf(h, bf16lo(w.y), acc[2]); acc[3] = fmaf(h, bf16hi(w.y), acc[3]);
-  acc[4] = fmaf(h, bf16lo(w.z), acc[4]); acc[5] = fmaf(h, bf16hi(w.z), acc[5]);
-  acc[6] = fmaf(h, bf16lo(w.w), acc[6]); acc[7] = fmaf(h, bf16hi(w.w), acc[7]);
-}
-
-__device__ __forceinline__ uint32_t pack2(float a, float b) {
-  __nv_bfloat16 lo = __float2bfloat16_rn(a), hi = __float2bfloat16_rn(b);
-  return (uint32_t)__bfloat16_as_ushort(lo) | ((uint32_t)__bfloat16_as_ushort(hi) << 16);
-}
-
-__device__ __forceinline__ uint4 pack8(const float* a) {
-  return make_uint4(pack2(a[0], a[1]), pack2(a[2], a[3]), pack2(a[4], a[5]), pack2(a[6], a[7]));
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
-  return v;
-}
+using namespace sfl;  // bf16 helpers, warp reductions, gathered dots, the relu activity test (common/bf16.cuh)
 
 __device__ __forceinline__ float signf(float h) { return (h > 0.f) ? 1.f : ((h < 0.f) ? -1.f : 0.f); }
 
@@ -82,24 +50,9 @@ __global__ void __launch_bounds__(256) compact_kernel(const __nv_bfloat16* __res
     const int c = c0 + lane * 8;
     uint4 v = make_uint4(0, 0, 0, 0);
     if (c < N) v = __ldg(reinterpret_cast<const uint4*>(gr + c));
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-    unsigned act = 0;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const uint32_t b = (w[i >> 1] >> (16 * (i & 1))) & 0xffffu;
-      const uint32_t mag = b & 0x7fffu;
-      const bool pos = !(b & 0x8000u) && mag != 0;  // relu keeps it (+Inf and positive subnormals too)
-      const bool nan = mag > 0x7f80u;                 // relu(NaN) = NaN counts as active
-      act |= (unsigned)(pos || nan) << i;
-      nonfinite |= (mag >= 0x7f80u);
-    }
+    const unsigned act = relu_mask8(v, nonfinite);
     const int cnt = __popc(act);
-    int inc = cnt;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int t = __shfl_up_sync(kFull, inc, o);
-      if (lane >= o) inc += t;
-    }
+    const int inc = warp_inclusive_sum(cnt);
     const int total = __shfl_sync(kFull, inc, 31);
     int slot = base + inc - cnt;
 #pragma unroll
@@ -107,7 +60,7 @@ __global__ void __launch_bounds__(256) compact_kernel(const __nv_bfloat16* __res
       if ((act >> i) & 1u) {
         if (slot < W) {
           oc[slot] = c + i;
-          oa[slot] = (uint16_t)((w[i >> 1] >> (16 * (i & 1))) & 0xffffu);
+          oa[slot] = (uint16_t)bf16_at(v, i);
         }
         ++slot;
       }
@@ -151,38 +104,11 @@ __global__ void __launch_bounds__(128, 1) fwd_rows_kernel(const __nv_bfloat16* _
   float absacc = 0.f;
   if (GATED) {
     uint4 xv[NI];
-    const uint4* xr = reinterpret_cast<const uint4*>(x + row * K);
-#pragma unroll
-    for (int i = 0; i < NI; ++i) {
-      const int c = lane + 32 * i;
-      xv[i] = c < K8 ? __ldg(xr + c) : make_uint4(0, 0, 0, 0);
-    }
+    load_row<NI>(xv, x + row * K, K);
     for (int b0 = 0; b0 < n; b0 += 32) {
       const int ne = min(32, n - b0);
       const int col = lane < ne ? ell_col[rb + b0 + lane] : 0;
-      float myu = 0.f;
-#pragma unroll 1
-      for (int j = 0; j < ne; j += 2) {
-        const bool two = (j + 1) < ne;
-        const int c0 = __shfl_sync(kFull, col, j);
-        const int c1 = __shfl_sync(kFull, col, two ? j + 1 : j);
-        const uint4* r0 = reinterpret_cast<const uint4*>(wu + (long long)c0 * K);
-        const uint4* r1 = reinterpret_cast<const uint4*>(wu + (long long)c1 * K);
-        uint4 a[NI], b[NI];
-#pragma unroll
-        for (int i = 0; i < NI; ++i) {
-          const int c = lane + 32 * i;
-          a[i] = c < K8 ? __ldg(r0 + c) : make_uint4(0, 0, 0, 0);
-          b[i] = (c < K8 && two) ? __ldg(r1 + c) : make_uint4(0, 0, 0, 0);
-        }
-        float d0 = 0.f, d1 = 0.f;
-#pragma unroll
-        for (int i = 0; i < NI; ++i) { d0 = dot8(xv[i], a[i], d0); d1 = dot8(xv[i], b[i], d1); }
-        d0 = warp_sum(d0);
-        d1 = warp_sum(d1);
-        if (lane == j) myu = d0;
-        if (two && lane == j + 1) myu = d1;
-      }
+      const float myu = gather_dots<NI>(xv, wu, col, ne, K);
       if (lane < ne) ell_u[rb + b0 + lane] = myu;  // read back by the same lane below
     }
   }
@@ -219,12 +145,7 @@ __global__ void __launch_bounds__(128, 1) fwd_rows_kernel(const __nv_bfloat16* _
       for (int i = 0; i < NI; ++i) { axpy8(h0, a[i], acc + 8 * i); axpy8(h1, b[i], acc + 8 * i); }
     }
   }
-  uint4* yr = reinterpret_cast<uint4*>(y + row * K);
-#pragma unroll
-  for (int i = 0; i < NI; ++i) {
-    const int c = lane + 32 * i;
-    if (c < K8) yr[c] = pack8(acc + 8 * i);
-  }
+  store_row<NI>(y + row * K, acc, K);
   absacc = warp_sum(absacc);
   if (lane == 0) rowabs[row] = absacc;
 }
@@ -255,38 +176,11 @@ __global__ void __launch_bounds__(128, 1) bwd_rows_kernel(const __nv_bfloat16* _
   const float c1s = *l1c;
   {
     uint4 dv[NI];
-    const uint4* dr = reinterpret_cast<const uint4*>(dy + row * K);
-#pragma unroll
-    for (int i = 0; i < NI; ++i) {
-      const int c = lane + 32 * i;
-      dv[i] = c < K8 ? __ldg(dr + c) : make_uint4(0, 0, 0, 0);
-    }
+    load_row<NI>(dv, dy + row * K, K);
     for (int b0 = 0; b0 < n; b0 += 32) {
       const int ne = min(32, n - b0);
       const int col = lane < ne ? ell_col[rb + b0 + lane] : 0;
-      float mydh = 0.f;
-#pragma unroll 1
-      for (int j = 0; j < ne; j += 2) {
-        const bool two = (j + 1) < ne;
-        const int c0 = __shfl_sync(kFull, col, j);
-        const int c1 = __shfl_sync(kFull, col, two ? j + 1 : j);
-        const uint4* r0 = reinterpret_cast<const uint4*>(wdt + (long long)c0 * K);
-        const uint4* r1 = reinterpret_cast<const uint4*>(wdt + (long long)c1 * K);
-        uint4 a[NI], b[NI];
-#pragma unroll
-        for (int i = 0; i < NI; ++i) {
-          const int c = lane + 32 * i;
-          a[i] = c < K8 ? __ldg(r0 + c) : make_uint4(0, 0, 0, 0);
-          b[i] = (c < K8 && two) ? __ldg(r1 + c) : make_uint4(0, 0, 0, 0);
-        }
-        float d0 = 0.f, d1 = 0.f;
-#pragma unroll
-        for (int i = 0; i < NI; ++i) { d0 = dot8(dv[i], a[i], d0); d1 = dot8(dv[i], b[i], d1); }
-        d0 = warp_sum(d0);
-        d1 = warp_sum(d1);
-        if (lane == j) mydh = d0;
-        if (two && lane == j + 1) mydh = d1;
-      }
+      const float mydh = gather_dots<NI>(dv, wdt, col, ne, K);
       if (lane < ne) {
         const long long e = rb + b0 + lane;
         const float a = bf2f(av[e]);
@@ -336,12 +230,7 @@ __global__ void __launch_bounds__(128, 1) bwd_rows_kernel(const __nv_bfloat16* _
       }
     }
   }
-  uint4* xr = reinterpret_cast<uint4*>(dx + row * K);
-#pragma unroll
-  for (int i = 0; i < NI; ++i) {
-    const int c = lane + 32 * i;
-    if (c < K8) xr[c] = pack8(acc + 8 * i);
-  }
+  store_row<NI>(dx + row * K, acc, K);
 }
 
 // ---------------------------------------------------------------------------------------------------------

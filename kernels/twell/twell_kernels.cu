@@ -19,36 +19,45 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "../common/bf16.cuh"
+
 namespace twell {
 
+using namespace sfl;  // bf16 helpers, warp reductions, the relu activity test (kernels/common/bf16.cuh)
+
 constexpr int kTileN = 256;       // columns per tile (one warp: 32 lanes x 8 bf16 = one 16-byte load each)
-constexpr unsigned kFull = 0xffffffffu;
-
-__device__ __forceinline__ float bf16lo(uint32_t w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
-
-__device__ __forceinline__ float dot8(const uint4& a, const uint4& b, float acc) {
-  acc = fmaf(bf16lo(a.x), bf16lo(b.x), acc); acc = fmaf(bf16hi(a.x), bf16hi(b.x), acc);
-  acc = fmaf(bf16lo(a.y), bf16lo(b.y), acc); acc = fmaf(bf16hi(a.y), bf16hi(b.y), acc);
-  acc = fmaf(bf16lo(a.z), bf16lo(b.z), acc); acc = fmaf(bf16hi(a.z), bf16hi(b.z), acc);
-  acc = fmaf(bf16lo(a.w), bf16lo(b.w), acc); acc = fmaf(bf16hi(a.w), bf16hi(b.w), acc);
-  return acc;
-}
-
-__device__ __forceinline__ void axpy8(float h, const uint4& w, float* acc) {
-  acc[0] = fmaf(h, bf16lo(w.x), acc[0]); acc[1] = fmaf(h, bf16hi(w.x), acc[1]);
-  acc[2] = fmaf(h, bf16lo(w.y), acc[2]); acc[3] = fmaf(h, bf16hi(w.y), acc[3]);
-  acc[4] = fmaf(h, bf16lo(w.z), acc[4]); acc[5] = fmaf(h, bf16hi(w.z), acc[5]);
-  acc[6] = fmaf(h, bf16lo(w.w), acc[6]); acc[7] = fmaf(h, bf16hi(w.w), acc[7]);
-}
-
-__device__ __forceinline__ uint32_t pack2(float a, float b) {
-  __nv_bfloat16 lo = __float2bfloat16_rn(a), hi = __float2bfloat16_rn(b);
-  return (uint32_t)__bfloat16_as_ushort(lo) | ((uint32_t)__bfloat16_as_ushort(hi) << 16);
-}
 
 // ---------------------------------------------------------------------------------------------
-// compact: g [rows, ldg] bf16 (pre-activation) -> packed/counts/flag for those rows.
+// compact_item: one (row, tile) of bf16 gate pre-activations (the warp's 16-byte loads, 8 values per lane) ->
+// ReLU -> the tile's packed words (ascending columns, first S), its true count, and flag[row] = 1 on overflow
+// or a non-finite value. All 32 lanes call it.
+__device__ __forceinline__ void compact_item(uint4 v, int lane, int row, int tile, int n_tiles, int S,
+                                             int32_t* __restrict__ packed, int32_t* __restrict__ counts,
+                                             int32_t* __restrict__ flag) {
+  bool nonfinite = false;
+  const unsigned act = relu_mask8(v, nonfinite);
+  const int c = __popc(act);
+  const int inc = warp_inclusive_sum(c);
+  const int total = __shfl_sync(kFull, inc, 31);
+  int slot = inc - c;
+  int32_t* out = packed + ((long long)row * n_tiles + tile) * S;
+  if (act) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      if ((act >> i) & 1u) {
+        if (slot < S) out[slot] = (int32_t)((bf16_at(v, i) << 16) | (uint32_t)(lane * 8 + i));
+        ++slot;
+      }
+    }
+  }
+  const bool any_nf = __any_sync(kFull, nonfinite);
+  if (lane == 0) {
+    counts[(long long)row * n_tiles + tile] = total;
+    if (total > S || any_nf) flag[row] = 1;  // benign race: every writer stores 1
+  }
+}
+
+// compact (v1): one short-lived warp per (row, tile), one 16-byte load per lane. Kept for comparison (bench).
 __global__ void __launch_bounds__(128, 1) compact_kernel(const __nv_bfloat16* __restrict__ g, long long ldg,
                                                       int rows, int n_tiles, int S,
                                                       int32_t* __restrict__ packed,
@@ -60,90 +69,14 @@ __global__ void __launch_bounds__(128, 1) compact_kernel(const __nv_bfloat16* __
   const int row = warp / n_tiles;
   const int tile = warp % n_tiles;
   const uint4 v = __ldg(reinterpret_cast<const uint4*>(g + (long long)row * ldg + (long long)tile * kTileN) + lane);
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-  unsigned act = 0;
-  bool nonfinite = false;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const uint32_t b = (w[i >> 1] >> (16 * (i & 1))) & 0xffffu;
-    const uint32_t mag = b & 0x7fffu;
-    const bool pos = !(b & 0x8000u) && mag != 0;   // relu keeps it (includes +Inf, positive subnormals)
-    const bool nan = mag > 0x7f80u;                  // relu(NaN) = NaN: counts as active
-    act |= (unsigned)(pos || nan) << i;
-    nonfinite |= (mag >= 0x7f80u);
-  }
-  const int c = __popc(act);
-  int inc = c;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int t = __shfl_up_sync(kFull, inc, o);
-    if (lane >= o) inc += t;
-  }
-  const int total = __shfl_sync(kFull, inc, 31);
-  int slot = inc - c;
-  int32_t* out = packed + ((long long)row * n_tiles + tile) * S;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    if ((act >> i) & 1u) {
-      const uint32_t b = (w[i >> 1] >> (16 * (i & 1))) & 0xffffu;
-      if (slot < S) out[slot] = (int32_t)((b << 16) | (uint32_t)(lane * 8 + i));
-      ++slot;
-    }
-  }
-  const bool any_nf = __any_sync(kFull, nonfinite);
-  if (lane == 0) {
-    counts[(long long)row * n_tiles + tile] = total;
-    if (total > S || any_nf) flag[row] = 1;  // benign race: every writer stores 1
-  }
+  compact_item(v, lane, row, tile, n_tiles, S, packed, counts, flag);
 }
 
 
-// compact_v2: same output as compact_kernel, but a persistent grid in which every warp first issues the 16-byte
+// compact_v2 (default): same output, but a persistent grid in which every warp first issues the 16-byte
 // loads of U (row, tile) items and only then processes them: U x 512 B in flight per warp instead of 512 B, and no
 // block turnover (v1 ran one short-lived warp per item: 1.4M warps at M = 65536, latency bound at ~0.9 TB/s).
 constexpr int kCompactU = 4;
-__device__ __forceinline__ void compact_item(uint4 v, int lane, int row, int tile, int n_tiles, int S,
-                                             int32_t* __restrict__ packed, int32_t* __restrict__ counts,
-                                             int32_t* __restrict__ flag) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-  unsigned act = 0;
-  bool nonfinite = false;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const uint32_t b = (w[i >> 1] >> (16 * (i & 1))) & 0xffffu;
-    const uint32_t mag = b & 0x7fffu;
-    const bool pos = !(b & 0x8000u) && mag != 0;
-    const bool nan = mag > 0x7f80u;
-    act |= (unsigned)(pos || nan) << i;
-    nonfinite |= (mag >= 0x7f80u);
-  }
-  const int c = __popc(act);
-  int inc = c;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int t = __shfl_up_sync(kFull, inc, o);
-    if (lane >= o) inc += t;
-  }
-  const int total = __shfl_sync(kFull, inc, 31);
-  int slot = inc - c;
-  int32_t* out = packed + ((long long)row * n_tiles + tile) * S;
-  if (act) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      if ((act >> i) & 1u) {
-        const uint32_t b = (w[i >> 1] >> (16 * (i & 1))) & 0xffffu;
-        if (slot < S) out[slot] = (int32_t)((b << 16) | (uint32_t)(lane * 8 + i));
-        ++slot;
-      }
-    }
-  }
-  const bool any_nf = __any_sync(kFull, nonfinite);
-  if (lane == 0) {
-    counts[(long long)row * n_tiles + tile] = total;
-    if (total > S || any_nf) flag[row] = 1;
-  }
-}
-
 __global__ void __launch_bounds__(256) compact_v2_kernel(const __nv_bfloat16* __restrict__ g, long long ldg,
                                                          int rows, int n_tiles, int S,
                                                          int32_t* __restrict__ packed,
@@ -193,8 +126,6 @@ __global__ void __launch_bounds__(128, 1) gated_up_kernel(const __nv_bfloat16* _
   const int t0 = (warp % groups) * tiles_per_warp;
   const int t1 = min(n_tiles, t0 + tiles_per_warp);
   if (flag[row]) continue;
-  const int K8 = K >> 3;
-  const uint4* xr = reinterpret_cast<const uint4*>(x + (long long)row * K);
   uint4 xv[NI];
   bool xloaded = false;
   for (int tile = t0; tile < t1; ++tile) {
@@ -202,42 +133,14 @@ __global__ void __launch_bounds__(128, 1) gated_up_kernel(const __nv_bfloat16* _
     const int cnt = min(counts[rt], S);
     if (cnt == 0) continue;
     if (!xloaded) {  // x row is read only when the group has work
-#pragma unroll
-      for (int i = 0; i < NI; ++i) {
-        const int c = lane + 32 * i;
-        xv[i] = c < K8 ? __ldg(xr + c) : make_uint4(0, 0, 0, 0);
-      }
+      load_row<NI>(xv, x + (long long)row * K, K);
       xloaded = true;
     }
     for (int base = 0; base < cnt; base += 32) {
       const int ne = min(32, cnt - base);
       const uint32_t word = lane < ne ? (uint32_t)packed[rt * S + base + lane] : 0u;
-      float myh = 0.f;
-#pragma unroll 1
-      for (int j = 0; j < ne; j += 2) {
-        const bool two = (j + 1) < ne;
-        const uint32_t w0 = __shfl_sync(kFull, word, j);
-        const uint32_t w1 = __shfl_sync(kFull, word, two ? j + 1 : j);
-        const uint4* r0 = reinterpret_cast<const uint4*>(wu + (long long)(tile * kTileN + (w0 & 0xffffu)) * K);
-        const uint4* r1 = reinterpret_cast<const uint4*>(wu + (long long)(tile * kTileN + (w1 & 0xffffu)) * K);
-        float d0 = 0.f, d1 = 0.f;
-        uint4 a[NI], b[NI];
-#pragma unroll
-        for (int i = 0; i < NI; ++i) {
-          const int c = lane + 32 * i;
-          a[i] = c < K8 ? __ldg(r0 + c) : make_uint4(0, 0, 0, 0);
-          b[i] = (c < K8 && two) ? __ldg(r1 + c) : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int i = 0; i < NI; ++i) { d0 = dot8(xv[i], a[i], d0); d1 = dot8(xv[i], b[i], d1); }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-          d0 += __shfl_xor_sync(kFull, d0, o);
-          d1 += __shfl_xor_sync(kFull, d1, o);
-        }
-        if (lane == j) myh = bf16hi(word) * d0;
-        if (two && lane == j + 1) myh = bf16hi(word) * d1;
-      }
+      const float u = gather_dots<NI>(xv, wu, tile * kTileN + (int)(word & 0xffffu), ne, K);
+      const float myh = bf16hi(word) * u;
       if (lane < ne) hval[rt * S + base + lane] = myh;
     }
   }
@@ -411,15 +314,14 @@ __global__ void __launch_bounds__(384, 1) decode_fused_kernel(const __nv_bfloat1
     for (int r = 0; r < MR; ++r) {
       float t = acc[r];
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(kFull, t, o);  // identical result on every lane
+      t = warp_sum(t);  // identical result on every lane
       const uint32_t b = (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(t));
-      const uint32_t mag = b & 0x7fffu;
-      const bool act = r < M && ((!(b & 0x8000u) && mag != 0) || mag > 0x7f80u);  // relu keeps it, or NaN
+      const bool act = r < M && relu_active(b);
       gv[r] = __uint_as_float(b << 16);
       active |= (unsigned)act << r;
       if (lane == 0 && r < M) {
         if (act) atomicAdd(nnz + r, 1);
-        if (mag >= 0x7f80u) flag[r] = 1;  // benign race: every writer stores 1
+        if (bf16_nonfinite(b)) flag[r] = 1;  // benign race: every writer stores 1
       }
     }
     if (!active) continue;  // warp-uniform
@@ -453,9 +355,7 @@ __global__ void __launch_bounds__(384, 1) decode_fused_kernel(const __nv_bfloat1
 #pragma unroll
       for (int r = 0; r < MR; ++r) {
         float t = acc[r];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(kFull, t, o);
-        h[r] = gv[r] * t;
+        h[r] = gv[r] * warp_sum(t);
       }
     } else {
 #pragma unroll
@@ -564,10 +464,9 @@ __global__ void __launch_bounds__(256) relu_mul_stats_kernel(const __nv_bfloat16
 #pragma unroll
             for (int hlf = 0; hlf < 2; ++hlf) {
               const uint32_t b = (w[i] >> (16 * hlf)) & 0xffffu;
-              const uint32_t mag = b & 0x7fffu;
-              const bool act = (!(b & 0x8000u) && mag != 0) || mag > 0x7f80u;
+              const bool act = relu_active(b);
               c += act ? 1 : 0;
-              nf |= (mag >= 0x7f80u);
+              nf |= bf16_nonfinite(b);
               keep |= act ? (0xffffu << (16 * hlf)) : 0u;
             }
             const uint32_t h = w[i] & keep;  // relu(g) as bf16 bits (inactive -> +0)
@@ -586,10 +485,7 @@ __global__ void __launch_bounds__(256) relu_mul_stats_kernel(const __nv_bfloat16
         }
       }
     }
-    if (l1_row != nullptr) {
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) l1 += __shfl_xor_sync(kFull, l1, o);
-    }
+    if (l1_row != nullptr) l1 = warp_sum(l1);
   }
   if (lane == 0) { s_n[warp] = nnz; s_b[warp] = bad ? 1 : 0; s_l1[warp] = l1; }
   __syncthreads();
