@@ -78,12 +78,8 @@ class DispatchState:
         ev, rows, n = self._pending
         if ev is not None and not ev.query():
             return  # not finished yet: keep the previous decision (no host sync)
-        vals = self._host.tolist()
-        if len(vals) == 2:  # (nnz of light rows, heavy rows) from the fused dense path
-            light_nnz, heavy = vals
-            light_rows = rows - heavy
-        else:
-            light_nnz, light_rows, heavy = vals
+        light_nnz, heavy = self._host.tolist()
+        light_rows = rows - heavy
         if rows > 0:
             # activity of the rows the sparse kernels would take; heavy rows are priced by backup_frac
             self.activity = light_nnz / (max(1, light_rows) * n)
@@ -91,37 +87,33 @@ class DispatchState:
         self._pending = None
 
     def record(self, nnz: Tensor, n_cols: int, width: int) -> None:
-        """Queue an async device->host copy of (nnz of light rows, light rows, heavy rows) for a later decision.
-        Never blocks: no host->device tensors, one reused pinned buffer, skipped while a copy is in flight."""
-        if nnz.numel() == 0:
-            return
-        self._poll()
-        if self._pending is not None:
+        """Queue an async device->host copy of (nnz of light rows, heavy rows) for a later decision, from per-row
+        counts. Never blocks: no host->device tensors, one reused pinned buffer, skipped while a copy is in flight."""
+        if nnz.numel() == 0 or self._busy():
             return
         light = nnz <= width
-        dev = torch.stack([torch.where(light, nnz, 0).sum(dtype=torch.int64), light.sum(dtype=torch.int64),
-                           (~light).sum(dtype=torch.int64)])
-        if nnz.is_cuda:
-            if self._host is None:
-                self._host = torch.empty(3, dtype=torch.int64, pin_memory=True)
-            if self._host.numel() != 3:
-                self._host = torch.empty(3, dtype=torch.int64, pin_memory=True)
-            self._host.copy_(dev, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record()
-            self._pending = (ev, nnz.numel(), n_cols)
-        else:
-            self._host = dev
-            self._pending = (None, nnz.numel(), n_cols)
+        self._queue(torch.stack([torch.where(light, nnz, 0).sum(dtype=torch.int64), (~light).sum(dtype=torch.int64)]),
+                    nnz.numel(), n_cols)
 
     def record_pair(self, stats: Tensor, rows: int, n_cols: int) -> None:
-        """Queue an async copy of int64 [2] = (nnz of light rows, heavy rows) measured on the device."""
-        self._poll()
-        if self._pending is not None or rows == 0:
+        """The same from a device int64 [2] = (nnz of light rows, heavy rows) already reduced (fused dense path)."""
+        if rows == 0 or self._busy():
             return
-        if self._host is None or self._host.numel() != 2:
-            self._host = torch.empty(2, dtype=torch.int64, pin_memory=True)
-        self._host.copy_(stats, non_blocking=True)
+        self._queue(stats, rows, n_cols)
+
+    def _busy(self) -> bool:
+        self._poll()
+        return self._pending is not None
+
+    def _queue(self, dev: Tensor, rows: int, n_cols: int) -> None:
+        """Copy the int64 stats `dev` to (pinned) host memory without a sync; _poll reads them once landed."""
+        if not dev.is_cuda:
+            self._host = dev
+            self._pending = (None, rows, n_cols)
+            return
+        if self._host is None or self._host.numel() != dev.numel() or not self._host.is_pinned():
+            self._host = torch.empty(dev.numel(), dtype=torch.int64, pin_memory=True)
+        self._host.copy_(dev, non_blocking=True)
         ev = torch.cuda.Event()
         ev.record()
         self._pending = (ev, rows, n_cols)

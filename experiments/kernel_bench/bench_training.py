@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
+
+from experiments.kernel_bench.bench_inference import Timer  # same method: CUDA events, L2 flush, median
 
 DEV = "cuda"
 BF = torch.bfloat16
@@ -51,25 +52,6 @@ def dense_block(x, wg, wu, wd, l1=True, count=False):
     if not l1:
         return y, None
     return y, h.abs().sum(dtype=torch.float32) / (x.shape[0] * wu.shape[0])
-
-
-class Timer:
-    def __init__(self):
-        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
-
-    def time(self, fn, reps, warmup=2):
-        for _ in range(warmup):
-            fn()
-        ts = []
-        for _ in range(reps):
-            self.flush.zero_()
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            ts.append(s.elapsed_time(e))
-        return statistics.median(ts)
 
 
 def rel(a, b):

@@ -141,6 +141,10 @@ class LayerHistory:
         self._pending: tuple | None = None
         self._host: list[Tensor] | None = None
         self._events: list[torch.cuda.Event] | None = None
+        # self-timing (below): (M bucket, path) -> last GPU times in ms; timed calls in flight; calls per bucket
+        self.times: dict[tuple[int, str], list[float]] = {}
+        self._tpending: list[tuple] = []
+        self.bucket_calls: dict[int, int] = {}
 
     def busy(self) -> bool:
         """True while the previous asynchronous measurement has not been read back yet."""
@@ -181,20 +185,12 @@ class LayerHistory:
     TIMING_KEEP = 3       # samples kept per (bucket, path); decisions use their minimum (robust to warm-up)
     REPROBE_EVERY = 256   # a bucket where sparse was measured slower runs sparse again every this many calls
 
-    def _timing_state(self) -> None:
-        if not hasattr(self, "times"):
-            self.times: dict[tuple[int, str], list[float]] = {}
-            self._tpending: list[tuple] = []
-            self.bucket_calls: dict[int, int] = {}
-
     def count_call(self, bucket: int) -> int:
-        self._timing_state()
         n = self.bucket_calls.get(bucket, 0) + 1
         self.bucket_calls[bucket] = n
         return n
 
     def want_timing(self, bucket: int, path: str) -> bool:
-        self._timing_state()
         if len(self._tpending) >= 4:
             return False
         return len(self.times.get((bucket, path), ())) < self.TIMING_KEEP or self.bucket_calls.get(bucket, 0) % 64 == 0
@@ -203,7 +199,6 @@ class LayerHistory:
         self._tpending.append((start, end, bucket, path))
 
     def poll_timings(self) -> None:
-        self._timing_state()
         keep = []
         for start, end, bucket, path in self._tpending:
             if end.query():
@@ -213,19 +208,16 @@ class LayerHistory:
         self._tpending = keep
 
     def add_sample(self, bucket: int, path: str, ms: float) -> None:
-        self._timing_state()
         lst = self.times.setdefault((bucket, path), [])
         lst.append(ms)
         del lst[: -self.TIMING_KEEP]
 
     def needs_dense_probe(self, bucket: int) -> bool:
         """The table says sparse but this bucket has fewer than 2 dense timings to compare with."""
-        self._timing_state()
         return len(self.times.get((bucket, "dense"), ())) < 2
 
     def sparse_slower(self, bucket: int) -> bool:
         """Measured here: sparse slower than dense at this bucket (>= 2 samples each, minimum vs minimum)."""
-        self._timing_state()
         sp, de = self.times.get((bucket, "sparse"), ()), self.times.get((bucket, "dense"), ())
         if self.bucket_calls.get(bucket, 0) % self.REPROBE_EVERY == 0:
             return False  # re-probe: the activity may have fallen since
