@@ -72,6 +72,12 @@ def validate(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor) -> 
                          f"use {REFERENCE_HINT}")
 
 
+def _aligned(t: Tensor | None) -> Tensor | None:
+    """The kernels read rows with 16-byte vector loads; a tensor whose storage starts mid-vector (a view at an odd
+    element offset) is copied to a fresh, aligned buffer rather than faulting."""
+    return t.clone() if t is not None and t.data_ptr() % 16 else t
+
+
 def _run(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, return_stats: bool, mode: str,
          activity_hint: float, w_down_t: Tensor | None):
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w_gate, w_up, w_down)):
@@ -83,8 +89,9 @@ def _run(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, return_
     if mode not in _MODES:
         raise ValueError(f"mode must be one of {sorted(_MODES)}, got {mode!r}")
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    wdt = w_down_t if w_down_t is not None else transposed_down(w_down)
+    x2 = _aligned(x.reshape(-1, x.shape[-1]))
+    w_gate, w_up, w_down = _aligned(w_gate), _aligned(w_up), _aligned(w_down)
+    wdt = _aligned(w_down_t) if w_down_t is not None else transposed_down(w_down)
     ops = _ops()
     if not torch.compiler.is_compiling():
         # eager (CUDA-graph capture included): call the implementation directly; the torch.library op costs
@@ -122,7 +129,7 @@ def twell_d2t(x: Tensor, w_gate: Tensor, slots: int = 32) -> tuple[Tensor, Tenso
                                              dtype=w_gate.dtype))
     if not 1 <= slots <= 256:
         raise ValueError(f"slots must be in 1..256, got {slots}")
-    return _ops().d2t(x.reshape(-1, x.shape[-1]), w_gate, slots)
+    return _ops().d2t(_aligned(x.reshape(-1, x.shape[-1])), _aligned(w_gate), slots)
 
 
 from kernels.twell.module import TwELLGatedMLP, TwELLMLP  # noqa: E402  (re-export)

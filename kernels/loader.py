@@ -20,7 +20,7 @@ from pathlib import Path
 from types import ModuleType
 
 _HERE = Path(__file__).resolve().parent
-TWELL_SOURCES = [_HERE / "twell" / "binding.cpp", _HERE / "twell" / "twell_kernels.cu"]
+TWELL_SOURCES = [_HERE / "twell" / "binding.cpp", _HERE / "twell" / "twell_kernels.cu", _HERE / "twell" / "d2t_gemm.cu"]
 _LOCK = threading.Lock()
 _CACHE: dict[str, ModuleType] = {}
 

@@ -127,11 +127,12 @@ def test_modes_and_many_heavy_rows(ffn, mode, p):
 
 @pytest.mark.parametrize("chunk", [0, 64, 100000])   # 0 = auto (one GEMM over all rows at this size)
 def test_d2t_matches_reference(ffn, monkeypatch, chunk):
-    """Every d2t variant (full-M GEMM, chunked) equals reference.d2t bit for bit on the valid slots."""
+    """Every cuBLAS d2t variant (full-M GEMM, chunked) equals reference.d2t bit for bit on the valid slots."""
     from kernels import reference
 
     K, N, M = 2048, 5632, 300
     x, wg, _, _ = make_problem(M, K, N, 0.01, seed=3)
+    monkeypatch.setenv("TWELL_D2T", "cublas")
     monkeypatch.setenv("TWELL_CHUNK_ROWS", str(chunk))
     poison()
     packed, counts, flag = ffn.twell_d2t(x, wg, 32)
@@ -584,3 +585,142 @@ def test_self_timing_keeps_a_faster_sparse_path(ffn, monkeypatch):
         paths.append(ops.LAST_PATH["path"])
         torch.cuda.synchronize()
     assert paths[-4:] == ["sparse"] * 4, (paths, hist.times)
+
+
+# ---------------------------------------------------------------- fused d2t (d2t_gemm.cu, sm_90a)
+def _fused_or_skip(x, w):
+    from kernels.twell import ops
+
+    if not ops.fused_d2t_available(x, w):
+        pytest.skip("the fused d2t needs an sm_90 GPU")
+    return ops._ext()
+
+
+def check_twell_vs_fp32(packed, counts, flag, x, w, S):
+    """A TwELL of relu(x w^T) computed in any fp32 summation order, checked against float64 math:
+    every count written, columns strictly ascending, stored values = bf16(g) up to one bf16 rounding of an fp32
+    sum, activity exact except for entries within fp32 rounding of zero, flags = overflow | non-finite row."""
+    M, N = x.shape[0], w.shape[0]
+    T = N // 256
+    g64 = x.double() @ w.double().t()
+    mag = x.double().abs() @ w.double().abs().t()
+    finite = torch.isfinite(g64).all(1)
+    assert (counts >= 0).all() and (counts <= 256).all(), "a count was not written (poison left)"
+    # ambiguous entries: |g| below what fp32 accumulation order can change
+    amb = (g64.abs() <= 1e-5 * mag + 1e-30) & finite[:, None]
+    ref_active = (g64 > 0) & ~amb
+    cnt_lo = ref_active.view(M, T, 256).sum(2)
+    cnt_hi = cnt_lo + amb.view(M, T, 256).sum(2)
+    ok_rows = finite
+    assert ((counts[ok_rows] >= cnt_lo[ok_rows]) & (counts[ok_rows] <= cnt_hi[ok_rows])).all(), "counts differ"
+    expect_flag = (counts > S).any(1) | ~finite
+    assert torch.equal(flag.bool(), expect_flag), "flags differ from overflow | non-finite"
+    # decode the stored words of finite rows
+    slot = torch.arange(S, device=x.device)
+    valid = (slot[None, None, :] < counts.clamp(max=S)[:, :, None]) & finite[:, None, None]
+    cols = packed & 0xFFFF
+    vals = (packed >> 16).to(torch.int16).view(torch.bfloat16).double()
+    assert (cols[valid] < 256).all(), "tile-local column out of range"
+    prev = torch.cat([torch.full_like(cols[:, :, :1], -1), cols[:, :, :-1]], 2)
+    assert (cols[valid] > prev[valid]).all(), "columns not strictly ascending"
+    gcol = cols + (torch.arange(T, device=x.device) * 256)[None, :, None]
+    rows = torch.arange(M, device=x.device)[:, None, None].expand_as(cols)
+    r, gc, v = rows[valid], gcol[valid], vals[valid]
+    ref = g64[r, gc]
+    assert (v > 0).all() and (ref > -1e-5 * mag[r, gc] - 1e-30).all(), "a stored entry is not active"
+    tol = 2.0 ** -8 * ref.abs() + 1e-5 * mag[r, gc] + 1e-30
+    assert ((v - ref).abs() <= tol).all(), "stored value differs from bf16(g)"
+    # unflagged rows: the stored set is the whole active set (every unambiguous active entry present)
+    full = ~flag.bool()
+    dense = torch.zeros(M, N, device=x.device, dtype=torch.bool)
+    dense[r, gc] = True
+    miss = ref_active & ~dense & full[:, None]
+    assert not miss.any(), f"{int(miss.sum())} active entries of unflagged rows are missing"
+
+
+FUSED_CASES = [(1, 576, 1536), (7, 2048, 5632), (129, 576, 1536), (1000, 2048, 5632), (300, 4096, 11008),
+               (4096, 2048, 8192)]
+
+
+@pytest.mark.parametrize("M,K,N", FUSED_CASES)
+@pytest.mark.parametrize("S", [32, 256])
+def test_fused_d2t_vs_fp32(ffn, M, K, N, S):
+    """The tensor-core d2t with the TwELL epilogue against float64 math, on adversarial rows (heavy, whole tile,
+    all active, all zero, NaN/+-Inf), odd M (partial row tiles), poisoned outputs, both slot counts."""
+    x, wg, _, _ = make_problem(M, K, N, 0.01, seed=M + K + S)
+    ext = _fused_or_skip(x, wg)
+    T = N // 256
+    packed = torch.full((M, T, S), -7, device=DEV, dtype=torch.int32)
+    counts = torch.full((M, T), -7, device=DEV, dtype=torch.int32)
+    flag = torch.zeros(M, device=DEV, dtype=torch.int32)
+    ext.d2t_gemm(x, wg, packed, counts, flag, 0)
+    torch.cuda.synchronize()
+    check_twell_vs_fp32(packed, counts, flag, x, wg, S)
+
+
+@pytest.mark.parametrize("ctas", [1, 3, 0])
+def test_fused_d2t_persistent_grid(ffn, ctas):
+    """Any persistent grid size gives the same TwELL (one CTA walks every tile; 3 CTAs share them unevenly)."""
+    M, K, N = 700, 576, 1536
+    x, wg, _, _ = make_problem(M, K, N, 0.03, seed=ctas)
+    ext = _fused_or_skip(x, wg)
+    outs = []
+    for c in (ctas, 0):
+        packed = torch.full((M, N // 256, 32), -7, device=DEV, dtype=torch.int32)
+        counts = torch.full((M, N // 256), -7, device=DEV, dtype=torch.int32)
+        flag = torch.zeros(M, device=DEV, dtype=torch.int32)
+        ext.d2t_gemm(x, wg, packed, counts, flag, c)
+        outs.append((packed, counts, flag))
+    torch.cuda.synchronize()
+    check_twell_vs_fp32(*outs[0], x, wg, 32)
+    (p0, c0, f0), (p1, c1, f1) = outs
+    assert torch.equal(c0, c1) and torch.equal(f0, f1)
+    valid = torch.arange(32, device=DEV)[None, None, :] < c0.clamp(max=32)[:, :, None]
+    assert torch.equal(p0[valid], p1[valid])
+
+
+def test_fused_d2t_op_and_ffn_use_it(ffn, monkeypatch):
+    """twell_d2t and the FFN take the fused d2t by default on sm_90, and the result matches the cuBLAS d2t up
+    to entries within rounding of zero; TWELL_D2T=cublas switches back."""
+    from kernels.twell import ops
+
+    M, K, N = 3000, 2048, 5632
+    x, wg, wu, wd = make_problem(M, K, N, 0.005, seed=5)
+    _fused_or_skip(x, wg)
+    poison()
+    fused = ffn.twell_d2t(x, wg, 32)
+    torch.cuda.synchronize()
+    check_twell_vs_fp32(*fused, x, wg, 32)
+    y = ffn.sparse_gated_ffn(x, wg, wu, wd, mode="sparse")
+    torch.cuda.synchronize()
+    assert ops.LAST_PATH["d2t"] == "fused"
+    check(y, x, wg, wu, wd, True)
+    monkeypatch.setenv("TWELL_D2T", "cublas")
+    cub = ffn.twell_d2t(x, wg, 32)
+    y2 = ffn.sparse_gated_ffn(x, wg, wu, wd, mode="sparse")
+    torch.cuda.synchronize()
+    assert ops.LAST_PATH["d2t"] == "cublas"
+    check(y2, x, wg, wu, wd, True)
+    differ = (fused[1] != cub[1]).sum().item()
+    assert differ <= 0.001 * fused[1].numel(), f"{differ} tile counts differ between fused and cuBLAS d2t"
+    monkeypatch.setenv("TWELL_D2T", "bogus")
+    with pytest.raises(ValueError, match="TWELL_D2T"):
+        ffn.sparse_gated_ffn(x, wg, wu, wd, mode="sparse")
+
+
+def test_unaligned_input_is_copied(ffn):
+    """An x whose data pointer is not 16-byte aligned (contiguous, but at an odd element offset) is copied to an
+    aligned buffer (the kernels use 16-byte loads) and the result is exact, on every path."""
+    from kernels.twell import ops
+
+    M, K, N = 1000, 576, 1536
+    x, wg, wu, wd = make_problem(M + 1, K, N, 0.01, seed=9, adversarial=False)
+    flat = x.reshape(-1)[1: 1 + M * K].view(M, K)   # contiguous, offset by one bf16 element
+    assert flat.is_contiguous() and flat.data_ptr() % 16 != 0
+    assert not ops.fused_d2t_available(flat, wg)
+    for rows, mode in ((3, "sparse"), (40, "sparse"), (M, "sparse"), (M, "dense")):   # decode, sync-free, eager
+        xs = flat[:rows]
+        poison()
+        y = ffn.sparse_gated_ffn(xs, wg, wu, wd, mode=mode)
+        torch.cuda.synchronize()
+        check(y, xs, wg, wu, wd, True)

@@ -13,6 +13,7 @@ TWELL_CROSSOVER table of kernels/README.md) and prints the largest activity at w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -31,6 +32,21 @@ BF = torch.bfloat16
 def shift_for(p: torch.Tensor) -> torch.Tensor:
     """Gate shift so that a N(0,1) pre-activation is positive with probability p."""
     return torch.distributions.Normal(0.0, 1.0).icdf(1.0 - p.clamp(1e-6, 0.5))
+
+
+@contextlib.contextmanager
+def _env(env: dict):
+    """Set knob env vars for a block (the ops read them at every call), restoring the old values after."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def make_weights(K: int, N: int, seed: int = 0):
@@ -272,16 +288,8 @@ def explore() -> int:
     wdt = transposed_down(wd)
 
     def with_env(env: dict, fn):
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+        with _env(env):
             return fn()
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
     for pattern, p in (("uniform", 0.005), ("paper", 0.0025), ("paper", 0.005)):
         M = 65536
@@ -312,6 +320,62 @@ def explore() -> int:
     return 0
 
 
+def d2t_compare(out: str) -> int:
+    """The two d2t variants side by side (fused tensor-core GEMM with the TwELL epilogue vs cuBLAS gate GEMM +
+    compaction), the cuBLAS gate GEMM alone, and the whole forced-sparse block with each, against dense; JSONL."""
+    from experiments.provenance import collect
+    from kernels.ffn import sparse_gated_ffn, transposed_down, twell_d2t
+    from kernels.twell import ops as twops
+
+    prov = collect({"knobs": twops.knobs(), "mode": "d2t_compare"})
+    timer = Timer()
+    shapes = [(2048, 5632), (576, 1536), (4096, 11008)]
+    with open(out, "w") as f:
+        for K, N in shapes:
+            wg32, wu32, wd32 = make_weights(K, N)
+            wu, wd = wu32.to(BF), wd32.to(BF)
+            wdt = transposed_down(wd)
+            for M in (4096, 16384, 65536):
+                for p in (0.005, 0.02):
+                    x, wg = make_case(wg32, M, K, N, "paper", p, 0.0, seed=M + N)
+                    reps = 10 if M >= 16384 else 20
+                    row = {**prov, "K": K, "N": N, "M": M, "pattern": "paper", "activity": p}
+                    ok = twops.fused_d2t_available(x, wg)
+                    row["fused_available"] = ok
+                    row["gate_gemm_ms"] = timer.time(lambda: torch.mm(x, wg.t()), reps)
+                    with _env({"TWELL_D2T": "cublas"}):
+                        row["d2t_cublas_ms"] = timer.time(lambda: twell_d2t(x, wg, 32), reps)
+                        row["sparse_cublas_d2t_ms"] = timer.time(
+                            lambda: sparse_gated_ffn(x, wg, wu, wd, w_down_t=wdt, mode="sparse"), reps)
+                    if ok:
+                        row["d2t_fused_ms"] = timer.time(lambda: twell_d2t(x, wg, 32), reps)
+                        row["d2t_fused_tflops"] = 2 * M * K * N / row["d2t_fused_ms"] / 1e9
+                        row["dense_ms"], row["sparse_fused_d2t_ms"] = timer.time_pair(
+                            lambda: dense_gated(x, wg, wu, wd),
+                            lambda: sparse_gated_ffn(x, wg, wu, wd, w_down_t=wdt, mode="sparse"), reps)
+                        # the packed entries of both variants agree up to values within rounding of zero
+                        a, b = twell_d2t(x, wg, 32), None
+                        with _env({"TWELL_D2T": "cublas"}):
+                            b = twell_d2t(x, wg, 32)
+                        row["counts_differ_frac"] = (a[1] != b[1]).float().mean().item()
+                        row["flag_differ_rows"] = int((a[2] != b[2]).sum().item())
+                        row["nnz_mean"] = a[1].sum(1).float().mean().item()
+                    row["gate_gemm_tflops"] = 2 * M * K * N / row["gate_gemm_ms"] / 1e9
+                    f.write(json.dumps(row) + "\n")
+                    f.flush()
+                    print(f"[d2t] K={K} N={N} M={M} p={p} gate={row['gate_gemm_ms']:.3f} "
+                          f"cublas_d2t={row['d2t_cublas_ms']:.3f}"
+                          + (f" fused_d2t={row['d2t_fused_ms']:.3f} ({row['d2t_fused_tflops']:.0f} TFLOP/s)"
+                             f" dense={row['dense_ms']:.3f} sparse_fused={row['sparse_fused_d2t_ms']:.3f}"
+                             f" sparse_cublas={row['sparse_cublas_d2t_ms']:.3f}"
+                             f" x{row['dense_ms'] / row['sparse_fused_d2t_ms']:.2f}"
+                             f" counts_differ={row['counts_differ_frac']:.2e}" if ok else " (no fused d2t here)"),
+                          flush=True)
+                    del x, wg
+                    torch.cuda.empty_cache()
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="results/kernel_bench/bench.jsonl")
@@ -320,7 +384,10 @@ def main() -> int:
     ap.add_argument("--kind", choices=["gated", "nongated"], default="gated", help="block calibrated by --calib")
     ap.add_argument("--overhead", action="store_true", help="host cost per call and a profiler table")
     ap.add_argument("--explore", action="store_true", help="variant timings (compaction, grid cap, fused decode)")
+    ap.add_argument("--d2t", action="store_true", help="fused vs cuBLAS d2t, and the sparse block with each")
     args = ap.parse_args()
+    if args.d2t:
+        return d2t_compare(args.out)
     if args.explore:
         return explore()
     if args.calib:
@@ -426,22 +493,21 @@ def main() -> int:
                 row["dense_vs_dense_ratio"] = (lambda a, b: a / b)(*timer.time_pair(dense_fn, dense_fn, reps))
             row["ours_sparse_forced_ms"] = timer.time(lambda: ours_fn("sparse"), reps)
             if M == 65536 and kind == "gated":
-                # breakdown: cuBLAS gate GEMM alone, and gate GEMM + compaction to TwELL (d2t), per variant
+                # breakdown: cuBLAS gate GEMM alone; d2t fused (default on sm_90: tensor-core GEMM with the TwELL
+                # epilogue) and cuBLAS + compaction (v2, v1, chunked); forced sparse with the cuBLAS d2t
                 from kernels.ffn import twell_d2t
 
                 row["gate_gemm_ms"] = timer.time(lambda: torch.mm(x, wg.t()), reps)
                 row["d2t_ms"] = timer.time(lambda: twell_d2t(x, wg, 32), reps)
-                os.environ["TWELL_COMPACT"] = "1"   # the first compaction kernel, for comparison
-                try:
-                    row["d2t_compact_v1_ms"] = timer.time(lambda: twell_d2t(x, wg, 32), reps)
-                finally:
-                    del os.environ["TWELL_COMPACT"]
-                for ch in (4096, 16384):
-                    os.environ["TWELL_CHUNK_ROWS"] = str(ch)
-                    try:
-                        row[f"d2t_chunk{ch}_ms"] = timer.time(lambda: twell_d2t(x, wg, 32), reps)
-                    finally:
-                        del os.environ["TWELL_CHUNK_ROWS"]
+                variants = {"d2t_cublas_ms": {"TWELL_D2T": "cublas"},
+                            "d2t_compact_v1_ms": {"TWELL_D2T": "cublas", "TWELL_COMPACT": "1"},
+                            "d2t_chunk4096_ms": {"TWELL_D2T": "cublas", "TWELL_CHUNK_ROWS": "4096"},
+                            "d2t_chunk16384_ms": {"TWELL_D2T": "cublas", "TWELL_CHUNK_ROWS": "16384"}}
+                for key, env in variants.items():
+                    with _env(env):
+                        row[key] = timer.time(lambda: twell_d2t(x, wg, 32), reps)
+                with _env({"TWELL_D2T": "cublas"}):
+                    row["ours_sparse_forced_cublas_d2t_ms"] = timer.time(lambda: ours_fn("sparse"), reps)
             row["timing"] = "eager"
         row["speedup"] = row["dense_ms"] / row["ours_ms"]
         rows_out.append(row)
@@ -454,9 +520,11 @@ def main() -> int:
               + f" sparse_forced={row['ours_sparse_forced_ms']:.3f} p_est={p_est}"
               + (f" AA={row['dense_vs_dense_ratio']:.3f}" if "dense_vs_dense_ratio" in row else "")
               + (f" unfused={row['ours_unfused_decode_ms']:.4f}" if "ours_unfused_decode_ms" in row else "")
-              + (f" gate={row['gate_gemm_ms']:.3f} d2t={row['d2t_ms']:.3f} d2t_v1={row['d2t_compact_v1_ms']:.3f}"
-                 f" d2t_chunk4096={row['d2t_chunk4096_ms']:.3f}"
-                 f" d2t_chunk16384={row['d2t_chunk16384_ms']:.3f}" if "gate_gemm_ms" in row else ""),
+              + (f" gate={row['gate_gemm_ms']:.3f} d2t={row['d2t_ms']:.3f} d2t_cublas={row['d2t_cublas_ms']:.3f}"
+                 f" d2t_v1={row['d2t_compact_v1_ms']:.3f} d2t_chunk4096={row['d2t_chunk4096_ms']:.3f}"
+                 f" d2t_chunk16384={row['d2t_chunk16384_ms']:.3f}"
+                 f" sparse_forced_cublas_d2t={row['ours_sparse_forced_cublas_d2t_ms']:.3f}"
+                 if "gate_gemm_ms" in row else ""),
               flush=True)
         del x, y_ref, y_ours
         torch.cuda.empty_cache()

@@ -31,7 +31,7 @@ from torch import Tensor
 
 TILE_N = 256
 # path taken by the last call (for benchmarks/logs): "dense", "sparse", "sparse-syncfree"; not thread-safe
-LAST_PATH = {"path": None, "flagged_rows": None, "p_est": None}
+LAST_PATH = {"path": None, "flagged_rows": None, "p_est": None, "d2t": None}
 MODE_AUTO, MODE_SPARSE, MODE_DENSE = 0, 1, 2
 
 # Crossover per M bucket: "m:p,..." = for M >= m (largest such m), run sparse when the measured activity is
@@ -57,7 +57,7 @@ def _env_float(name: str, default: float) -> float:
 _KNOB_ENV = ("TWELL_CHUNK_ROWS", "TWELL_GATE_SCRATCH_MB", "TWELL_SLOTS", "TWELL_DECODE_MAX_M", "TWELL_CROSSOVER",
              "TWELL_FLAGGED_DENSE_ABOVE", "TWELL_DOWN_NB", "TWELL_DECODE_TILES_PER_WARP",
              "TWELL_FUSED_DECODE_MAX_M", "TWELL_UPDOWN_BLOCKS_PER_SM", "TWELL_COMPACT",
-             "TWELL_SELF_TIMING", "TWELL_CROSSOVER_NONGATED")
+             "TWELL_SELF_TIMING", "TWELL_CROSSOVER_NONGATED", "TWELL_D2T", "TWELL_D2T_CTAS")
 _KNOB_CACHE: dict = {}
 
 
@@ -76,6 +76,8 @@ def _parse_knobs() -> dict:
         "updown_blocks_per_sm": _env_int("TWELL_UPDOWN_BLOCKS_PER_SM", 0),
         "compact": _env_int("TWELL_COMPACT", 2),
         "self_timing": _env_int("TWELL_SELF_TIMING", 1),
+        "d2t": os.environ.get("TWELL_D2T", "fused"),
+        "d2t_ctas": _env_int("TWELL_D2T_CTAS", 0),
     }
 
 
@@ -325,6 +327,35 @@ def _gate_chunks(x: Tensor, w: Tensor, packed: Tensor, counts: Tensor, flag: Ten
     return scratch
 
 
+_FUSED_D2T_OK: dict[int, bool] = {}
+
+
+def fused_d2t_available(x: Tensor, w: Tensor, ext=None) -> bool:
+    """Whether the fused d2t (d2t_gemm.cu: sm_90a tensor-core gate GEMM writing TwELL) can take this call."""
+    if x.data_ptr() % 16 or w.data_ptr() % 16 or x.shape[1] % 64 or w.shape[0] % TILE_N:
+        return False
+    i = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    ok = _FUSED_D2T_OK.get(i)
+    if ok is None:
+        ok = _FUSED_D2T_OK[i] = bool((ext or _ext()).d2t_gemm_supported(i))
+    return ok
+
+
+def _d2t_into(x: Tensor, w: Tensor, packed: Tensor, counts: Tensor, flag: Tensor, kn: dict, ext) -> str:
+    """TwELL of relu(x w^T) into packed/counts/flag (flag zeroed by the caller). Returns the variant used:
+    "fused" (TWELL_D2T=fused, the default, on sm_90: no dense g in memory) or "cublas" (gate GEMM into a bf16
+    scratch, then compaction; every other GPU, or TWELL_D2T=cublas)."""
+    mode = kn["d2t"]
+    if mode not in ("fused", "cublas"):
+        raise ValueError(f"TWELL_D2T must be 'fused' or 'cublas', got {mode!r}")
+    if mode == "fused" and fused_d2t_available(x, w, ext):
+        ext.d2t_gemm(x, w, packed, counts, flag, kn["d2t_ctas"])
+        return "fused"
+    _gate_chunks(x, w, packed, counts, flag, chunk_rows_for(x.shape[0], w.shape[0], kn), ext,
+                 compact_version=kn["compact"])
+    return "cublas"
+
+
 def chunk_rows_for(M: int, N: int, kn: dict | None = None) -> int:
     """Rows per gate-GEMM call: TWELL_CHUNK_ROWS if set (> 0), else as many as TWELL_GATE_SCRATCH_MB holds."""
     kn = kn or knobs()
@@ -367,7 +398,7 @@ def _fused_decode(x: Tensor, gate_w: Tensor, w_up: Tensor | None, w_down_t: Tens
         hist.expect(ev, host, "exact", M, N)
     y = torch.empty(M, K, device=x.device, dtype=torch.bfloat16)
     ext.finalize(yacc, flag, y, 1)
-    LAST_PATH.update(path="sparse-syncfree", flagged_rows=None)
+    LAST_PATH.update(path="sparse-syncfree", flagged_rows=None, d2t="decode-fused")
     return y, (nnz if want_stats else y.new_empty(0, dtype=torch.int32))
 
 
@@ -423,7 +454,7 @@ def _ffn_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down_t: Tensor, 
         measure = mode == MODE_AUTO and not capturing and not hist.busy()
         out = _dense_measured(x, w_gate, w_up, w_down, hist if measure else None, want_stats, kn)
         hist.dense_calls += 1
-        LAST_PATH.update(path="dense", flagged_rows=None)
+        LAST_PATH.update(path="dense", flagged_rows=None, d2t=None)
     else:
         out = _sparse_call(x, w_gate, w_up, w_down_t, w_down, want_stats, kn, hist, capturing, sync_free)
     if timed:
@@ -453,7 +484,7 @@ def _sparse_call(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down_t: Tenso
     counts = torch.empty(M, T, device=dev, dtype=torch.int32)
     flag = torch.zeros(M, device=dev, dtype=torch.int32)
     y = torch.empty(M, K, device=dev, dtype=torch.bfloat16)
-    _gate_chunks(x, gate_w, packed, counts, flag, chunk_rows_for(M, N, kn), ext, compact_version=kn["compact"])
+    d2t_variant = _d2t_into(x, gate_w, packed, counts, flag, kn, ext)
     ext.set_grid_cap(_grid_cap(dev, kn["updown_blocks_per_sm"]))
     measure = not capturing and (not sync_free or not hist.busy())
     if measure:  # exact activity of this call, for the history (and the flagged-row count below)
@@ -479,7 +510,7 @@ def _sparse_call(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down_t: Tenso
         ext.set_grid_cap(0)
         if measure:
             hist.expect(ev, host, "exact", M, N)
-        LAST_PATH.update(path="sparse-syncfree", flagged_rows=None)
+        LAST_PATH.update(path="sparse-syncfree", flagged_rows=None, d2t=d2t_variant)
         return y, (counts.sum(1, dtype=torch.int32) if want_stats else y.new_empty(0, dtype=torch.int32))
 
     # eager large-M path: sparse up/down queued first, then wait only for the (earlier) flagged-row count
@@ -496,7 +527,7 @@ def _sparse_call(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down_t: Tenso
         rows = _flagged_rows(flag, R)
         yb, _ = _dense(x.index_select(0, rows), w_gate, w_up, w_down)
         y.index_copy_(0, rows, yb)
-    LAST_PATH.update(path="sparse", flagged_rows=R)
+    LAST_PATH.update(path="sparse", flagged_rows=R, d2t=d2t_variant)
     return y, (counts.sum(1, dtype=torch.int32) if want_stats else y.new_empty(0, dtype=torch.int32))
 
 
@@ -510,7 +541,7 @@ def d2t(x: Tensor, w_gate: Tensor, slots: int) -> tuple[Tensor, Tensor, Tensor]:
     counts = torch.empty(M, T, device=x.device, dtype=torch.int32)
     flag = torch.zeros(M, device=x.device, dtype=torch.int32)
     if M > 0:
-        _gate_chunks(x, w_gate, packed, counts, flag, chunk_rows_for(M, N), _ext(), compact_version=knobs()["compact"])
+        _d2t_into(x, w_gate, packed, counts, flag, knobs(), _ext())
     return packed, counts, flag
 
 

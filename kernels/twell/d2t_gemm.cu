@@ -1,0 +1,343 @@
+// Fused d2t for Hopper (sm_90a): the gate GEMM g = x W^T on the tensor cores (wgmma; both operands brought into
+// shared memory by the TMA engine), with an epilogue that rounds g to bf16, applies ReLU and writes TwELL straight
+// from the accumulator registers. No dense [M, N] g ever reaches device memory.
+//
+// Block tile 128 rows x 256 columns = exactly one TwELL tile wide, so a row's whole tile sits in one quad of lanes.
+// Warp-specialised and persistent: warpgroup 0 is the producer (one thread issues TMA loads into a 4-stage ring
+// guarded by mbarriers), warpgroups 1 and 2 each own 64 rows and issue m64n256k16 wgmma. The producer runs up to 4
+// k-blocks ahead, so the next tile's loads overlap the current tile's epilogue.
+//
+// Output is bit-compatible with kernels/FORMAT.md (ascending columns, true counts, flag on overflow or a
+// non-finite gate value). The fp32 summation order differs from cuBLAS, so a value within rounding of 0 may be
+// classified differently than a cuBLAS-then-compact d2t would (its h is ~0 either way; tests allow exactly that).
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#include "../common/bf16.cuh"
+
+namespace d2tg {
+
+using namespace sfl;
+
+constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4, THREADS = 384;
+constexpr int A_BYTES = BM * BK * 2;             // 16 KB: 128 rows x 128 bytes (one 128B swizzle row each)
+constexpr int B_BYTES = BN * BK * 2;             // 32 KB
+constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+constexpr int STASH_BYTES = 256 * 32 * 4;      // the epilogue parks one row half's bf16 pairs here (registers are tight)
+constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + STASH_BYTES + 1024;  // + slack to align the ring to 1024 bytes
+
+__device__ __forceinline__ uint32_t saddr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(uint64_t* b, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(saddr(b)), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* b, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(saddr(b)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* b) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(saddr(b)) : "memory");
+}
+// Returns once the barrier phase of parity `parity` has completed.
+__device__ __forceinline__ void mbar_wait(uint64_t* b, unsigned parity) {
+  const uint32_t a = saddr(b);
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done) : "r"(a), "r"(parity) : "memory");
+  }
+}
+// 2-D tile load (coordinates: c0 = column = K offset, c1 = row); rows past the tensor's end arrive as zeros.
+__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
+      ::"r"(saddr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(saddr(bar)), "r"(c0), "r"(c1) : "memory");
+}
+
+// Shared-memory matrix descriptor: K-major, 128B swizzle, 8-row groups 1024 bytes apart (SBO); LBO unused.
+__device__ __forceinline__ uint64_t desc_sw128(const void* p) {
+  return ((uint64_t)((saddr(p) & 0x3FFFF) >> 4)) | (1ull << 16) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+// keeps the compiler from moving accumulator reads/writes across a wgmma wait
+__device__ __forceinline__ void fence_acc(float (&d)[128]) {
+#pragma unroll
+  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// D[64x256] += A[64x16] * B[256x16]^T, both K-major bf16 in 128B-swizzled shared memory, fp32 accumulate.
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t da, uint64_t db) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, 1, 1, 1, 0, 0;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+      "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+      "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+      "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+      "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+      "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+      "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+      "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+      "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+      "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+      "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+      "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+      "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+      "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+      "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+      "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(da), "l"(db));
+}
+
+// The first k-step of a tile: D = A * B^T (no accumulate). Its outputs are write-only, so the compiler knows the
+// accumulators are dead between a tile's epilogue and the next tile's first wgmma (registers are tight).
+__device__ __forceinline__ void wgmma_m64n256k16_first(float (&d)[128], uint64_t da, uint64_t db) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, 0, 1, 1, 0, 0;\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]),
+      "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]),
+      "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]),
+      "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]),
+      "=f"(d[32]), "=f"(d[33]), "=f"(d[34]), "=f"(d[35]), "=f"(d[36]), "=f"(d[37]), "=f"(d[38]), "=f"(d[39]),
+      "=f"(d[40]), "=f"(d[41]), "=f"(d[42]), "=f"(d[43]), "=f"(d[44]), "=f"(d[45]), "=f"(d[46]), "=f"(d[47]),
+      "=f"(d[48]), "=f"(d[49]), "=f"(d[50]), "=f"(d[51]), "=f"(d[52]), "=f"(d[53]), "=f"(d[54]), "=f"(d[55]),
+      "=f"(d[56]), "=f"(d[57]), "=f"(d[58]), "=f"(d[59]), "=f"(d[60]), "=f"(d[61]), "=f"(d[62]), "=f"(d[63]),
+      "=f"(d[64]), "=f"(d[65]), "=f"(d[66]), "=f"(d[67]), "=f"(d[68]), "=f"(d[69]), "=f"(d[70]), "=f"(d[71]),
+      "=f"(d[72]), "=f"(d[73]), "=f"(d[74]), "=f"(d[75]), "=f"(d[76]), "=f"(d[77]), "=f"(d[78]), "=f"(d[79]),
+      "=f"(d[80]), "=f"(d[81]), "=f"(d[82]), "=f"(d[83]), "=f"(d[84]), "=f"(d[85]), "=f"(d[86]), "=f"(d[87]),
+      "=f"(d[88]), "=f"(d[89]), "=f"(d[90]), "=f"(d[91]), "=f"(d[92]), "=f"(d[93]), "=f"(d[94]), "=f"(d[95]),
+      "=f"(d[96]), "=f"(d[97]), "=f"(d[98]), "=f"(d[99]), "=f"(d[100]), "=f"(d[101]), "=f"(d[102]), "=f"(d[103]),
+      "=f"(d[104]), "=f"(d[105]), "=f"(d[106]), "=f"(d[107]), "=f"(d[108]), "=f"(d[109]), "=f"(d[110]), "=f"(d[111]),
+      "=f"(d[112]), "=f"(d[113]), "=f"(d[114]), "=f"(d[115]), "=f"(d[116]), "=f"(d[117]), "=f"(d[118]), "=f"(d[119]),
+      "=f"(d[120]), "=f"(d[121]), "=f"(d[122]), "=f"(d[123]), "=f"(d[124]), "=f"(d[125]), "=f"(d[126]), "=f"(d[127])
+      : "l"(da), "l"(db));
+}
+
+// Epilogue of one row (all 32 lanes call it; quads of lanes share a row): m = this lane's activity bits (bit 2j+b =
+// column 8j + 2q + b). Writes the row's tile words in ascending column order (the first S), its true count and
+// its flag (overflow or a non-finite value).
+__device__ __forceinline__ void write_row(const uint32_t (&pk)[32], uint64_t m, bool bad, int lane,
+                                          int row, int M, int tile, int T, int S, int32_t* __restrict__ packed,
+                                          int32_t* __restrict__ counts, int32_t* __restrict__ flag) {
+  const int q = lane & 3;
+  uint64_t quad[4];  // the row's four masks
+#pragma unroll
+  for (int qq = 0; qq < 4; ++qq) quad[qq] = __shfl_sync(kFull, m, (lane & ~3) | qq);
+  if (row >= M) return;
+  const int total = __popcll(quad[0]) + __popcll(quad[1]) + __popcll(quad[2]) + __popcll(quad[3]);
+  if (m) {
+    int32_t* out = packed + ((long long)row * T + tile) * S;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const unsigned f = (unsigned)(m >> (2 * j)) & 3u;
+      if (f) {
+        const uint64_t low = (j == 0) ? 0ull : ((1ull << (2 * j)) - 1ull);
+        int rank = __popcll(quad[0] & low) + __popcll(quad[1] & low) + __popcll(quad[2] & low) +
+                   __popcll(quad[3] & low);
+#pragma unroll
+        for (int qq = 0; qq < 3; ++qq) rank += qq < q ? __popc((unsigned)(quad[qq] >> (2 * j)) & 3u) : 0;
+        const uint32_t w = pk[j];
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+          if ((f >> b) & 1u) {
+            const uint32_t bits = (w >> (16 * b)) & 0xffffu;
+            if (rank < S) out[rank] = (int32_t)((bits << 16) | (uint32_t)(8 * j + 2 * q + b));
+            ++rank;
+          }
+        }
+      }
+    }
+  }
+  if (q == 0) {
+    counts[(long long)row * T + tile] = total;
+    if (total > S || bad) flag[row] = 1;  // benign race: every writer stores 1
+  }
+}
+
+__global__ void __launch_bounds__(THREADS, 1)
+    d2t_gemm_kernel(const __grid_constant__ CUtensorMap tm_x, const __grid_constant__ CUtensorMap tm_w, int M,
+                    int N, int K, int S, int32_t* __restrict__ packed, int32_t* __restrict__ counts,
+                    int32_t* __restrict__ flag) {
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ __align__(8) uint64_t full_bar[STAGES];
+  __shared__ __align__(8) uint64_t empty_bar[STAGES];
+  uint8_t* ring = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+
+  const int T = N / BN;
+  const int items = ((M + BM - 1) / BM) * T;
+  const int KB = K / BK;
+  const int wg = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(&full_bar[s], 1);   // the producer's arrive (+ the TMA bytes)
+      mbar_init(&empty_bar[s], 2);  // one arrive per consumer warpgroup
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x == 0) {
+      int stage = 0;
+      unsigned phase = 0;
+      for (int item = blockIdx.x; item < items; item += gridDim.x) {
+        const int mt = item / T, nt = item - mt * T;
+        for (int kb = 0; kb < KB; ++kb) {
+          mbar_wait(&empty_bar[stage], phase ^ 1u);
+          uint8_t* a = ring + stage * STAGE_BYTES;
+          mbar_expect_tx(&full_bar[stage], STAGE_BYTES);
+          tma_load(a, &tm_x, &full_bar[stage], kb * BK, mt * BM);
+          tma_load(a + A_BYTES, &tm_w, &full_bar[stage], kb * BK, nt * BN);
+          if (++stage == STAGES) { stage = 0; phase ^= 1u; }
+        }
+      }
+    }
+  } else {  // consumers: warpgroup c owns rows [64 c, 64 c + 64) of the block tile
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    const int c = wg - 1;
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+    const bool leader = (threadIdx.x & 127) == 0;
+    float d[128];
+    int stage = 0;
+    unsigned phase = 0;
+    for (int item = blockIdx.x; item < items; item += gridDim.x) {
+      const int mt = item / T, nt = item - mt * T;
+      // k-block 0 is peeled so that the accumulators are provably dead between tiles (write-only first wgmma)
+      mbar_wait(&full_bar[stage], phase);
+      {
+        const uint8_t* a = ring + stage * STAGE_BYTES + c * (64 * 128);
+        const uint8_t* b = ring + stage * STAGE_BYTES + A_BYTES;
+        wgmma_fence();
+        wgmma_m64n256k16_first(d, desc_sw128(a), desc_sw128(b));
+#pragma unroll
+        for (int kk = 1; kk < BK / 16; ++kk) wgmma_m64n256k16(d, desc_sw128(a + 32 * kk), desc_sw128(b + 32 * kk));
+        wgmma_commit();
+      }
+      int prev = stage;
+      if (++stage == STAGES) { stage = 0; phase ^= 1u; }
+      for (int kb = 1; kb < KB; ++kb) {
+        mbar_wait(&full_bar[stage], phase);
+        const uint8_t* a = ring + stage * STAGE_BYTES + c * (64 * 128);
+        const uint8_t* b = ring + stage * STAGE_BYTES + A_BYTES;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) wgmma_m64n256k16(d, desc_sw128(a + 32 * kk), desc_sw128(b + 32 * kk));
+        wgmma_commit();
+        wgmma_wait<1>();  // the previous k-block's wgmma are done: its stage can be refilled
+        if (leader) mbar_arrive(&empty_bar[prev]);
+        prev = stage;
+        if (++stage == STAGES) { stage = 0; phase ^= 1u; }
+      }
+      wgmma_wait<0>();
+      fence_acc(d);
+      if (leader) mbar_arrive(&empty_bar[prev]);
+
+      // ---- epilogue: bf16 rounding, ReLU activity, TwELL words straight from the accumulators ----
+      // This lane holds rows row0 and row0 + 8, columns 8j + 2q + {0, 1} (j < 32, q = lane % 4). pk[j] is such a
+      // bf16 pair of row0; row0 + 8's pairs wait in shared memory (both in registers would spill). Bit 2j + b of
+      // m0 / m1 marks column 8j + 2q + b active.
+      uint32_t pk[32];
+      uint32_t* stash = reinterpret_cast<uint32_t*>(ring + STAGES * STAGE_BYTES) + (threadIdx.x - 128);
+      uint64_t m0 = 0, m1 = 0;
+      bool bad0 = false, bad1 = false;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        const uint32_t p0 = pack2(d[4 * j], d[4 * j + 1]), p1 = pack2(d[4 * j + 2], d[4 * j + 3]);
+        pk[j] = p0;
+        stash[256 * j] = p1;
+        m0 |= (uint64_t)((unsigned)relu_active(p0 & 0xffffu) | ((unsigned)relu_active(p0 >> 16) << 1)) << (2 * j);
+        m1 |= (uint64_t)((unsigned)relu_active(p1 & 0xffffu) | ((unsigned)relu_active(p1 >> 16) << 1)) << (2 * j);
+        bad0 |= bf16_nonfinite(p0 & 0xffffu) | bf16_nonfinite(p0 >> 16);
+        bad1 |= bf16_nonfinite(p1 & 0xffffu) | bf16_nonfinite(p1 >> 16);
+      }
+      int bads = (bad0 ? 1 : 0) | (bad1 ? 2 : 0);
+      bads |= __shfl_xor_sync(kFull, bads, 1);
+      bads |= __shfl_xor_sync(kFull, bads, 2);
+      const int row0 = mt * BM + c * 64 + warp * 16 + (lane >> 2);
+      write_row(pk, m0, bads & 1, lane, row0, M, nt, T, S, packed, counts, flag);
+#pragma unroll
+      for (int j = 0; j < 32; ++j) pk[j] = stash[256 * j];  // only this thread wrote these words: no barrier
+      write_row(pk, m1, bads & 2, lane, row0 + 8, M, nt, T, S, packed, counts, flag);
+    }
+  }
+}
+
+typedef CUresult (*EncodeTiledFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                  const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                  CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point (no -lcuda needed)
+static EncodeTiledFn encode_fn() {
+  static EncodeTiledFn fn = nullptr;
+  if (fn == nullptr) {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) ==
+            cudaSuccess && q == cudaDriverEntryPointSuccess)
+      fn = reinterpret_cast<EncodeTiledFn>(p);
+  }
+  return fn;
+}
+
+// [rows, K] bf16 row-major, boxes of box_rows x 64 columns (128 bytes: one 128B swizzle row)
+static bool encode(CUtensorMap* map, const void* base, int rows, int K, int box_rows) {
+  EncodeTiledFn fn = encode_fn();
+  if (fn == nullptr) return false;
+  const cuuint64_t dims[2] = {(cuuint64_t)K, (cuuint64_t)rows};
+  const cuuint64_t strides[1] = {(cuuint64_t)K * 2};
+  const cuuint32_t box[2] = {(cuuint32_t)BK, (cuuint32_t)box_rows};
+  const cuuint32_t elem[2] = {1, 1};
+  return fn(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box, elem,
+            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+}  // namespace d2tg
+
+extern "C" {
+
+// 1 when this device can run the fused d2t (sm_90 and the driver's tensor-map encoder is reachable), else 0.
+int twell_d2t_gemm_supported(int device) {
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return 0;
+  if (cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) return 0;
+  return (major == 9 && minor == 0 && d2tg::encode_fn() != nullptr) ? 1 : 0;
+}
+
+// x [M, K], w [N, K] bf16 row-major, 16-byte aligned; K % 64 == 0, N % 256 == 0. packed [M, N/256, S], counts
+// [M, N/256] int32 (fully written), flag [M] int32 zeroed by the caller. max_ctas > 0 caps the persistent grid.
+cudaError_t twell_d2t_gemm_launch(const void* x, const void* w, int M, int N, int K, int S, int32_t* packed,
+                                  int32_t* counts, int32_t* flag, int max_ctas, cudaStream_t stream) {
+  if (M <= 0) return cudaSuccess;
+  if (K <= 0 || K % d2tg::BK != 0 || N <= 0 || N % d2tg::BN != 0 || S < 1 || S > d2tg::BN) return cudaErrorInvalidValue;
+  if ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) & 15) return cudaErrorInvalidValue;
+  CUtensorMap tm_x, tm_w;
+  if (!d2tg::encode(&tm_x, x, M, K, d2tg::BM) || !d2tg::encode(&tm_w, w, N, K, d2tg::BN))
+    return cudaErrorNotSupported;
+  static int configured_device = -1;  // the attribute is per device
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (configured_device != dev) {
+    const cudaError_t e = cudaFuncSetAttribute(d2tg::d2t_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               d2tg::SMEM_BYTES);
+    if (e != cudaSuccess) return e;
+    configured_device = dev;
+  }
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  const long long items = (long long)((M + d2tg::BM - 1) / d2tg::BM) * (N / d2tg::BN);
+  long long grid = items < sms ? items : sms;
+  if (max_ctas > 0 && grid > max_ctas) grid = max_ctas;
+  d2tg::d2t_gemm_kernel<<<(unsigned)grid, d2tg::THREADS, d2tg::SMEM_BYTES, stream>>>(tm_x, tm_w, M, N, K, S, packed,
+                                                                                    counts, flag);
+  return cudaGetLastError();
+}
+
+}  // extern "C"
