@@ -56,6 +56,30 @@ __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint
       ::"r"(saddr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(saddr(bar)), "r"(c0), "r"(c1) : "memory");
 }
 
+__device__ __forceinline__ unsigned cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// arrive on the barrier at the same shared-memory offset in CTA `rank` of the cluster (this CTA included)
+__device__ __forceinline__ void mbar_arrive_cluster(uint64_t* b, unsigned rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(saddr(b)), "r"(rank));
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+}
+// tile load written to the same offset in every CTA of `mask`, completing on each one's barrier at `bar`'s offset
+__device__ __forceinline__ void tma_load_multicast(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1,
+                                                   uint16_t mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%3, %4}], [%2], %5;"
+      ::"r"(saddr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(saddr(bar)), "r"(c0), "r"(c1), "h"(mask)
+      : "memory");
+}
+
 // Shared-memory matrix descriptor: K-major, 128B swizzle, 8-row groups 1024 bytes apart (SBO); LBO unused.
 __device__ __forceinline__ uint64_t desc_sw128(const void* p) {
   return ((uint64_t)((saddr(p) & 0x3FFFF) >> 4)) | (1ull << 16) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
@@ -159,7 +183,20 @@ __device__ __forceinline__ void write_row(const uint32_t (&pk)[32], uint64_t m, 
   }
 }
 
-__global__ void __launch_bounds__(THREADS, 1)
+// Work unit u -> (row tile pair, column tile). The two CTAs of a cluster take the two row tiles of a pair and
+// share the W tile (each loads half and multicasts it). Units are grouped GP pairs at a time, column-tile major
+// inside a group, so the CTAs running at once touch ~2 GP row tiles of x and a few column tiles of W: both stay in
+// L2 even when W does not fit (4096 x 11008).
+constexpr int GP = 8;
+__device__ __forceinline__ void unit_tiles(int u, int pairs, int T, int& pair, int& nt) {
+  const int group = u / (GP * T), first = group * GP;
+  const int gp = min(GP, pairs - first);
+  const int local = u - group * GP * T;
+  nt = local / gp;
+  pair = first + (local - nt * gp);
+}
+
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(THREADS, 1)
     d2t_gemm_kernel(const __grid_constant__ CUtensorMap tm_x, const __grid_constant__ CUtensorMap tm_w, int M,
                     int N, int K, int S, int32_t* __restrict__ packed, int32_t* __restrict__ counts,
                     int32_t* __restrict__ flag) {
@@ -169,32 +206,38 @@ __global__ void __launch_bounds__(THREADS, 1)
   uint8_t* ring = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
 
   const int T = N / BN;
-  const int items = ((M + BM - 1) / BM) * T;
+  const int pairs = ((M + BM - 1) / BM + 1) / 2;
+  const int units = pairs * T;
   const int KB = K / BK;
   const int wg = threadIdx.x / 128;
+  const unsigned rank = cluster_rank();      // 0 or 1: which row tile of the pair, which half of the W tile
+  const int cluster = blockIdx.x / 2, clusters = gridDim.x / 2;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(&full_bar[s], 1);   // the producer's arrive (+ the TMA bytes)
-      mbar_init(&empty_bar[s], 2);  // one arrive per consumer warpgroup
+      mbar_init(&full_bar[s], 1);   // the local producer's arrive (+ 48 KB of TMA bytes: own A, both W halves)
+      mbar_init(&empty_bar[s], 4);  // one arrive per consumer warpgroup of either CTA (both read my W half)
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  __syncthreads();
+  cluster_sync();  // the peer's barriers exist before anyone multicasts into or arrives on them
 
   if (wg == 0) {  // producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x == 0) {
       int stage = 0;
       unsigned phase = 0;
-      for (int item = blockIdx.x; item < items; item += gridDim.x) {
-        const int mt = item / T, nt = item - mt * T;
+      for (int u = cluster; u < units; u += clusters) {
+        int pair, nt;
+        unit_tiles(u, pairs, T, pair, nt);
+        const int mt = 2 * pair + (int)rank;  // past the last row tile: TMA fills zeros, nothing is stored
         for (int kb = 0; kb < KB; ++kb) {
-          mbar_wait(&empty_bar[stage], phase ^ 1u);
+          mbar_wait(&empty_bar[stage], phase ^ 1u);  // both CTAs' consumers are done with this stage
           uint8_t* a = ring + stage * STAGE_BYTES;
           mbar_expect_tx(&full_bar[stage], STAGE_BYTES);
           tma_load(a, &tm_x, &full_bar[stage], kb * BK, mt * BM);
-          tma_load(a + A_BYTES, &tm_w, &full_bar[stage], kb * BK, nt * BN);
+          tma_load_multicast(a + A_BYTES + rank * (BN / 2) * 128, &tm_w, &full_bar[stage], kb * BK,
+                             nt * BN + (int)rank * (BN / 2), (uint16_t)0x3);
           if (++stage == STAGES) { stage = 0; phase ^= 1u; }
         }
       }
@@ -207,8 +250,10 @@ __global__ void __launch_bounds__(THREADS, 1)
     float d[128];
     int stage = 0;
     unsigned phase = 0;
-    for (int item = blockIdx.x; item < items; item += gridDim.x) {
-      const int mt = item / T, nt = item - mt * T;
+    for (int u = cluster; u < units; u += clusters) {
+      int pair, nt;
+      unit_tiles(u, pairs, T, pair, nt);
+      const int mt = 2 * pair + (int)rank;
       // k-block 0 is peeled so that the accumulators are provably dead between tiles (write-only first wgmma)
       mbar_wait(&full_bar[stage], phase);
       {
@@ -230,14 +275,14 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) wgmma_m64n256k16(d, desc_sw128(a + 32 * kk), desc_sw128(b + 32 * kk));
         wgmma_commit();
-        wgmma_wait<1>();  // the previous k-block's wgmma are done: its stage can be refilled
-        if (leader) mbar_arrive(&empty_bar[prev]);
+        wgmma_wait<1>();  // the previous k-block's wgmma are done: its stage can be refilled (in both CTAs)
+        if (leader) { mbar_arrive_cluster(&empty_bar[prev], 0); mbar_arrive_cluster(&empty_bar[prev], 1); }
         prev = stage;
         if (++stage == STAGES) { stage = 0; phase ^= 1u; }
       }
       wgmma_wait<0>();
       fence_acc(d);
-      if (leader) mbar_arrive(&empty_bar[prev]);
+      if (leader) { mbar_arrive_cluster(&empty_bar[prev], 0); mbar_arrive_cluster(&empty_bar[prev], 1); }
 
       // ---- epilogue: bf16 rounding, ReLU activity, TwELL words straight from the accumulators ----
       // This lane holds rows row0 and row0 + 8, columns 8j + 2q + {0, 1} (j < 32, q = lane % 4). pk[j] is such a
@@ -267,6 +312,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       write_row(pk, m1, bads & 2, lane, row0 + 8, M, nt, T, S, packed, counts, flag);
     }
   }
+  cluster_sync();  // no CTA leaves while its peer may still multicast into it or arrive on its barriers
 }
 
 typedef CUresult (*EncodeTiledFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -312,29 +358,41 @@ int twell_d2t_gemm_supported(int device) {
 }
 
 // x [M, K], w [N, K] bf16 row-major, 16-byte aligned; K % 64 == 0, N % 256 == 0. packed [M, N/256, S], counts
-// [M, N/256] int32 (fully written), flag [M] int32 zeroed by the caller. max_ctas > 0 caps the persistent grid.
+// [M, N/256] int32 (fully written), flag [M] int32 zeroed by the caller. max_ctas > 0 caps the persistent grid (in CTAs, rounded down to whole 2-CTA clusters).
 cudaError_t twell_d2t_gemm_launch(const void* x, const void* w, int M, int N, int K, int S, int32_t* packed,
                                   int32_t* counts, int32_t* flag, int max_ctas, cudaStream_t stream) {
   if (M <= 0) return cudaSuccess;
   if (K <= 0 || K % d2tg::BK != 0 || N <= 0 || N % d2tg::BN != 0 || S < 1 || S > d2tg::BN) return cudaErrorInvalidValue;
   if ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) & 15) return cudaErrorInvalidValue;
   CUtensorMap tm_x, tm_w;
-  if (!d2tg::encode(&tm_x, x, M, K, d2tg::BM) || !d2tg::encode(&tm_w, w, N, K, d2tg::BN))
+  if (!d2tg::encode(&tm_x, x, M, K, d2tg::BM) || !d2tg::encode(&tm_w, w, N, K, d2tg::BN / 2))
     return cudaErrorNotSupported;
-  static int configured_device = -1;  // the attribute is per device
+  static int configured_device = -1, resident_clusters = 0;  // per device: smem attribute, co-resident clusters
   int dev = 0;
   cudaGetDevice(&dev);
   if (configured_device != dev) {
     const cudaError_t e = cudaFuncSetAttribute(d2tg::d2t_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                d2tg::SMEM_BYTES);
     if (e != cudaSuccess) return e;
+    int sms = 0;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(2 * (sms / 2));
+    cfg.blockDim = dim3(d2tg::THREADS);
+    cfg.dynamicSmemBytes = d2tg::SMEM_BYTES;
+    int n = 0;
+    if (cudaOccupancyMaxActiveClusters(&n, d2tg::d2t_gemm_kernel, &cfg) != cudaSuccess || n <= 0) {
+      cudaGetLastError();  // not fatal: assume every SM pair can hold a cluster
+      n = sms / 2;
+    }
+    resident_clusters = n;
     configured_device = dev;
   }
-  int sms = 0;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  const long long items = (long long)((M + d2tg::BM - 1) / d2tg::BM) * (N / d2tg::BN);
-  long long grid = items < sms ? items : sms;
-  if (max_ctas > 0 && grid > max_ctas) grid = max_ctas;
+  // clusters of 2 CTAs, each cluster a pair of row tiles: at most one cluster per unit, all co-resident
+  const long long units = (long long)(((M + d2tg::BM - 1) / d2tg::BM + 1) / 2) * (N / d2tg::BN);
+  long long clusters = units < resident_clusters ? units : resident_clusters;
+  if (max_ctas > 0 && clusters > max_ctas / 2) clusters = max_ctas / 2 > 0 ? max_ctas / 2 : 1;
+  const long long grid = 2 * clusters;
   d2tg::d2t_gemm_kernel<<<(unsigned)grid, d2tg::THREADS, d2tg::SMEM_BYTES, stream>>>(tm_x, tm_w, M, N, K, S, packed,
                                                                                     counts, flag);
   return cudaGetLastError();
