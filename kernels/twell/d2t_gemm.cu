@@ -70,6 +70,16 @@ __device__ __forceinline__ void mbar_arrive_cluster(uint64_t* b, unsigned rank) 
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(saddr(b)), "r"(rank));
   asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
 }
+// a consumer warpgroup is done with a stage: tell every CTA of the cluster whose producer wrote part of it
+template <int CL>
+__device__ __forceinline__ void release(uint64_t* b) {
+  if (CL == 1) {
+    mbar_arrive(b);
+  } else {
+#pragma unroll
+    for (int r = 0; r < CL; ++r) mbar_arrive_cluster(b, (unsigned)r);
+  }
+}
 // tile load written to the same offset in every CTA of `mask`, completing on each one's barrier at `bar`'s offset
 __device__ __forceinline__ void tma_load_multicast(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1,
                                                    uint16_t mask) {
@@ -183,10 +193,10 @@ __device__ __forceinline__ void write_row(const uint32_t (&pk)[32], uint64_t m, 
   }
 }
 
-// Work unit u -> (row tile pair, column tile). The two CTAs of a cluster take the two row tiles of a pair and
-// share the W tile (each loads half and multicasts it). Units are grouped GP pairs at a time, column-tile major
-// inside a group, so the CTAs running at once touch ~2 GP row tiles of x and a few column tiles of W: both stay in
-// L2 even when W does not fit (4096 x 11008).
+// Work unit u -> (group of CL row tiles, column tile). With CL = 2 the two CTAs of a cluster take the two row
+// tiles and share the W tile (each loads half and multicasts it to both). Units are grouped GP at a time,
+// column-tile major inside a group, so the CTAs running at once touch ~GP CL row tiles of x and a few column tiles
+// of W: both stay in L2 even when W does not fit (4096 x 11008).
 constexpr int GP = 8;
 __device__ __forceinline__ void unit_tiles(int u, int pairs, int T, int& pair, int& nt) {
   const int group = u / (GP * T), first = group * GP;
@@ -196,7 +206,8 @@ __device__ __forceinline__ void unit_tiles(int u, int pairs, int T, int& pair, i
   pair = first + (local - nt * gp);
 }
 
-__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(THREADS, 1)
+template <int CL>
+__global__ void __launch_bounds__(THREADS, 1)
     d2t_gemm_kernel(const __grid_constant__ CUtensorMap tm_x, const __grid_constant__ CUtensorMap tm_w, int M,
                     int N, int K, int S, int32_t* __restrict__ packed, int32_t* __restrict__ counts,
                     int32_t* __restrict__ flag) {
@@ -206,21 +217,24 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(THREADS, 1)
   uint8_t* ring = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
 
   const int T = N / BN;
-  const int pairs = ((M + BM - 1) / BM + 1) / 2;
+  const int pairs = ((M + BM - 1) / BM + CL - 1) / CL;
   const int units = pairs * T;
   const int KB = K / BK;
   const int wg = threadIdx.x / 128;
-  const unsigned rank = cluster_rank();      // 0 or 1: which row tile of the pair, which half of the W tile
-  const int cluster = blockIdx.x / 2, clusters = gridDim.x / 2;
+  const unsigned rank = CL > 1 ? cluster_rank() : 0u;  // which row tile of the unit, which part of the W tile
+  const int cluster = blockIdx.x / CL, clusters = gridDim.x / CL;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(&full_bar[s], 1);   // the local producer's arrive (+ 48 KB of TMA bytes: own A, both W halves)
-      mbar_init(&empty_bar[s], 4);  // one arrive per consumer warpgroup of either CTA (both read my W half)
+      mbar_init(&full_bar[s], 1);        // the local producer's arrive (+ 48 KB of TMA bytes: A and all of W)
+      mbar_init(&empty_bar[s], 2 * CL);  // one arrive per consumer warpgroup of each CTA (all read my W part)
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  cluster_sync();  // the peer's barriers exist before anyone multicasts into or arrives on them
+  if (CL > 1)
+    cluster_sync();  // the peer's barriers exist before anyone multicasts into or arrives on them
+  else
+    __syncthreads();
 
   if (wg == 0) {  // producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
@@ -230,14 +244,17 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(THREADS, 1)
       for (int u = cluster; u < units; u += clusters) {
         int pair, nt;
         unit_tiles(u, pairs, T, pair, nt);
-        const int mt = 2 * pair + (int)rank;  // past the last row tile: TMA fills zeros, nothing is stored
+        const int mt = CL * pair + (int)rank;  // past the last row tile: TMA fills zeros, nothing is stored
         for (int kb = 0; kb < KB; ++kb) {
           mbar_wait(&empty_bar[stage], phase ^ 1u);  // both CTAs' consumers are done with this stage
           uint8_t* a = ring + stage * STAGE_BYTES;
           mbar_expect_tx(&full_bar[stage], STAGE_BYTES);
           tma_load(a, &tm_x, &full_bar[stage], kb * BK, mt * BM);
-          tma_load_multicast(a + A_BYTES + rank * (BN / 2) * 128, &tm_w, &full_bar[stage], kb * BK,
-                             nt * BN + (int)rank * (BN / 2), (uint16_t)0x3);
+          if (CL == 1)
+            tma_load(a + A_BYTES, &tm_w, &full_bar[stage], kb * BK, nt * BN);
+          else
+            tma_load_multicast(a + A_BYTES + rank * (BN / CL) * 128, &tm_w, &full_bar[stage], kb * BK,
+                               nt * BN + (int)rank * (BN / CL), (uint16_t)((1u << CL) - 1u));
           if (++stage == STAGES) { stage = 0; phase ^= 1u; }
         }
       }
@@ -253,7 +270,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(THREADS, 1)
     for (int u = cluster; u < units; u += clusters) {
       int pair, nt;
       unit_tiles(u, pairs, T, pair, nt);
-      const int mt = 2 * pair + (int)rank;
+      const int mt = CL * pair + (int)rank;
       // k-block 0 is peeled so that the accumulators are provably dead between tiles (write-only first wgmma)
       mbar_wait(&full_bar[stage], phase);
       {
@@ -276,13 +293,13 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(THREADS, 1)
         for (int kk = 0; kk < BK / 16; ++kk) wgmma_m64n256k16(d, desc_sw128(a + 32 * kk), desc_sw128(b + 32 * kk));
         wgmma_commit();
         wgmma_wait<1>();  // the previous k-block's wgmma are done: its stage can be refilled (in both CTAs)
-        if (leader) { mbar_arrive_cluster(&empty_bar[prev], 0); mbar_arrive_cluster(&empty_bar[prev], 1); }
+        if (leader) release<CL>(&empty_bar[prev]);
         prev = stage;
         if (++stage == STAGES) { stage = 0; phase ^= 1u; }
       }
       wgmma_wait<0>();
       fence_acc(d);
-      if (leader) { mbar_arrive_cluster(&empty_bar[prev], 0); mbar_arrive_cluster(&empty_bar[prev], 1); }
+      if (leader) release<CL>(&empty_bar[prev]);
 
       // ---- epilogue: bf16 rounding, ReLU activity, TwELL words straight from the accumulators ----
       // This lane holds rows row0 and row0 + 8, columns 8j + 2q + {0, 1} (j < 32, q = lane % 4). pk[j] is such a
@@ -312,7 +329,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(THREADS, 1)
       write_row(pk, m1, bads & 2, lane, row0 + 8, M, nt, T, S, packed, counts, flag);
     }
   }
-  cluster_sync();  // no CTA leaves while its peer may still multicast into it or arrive on its barriers
+  if (CL > 1) cluster_sync();  // no CTA leaves while its peer may still multicast into it or arrive on its barriers
 }
 
 typedef CUresult (*EncodeTiledFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -347,6 +364,81 @@ static bool encode(CUtensorMap* map, const void* base, int rows, int K, int box_
 
 }  // namespace d2tg
 
+namespace d2tg {
+struct DeviceSetup {
+  int device = -1;
+  int sms = 0;
+  int resident[3] = {0, 0, 0};  // co-resident clusters of CL = 1, 2 CTAs
+};
+
+template <int CL>
+static cudaError_t setup(DeviceSetup& ds) {
+  const cudaError_t e = cudaFuncSetAttribute(d2t_gemm_kernel<CL>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             SMEM_BYTES);
+  if (e != cudaSuccess) return e;
+  if (CL == 1) {
+    ds.resident[1] = ds.sms;
+    return cudaSuccess;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = CL;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.gridDim = dim3(CL * (ds.sms / CL));
+  cfg.blockDim = dim3(THREADS);
+  cfg.dynamicSmemBytes = SMEM_BYTES;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, d2t_gemm_kernel<CL>, &cfg) != cudaSuccess || n <= 0) {
+    cudaGetLastError();  // not fatal: assume every SM group can hold a cluster
+    n = ds.sms / CL;
+  }
+  ds.resident[CL] = n;
+  return cudaSuccess;
+}
+
+static DeviceSetup g_setup[64];
+
+static DeviceSetup* device_setup(cudaError_t& err) {
+  int dev = 0;
+  err = cudaGetDevice(&dev);
+  if (err != cudaSuccess || dev < 0 || dev >= 64) return nullptr;
+  DeviceSetup& ds = g_setup[dev];
+  if (ds.device != dev) {
+    cudaDeviceGetAttribute(&ds.sms, cudaDevAttrMultiProcessorCount, dev);
+    if ((err = setup<1>(ds)) != cudaSuccess || (err = setup<2>(ds)) != cudaSuccess) return nullptr;
+    ds.device = dev;
+  }
+  return &ds;
+}
+
+template <int CL>
+static cudaError_t launch(const CUtensorMap& tm_x, const CUtensorMap& tm_w, int M, int N, int K, int S,
+                          int32_t* packed, int32_t* counts, int32_t* flag, int max_ctas, int resident,
+                          cudaStream_t stream) {
+  // one cluster per unit at most, all co-resident (persistent)
+  const long long units = (long long)(((M + BM - 1) / BM + CL - 1) / CL) * (N / BN);
+  long long clusters = units < resident ? units : resident;
+  if (max_ctas > 0 && clusters > max_ctas / CL) clusters = max_ctas / CL > 0 ? max_ctas / CL : 1;
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = CL;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.gridDim = dim3((unsigned)(CL * clusters));
+  cfg.blockDim = dim3(THREADS);
+  cfg.dynamicSmemBytes = SMEM_BYTES;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = CL > 1 ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, d2t_gemm_kernel<CL>, tm_x, tm_w, M, N, K, S, packed, counts, flag);
+}
+}  // namespace d2tg
+
 extern "C" {
 
 // 1 when this device can run the fused d2t (sm_90 and the driver's tensor-map encoder is reachable), else 0.
@@ -358,44 +450,29 @@ int twell_d2t_gemm_supported(int device) {
 }
 
 // x [M, K], w [N, K] bf16 row-major, 16-byte aligned; K % 64 == 0, N % 256 == 0. packed [M, N/256, S], counts
-// [M, N/256] int32 (fully written), flag [M] int32 zeroed by the caller. max_ctas > 0 caps the persistent grid (in CTAs, rounded down to whole 2-CTA clusters).
+// [M, N/256] int32 (fully written), flag [M] int32 zeroed by the caller. cluster: 1 (each CTA loads its own W
+// tile) or 2 (CTA pairs share it through TMA multicast). max_ctas > 0 caps the persistent grid (whole clusters).
 cudaError_t twell_d2t_gemm_launch(const void* x, const void* w, int M, int N, int K, int S, int32_t* packed,
-                                  int32_t* counts, int32_t* flag, int max_ctas, cudaStream_t stream) {
+                                  int32_t* counts, int32_t* flag, int cluster, int max_ctas, cudaStream_t stream) {
   if (M <= 0) return cudaSuccess;
   if (K <= 0 || K % d2tg::BK != 0 || N <= 0 || N % d2tg::BN != 0 || S < 1 || S > d2tg::BN) return cudaErrorInvalidValue;
+  if (cluster != 1 && cluster != 2) return cudaErrorInvalidValue;
   if ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) & 15) return cudaErrorInvalidValue;
   CUtensorMap tm_x, tm_w;
-  if (!d2tg::encode(&tm_x, x, M, K, d2tg::BM) || !d2tg::encode(&tm_w, w, N, K, d2tg::BN / 2))
+  if (!d2tg::encode(&tm_x, x, M, K, d2tg::BM) || !d2tg::encode(&tm_w, w, N, K, d2tg::BN / cluster))
     return cudaErrorNotSupported;
-  static int configured_device = -1, resident_clusters = 0;  // per device: smem attribute, co-resident clusters
-  int dev = 0;
-  cudaGetDevice(&dev);
-  if (configured_device != dev) {
-    const cudaError_t e = cudaFuncSetAttribute(d2tg::d2t_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               d2tg::SMEM_BYTES);
-    if (e != cudaSuccess) return e;
-    int sms = 0;
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(2 * (sms / 2));
-    cfg.blockDim = dim3(d2tg::THREADS);
-    cfg.dynamicSmemBytes = d2tg::SMEM_BYTES;
-    int n = 0;
-    if (cudaOccupancyMaxActiveClusters(&n, d2tg::d2t_gemm_kernel, &cfg) != cudaSuccess || n <= 0) {
-      cudaGetLastError();  // not fatal: assume every SM pair can hold a cluster
-      n = sms / 2;
-    }
-    resident_clusters = n;
-    configured_device = dev;
-  }
-  // clusters of 2 CTAs, each cluster a pair of row tiles: at most one cluster per unit, all co-resident
-  const long long units = (long long)(((M + d2tg::BM - 1) / d2tg::BM + 1) / 2) * (N / d2tg::BN);
-  long long clusters = units < resident_clusters ? units : resident_clusters;
-  if (max_ctas > 0 && clusters > max_ctas / 2) clusters = max_ctas / 2 > 0 ? max_ctas / 2 : 1;
-  const long long grid = 2 * clusters;
-  d2tg::d2t_gemm_kernel<<<(unsigned)grid, d2tg::THREADS, d2tg::SMEM_BYTES, stream>>>(tm_x, tm_w, M, N, K, S, packed,
-                                                                                    counts, flag);
-  return cudaGetLastError();
+  cudaError_t err = cudaSuccess;
+  d2tg::DeviceSetup* ds = d2tg::device_setup(err);
+  if (ds == nullptr) return err != cudaSuccess ? err : cudaErrorInvalidDevice;
+  return cluster == 1 ? d2tg::launch<1>(tm_x, tm_w, M, N, K, S, packed, counts, flag, max_ctas, ds->resident[1], stream)
+                      : d2tg::launch<2>(tm_x, tm_w, M, N, K, S, packed, counts, flag, max_ctas, ds->resident[2], stream);
+}
+
+// co-resident clusters of `cluster` CTAs on the current device (after a first launch; for logs), else -1
+int twell_d2t_gemm_resident(int cluster) {
+  cudaError_t err = cudaSuccess;
+  d2tg::DeviceSetup* ds = d2tg::device_setup(err);
+  return (ds != nullptr && (cluster == 1 || cluster == 2)) ? ds->resident[cluster] : -1;
 }
 
 }  // extern "C"
