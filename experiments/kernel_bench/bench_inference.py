@@ -358,6 +358,15 @@ def d2t_compare(out: str) -> int:
                         row["dense_ms"], row["sparse_fused_d2t_ms"] = timer.time_pair(
                             lambda: dense_gated(x, wg, wu, wd),
                             lambda: sparse_gated_ffn(x, wg, wu, wd, w_down_t=wdt, mode="sparse"), reps)
+                        # extra device memory of one forced-sparse call over its inputs, per d2t variant
+                        for key, env in (("fused", {}), ("cublas", {"TWELL_D2T": "cublas"})):
+                            with _env(env):
+                                torch.cuda.synchronize()
+                                base = torch.cuda.memory_allocated()
+                                torch.cuda.reset_peak_memory_stats()
+                                sparse_gated_ffn(x, wg, wu, wd, w_down_t=wdt, mode="sparse")
+                                torch.cuda.synchronize()
+                                row[f"sparse_peak_extra_mb_{key}_d2t"] = (torch.cuda.max_memory_allocated() - base) / 2**20
                         # the packed entries of both variants agree up to values within rounding of zero
                         a, b = twell_d2t(x, wg, 32), None
                         with _env({"TWELL_D2T": "cublas"}):
@@ -376,6 +385,8 @@ def d2t_compare(out: str) -> int:
                              f" dense={row['dense_ms']:.3f} sparse_fused={row['sparse_fused_d2t_ms']:.3f}"
                              f" sparse_cublas={row['sparse_cublas_d2t_ms']:.3f}"
                              f" x{row['dense_ms'] / row['sparse_fused_d2t_ms']:.2f}"
+                             f" peak_extra_MB fused/cublas={row['sparse_peak_extra_mb_fused_d2t']:.0f}"
+                             f"/{row['sparse_peak_extra_mb_cublas_d2t']:.0f}"
                              f" counts_differ={row['counts_differ_frac']:.2e}" if ok else " (no fused d2t here)"),
                           flush=True)
                     del x, wg
