@@ -152,11 +152,21 @@ __device__ __forceinline__ void wgmma_m64n256k16_first(float (&d)[128], uint64_t
       : "l"(da), "l"(db));
 }
 
+// ReLU activity of the two bf16 of a pair (bit 0: low half, bit 1: high half): positive (sign clear, non-zero;
+// +Inf included) or NaN, as sfl::relu_active; nonfinite |= an Inf or NaN among them.
+__device__ __forceinline__ unsigned pair_active(uint32_t p, bool& nonfinite) {
+  const uint32_t mag = p & 0x7fff7fffu;
+  const uint32_t act = __vcmpgts2(p, 0u) | __vcmpgtu2(mag, 0x7f807f80u);  // 0xffff per active half
+  nonfinite |= __vcmpgeu2(mag, 0x7f807f80u) != 0u;
+  return (act & 1u) | ((act >> 15) & 2u);
+}
+
 // Epilogue of one row (all 32 lanes call it; quads of lanes share a row): m = this lane's activity bits (bit 2j+b =
-// column 8j + 2q + b). Writes the row's tile words in ascending column order (the first S), its true count and
-// its flag (overflow or a non-finite value).
-__device__ __forceinline__ void write_row(const uint32_t (&pk)[32], uint64_t m, bool bad, int lane,
-                                          int row, int M, int tile, int T, int S, int32_t* __restrict__ packed,
+// column 8j + 2q + b), vals[256 j] = this lane's bf16 pair j (in shared memory, so that it can be indexed by a
+// run-time j). Writes the row's tile words in ascending column order (the first S), its true count and its flag
+// (overflow or a non-finite value). The loop runs over this lane's active entries only.
+__device__ __forceinline__ void write_row(const uint32_t* vals, uint64_t m, bool bad, int lane, int row, int M,
+                                          int tile, int T, int S, int32_t* __restrict__ packed,
                                           int32_t* __restrict__ counts, int32_t* __restrict__ flag) {
   const int q = lane & 3;
   uint64_t quad[4];  // the row's four masks
@@ -164,27 +174,17 @@ __device__ __forceinline__ void write_row(const uint32_t (&pk)[32], uint64_t m, 
   for (int qq = 0; qq < 4; ++qq) quad[qq] = __shfl_sync(kFull, m, (lane & ~3) | qq);
   if (row >= M) return;
   const int total = __popcll(quad[0]) + __popcll(quad[1]) + __popcll(quad[2]) + __popcll(quad[3]);
-  if (m) {
-    int32_t* out = packed + ((long long)row * T + tile) * S;
+  int32_t* out = packed + ((long long)row * T + tile) * S;
+  for (uint64_t left = m; left != 0; left &= left - 1) {
+    const int p = __ffsll((long long)left) - 1, j = p >> 1, b = p & 1;
+    const uint64_t low = (1ull << (2 * j)) - 1ull;   // columns of octets before j
+    int rank = __popcll(quad[0] & low) + __popcll(quad[1] & low) + __popcll(quad[2] & low) + __popcll(quad[3] & low);
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const unsigned f = (unsigned)(m >> (2 * j)) & 3u;
-      if (f) {
-        const uint64_t low = (j == 0) ? 0ull : ((1ull << (2 * j)) - 1ull);
-        int rank = __popcll(quad[0] & low) + __popcll(quad[1] & low) + __popcll(quad[2] & low) +
-                   __popcll(quad[3] & low);
-#pragma unroll
-        for (int qq = 0; qq < 3; ++qq) rank += qq < q ? __popc((unsigned)(quad[qq] >> (2 * j)) & 3u) : 0;
-        const uint32_t w = pk[j];
-#pragma unroll
-        for (int b = 0; b < 2; ++b) {
-          if ((f >> b) & 1u) {
-            const uint32_t bits = (w >> (16 * b)) & 0xffffu;
-            if (rank < S) out[rank] = (int32_t)((bits << 16) | (uint32_t)(8 * j + 2 * q + b));
-            ++rank;
-          }
-        }
-      }
+    for (int qq = 0; qq < 3; ++qq) rank += qq < q ? __popc((unsigned)(quad[qq] >> (2 * j)) & 3u) : 0;
+    rank += b & (int)(m >> (2 * j));                 // the low column of my own pair
+    if (rank < S) {
+      const uint32_t bits = (vals[256 * j] >> (16 * b)) & 0xffffu;
+      out[rank] = (int32_t)((bits << 16) | (uint32_t)(8 * j + 2 * q + b));
     }
   }
   if (q == 0) {
@@ -302,8 +302,8 @@ __global__ void __launch_bounds__(THREADS, 1)
       if (leader) release<CL>(&empty_bar[prev]);
 
       // ---- epilogue: bf16 rounding, ReLU activity, TwELL words straight from the accumulators ----
-      // This lane holds rows row0 and row0 + 8, columns 8j + 2q + {0, 1} (j < 32, q = lane % 4). pk[j] is such a
-      // bf16 pair of row0; row0 + 8's pairs wait in shared memory (both in registers would spill). Bit 2j + b of
+      // This lane holds rows row0 and row0 + 8, columns 8j + 2q + {0, 1} (j < 32, q = lane % 4). The bf16 pairs of
+      // the row being written sit in shared memory (indexed by run-time j), the other row's in pk. Bit 2j + b of
       // m0 / m1 marks column 8j + 2q + b active.
       uint32_t pk[32];
       uint32_t* stash = reinterpret_cast<uint32_t*>(ring + STAGES * STAGE_BYTES) + (threadIdx.x - 128);
@@ -312,21 +312,19 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
         const uint32_t p0 = pack2(d[4 * j], d[4 * j + 1]), p1 = pack2(d[4 * j + 2], d[4 * j + 3]);
-        pk[j] = p0;
-        stash[256 * j] = p1;
-        m0 |= (uint64_t)((unsigned)relu_active(p0 & 0xffffu) | ((unsigned)relu_active(p0 >> 16) << 1)) << (2 * j);
-        m1 |= (uint64_t)((unsigned)relu_active(p1 & 0xffffu) | ((unsigned)relu_active(p1 >> 16) << 1)) << (2 * j);
-        bad0 |= bf16_nonfinite(p0 & 0xffffu) | bf16_nonfinite(p0 >> 16);
-        bad1 |= bf16_nonfinite(p1 & 0xffffu) | bf16_nonfinite(p1 >> 16);
+        stash[256 * j] = p0;
+        pk[j] = p1;
+        m0 |= (uint64_t)pair_active(p0, bad0) << (2 * j);
+        m1 |= (uint64_t)pair_active(p1, bad1) << (2 * j);
       }
       int bads = (bad0 ? 1 : 0) | (bad1 ? 2 : 0);
       bads |= __shfl_xor_sync(kFull, bads, 1);
       bads |= __shfl_xor_sync(kFull, bads, 2);
       const int row0 = mt * BM + c * 64 + warp * 16 + (lane >> 2);
-      write_row(pk, m0, bads & 1, lane, row0, M, nt, T, S, packed, counts, flag);
+      write_row(stash, m0, bads & 1, lane, row0, M, nt, T, S, packed, counts, flag);
 #pragma unroll
-      for (int j = 0; j < 32; ++j) pk[j] = stash[256 * j];  // only this thread wrote these words: no barrier
-      write_row(pk, m1, bads & 2, lane, row0 + 8, M, nt, T, S, packed, counts, flag);
+      for (int j = 0; j < 32; ++j) stash[256 * j] = pk[j];  // only this thread reads these words: no barrier
+      write_row(stash, m1, bads & 2, lane, row0 + 8, M, nt, T, S, packed, counts, flag);
     }
   }
   if (CL > 1) cluster_sync();  // no CTA leaves while its peer may still multicast into it or arrive on its barriers
