@@ -35,15 +35,15 @@ LAST_PATH = {"path": None, "flagged_rows": None, "p_est": None, "d2t": None}
 MODE_AUTO, MODE_SPARSE, MODE_DENSE = 0, 1, 2
 
 # Crossover per M bucket: "m:p,..." = for M >= m (largest such m), run sparse when the measured activity is
-# <= p. Calibrated on the H100 against our dense path (experiments/kernel_bench --calib; the elementwise minimum
-# of two runs, results/kernel_bench/calibration/calib_h100_r4*.jsonl); see kernels/README.md.
-DEFAULT_CROSSOVER = ("1:0.0152,4:0.0193,8:0.0202,16:0.0039,32:0.0035,64:0.0019,256:0,1024:0,4096:0.0023,8192:0.0025,"
-                     "16384:0.0026,32768:0.0031,65536:0.0045")
+# <= p. Calibrated on the H100 against our dense path with the fused d2t (bash experiments/kernel_bench/calibrate.sh:
+# the elementwise minimum of two runs, results/kernel_bench/calibration/calib_h100_r9{a,b}.jsonl); see
+# kernels/README.md.
+DEFAULT_CROSSOVER = ("1:0.0152,4:0.0193,8:0.0202,16:0.0019,32:0.002,64:0.0019,256:0,1024:0,4096:0.0025,8192:0.0025,"
+                     "16384:0.0045,32768:0.0055,65536:0.0069")
 # The non-gated block (relu(x W_u^T) W_d^T; no up-projection gather, so sparse wins to higher activity): its own
-# table, calibrated the same way at K = 2048, N = 8192 (bench_inference --calib --kind nongated; one run,
-# results/kernel_bench/calibration/calib_nongated_h100_r7.jsonl).
-DEFAULT_CROSSOVER_NONGATED = ("1:0.0164,4:0.0184,8:0,16:0.0098,32:0.0084,64:0.0056,256:0,1024:0,4096:0.0025,"
-                              "8192:0.0034,16384:0.0055,32768:0.0067,65536:0.0095")
+# table, calibrated the same way at K = 2048, N = 8192 (one run, calib_nongated_h100_r9.jsonl).
+DEFAULT_CROSSOVER_NONGATED = ("1:0.0164,4:0.0184,8:0,16:0.0021,32:0,64:0.0018,256:0,1024:0.0025,4096:0.0044,"
+                              "8192:0.0054,16384:0.0082,32768:0.0095,65536:0.0105")
 
 
 def _env_int(name: str, default: int) -> int:
