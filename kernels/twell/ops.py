@@ -6,8 +6,10 @@ Ops (namespace ``sfl_twell``):
 - ``nongated_ffn(x, w_up, w_down_t, w_down, mode, activity_hint, want_stats) -> (y, nnz)``
 
 Paths (kernels/README.md has the full story):
-- eager, M > decode_max_m: cuBLAS gate GEMM (one call over all rows when the transient bf16 output fits the
-  scratch budget, else in chunks), compaction to TwELL with S = slots (default 32 = C 8), sparse up/down, and
+- d2t (every sparse path but fused decode): on sm_90 the fused kernel (d2t_gemm.cu: tensor-core gate GEMM whose
+  epilogue writes TwELL, no dense gate output in memory); elsewhere, or TWELL_D2T=cublas, a cuBLAS gate GEMM into a
+  transient bf16 buffer (all rows when it fits the scratch budget, else chunks) and the compaction kernel.
+- eager, M > decode_max_m: d2t with S = slots (default 32 = C 8), sparse up/down, and
   the rows flagged by compaction (tile overflow or non-finite gate) computed exactly with dense cuBLAS. The
   number of flagged rows reaches the host through a pinned copy that is waited on only after the up/down
   kernels are queued, so the GPU never idles on it.
