@@ -334,6 +334,38 @@ def test_dispatch_history_follows_activity(ffn, monkeypatch, M):
     assert hist.measurements == len(seq) and hist.p is not None and hist.p < 0.01
 
 
+def test_nongated_dense_measures_every_nth_call(ffn, monkeypatch):
+    """Non-gated auto: a layer measured above the crossover runs as HF does (torch's relu, same bits) and is
+    re-measured only every TWELL_NONGATED_MEASURE_EVERY dense calls; when the activity drops, it is seen at the
+    next re-measurement and the layer goes sparse. Exact on every call."""
+    from kernels.twell import ops
+
+    monkeypatch.setenv("TWELL_CROSSOVER_NONGATED", "1:0.01")
+    monkeypatch.setenv("TWELL_SELF_TIMING", "0")
+    monkeypatch.setenv("TWELL_NONGATED_MEASURE_EVERY", "4")
+    M, K, N = 3000, 2048, 8192
+    x, _, wu, wd = make_problem(M, K, N, 0.004, seed=37, gated=False, adversarial=False)
+    lo, hi = _set_activity(x, 1.0), _set_activity(x, 0.2)
+    hist = ops.history_for(wu)
+    hist.__init__()
+    paths = []
+    for i in range(10):
+        xi = hi if i < 6 else lo
+        y = ffn.sparse_nongated_ffn(xi, wu, wd)
+        paths.append(ops.LAST_PATH["path"].replace("-syncfree", ""))
+        torch.cuda.synchronize()
+        hist.poll()
+        ref = dense(xi, None, wu, wd, False)
+        if paths[-1] == "dense":
+            assert torch.equal(y, ref), f"call {i}: the dense path must give HF's bits"
+        else:
+            check(y, xi, None, wu, wd, False)
+    # calls 0..5 high: measured at dense calls 0 (first call) and 4 only; calls 6.. low: dense until the next
+    # re-measurement (dense call 8) lands, then sparse (which measures every call: the 4th measurement)
+    assert paths[:9] == ["dense"] * 9 and paths[9] == "sparse", paths
+    assert hist.measurements == 4, hist
+
+
 def test_dispatch_without_readback_keeps_old_estimate(ffn, monkeypatch):
     """If the measurement has not landed yet (host ahead of GPU), the previous estimate is used: no sync."""
     from kernels.twell import ops
