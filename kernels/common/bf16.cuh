@@ -139,4 +139,33 @@ __device__ __forceinline__ float gather_dots(const uint4 (&v)[NI], const __nv_bf
   return mine;
 }
 
+// compact_item: one (row, tile) of bf16 gate pre-activations (the warp's 16-byte loads, 8 values per lane) ->
+// ReLU -> the tile's packed words (ascending columns, first S), its true count, and flag[row] = 1 on overflow
+// or a non-finite value. All 32 lanes call it.
+__device__ __forceinline__ void compact_item(uint4 v, int lane, int row, int tile, int n_tiles, int S,
+                                             int32_t* __restrict__ packed, int32_t* __restrict__ counts,
+                                             int32_t* __restrict__ flag) {
+  bool nonfinite = false;
+  const unsigned act = relu_mask8(v, nonfinite);
+  const int c = __popc(act);
+  const int inc = warp_inclusive_sum(c);
+  const int total = __shfl_sync(kFull, inc, 31);
+  int slot = inc - c;
+  int32_t* out = packed + ((long long)row * n_tiles + tile) * S;
+  if (act) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      if ((act >> i) & 1u) {
+        if (slot < S) out[slot] = (int32_t)((bf16_at(v, i) << 16) | (uint32_t)(lane * 8 + i));
+        ++slot;
+      }
+    }
+  }
+  const bool any_nf = __any_sync(kFull, nonfinite);
+  if (lane == 0) {
+    counts[(long long)row * n_tiles + tile] = total;
+    if (total > S || any_nf) flag[row] = 1;  // benign race: every writer stores 1
+  }
+}
+
 }  // namespace sfl

@@ -1,11 +1,13 @@
 // Fused d2t for Hopper (sm_90a): the gate GEMM g = x W^T on the tensor cores (wgmma; both operands brought into
-// shared memory by the TMA engine), with an epilogue that rounds g to bf16, applies ReLU and writes TwELL straight
-// from the accumulator registers. No dense [M, N] g ever reaches device memory.
+// shared memory by the TMA engine), with an epilogue that rounds g to bf16, applies ReLU and writes TwELL. No dense
+// [M, N] g ever reaches device memory: each finished tile passes through shared memory only.
 //
-// Block tile 128 rows x 256 columns = exactly one TwELL tile wide, so a row's whole tile sits in one quad of lanes.
-// Warp-specialised and persistent: warpgroup 0 is the producer (one thread issues TMA loads into a 4-stage ring
-// guarded by mbarriers), warpgroups 1 and 2 each own 64 rows and issue m64n256k16 wgmma. The producer runs up to 4
-// k-blocks ahead, so the next tile's loads overlap the current tile's epilogue.
+// Block tile 128 rows x 256 columns = exactly one TwELL tile wide. Warp-specialised and persistent:
+// - warpgroup 0, warp 0: one thread issues the TMA loads into a 3-stage ring guarded by mbarriers;
+// - warpgroups 1 and 2 each own 64 rows and issue m64n256k16 wgmma; at the end of a tile they store it as bf16 into
+//   a staging buffer and go straight on to the next tile;
+// - warpgroup 0, warps 1-3: compact the staged tile to TwELL (one warp per row, as the compaction kernel) while the
+//   tensor cores already work on the next tile. So the epilogue's cost overlaps the mainloop.
 //
 // Output is bit-compatible with kernels/FORMAT.md (ascending columns, true counts, flag on overflow or a
 // non-finite gate value). The fp32 summation order differs from cuBLAS, so a value within rounding of 0 may be
@@ -21,12 +23,16 @@ namespace d2tg {
 
 using namespace sfl;
 
-constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4, THREADS = 384;
+constexpr int BM = 128, BN = 256, BK = 64, STAGES = 3, THREADS = 384;
 constexpr int A_BYTES = BM * BK * 2;             // 16 KB: 128 rows x 128 bytes (one 128B swizzle row each)
 constexpr int B_BYTES = BN * BK * 2;             // 32 KB
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-constexpr int STASH_BYTES = 256 * 32 * 4;      // the epilogue parks one row half's bf16 pairs here (registers are tight)
-constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + STASH_BYTES + 1024;  // + slack to align the ring to 1024 bytes
+// The finished tile, as bf16, for the compaction warps: 128 rows of 256 values, rows padded by 4 words so that the
+// consumers' stores (8 rows x 4 words per instruction) hit 32 different banks.
+constexpr int ROW_WORDS = BN / 2 + 4;
+constexpr int STAGING_BYTES = BM * ROW_WORDS * 4;  // 66 KB
+constexpr int COMPACT_WARPS = 3;                   // warps 1-3 of the producer warpgroup
+constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + STAGING_BYTES + 1024;  // + slack to align the ring to 1024 bytes
 
 __device__ __forceinline__ uint32_t saddr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
@@ -152,47 +158,6 @@ __device__ __forceinline__ void wgmma_m64n256k16_first(float (&d)[128], uint64_t
       : "l"(da), "l"(db));
 }
 
-// ReLU activity of the two bf16 of a pair (bit 0: low half, bit 1: high half): positive (sign clear, non-zero;
-// +Inf included) or NaN, as sfl::relu_active; nonfinite |= an Inf or NaN among them.
-__device__ __forceinline__ unsigned pair_active(uint32_t p, bool& nonfinite) {
-  const uint32_t mag = p & 0x7fff7fffu;
-  const uint32_t act = __vcmpgts2(p, 0u) | __vcmpgtu2(mag, 0x7f807f80u);  // 0xffff per active half
-  nonfinite |= __vcmpgeu2(mag, 0x7f807f80u) != 0u;
-  return (act & 1u) | ((act >> 15) & 2u);
-}
-
-// Epilogue of one row (all 32 lanes call it; quads of lanes share a row): m = this lane's activity bits (bit 2j+b =
-// column 8j + 2q + b), vals[256 j] = this lane's bf16 pair j (in shared memory, so that it can be indexed by a
-// run-time j). Writes the row's tile words in ascending column order (the first S), its true count and its flag
-// (overflow or a non-finite value). The loop runs over this lane's active entries only.
-__device__ __forceinline__ void write_row(const uint32_t* vals, uint64_t m, bool bad, int lane, int row, int M,
-                                          int tile, int T, int S, int32_t* __restrict__ packed,
-                                          int32_t* __restrict__ counts, int32_t* __restrict__ flag) {
-  const int q = lane & 3;
-  uint64_t quad[4];  // the row's four masks
-#pragma unroll
-  for (int qq = 0; qq < 4; ++qq) quad[qq] = __shfl_sync(kFull, m, (lane & ~3) | qq);
-  if (row >= M) return;
-  const int total = __popcll(quad[0]) + __popcll(quad[1]) + __popcll(quad[2]) + __popcll(quad[3]);
-  int32_t* out = packed + ((long long)row * T + tile) * S;
-  for (uint64_t left = m; left != 0; left &= left - 1) {
-    const int p = __ffsll((long long)left) - 1, j = p >> 1, b = p & 1;
-    const uint64_t low = (1ull << (2 * j)) - 1ull;   // columns of octets before j
-    int rank = __popcll(quad[0] & low) + __popcll(quad[1] & low) + __popcll(quad[2] & low) + __popcll(quad[3] & low);
-#pragma unroll
-    for (int qq = 0; qq < 3; ++qq) rank += qq < q ? __popc((unsigned)(quad[qq] >> (2 * j)) & 3u) : 0;
-    rank += b & (int)(m >> (2 * j));                 // the low column of my own pair
-    if (rank < S) {
-      const uint32_t bits = (vals[256 * j] >> (16 * b)) & 0xffffu;
-      out[rank] = (int32_t)((bits << 16) | (uint32_t)(8 * j + 2 * q + b));
-    }
-  }
-  if (q == 0) {
-    counts[(long long)row * T + tile] = total;
-    if (total > S || bad) flag[row] = 1;  // benign race: every writer stores 1
-  }
-}
-
 // Work unit u -> (group of CL row tiles, column tile). With CL = 2 the two CTAs of a cluster take the two row
 // tiles and share the W tile (each loads half and multicasts it to both). Units are grouped GP at a time,
 // column-tile major inside a group, so the CTAs running at once touch ~GP CL row tiles of x and a few column tiles
@@ -214,6 +179,8 @@ __global__ void __launch_bounds__(THREADS, 1)
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full_bar[STAGES];
   __shared__ __align__(8) uint64_t empty_bar[STAGES];
+  __shared__ __align__(8) uint64_t staged_bar;   // the consumers wrote a tile into `staging`
+  __shared__ __align__(8) uint64_t drained_bar;  // the compaction warps are done reading it
   uint8_t* ring = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
 
   const int T = N / BN;
@@ -229,6 +196,8 @@ __global__ void __launch_bounds__(THREADS, 1)
       mbar_init(&full_bar[s], 1);        // the local producer's arrive (+ 48 KB of TMA bytes: A and all of W)
       mbar_init(&empty_bar[s], 2 * CL);  // one arrive per consumer warpgroup of each CTA (all read my W part)
     }
+    mbar_init(&staged_bar, 256);           // every consumer thread
+    mbar_init(&drained_bar, COMPACT_WARPS);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   if (CL > 1)
@@ -236,41 +205,60 @@ __global__ void __launch_bounds__(THREADS, 1)
   else
     __syncthreads();
 
-  if (wg == 0) {  // producer
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    if (threadIdx.x == 0) {
-      int stage = 0;
-      unsigned phase = 0;
-      for (int u = cluster; u < units; u += clusters) {
+  uint32_t* staging = reinterpret_cast<uint32_t*>(ring + STAGES * STAGE_BYTES);
+  if (wg == 0) {  // producer warpgroup: warp 0 issues the TMA loads, warps 1-3 write TwELL from `staging`
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (warp == 0) {
+      if (threadIdx.x == 0) {
+        int stage = 0;
+        unsigned phase = 0;
+        for (int u = cluster; u < units; u += clusters) {
+          int pair, nt;
+          unit_tiles(u, pairs, T, pair, nt);
+          const int mt = CL * pair + (int)rank;  // past the last row tile: TMA fills zeros, nothing is stored
+          for (int kb = 0; kb < KB; ++kb) {
+            mbar_wait(&empty_bar[stage], phase ^ 1u);  // both CTAs' consumers are done with this stage
+            uint8_t* a = ring + stage * STAGE_BYTES;
+            mbar_expect_tx(&full_bar[stage], STAGE_BYTES);
+            tma_load(a, &tm_x, &full_bar[stage], kb * BK, mt * BM);
+            if (CL == 1)
+              tma_load(a + A_BYTES, &tm_w, &full_bar[stage], kb * BK, nt * BN);
+            else
+              tma_load_multicast(a + A_BYTES + rank * (BN / CL) * 128, &tm_w, &full_bar[stage], kb * BK,
+                                 nt * BN + (int)rank * (BN / CL), (uint16_t)((1u << CL) - 1u));
+            if (++stage == STAGES) { stage = 0; phase ^= 1u; }
+          }
+        }
+      }
+    } else {
+      // Compaction of each finished tile (one warp per row: 8 values per lane, a warp scan for the ranks; the same
+      // code as the cuBLAS path's compaction kernel) while the consumers already run the next tile's mainloop.
+      unsigned t = 0;
+      for (int u = cluster; u < units; u += clusters, ++t) {
         int pair, nt;
         unit_tiles(u, pairs, T, pair, nt);
-        const int mt = CL * pair + (int)rank;  // past the last row tile: TMA fills zeros, nothing is stored
-        for (int kb = 0; kb < KB; ++kb) {
-          mbar_wait(&empty_bar[stage], phase ^ 1u);  // both CTAs' consumers are done with this stage
-          uint8_t* a = ring + stage * STAGE_BYTES;
-          mbar_expect_tx(&full_bar[stage], STAGE_BYTES);
-          tma_load(a, &tm_x, &full_bar[stage], kb * BK, mt * BM);
-          if (CL == 1)
-            tma_load(a + A_BYTES, &tm_w, &full_bar[stage], kb * BK, nt * BN);
-          else
-            tma_load_multicast(a + A_BYTES + rank * (BN / CL) * 128, &tm_w, &full_bar[stage], kb * BK,
-                               nt * BN + (int)rank * (BN / CL), (uint16_t)((1u << CL) - 1u));
-          if (++stage == STAGES) { stage = 0; phase ^= 1u; }
+        const int mt = CL * pair + (int)rank;
+        mbar_wait(&staged_bar, t & 1u);
+        for (int r = warp - 1; r < BM; r += COMPACT_WARPS) {
+          const int row = mt * BM + r;
+          if (row >= M) break;  // warp-uniform; later rows are past M too
+          const uint4 v = *reinterpret_cast<const uint4*>(staging + r * ROW_WORDS + 4 * lane);
+          compact_item(v, lane, row, nt, T, S, packed, counts, flag);
         }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&drained_bar);
       }
     }
   } else {  // consumers: warpgroup c owns rows [64 c, 64 c + 64) of the block tile
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
     const int c = wg - 1;
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
     const bool leader = (threadIdx.x & 127) == 0;
     float d[128];
     int stage = 0;
-    unsigned phase = 0;
-    for (int u = cluster; u < units; u += clusters) {
-      int pair, nt;
-      unit_tiles(u, pairs, T, pair, nt);
-      const int mt = CL * pair + (int)rank;
+    unsigned phase = 0, t = 0;
+    for (int u = cluster; u < units; u += clusters, ++t) {  // the same tiles as the producer, in the same order
       // k-block 0 is peeled so that the accumulators are provably dead between tiles (write-only first wgmma)
       mbar_wait(&full_bar[stage], phase);
       {
@@ -301,30 +289,18 @@ __global__ void __launch_bounds__(THREADS, 1)
       fence_acc(d);
       if (leader) release<CL>(&empty_bar[prev]);
 
-      // ---- epilogue: bf16 rounding, ReLU activity, TwELL words straight from the accumulators ----
-      // This lane holds rows row0 and row0 + 8, columns 8j + 2q + {0, 1} (j < 32, q = lane % 4). The bf16 pairs of
-      // the row being written sit in shared memory (indexed by run-time j), the other row's in pk. Bit 2j + b of
-      // m0 / m1 marks column 8j + 2q + b active.
-      uint32_t pk[32];
-      uint32_t* stash = reinterpret_cast<uint32_t*>(ring + STAGES * STAGE_BYTES) + (threadIdx.x - 128);
-      uint64_t m0 = 0, m1 = 0;
-      bool bad0 = false, bad1 = false;
+      // ---- epilogue: the tile goes to shared memory as bf16 (rounded as the cuBLAS output is); the compaction
+      // warps turn it into TwELL while this warpgroup starts the next tile. This lane holds rows r0 and r0 + 8,
+      // columns 8j + 2q + {0, 1} (j < 32, q = lane % 4).
+      mbar_wait(&drained_bar, (t & 1u) ^ 1u);  // the previous tile has been read out of `staging`
+      const int r0 = c * 64 + warp * 16 + (lane >> 2);
+      uint32_t* s0 = staging + r0 * ROW_WORDS + (lane & 3);
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
-        const uint32_t p0 = pack2(d[4 * j], d[4 * j + 1]), p1 = pack2(d[4 * j + 2], d[4 * j + 3]);
-        stash[256 * j] = p0;
-        pk[j] = p1;
-        m0 |= (uint64_t)pair_active(p0, bad0) << (2 * j);
-        m1 |= (uint64_t)pair_active(p1, bad1) << (2 * j);
+        s0[4 * j] = pack2(d[4 * j], d[4 * j + 1]);
+        s0[8 * ROW_WORDS + 4 * j] = pack2(d[4 * j + 2], d[4 * j + 3]);
       }
-      int bads = (bad0 ? 1 : 0) | (bad1 ? 2 : 0);
-      bads |= __shfl_xor_sync(kFull, bads, 1);
-      bads |= __shfl_xor_sync(kFull, bads, 2);
-      const int row0 = mt * BM + c * 64 + warp * 16 + (lane >> 2);
-      write_row(stash, m0, bads & 1, lane, row0, M, nt, T, S, packed, counts, flag);
-#pragma unroll
-      for (int j = 0; j < 32; ++j) stash[256 * j] = pk[j];  // only this thread reads these words: no barrier
-      write_row(stash, m1, bads & 2, lane, row0 + 8, M, nt, T, S, packed, counts, flag);
+      mbar_arrive(&staged_bar);  // release: these stores are visible to whoever waits on the barrier
     }
   }
   if (CL > 1) cluster_sync();  // no CTA leaves while its peer may still multicast into it or arrive on its barriers

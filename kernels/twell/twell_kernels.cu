@@ -28,34 +28,8 @@ using namespace sfl;  // bf16 helpers, warp reductions, the relu activity test (
 constexpr int kTileN = 256;       // columns per tile (one warp: 32 lanes x 8 bf16 = one 16-byte load each)
 
 // ---------------------------------------------------------------------------------------------
-// compact_item: one (row, tile) of bf16 gate pre-activations (the warp's 16-byte loads, 8 values per lane) ->
-// ReLU -> the tile's packed words (ascending columns, first S), its true count, and flag[row] = 1 on overflow
-// or a non-finite value. All 32 lanes call it.
-__device__ __forceinline__ void compact_item(uint4 v, int lane, int row, int tile, int n_tiles, int S,
-                                             int32_t* __restrict__ packed, int32_t* __restrict__ counts,
-                                             int32_t* __restrict__ flag) {
-  bool nonfinite = false;
-  const unsigned act = relu_mask8(v, nonfinite);
-  const int c = __popc(act);
-  const int inc = warp_inclusive_sum(c);
-  const int total = __shfl_sync(kFull, inc, 31);
-  int slot = inc - c;
-  int32_t* out = packed + ((long long)row * n_tiles + tile) * S;
-  if (act) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      if ((act >> i) & 1u) {
-        if (slot < S) out[slot] = (int32_t)((bf16_at(v, i) << 16) | (uint32_t)(lane * 8 + i));
-        ++slot;
-      }
-    }
-  }
-  const bool any_nf = __any_sync(kFull, nonfinite);
-  if (lane == 0) {
-    counts[(long long)row * n_tiles + tile] = total;
-    if (total > S || any_nf) flag[row] = 1;  // benign race: every writer stores 1
-  }
-}
+// compact_item (one (row, tile) -> TwELL words, count, flag) lives in kernels/common/bf16.cuh: the fused d2t
+// (d2t_gemm.cu) uses it too.
 
 // compact (v1): one short-lived warp per (row, tile), one 16-byte load per lane. Kept for comparison (bench).
 __global__ void __launch_bounds__(128, 1) compact_kernel(const __nv_bfloat16* __restrict__ g, long long ldg,
