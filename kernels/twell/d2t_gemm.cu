@@ -32,6 +32,7 @@ constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int ROW_WORDS = BN / 2 + 4;
 constexpr int STAGING_BYTES = BM * ROW_WORDS * 4;  // 66 KB
 constexpr int COMPACT_WARPS = 3;                   // warps 1-3 of the producer warpgroup
+constexpr int RB = 4;                              // rows per compaction step (interleaved warp scans)
 constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + STAGING_BYTES + 1024;  // + slack to align the ring to 1024 bytes
 
 __device__ __forceinline__ uint32_t saddr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
@@ -158,6 +159,55 @@ __device__ __forceinline__ void wgmma_m64n256k16_first(float (&d)[128], uint64_t
       : "l"(da), "l"(db));
 }
 
+// RB rows of a staged tile -> TwELL (one warp; lane l holds columns 8l..8l+7 of each row). The same result as RB
+// calls of sfl::compact_item, with the RB rows' warp scans interleaved: the compaction warps are latency-bound,
+// and this is what lets three of them keep up with the tensor cores.
+template <int RB>
+__device__ __forceinline__ void compact_rows(const uint4 (&v)[RB], int lane, int row0, int M, int tile, int T, int S,
+                                             int32_t* __restrict__ packed, int32_t* __restrict__ counts,
+                                             int32_t* __restrict__ flag) {
+  unsigned act[RB];
+  int inc[RB], cnt[RB];
+  bool nf[RB];
+#pragma unroll
+  for (int q = 0; q < RB; ++q) {
+    nf[q] = false;
+    act[q] = relu_mask8(v[q], nf[q]);
+    cnt[q] = __popc(act[q]);
+    inc[q] = cnt[q];
+  }
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+#pragma unroll
+    for (int q = 0; q < RB; ++q) {
+      const int t = __shfl_up_sync(kFull, inc[q], o);
+      if (lane >= o) inc[q] += t;
+    }
+  }
+#pragma unroll
+  for (int q = 0; q < RB; ++q) {
+    const int row = row0 + q;
+    const int total = __shfl_sync(kFull, inc[q], 31);
+    const bool any_nf = __any_sync(kFull, nf[q]);
+    if (row >= M) continue;  // warp-uniform
+    int slot = inc[q] - cnt[q];
+    int32_t* out = packed + ((long long)row * T + tile) * S;
+    if (act[q]) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        if ((act[q] >> i) & 1u) {
+          if (slot < S) out[slot] = (int32_t)((bf16_at(v[q], i) << 16) | (uint32_t)(lane * 8 + i));
+          ++slot;
+        }
+      }
+    }
+    if (lane == 0) {
+      counts[(long long)row * T + tile] = total;
+      if (total > S || any_nf) flag[row] = 1;  // benign race: every writer stores 1
+    }
+  }
+}
+
 // Work unit u -> (group of CL row tiles, column tile). With CL = 2 the two CTAs of a cluster take the two row
 // tiles and share the W tile (each loads half and multicasts it to both). Units are grouped GP at a time,
 // column-tile major inside a group, so the CTAs running at once touch ~GP CL row tiles of x and a few column tiles
@@ -207,7 +257,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   uint32_t* staging = reinterpret_cast<uint32_t*>(ring + STAGES * STAGE_BYTES);
   if (wg == 0) {  // producer warpgroup: warp 0 issues the TMA loads, warps 1-3 write TwELL from `staging`
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 72;");
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (warp == 0) {
       if (threadIdx.x == 0) {
@@ -240,18 +290,19 @@ __global__ void __launch_bounds__(THREADS, 1)
         unit_tiles(u, pairs, T, pair, nt);
         const int mt = CL * pair + (int)rank;
         mbar_wait(&staged_bar, t & 1u);
-        for (int r = warp - 1; r < BM; r += COMPACT_WARPS) {
-          const int row = mt * BM + r;
-          if (row >= M) break;  // warp-uniform; later rows are past M too
-          const uint4 v = *reinterpret_cast<const uint4*>(staging + r * ROW_WORDS + 4 * lane);
-          compact_item(v, lane, row, nt, T, S, packed, counts, flag);
+        // rows in blocks of RB per warp, blocks dealt round-robin (BM / RB = 32 blocks over 3 warps)
+        for (int r = (warp - 1) * RB; r < BM && mt * BM + r < M; r += COMPACT_WARPS * RB) {
+          uint4 v[RB];
+#pragma unroll
+          for (int q = 0; q < RB; ++q) v[q] = *reinterpret_cast<const uint4*>(staging + (r + q) * ROW_WORDS + 4 * lane);
+          compact_rows<RB>(v, lane, mt * BM + r, M, nt, T, S, packed, counts, flag);
         }
         __syncwarp();
         if (lane == 0) mbar_arrive(&drained_bar);
       }
     }
   } else {  // consumers: warpgroup c owns rows [64 c, 64 c + 64) of the block tile
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 216;");
     const int c = wg - 1;
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
     const bool leader = (threadIdx.x & 127) == 0;
