@@ -350,11 +350,10 @@ def d2t_compare(out: str) -> int:
                     if ok:
                         row["d2t_fused_ms"] = timer.time(lambda: twell_d2t(x, wg, 32), reps)
                         row["d2t_fused_tflops"] = 2 * M * K * N / row["d2t_fused_ms"] / 1e9
-                        cl = twops.knobs()["d2t_cluster"]
-                        with _env({"TWELL_D2T_CLUSTER": str(3 - cl)}):   # the other CTA-cluster size
-                            row["d2t_fused_other_cluster_ms"] = timer.time(lambda: twell_d2t(x, wg, 32), reps)
-                        row["d2t_cluster"] = cl
-                        row["resident_clusters"] = {c: twops._ext().d2t_gemm_resident(c) for c in (1, 2)}
+                        ov = K >= twops.knobs()["d2t_overlap_min_k"]
+                        with _env({"TWELL_D2T_OVERLAP_MIN_K": str(1 << 30 if ov else 0)}):   # the other epilogue
+                            row["d2t_fused_other_epilogue_ms"] = timer.time(lambda: twell_d2t(x, wg, 32), reps)
+                        row["d2t_overlapped_epilogue"] = ov
                         row["dense_ms"], row["sparse_fused_d2t_ms"] = timer.time_pair(
                             lambda: dense_gated(x, wg, wu, wd),
                             lambda: sparse_gated_ffn(x, wg, wu, wd, w_down_t=wdt, mode="sparse"), reps)
@@ -380,8 +379,8 @@ def d2t_compare(out: str) -> int:
                     print(f"[d2t] K={K} N={N} M={M} p={p} gate={row['gate_gemm_ms']:.3f} "
                           f"cublas_d2t={row['d2t_cublas_ms']:.3f}"
                           + (f" fused_d2t={row['d2t_fused_ms']:.3f} ({row['d2t_fused_tflops']:.0f} TFLOP/s)"
-                             f" cluster{3 - row['d2t_cluster']}={row['d2t_fused_other_cluster_ms']:.3f}"
-                             f" resident={row['resident_clusters']}"
+                             f" overlap={row['d2t_overlapped_epilogue']}"
+                             f" other_epilogue={row['d2t_fused_other_epilogue_ms']:.3f}"
                              f" dense={row['dense_ms']:.3f} sparse_fused={row['sparse_fused_d2t_ms']:.3f}"
                              f" sparse_cublas={row['sparse_cublas_d2t_ms']:.3f}"
                              f" x{row['dense_ms'] / row['sparse_fused_d2t_ms']:.2f}"

@@ -27,8 +27,7 @@ cudaError_t twell_relu_mul_stats_launch(const void* g, long long ldg, const void
                                         unsigned long long* stats, float* l1_row, cudaStream_t stream);
 int twell_d2t_gemm_supported(int device);
 cudaError_t twell_d2t_gemm_launch(const void* x, const void* w, int M, int N, int K, int S, int32_t* packed,
-                                  int32_t* counts, int32_t* flag, int cluster, int max_ctas, cudaStream_t stream);
-int twell_d2t_gemm_resident(int cluster);
+                                  int32_t* counts, int32_t* flag, int overlap, int max_ctas, cudaStream_t stream);
 cudaError_t twell_decode_fused_launch(const void* x, const void* wg, const void* wu, const void* wdt, int rows,
                                       int K, int N, float* yacc, int32_t* nnz, int32_t* flag, cudaStream_t stream);
 }
@@ -228,10 +227,11 @@ void decode_fused(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& w
 
 // Fused d2t (d2t_gemm.cu, sm_90a): the gate GEMM on the tensor cores with the TwELL epilogue; no dense g.
 // x [M, K], w [N, K] bf16 contiguous and 16-byte aligned; packed [M, N/256, S] and counts [M, N/256] are fully
-// written; flag [M] must be zeroed by the caller. cluster 1 or 2 (CTA pairs sharing the W tile by TMA
-// multicast); max_ctas > 0 caps the persistent grid (0: as many as fit at once).
+// written; flag [M] must be zeroed by the caller. overlap: the epilogue variant (true: compaction warps overlap
+// the next tile's mainloop; false: the consumer warps write TwELL themselves). max_ctas > 0 caps the persistent
+// grid (0: one CTA per SM).
 void d2t_gemm(const at::Tensor& x, const at::Tensor& w, at::Tensor packed, at::Tensor counts, at::Tensor flag,
-              int64_t cluster, int64_t max_ctas) {
+              bool overlap, int64_t max_ctas) {
   req(x, "x", at::kBFloat16, 2);
   req(w, "w_gate", at::kBFloat16, 2);
   req(packed, "packed", at::kInt, 3);
@@ -244,18 +244,16 @@ void d2t_gemm(const at::Tensor& x, const at::Tensor& w, at::Tensor packed, at::T
                   flag.size(0) == M,
               "d2t_gemm: packed/counts/flag shape mismatch");
   TORCH_CHECK(M <= INT32_MAX && N <= INT32_MAX, "d2t_gemm: too many rows");
-  TORCH_CHECK(cluster == 1 || cluster == 2, "d2t_gemm: cluster must be 1 or 2 (TWELL_D2T_CLUSTER), got ", cluster);
   TORCH_CHECK((reinterpret_cast<uintptr_t>(x.data_ptr()) | reinterpret_cast<uintptr_t>(w.data_ptr())) % 16 == 0,
               "d2t_gemm: x and w_gate must be 16-byte aligned (call .clone() on an offset view)");
   const c10::cuda::CUDAGuard guard(x.device());
   check(twell_d2t_gemm_launch(x.data_ptr(), w.data_ptr(), (int)M, (int)N, (int)K, (int)packed.size(2), i32(packed),
-                              i32(counts), i32(flag), (int)cluster, (int)max_ctas,
+                              i32(counts), i32(flag), overlap ? 1 : 0, (int)max_ctas,
                               c10::cuda::getCurrentCUDAStream().stream()),
         "d2t_gemm");
 }
 
 bool d2t_gemm_supported(int64_t device) { return twell_d2t_gemm_supported((int)device) != 0; }
-int64_t d2t_gemm_resident(int64_t cluster) { return twell_d2t_gemm_resident((int)cluster); }
 
 void set_grid_cap(int64_t blocks) { twell_set_grid_cap((int)blocks); }
 
@@ -267,7 +265,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compact", &compact, "bf16 gate pre-activation rows -> ReLU -> TwELL (packed, counts, flag)",
         py::arg("g"), py::arg("N"), py::arg("packed"), py::arg("counts"), py::arg("flag"), py::arg("version") = 2);
   m.def("d2t_gemm", &d2t_gemm, "fused d2t (sm_90a): tensor-core gate GEMM whose epilogue writes TwELL");
-  m.def("d2t_gemm_resident", &d2t_gemm_resident, "co-resident clusters of the fused d2t on this device (logs)");
   m.def("d2t_gemm_supported", &d2t_gemm_supported, "whether this device can run d2t_gemm (sm_90 + tensor-map encoder)");
   m.def("decode_fused", &decode_fused, "rows <= 8: fused gate GEMV + up + down into an fp32 accumulator");
   m.def("set_grid_cap", &set_grid_cap, "grid cap (blocks) of gated_up/down: 0 = one warp per item");

@@ -1,13 +1,17 @@
 // Fused d2t for Hopper (sm_90a): the gate GEMM g = x W^T on the tensor cores (wgmma; both operands brought into
 // shared memory by the TMA engine), with an epilogue that rounds g to bf16, applies ReLU and writes TwELL. No dense
-// [M, N] g ever reaches device memory: each finished tile passes through shared memory only.
+// [M, N] g ever reaches device memory.
 //
-// Block tile 128 rows x 256 columns = exactly one TwELL tile wide. Warp-specialised and persistent:
-// - warpgroup 0, warp 0: one thread issues the TMA loads into a 3-stage ring guarded by mbarriers;
-// - warpgroups 1 and 2 each own 64 rows and issue m64n256k16 wgmma; at the end of a tile they store it as bf16 into
-//   a staging buffer and go straight on to the next tile;
-// - warpgroup 0, warps 1-3: compact the staged tile to TwELL (one warp per row, as the compaction kernel) while the
-//   tensor cores already work on the next tile. So the epilogue's cost overlaps the mainloop.
+// Block tile 128 rows x 256 columns = exactly one TwELL tile wide. Persistent and warp-specialised:
+// - warpgroup 0, warp 0: one thread issues the TMA loads into a ring of stages guarded by mbarriers;
+// - warpgroups 1 and 2 each own 64 rows and issue m64n256k16 wgmma (128 fp32 accumulators per thread).
+// Tiles are walked in groups of 16 row tiles, column-tile major inside a group (L2 reuse of x and W).
+// Two epilogues (template OV; the host picks by K, kernels/README.md):
+// - OV = false (4 stages): the consumer warps write TwELL from their registers. A quad of lanes holds a row's
+//   tile; each lane loops over its own active entries only, ranking them with the quad's activity masks.
+// - OV = true (3 stages): the consumers store the tile as bf16 into shared memory and go straight on to the next
+//   tile; warps 1-3 of warpgroup 0 compact it (one warp per row, as the compaction kernel) meanwhile. This hides
+//   the epilogue behind the mainloop when K is large enough for the mainloop to cover it.
 //
 // Output is bit-compatible with kernels/FORMAT.md (ascending columns, true counts, flag on overflow or a
 // non-finite gate value). The fp32 summation order differs from cuBLAS, so a value within rounding of 0 may be
@@ -23,17 +27,23 @@ namespace d2tg {
 
 using namespace sfl;
 
-constexpr int BM = 128, BN = 256, BK = 64, STAGES = 3, THREADS = 384;
+constexpr int BM = 128, BN = 256, BK = 64, THREADS = 384;
 constexpr int A_BYTES = BM * BK * 2;             // 16 KB: 128 rows x 128 bytes (one 128B swizzle row each)
 constexpr int B_BYTES = BN * BK * 2;             // 32 KB
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-// The finished tile, as bf16, for the compaction warps: 128 rows of 256 values, rows padded by 4 words so that the
-// consumers' stores (8 rows x 4 words per instruction) hit 32 different banks.
+// OV (overlapped epilogue): the finished tile goes to shared memory as bf16 for the compaction warps: 128 rows of
+// 256 values, rows padded by 4 words so that the consumers' stores (8 rows x 4 words per instruction) hit 32
+// different banks. Otherwise the consumers write TwELL themselves, parking one row half's values in a stash.
 constexpr int ROW_WORDS = BN / 2 + 4;
 constexpr int STAGING_BYTES = BM * ROW_WORDS * 4;  // 66 KB
-constexpr int COMPACT_WARPS = 3;                   // warps 1-3 of the producer warpgroup
-constexpr int RB = 4;                              // rows per compaction step (interleaved warp scans)
-constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + STAGING_BYTES + 1024;  // + slack to align the ring to 1024 bytes
+constexpr int STASH_BYTES = 256 * 32 * 4;          // 32 KB
+constexpr int COMPACT_WARPS = 3;                   // OV: warps 1-3 of the producer warpgroup
+constexpr int RB = 4;                              // OV: rows per compaction step (interleaved warp scans)
+template <bool OV>
+struct Cfg {
+  static constexpr int STAGES = OV ? 3 : 4;
+  static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + (OV ? STAGING_BYTES : STASH_BYTES) + 1024;  // + align
+};
 
 __device__ __forceinline__ uint32_t saddr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
@@ -61,40 +71,6 @@ __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
       ::"r"(saddr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(saddr(bar)), "r"(c0), "r"(c1) : "memory");
-}
-
-__device__ __forceinline__ unsigned cluster_rank() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// arrive on the barrier at the same shared-memory offset in CTA `rank` of the cluster (this CTA included)
-__device__ __forceinline__ void mbar_arrive_cluster(uint64_t* b, unsigned rank) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(saddr(b)), "r"(rank));
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
-}
-// a consumer warpgroup is done with a stage: tell every CTA of the cluster whose producer wrote part of it
-template <int CL>
-__device__ __forceinline__ void release(uint64_t* b) {
-  if (CL == 1) {
-    mbar_arrive(b);
-  } else {
-#pragma unroll
-    for (int r = 0; r < CL; ++r) mbar_arrive_cluster(b, (unsigned)r);
-  }
-}
-// tile load written to the same offset in every CTA of `mask`, completing on each one's barrier at `bar`'s offset
-__device__ __forceinline__ void tma_load_multicast(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1,
-                                                   uint16_t mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%3, %4}], [%2], %5;"
-      ::"r"(saddr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(saddr(bar)), "r"(c0), "r"(c1), "h"(mask)
-      : "memory");
 }
 
 // Shared-memory matrix descriptor: K-major, 128B swizzle, 8-row groups 1024 bytes apart (SBO); LBO unused.
@@ -159,6 +135,47 @@ __device__ __forceinline__ void wgmma_m64n256k16_first(float (&d)[128], uint64_t
       : "l"(da), "l"(db));
 }
 
+// ReLU activity of the two bf16 of a pair (bit 0: low half, bit 1: high half): positive (sign clear, non-zero;
+// +Inf included) or NaN, as sfl::relu_active; nonfinite |= an Inf or NaN among them.
+__device__ __forceinline__ unsigned pair_active(uint32_t p, bool& nonfinite) {
+  const uint32_t mag = p & 0x7fff7fffu;
+  const uint32_t act = __vcmpgts2(p, 0u) | __vcmpgtu2(mag, 0x7f807f80u);  // 0xffff per active half
+  nonfinite |= __vcmpgeu2(mag, 0x7f807f80u) != 0u;
+  return (act & 1u) | ((act >> 15) & 2u);
+}
+
+// Epilogue of one row (all 32 lanes call it; quads of lanes share a row): m = this lane's activity bits (bit 2j+b =
+// column 8j + 2q + b), vals[256 j] = this lane's bf16 pair j (in shared memory, so that it can be indexed by a
+// run-time j). Writes the row's tile words in ascending column order (the first S), its true count and its flag
+// (overflow or a non-finite value). The loop runs over this lane's active entries only.
+__device__ __forceinline__ void write_row(const uint32_t* vals, uint64_t m, bool bad, int lane, int row, int M,
+                                          int tile, int T, int S, int32_t* __restrict__ packed,
+                                          int32_t* __restrict__ counts, int32_t* __restrict__ flag) {
+  const int q = lane & 3;
+  uint64_t quad[4];  // the row's four masks
+#pragma unroll
+  for (int qq = 0; qq < 4; ++qq) quad[qq] = __shfl_sync(kFull, m, (lane & ~3) | qq);
+  if (row >= M) return;
+  const int total = __popcll(quad[0]) + __popcll(quad[1]) + __popcll(quad[2]) + __popcll(quad[3]);
+  int32_t* out = packed + ((long long)row * T + tile) * S;
+  for (uint64_t left = m; left != 0; left &= left - 1) {
+    const int p = __ffsll((long long)left) - 1, j = p >> 1, b = p & 1;
+    const uint64_t low = (1ull << (2 * j)) - 1ull;   // columns of octets before j
+    int rank = __popcll(quad[0] & low) + __popcll(quad[1] & low) + __popcll(quad[2] & low) + __popcll(quad[3] & low);
+#pragma unroll
+    for (int qq = 0; qq < 3; ++qq) rank += qq < q ? __popc((unsigned)(quad[qq] >> (2 * j)) & 3u) : 0;
+    rank += b & (int)(m >> (2 * j));                 // the low column of my own pair
+    if (rank < S) {
+      const uint32_t bits = (vals[256 * j] >> (16 * b)) & 0xffffu;
+      out[rank] = (int32_t)((bits << 16) | (uint32_t)(8 * j + 2 * q + b));
+    }
+  }
+  if (q == 0) {
+    counts[(long long)row * T + tile] = total;
+    if (total > S || bad) flag[row] = 1;  // benign race: every writer stores 1
+  }
+}
+
 // RB rows of a staged tile -> TwELL (one warp; lane l holds columns 8l..8l+7 of each row). The same result as RB
 // calls of sfl::compact_item, with the RB rows' warp scans interleaved: the compaction warps are latency-bound,
 // and this is what lets three of them keep up with the tensor cores.
@@ -208,89 +225,76 @@ __device__ __forceinline__ void compact_rows(const uint4 (&v)[RB], int lane, int
   }
 }
 
-// Work unit u -> (group of CL row tiles, column tile). With CL = 2 the two CTAs of a cluster take the two row
-// tiles and share the W tile (each loads half and multicasts it to both). Units are grouped GP at a time,
-// column-tile major inside a group, so the CTAs running at once touch ~GP CL row tiles of x and a few column tiles
-// of W: both stay in L2 even when W does not fit (4096 x 11008).
-constexpr int GP = 8;
-__device__ __forceinline__ void unit_tiles(int u, int pairs, int T, int& pair, int& nt) {
-  const int group = u / (GP * T), first = group * GP;
-  const int gp = min(GP, pairs - first);
-  const int local = u - group * GP * T;
-  nt = local / gp;
-  pair = first + (local - nt * gp);
+// Tile order: groups of GM row tiles, column-tile major inside a group, so the CTAs running at once touch ~GM row
+// tiles of x and a few column tiles of W: both stay in L2 even when W does not fit (4096 x 11008).
+constexpr int GM = 16;
+__device__ __forceinline__ void tile_of(int u, int m_tiles, int T, int& mt, int& nt) {
+  const int group = u / (GM * T), first = group * GM;
+  const int gm = min(GM, m_tiles - first);
+  const int local = u - group * GM * T;
+  nt = local / gm;
+  mt = first + (local - nt * gm);
 }
 
-template <int CL>
+template <bool OV>
 __global__ void __launch_bounds__(THREADS, 1)
     d2t_gemm_kernel(const __grid_constant__ CUtensorMap tm_x, const __grid_constant__ CUtensorMap tm_w, int M,
                     int N, int K, int S, int32_t* __restrict__ packed, int32_t* __restrict__ counts,
                     int32_t* __restrict__ flag) {
+  constexpr int STAGES = Cfg<OV>::STAGES;
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full_bar[STAGES];
   __shared__ __align__(8) uint64_t empty_bar[STAGES];
-  __shared__ __align__(8) uint64_t staged_bar;   // the consumers wrote a tile into `staging`
-  __shared__ __align__(8) uint64_t drained_bar;  // the compaction warps are done reading it
+  __shared__ __align__(8) uint64_t staged_bar;   // OV: the consumers wrote a tile into `staging`
+  __shared__ __align__(8) uint64_t drained_bar;  // OV: the compaction warps are done reading it
   uint8_t* ring = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint32_t* staging = reinterpret_cast<uint32_t*>(ring + STAGES * STAGE_BYTES);  // OV: staging, else the stash
 
   const int T = N / BN;
-  const int pairs = ((M + BM - 1) / BM + CL - 1) / CL;
-  const int units = pairs * T;
+  const int m_tiles = (M + BM - 1) / BM;
+  const int units = m_tiles * T;
   const int KB = K / BK;
   const int wg = threadIdx.x / 128;
-  const unsigned rank = CL > 1 ? cluster_rank() : 0u;  // which row tile of the unit, which part of the W tile
-  const int cluster = blockIdx.x / CL, clusters = gridDim.x / CL;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(&full_bar[s], 1);        // the local producer's arrive (+ 48 KB of TMA bytes: A and all of W)
-      mbar_init(&empty_bar[s], 2 * CL);  // one arrive per consumer warpgroup of each CTA (all read my W part)
+      mbar_init(&full_bar[s], 1);   // the producer's arrive (+ 48 KB of TMA bytes)
+      mbar_init(&empty_bar[s], 2);  // one arrive per consumer warpgroup
     }
     mbar_init(&staged_bar, 256);           // every consumer thread
     mbar_init(&drained_bar, COMPACT_WARPS);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  if (CL > 1)
-    cluster_sync();  // the peer's barriers exist before anyone multicasts into or arrives on them
-  else
-    __syncthreads();
+  __syncthreads();
 
-  uint32_t* staging = reinterpret_cast<uint32_t*>(ring + STAGES * STAGE_BYTES);
-  if (wg == 0) {  // producer warpgroup: warp 0 issues the TMA loads, warps 1-3 write TwELL from `staging`
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 72;");
+  if (wg == 0) {  // producer warpgroup: warp 0 issues the TMA loads; OV: warps 1-3 write TwELL from `staging`
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 80;");
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (warp == 0) {
-      if (threadIdx.x == 0) {
+      if (lane == 0) {
         int stage = 0;
         unsigned phase = 0;
-        for (int u = cluster; u < units; u += clusters) {
-          int pair, nt;
-          unit_tiles(u, pairs, T, pair, nt);
-          const int mt = CL * pair + (int)rank;  // past the last row tile: TMA fills zeros, nothing is stored
+        for (int u = blockIdx.x; u < units; u += gridDim.x) {
+          int mt, nt;
+          tile_of(u, m_tiles, T, mt, nt);
           for (int kb = 0; kb < KB; ++kb) {
-            mbar_wait(&empty_bar[stage], phase ^ 1u);  // both CTAs' consumers are done with this stage
+            mbar_wait(&empty_bar[stage], phase ^ 1u);  // both consumer warpgroups are done with this stage
             uint8_t* a = ring + stage * STAGE_BYTES;
             mbar_expect_tx(&full_bar[stage], STAGE_BYTES);
-            tma_load(a, &tm_x, &full_bar[stage], kb * BK, mt * BM);
-            if (CL == 1)
-              tma_load(a + A_BYTES, &tm_w, &full_bar[stage], kb * BK, nt * BN);
-            else
-              tma_load_multicast(a + A_BYTES + rank * (BN / CL) * 128, &tm_w, &full_bar[stage], kb * BK,
-                                 nt * BN + (int)rank * (BN / CL), (uint16_t)((1u << CL) - 1u));
+            tma_load(a, &tm_x, &full_bar[stage], kb * BK, mt * BM);  // rows past M arrive as zeros
+            tma_load(a + A_BYTES, &tm_w, &full_bar[stage], kb * BK, nt * BN);
             if (++stage == STAGES) { stage = 0; phase ^= 1u; }
           }
         }
       }
-    } else {
-      // Compaction of each finished tile (one warp per row: 8 values per lane, a warp scan for the ranks; the same
-      // code as the cuBLAS path's compaction kernel) while the consumers already run the next tile's mainloop.
+    } else if (OV) {
+      // Compaction of each finished tile (one warp per row, 8 values per lane, RB rows' warp scans interleaved)
+      // while the consumers already run the next tile's mainloop.
       unsigned t = 0;
-      for (int u = cluster; u < units; u += clusters, ++t) {
-        int pair, nt;
-        unit_tiles(u, pairs, T, pair, nt);
-        const int mt = CL * pair + (int)rank;
+      for (int u = blockIdx.x; u < units; u += gridDim.x, ++t) {
+        int mt, nt;
+        tile_of(u, m_tiles, T, mt, nt);
         mbar_wait(&staged_bar, t & 1u);
-        // rows in blocks of RB per warp, blocks dealt round-robin (BM / RB = 32 blocks over 3 warps)
         for (int r = (warp - 1) * RB; r < BM && mt * BM + r < M; r += COMPACT_WARPS * RB) {
           uint4 v[RB];
 #pragma unroll
@@ -302,14 +306,16 @@ __global__ void __launch_bounds__(THREADS, 1)
       }
     }
   } else {  // consumers: warpgroup c owns rows [64 c, 64 c + 64) of the block tile
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 216;");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 208;");
     const int c = wg - 1;
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
     const bool leader = (threadIdx.x & 127) == 0;
     float d[128];
     int stage = 0;
     unsigned phase = 0, t = 0;
-    for (int u = cluster; u < units; u += clusters, ++t) {  // the same tiles as the producer, in the same order
+    for (int u = blockIdx.x; u < units; u += gridDim.x, ++t) {
+      int mt, nt;
+      tile_of(u, m_tiles, T, mt, nt);
       // k-block 0 is peeled so that the accumulators are provably dead between tiles (write-only first wgmma)
       mbar_wait(&full_bar[stage], phase);
       {
@@ -331,30 +337,54 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) wgmma_m64n256k16(d, desc_sw128(a + 32 * kk), desc_sw128(b + 32 * kk));
         wgmma_commit();
-        wgmma_wait<1>();  // the previous k-block's wgmma are done: its stage can be refilled (in both CTAs)
-        if (leader) release<CL>(&empty_bar[prev]);
+        wgmma_wait<1>();  // the previous k-block's wgmma are done: its stage can be refilled
+        if (leader) mbar_arrive(&empty_bar[prev]);
         prev = stage;
         if (++stage == STAGES) { stage = 0; phase ^= 1u; }
       }
       wgmma_wait<0>();
       fence_acc(d);
-      if (leader) release<CL>(&empty_bar[prev]);
+      if (leader) mbar_arrive(&empty_bar[prev]);
 
-      // ---- epilogue: the tile goes to shared memory as bf16 (rounded as the cuBLAS output is); the compaction
-      // warps turn it into TwELL while this warpgroup starts the next tile. This lane holds rows r0 and r0 + 8,
-      // columns 8j + 2q + {0, 1} (j < 32, q = lane % 4).
-      mbar_wait(&drained_bar, (t & 1u) ^ 1u);  // the previous tile has been read out of `staging`
+      // This lane holds rows r0 and r0 + 8 of the tile, columns 8j + 2q + {0, 1} (j < 32, q = lane % 4).
       const int r0 = c * 64 + warp * 16 + (lane >> 2);
-      uint32_t* s0 = staging + r0 * ROW_WORDS + (lane & 3);
+      if (OV) {
+        // to shared memory as bf16 (rounded as the cuBLAS output is); the compaction warps take it from there
+        mbar_wait(&drained_bar, (t & 1u) ^ 1u);  // the previous tile has been read out of `staging`
+        uint32_t* s0 = staging + r0 * ROW_WORDS + (lane & 3);
 #pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        s0[4 * j] = pack2(d[4 * j], d[4 * j + 1]);
-        s0[8 * ROW_WORDS + 4 * j] = pack2(d[4 * j + 2], d[4 * j + 3]);
+        for (int j = 0; j < 32; ++j) {
+          s0[4 * j] = pack2(d[4 * j], d[4 * j + 1]);
+          s0[8 * ROW_WORDS + 4 * j] = pack2(d[4 * j + 2], d[4 * j + 3]);
+        }
+        mbar_arrive(&staged_bar);  // release: these stores are visible to whoever waits on the barrier
+      } else {
+        // TwELL straight from the registers: bit 2j + b of m0 / m1 marks column 8j + 2q + b of row r0 / r0 + 8
+        // active. The row being written has its bf16 pairs in shared memory (indexed by a run-time j), the
+        // other row's wait in pk (both in registers would spill).
+        uint32_t pk[32];
+        uint32_t* stash = staging + (threadIdx.x - 128);
+        uint64_t m0 = 0, m1 = 0;
+        bool bad0 = false, bad1 = false;
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+          const uint32_t p0 = pack2(d[4 * j], d[4 * j + 1]), p1 = pack2(d[4 * j + 2], d[4 * j + 3]);
+          stash[256 * j] = p0;
+          pk[j] = p1;
+          m0 |= (uint64_t)pair_active(p0, bad0) << (2 * j);
+          m1 |= (uint64_t)pair_active(p1, bad1) << (2 * j);
+        }
+        int bads = (bad0 ? 1 : 0) | (bad1 ? 2 : 0);
+        bads |= __shfl_xor_sync(kFull, bads, 1);
+        bads |= __shfl_xor_sync(kFull, bads, 2);
+        const int row0 = mt * BM + r0;
+        write_row(stash, m0, bads & 1, lane, row0, M, nt, T, S, packed, counts, flag);
+#pragma unroll
+        for (int j = 0; j < 32; ++j) stash[256 * j] = pk[j];  // only this thread reads these words: no barrier
+        write_row(stash, m1, bads & 2, lane, row0 + 8, M, nt, T, S, packed, counts, flag);
       }
-      mbar_arrive(&staged_bar);  // release: these stores are visible to whoever waits on the barrier
     }
   }
-  if (CL > 1) cluster_sync();  // no CTA leaves while its peer may still multicast into it or arrive on its barriers
 }
 
 typedef CUresult (*EncodeTiledFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -390,78 +420,12 @@ static bool encode(CUtensorMap* map, const void* base, int rows, int K, int box_
 }  // namespace d2tg
 
 namespace d2tg {
-struct DeviceSetup {
-  int device = -1;
-  int sms = 0;
-  int resident[3] = {0, 0, 0};  // co-resident clusters of CL = 1, 2 CTAs
-};
-
-template <int CL>
-static cudaError_t setup(DeviceSetup& ds) {
-  const cudaError_t e = cudaFuncSetAttribute(d2t_gemm_kernel<CL>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             SMEM_BYTES);
-  if (e != cudaSuccess) return e;
-  if (CL == 1) {
-    ds.resident[1] = ds.sms;
-    return cudaSuccess;
-  }
-  cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = CL;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.gridDim = dim3(CL * (ds.sms / CL));
-  cfg.blockDim = dim3(THREADS);
-  cfg.dynamicSmemBytes = SMEM_BYTES;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, d2t_gemm_kernel<CL>, &cfg) != cudaSuccess || n <= 0) {
-    cudaGetLastError();  // not fatal: assume every SM group can hold a cluster
-    n = ds.sms / CL;
-  }
-  ds.resident[CL] = n;
-  return cudaSuccess;
+template <bool OV>
+static cudaError_t set_smem() {
+  return cudaFuncSetAttribute(d2t_gemm_kernel<OV>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg<OV>::SMEM_BYTES);
 }
 
-static DeviceSetup g_setup[64];
-
-static DeviceSetup* device_setup(cudaError_t& err) {
-  int dev = 0;
-  err = cudaGetDevice(&dev);
-  if (err != cudaSuccess || dev < 0 || dev >= 64) return nullptr;
-  DeviceSetup& ds = g_setup[dev];
-  if (ds.device != dev) {
-    cudaDeviceGetAttribute(&ds.sms, cudaDevAttrMultiProcessorCount, dev);
-    if ((err = setup<1>(ds)) != cudaSuccess || (err = setup<2>(ds)) != cudaSuccess) return nullptr;
-    ds.device = dev;
-  }
-  return &ds;
-}
-
-template <int CL>
-static cudaError_t launch(const CUtensorMap& tm_x, const CUtensorMap& tm_w, int M, int N, int K, int S,
-                          int32_t* packed, int32_t* counts, int32_t* flag, int max_ctas, int resident,
-                          cudaStream_t stream) {
-  // one cluster per unit at most, all co-resident (persistent)
-  const long long units = (long long)(((M + BM - 1) / BM + CL - 1) / CL) * (N / BN);
-  long long clusters = units < resident ? units : resident;
-  if (max_ctas > 0 && clusters > max_ctas / CL) clusters = max_ctas / CL > 0 ? max_ctas / CL : 1;
-  cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = CL;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.gridDim = dim3((unsigned)(CL * clusters));
-  cfg.blockDim = dim3(THREADS);
-  cfg.dynamicSmemBytes = SMEM_BYTES;
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = CL > 1 ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, d2t_gemm_kernel<CL>, tm_x, tm_w, M, N, K, S, packed, counts, flag);
-}
+static int g_device_ready[64];  // 1 + SM count once the smem attributes are set on that device
 }  // namespace d2tg
 
 extern "C" {
@@ -475,29 +439,37 @@ int twell_d2t_gemm_supported(int device) {
 }
 
 // x [M, K], w [N, K] bf16 row-major, 16-byte aligned; K % 64 == 0, N % 256 == 0. packed [M, N/256, S], counts
-// [M, N/256] int32 (fully written), flag [M] int32 zeroed by the caller. cluster: 1 (each CTA loads its own W
-// tile) or 2 (CTA pairs share it through TMA multicast). max_ctas > 0 caps the persistent grid (whole clusters).
+// [M, N/256] int32 (fully written), flag [M] int32 zeroed by the caller. overlap: 1 = the overlapped epilogue
+// (compaction warps), 0 = the consumers write TwELL themselves. max_ctas > 0 caps the persistent grid.
 cudaError_t twell_d2t_gemm_launch(const void* x, const void* w, int M, int N, int K, int S, int32_t* packed,
-                                  int32_t* counts, int32_t* flag, int cluster, int max_ctas, cudaStream_t stream) {
+                                  int32_t* counts, int32_t* flag, int overlap, int max_ctas, cudaStream_t stream) {
   if (M <= 0) return cudaSuccess;
   if (K <= 0 || K % d2tg::BK != 0 || N <= 0 || N % d2tg::BN != 0 || S < 1 || S > d2tg::BN) return cudaErrorInvalidValue;
-  if (cluster != 1 && cluster != 2) return cudaErrorInvalidValue;
   if ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) & 15) return cudaErrorInvalidValue;
   CUtensorMap tm_x, tm_w;
-  if (!d2tg::encode(&tm_x, x, M, K, d2tg::BM) || !d2tg::encode(&tm_w, w, N, K, d2tg::BN / cluster))
+  if (!d2tg::encode(&tm_x, x, M, K, d2tg::BM) || !d2tg::encode(&tm_w, w, N, K, d2tg::BN))
     return cudaErrorNotSupported;
-  cudaError_t err = cudaSuccess;
-  d2tg::DeviceSetup* ds = d2tg::device_setup(err);
-  if (ds == nullptr) return err != cudaSuccess ? err : cudaErrorInvalidDevice;
-  return cluster == 1 ? d2tg::launch<1>(tm_x, tm_w, M, N, K, S, packed, counts, flag, max_ctas, ds->resident[1], stream)
-                      : d2tg::launch<2>(tm_x, tm_w, M, N, K, S, packed, counts, flag, max_ctas, ds->resident[2], stream);
-}
-
-// co-resident clusters of `cluster` CTAs on the current device (after a first launch; for logs), else -1
-int twell_d2t_gemm_resident(int cluster) {
-  cudaError_t err = cudaSuccess;
-  d2tg::DeviceSetup* ds = d2tg::device_setup(err);
-  return (ds != nullptr && (cluster == 1 || cluster == 2)) ? ds->resident[cluster] : -1;
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
+  if (d2tg::g_device_ready[dev] == 0) {
+    if ((e = d2tg::set_smem<false>()) != cudaSuccess || (e = d2tg::set_smem<true>()) != cudaSuccess) return e;
+    int sms = 0;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    d2tg::g_device_ready[dev] = 1 + sms;
+  }
+  const long long sms = d2tg::g_device_ready[dev] - 1;
+  const long long units = (long long)((M + d2tg::BM - 1) / d2tg::BM) * (N / d2tg::BN);
+  long long grid = units < sms ? units : sms;  // persistent: one CTA per SM at most
+  if (max_ctas > 0 && grid > max_ctas) grid = max_ctas;
+  if (overlap)
+    d2tg::d2t_gemm_kernel<true><<<(unsigned)grid, d2tg::THREADS, d2tg::Cfg<true>::SMEM_BYTES, stream>>>(
+        tm_x, tm_w, M, N, K, S, packed, counts, flag);
+  else
+    d2tg::d2t_gemm_kernel<false><<<(unsigned)grid, d2tg::THREADS, d2tg::Cfg<false>::SMEM_BYTES, stream>>>(
+        tm_x, tm_w, M, N, K, S, packed, counts, flag);
+  return cudaGetLastError();
 }
 
 }  // extern "C"

@@ -59,7 +59,7 @@ def _env_float(name: str, default: float) -> float:
 _KNOB_ENV = ("TWELL_CHUNK_ROWS", "TWELL_GATE_SCRATCH_MB", "TWELL_SLOTS", "TWELL_DECODE_MAX_M", "TWELL_CROSSOVER",
              "TWELL_FLAGGED_DENSE_ABOVE", "TWELL_DOWN_NB", "TWELL_DECODE_TILES_PER_WARP",
              "TWELL_FUSED_DECODE_MAX_M", "TWELL_UPDOWN_BLOCKS_PER_SM", "TWELL_COMPACT",
-             "TWELL_SELF_TIMING", "TWELL_CROSSOVER_NONGATED", "TWELL_D2T", "TWELL_D2T_CTAS", "TWELL_D2T_CLUSTER",
+             "TWELL_SELF_TIMING", "TWELL_CROSSOVER_NONGATED", "TWELL_D2T", "TWELL_D2T_CTAS", "TWELL_D2T_OVERLAP_MIN_K",
              "TWELL_NONGATED_MEASURE_EVERY")
 _KNOB_CACHE: dict = {}
 
@@ -81,7 +81,7 @@ def _parse_knobs() -> dict:
         "self_timing": _env_int("TWELL_SELF_TIMING", 1),
         "d2t": os.environ.get("TWELL_D2T", "fused"),
         "d2t_ctas": _env_int("TWELL_D2T_CTAS", 0),
-        "d2t_cluster": _env_int("TWELL_D2T_CLUSTER", 1),
+        "d2t_overlap_min_k": _env_int("TWELL_D2T_OVERLAP_MIN_K", 4096),
         "nongated_measure_every": _env_int("TWELL_NONGATED_MEASURE_EVERY", 16),
     }
 
@@ -356,7 +356,7 @@ def _d2t_into(x: Tensor, w: Tensor, packed: Tensor, counts: Tensor, flag: Tensor
     if mode not in ("fused", "cublas"):
         raise ValueError(f"TWELL_D2T must be 'fused' or 'cublas', got {mode!r}")
     if mode == "fused" and fused_d2t_available(x, w, ext):
-        ext.d2t_gemm(x, w, packed, counts, flag, kn["d2t_cluster"], kn["d2t_ctas"])
+        ext.d2t_gemm(x, w, packed, counts, flag, x.shape[1] >= kn["d2t_overlap_min_k"], kn["d2t_ctas"])
         return "fused"
     _gate_chunks(x, w, packed, counts, flag, chunk_rows_for(x.shape[0], w.shape[0], kn), ext,
                  compact_version=kn["compact"])
