@@ -393,6 +393,74 @@ def d2t_compare(out: str) -> int:
     return 0
 
 
+def overlap_probe(out: str) -> int:
+    """Can the sparse up/down of one row chunk run beside the fused d2t of the next? The d2t kernel takes whole SMs
+    (one CTA each), so it is capped at `ctas` CTAs and the rest of the SMs are left to the up/down kernels of the
+    previous chunk, issued on a second stream. Forced-sparse composition of the same kernels as the op (uniform
+    profile, no flagged rows, checked against the op's output), gated, K 2048, N 5632, M 65536; JSONL."""
+    from experiments.provenance import collect
+    from kernels.ffn import sparse_gated_ffn, transposed_down
+    from kernels.twell import ops as twops
+
+    prov = collect({"knobs": twops.knobs(), "mode": "overlap_probe"})
+    ext = twops._ext()
+    timer = Timer()
+    K, N, M = 2048, 5632, 65536
+    T, S = N // 256, 32
+    wg32, wu32, wd32 = make_weights(K, N)
+    wu, wd = wu32.to(BF), wd32.to(BF)
+    wdt = transposed_down(wd)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    side = torch.cuda.Stream()
+    with open(out, "w") as f:
+        for p in (0.0025, 0.005, 0.01):
+            x, wg = make_case(wg32, M, K, N, "uniform", p, 0.0, seed=7)
+            packed = torch.empty(M, T, S, device=DEV, dtype=torch.int32)
+            counts = torch.empty(M, T, device=DEV, dtype=torch.int32)
+            flag = torch.zeros(M, device=DEV, dtype=torch.int32)
+            hval = torch.empty(M, T, S, device=DEV, dtype=torch.float32)
+            y = torch.empty(M, K, device=DEV, dtype=BF)
+            empty = torch.empty(0, device=DEV)
+
+            def run(chunks: int, ctas: int) -> None:
+                main = torch.cuda.current_stream()
+                flag.zero_()
+                side.wait_stream(main)
+                step = -(-M // chunks)
+                for c0 in range(0, M, step):
+                    c1 = min(M, c0 + step)
+                    ext.d2t_gemm(x[c0:c1], wg, packed[c0:c1], counts[c0:c1], flag[c0:c1], False, ctas)
+                    ev = torch.cuda.Event()
+                    ev.record(main)
+                    side.wait_event(ev)
+                    with torch.cuda.stream(side):
+                        ext.gated_up(x[c0:c1], wu, packed[c0:c1], counts[c0:c1], flag[c0:c1], hval[c0:c1], T)
+                        ext.down(wdt, packed[c0:c1], counts[c0:c1], flag[c0:c1], hval[c0:c1], y[c0:c1], empty, 4, T, 0)
+                main.wait_stream(side)
+
+            ref = sparse_gated_ffn(x, wg, wu, wd, w_down_t=wdt, mode="sparse")
+            assert twops.LAST_PATH["flagged_rows"] == 0, "the probe has no dense backup: pick a profile without flags"
+            dense_ms = timer.time(lambda: dense_gated(x, wg, wu, wd), 10)
+            op_ms = timer.time(lambda: sparse_gated_ffn(x, wg, wu, wd, w_down_t=wdt, mode="sparse"), 10)
+            for chunks in (1, 2, 4, 8):
+                for ctas in (sms, sms - 16, sms - 32, sms - 48):
+                    if chunks == 1 and ctas != sms:
+                        continue
+                    ms = timer.time(lambda: run(chunks, ctas), 10)
+                    torch.cuda.synchronize()
+                    same = bool(torch.equal(y, ref))
+                    row = {**prov, "M": M, "K": K, "N": N, "activity": p, "chunks": chunks, "d2t_ctas": ctas,
+                           "sms": sms, "probe_ms": ms, "op_sparse_ms": op_ms, "dense_ms": dense_ms,
+                           "probe_vs_dense": dense_ms / ms, "same_as_op": same}
+                    f.write(json.dumps(row) + "\n")
+                    f.flush()
+                    print(f"[overlap] p={p} chunks={chunks} d2t_ctas={ctas}/{sms} probe={ms:.3f} op={op_ms:.3f} "
+                          f"dense={dense_ms:.3f} x{dense_ms / ms:.2f} same={same}", flush=True)
+            del x, wg, packed, counts, flag, hval, y
+            torch.cuda.empty_cache()
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="results/kernel_bench/bench.jsonl")
@@ -402,9 +470,12 @@ def main() -> int:
     ap.add_argument("--overhead", action="store_true", help="host cost per call and a profiler table")
     ap.add_argument("--explore", action="store_true", help="variant timings (compaction, grid cap, fused decode)")
     ap.add_argument("--d2t", action="store_true", help="fused vs cuBLAS d2t, and the sparse block with each")
+    ap.add_argument("--overlap-probe", action="store_true", help="chunked d2t beside the previous chunk's up/down")
     args = ap.parse_args()
     if args.d2t:
         return d2t_compare(args.out)
+    if args.overlap_probe:
+        return overlap_probe(args.out)
     if args.explore:
         return explore()
     if args.calib:
