@@ -2,12 +2,16 @@
 
     python -m experiments.kernel_bench.diagnose compact --out DIR    # v1/v2 compaction vs reference.d2t, many seeds
     python -m experiments.kernel_bench.diagnose gap --out DIR        # where a dense-dispatched call loses time
+    python -m experiments.kernel_bench.diagnose sparse --out DIR     # the sparse op vs its bare kernel sequence
 
 compact: the intermittent `test_compact_v2_equals_v1_and_reference` failure. Runs the test's inputs over many
 seeds (and each seed several times) and logs every mismatching slot with the gate value behind it.
 gap: times HF's dense block against our dense path and auto dispatch at several M, (a) one call between CUDA
 events after an L2 flush (what the benchmarks report) and (b) 8 calls back to back (host latency hidden), plus
 the host time per call while the GPU is busy, and a profiler table of GPU kernel times for one call of each.
+sparse: the forced-sparse op at M = 65536 against the bare sequence of its kernels (fused d2t, gated_up, down; no
+measurement, no host wait), timed alike, with profiler tables of both (bench_inference --overlap-probe found the
+bare sequence 0.3-0.4 ms faster at 0.5-1% activity and equal at 0.25%).
 """
 from __future__ import annotations
 
@@ -213,9 +217,50 @@ def gap(out_dir: str) -> None:
     _write(out_dir, "dense_gap.jsonl", rows)
 
 
+def sparse(out_dir: str) -> None:
+    from experiments.kernel_bench.bench_inference import Timer, make_case, make_weights
+    from kernels.ffn import sparse_gated_ffn, transposed_down
+    from kernels.twell import ops as twops
+
+    ext = twops._ext()
+    timer = Timer()
+    K, N, M, S = 2048, 5632, 65536, 32
+    T = N // 256
+    wg32, wu32, wd32 = make_weights(K, N)
+    wu, wd = wu32.to(BF), wd32.to(BF)
+    wdt = transposed_down(wd)
+    rows = []
+    for p in (0.0025, 0.005, 0.01):
+        x, wg = make_case(wg32, M, K, N, "uniform", p, 0.0, seed=7)
+
+        def bare():
+            packed = torch.empty(M, T, S, device=DEV, dtype=torch.int32)
+            counts = torch.empty(M, T, device=DEV, dtype=torch.int32)
+            flag = torch.zeros(M, device=DEV, dtype=torch.int32)
+            hval = torch.empty(M, T, S, device=DEV, dtype=torch.float32)
+            y = torch.empty(M, K, device=DEV, dtype=BF)
+            ext.d2t_gemm(x, wg, packed, counts, flag, False, 0)
+            ext.gated_up(x, wu, packed, counts, flag, hval, T)
+            ext.down(wdt, packed, counts, flag, hval, y, torch.empty(0, device=DEV), 4, T, 0)
+            return y
+
+        op = lambda: sparse_gated_ffn(x, wg, wu, wd, w_down_t=wdt, mode="sparse")  # noqa: E731
+        same = bool(torch.equal(bare(), op()))
+        t_op, t_bare = timer.time_pair(op, bare, 10)
+        rows.append({"kind": "sparse_gap", "M": M, "K": K, "N": N, "activity": p, "same_output": same,
+                     "op_ms": t_op, "bare_ms": t_bare, "op_host_us": host_us(op), "bare_host_us": host_us(bare),
+                     "kernels_op": kernel_table(op), "kernels_bare": kernel_table(bare)})
+        print(f"[sparse] p={p} op={t_op:.3f} bare={t_bare:.3f} same={same}", flush=True)
+        for k in ("kernels_op", "kernels_bare"):
+            print("  ", k, [(r["name"][:40], r["count"], r["device_us"]) for r in rows[-1][k][:8]], flush=True)
+        del x, wg
+        torch.cuda.empty_cache()
+    _write(out_dir, "sparse_gap_h100.jsonl", rows)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["compact", "gap"])
+    ap.add_argument("what", choices=["compact", "gap", "sparse"])
     ap.add_argument("--out", default="results/kernel_bench/diag")
     ap.add_argument("--seeds", type=int, default=40)
     ap.add_argument("--max-rows", type=int, default=65536)
@@ -223,6 +268,8 @@ def main() -> int:
     os.makedirs(a.out, exist_ok=True)
     if a.what == "compact":
         compact(a.out, a.seeds, a.max_rows)
+    elif a.what == "sparse":
+        sparse(a.out)
     else:
         gap(a.out)
     return 0
