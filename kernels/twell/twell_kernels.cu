@@ -26,7 +26,6 @@ namespace twell {
 using namespace sfl;  // bf16 helpers, warp reductions, the relu activity test (kernels/common/bf16.cuh)
 
 constexpr int kTileN = 256;       // columns per tile (one warp: 32 lanes x 8 bf16 = one 16-byte load each)
-constexpr int kDownStep = 2;      // W_dT rows in flight per down step (4 costs 50% more registers at NB = 4)
 
 // ---------------------------------------------------------------------------------------------
 // compact_item (one (row, tile) -> TwELL words, count, flag) lives in kernels/common/bf16.cuh: the fused d2t
@@ -181,69 +180,48 @@ __global__ void __launch_bounds__(128, 1) down_kernel(const __nv_bfloat16* __res
 #pragma unroll
   for (int i = 0; i < NB * 8; ++i) acc[i] = 0.f;
   bool any = false;
-  // Entries are batched across tiles, up to 32 at a time (one per lane: W_dT row and h), consumed kDownStep per step,
-  // so several W_dT rows are in flight whatever the per-tile counts are. The fp32 sums run in entry order.
-  int fill = 0;
-  uint32_t grow = 0;
-  float hv = 0.f;
-  auto flush = [&]() {
-    any = true;
-    int j = 0;
+  for (int tile = t0; tile < t1; ++tile) {
+    const long long rt = (long long)row * n_tiles + tile;
+    const int cnt = min(counts[rt], S);
+    for (int base = 0; base < cnt; base += 32) {
+      const int ne = min(32, cnt - base);
+      uint32_t word = 0u;
+      float hv = 0.f;
+      if (lane < ne) {
+        word = (uint32_t)packed[rt * S + base + lane];
+        hv = HV ? hval[rt * S + base + lane] : bf16hi(word);
+      }
+      any = true;
+      int j = 0;
 #pragma unroll 1
-    for (; j + kDownStep <= fill; j += kDownStep) {
-      uint4 a[kDownStep][NB];
-      float h[kDownStep];
-#pragma unroll
-      for (int e = 0; e < kDownStep; ++e) {
-        const uint32_t r = __shfl_sync(kFull, grow, j + e);
-        h[e] = __shfl_sync(kFull, hv, j + e);
-        const uint4* src = reinterpret_cast<const uint4*>(wdt + (long long)r * K);
+      for (; j + 2 <= ne; j += 2) {
+        const uint32_t w0 = __shfl_sync(kFull, word, j), w1 = __shfl_sync(kFull, word, j + 1);
+        const float h0 = __shfl_sync(kFull, hv, j), h1 = __shfl_sync(kFull, hv, j + 1);
+        const uint4* r0 = reinterpret_cast<const uint4*>(wdt + (long long)(tile * kTileN + (w0 & 0xffffu)) * K);
+        const uint4* r1 = reinterpret_cast<const uint4*>(wdt + (long long)(tile * kTileN + (w1 & 0xffffu)) * K);
+        uint4 a[NB], b[NB];
 #pragma unroll
         for (int i = 0; i < NB; ++i) {
           const int c = cbase + 32 * i;
-          a[e][i] = c < K8 ? __ldg(src + c) : make_uint4(0, 0, 0, 0);
+          a[i] = c < K8 ? __ldg(r0 + c) : make_uint4(0, 0, 0, 0);
+          b[i] = c < K8 ? __ldg(r1 + c) : make_uint4(0, 0, 0, 0);
         }
-      }
 #pragma unroll
-      for (int i = 0; i < NB; ++i) {
-#pragma unroll
-        for (int e = 0; e < kDownStep; ++e) axpy8(h[e], a[e][i], acc + 8 * i);
+        for (int i = 0; i < NB; ++i) { axpy8(h0, a[i], acc + 8 * i); axpy8(h1, b[i], acc + 8 * i); }
       }
-    }
-#pragma unroll 1
-    for (; j < fill; ++j) {
-      const uint32_t r = __shfl_sync(kFull, grow, j);
-      const float h0 = __shfl_sync(kFull, hv, j);
-      const uint4* src = reinterpret_cast<const uint4*>(wdt + (long long)r * K);
+      if (j < ne) {
+        const uint32_t w0 = __shfl_sync(kFull, word, j);
+        const float h0 = __shfl_sync(kFull, hv, j);
+        const uint4* r0 = reinterpret_cast<const uint4*>(wdt + (long long)(tile * kTileN + (w0 & 0xffffu)) * K);
 #pragma unroll
-      for (int i = 0; i < NB; ++i) {
-        const int c = cbase + 32 * i;
-        const uint4 v = c < K8 ? __ldg(src + c) : make_uint4(0, 0, 0, 0);
-        axpy8(h0, v, acc + 8 * i);
-      }
-    }
-    fill = 0;
-  };
-  for (int tb = t0; tb < t1; tb += 32) {
-    const int nt = min(32, t1 - tb);
-    const int my_cnt = lane < nt ? min(counts[(long long)row * n_tiles + tb + lane], S) : 0;
-    for (int i = 0; i < nt; ++i) {
-      const int cnt = __shfl_sync(kFull, my_cnt, i);
-      const long long rt = (long long)row * n_tiles + tb + i;
-      for (int b0 = 0; b0 < cnt; b0 += 32) {  // warp-uniform; more than 32 only with S > 32 (sync-free path)
-        const int piece = min(32, cnt - b0);
-        if (fill + piece > 32) flush();
-        if (lane >= fill && lane < fill + piece) {
-          const int slot = b0 + lane - fill;
-          const uint32_t word = (uint32_t)packed[rt * S + slot];
-          hv = HV ? hval[rt * S + slot] : bf16hi(word);
-          grow = (uint32_t)((tb + i) * kTileN) + (word & 0xffffu);
+        for (int i = 0; i < NB; ++i) {
+          const int c = cbase + 32 * i;
+          const uint4 a = c < K8 ? __ldg(r0 + c) : make_uint4(0, 0, 0, 0);
+          axpy8(h0, a, acc + 8 * i);
         }
-        fill += piece;
       }
     }
   }
-  if (fill > 0) flush();
 #pragma unroll
   for (int i = 0; i < NB; ++i) {
     const int c = cbase + 32 * i;
