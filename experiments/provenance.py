@@ -43,19 +43,28 @@ def source_tree_hash() -> str:
 def collect(extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Return a flat dict: git commit + dirty flag, host, GPU, library versions, UTC time.
 
-    The GPU machine receives a copy of the working tree whose .git may be absent; then the
-    commit is taken from $SFL_GIT_COMMIT if the caller exported it (run scripts do).
+    The GPU machine receives a copy of the working tree whose .git may be absent or stale; an exported
+    $SFL_GIT_COMMIT (and $SFL_GIT_DIRTY) names the commit then (run scripts export it), and a differing local
+    HEAD is kept as git_head_local.
     """
     import torch
 
-    commit = _git("rev-parse", "HEAD") or os.environ.get("SFL_GIT_COMMIT") or None
+    # An exported SFL_GIT_COMMIT wins: the GPU machine's copy can hold a stale .git (the checkout's base commit,
+    # with this session's commits as uncommitted changes), so rev-parse there names the wrong commit.
+    local = _git("rev-parse", "HEAD")
+    commit = os.environ.get("SFL_GIT_COMMIT") or local or None
     if commit in ("unknown", "HEAD\nunknown"):
         commit = None
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    if os.environ.get("SFL_GIT_COMMIT"):
+        dirty: Any = os.environ.get("SFL_GIT_DIRTY")
+    else:
+        status = _git("status", "--porcelain", "--untracked-files=no")
+        dirty = bool(status) if status is not None else None
     info: dict[str, Any] = {
         "git_commit": commit,
-        "git_dirty": (bool(status) if status is not None else os.environ.get("SFL_GIT_DIRTY")),
+        "git_dirty": dirty,
         "source_tree_hash": source_tree_hash(),
+        **({"git_head_local": local} if local and local != commit else {}),
         "host": socket.gethostname(),
         "time_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),

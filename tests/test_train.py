@@ -353,3 +353,18 @@ def test_unknown_yaml_key_and_cli_exit(tmp_path) -> None:
         load_config(bad)
     with pytest.raises(SystemExit, match="l1_coeff"):
         train_mod.main(["--set", "l1_coeff=-1"])
+
+
+def test_provenance_prefers_exported_commit(monkeypatch):
+    """On the GPU machine the copied tree may carry a stale .git: an exported SFL_GIT_COMMIT names the commit, and
+    the local HEAD (when it differs) is kept beside it."""
+    from experiments import provenance
+
+    monkeypatch.setattr(provenance, "_git", lambda *a: "a" * 40 if a[0] == "rev-parse" else "")
+    monkeypatch.setenv("SFL_GIT_COMMIT", "b" * 40)
+    monkeypatch.setenv("SFL_GIT_DIRTY", "false")
+    info = provenance.collect()
+    assert info["git_commit"] == "b" * 40 and info["git_dirty"] == "false" and info["git_head_local"] == "a" * 40
+    monkeypatch.delenv("SFL_GIT_COMMIT")
+    info = provenance.collect()
+    assert info["git_commit"] == "a" * 40 and info["git_dirty"] is False and "git_head_local" not in info
