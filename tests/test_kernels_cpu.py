@@ -144,6 +144,18 @@ def test_knobs_parse_every_env_var(monkeypatch):
     assert kn["slots"] == 16 and kn["flagged_dense_above"] == 0.25
 
 
+def test_every_knob_is_documented():
+    """Each TWELL_* env knob the ops read has a row in kernels/README.md's KNOBS table (default, effect, failure)."""
+    from pathlib import Path
+
+    from kernels.twell import ops
+
+    readme = (Path(ops.__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme[readme.index("## KNOBS"):]
+    missing = [k for k in ops._KNOB_ENV if f"| `{k}` |" not in table]
+    assert not missing, f"knobs without a KNOBS row in kernels/README.md: {missing}"
+
+
 def test_self_timing_decisions_on_cpu():
     """LayerHistory's self-timing bookkeeping (no GPU needed: samples injected)."""
     from kernels.twell.ops import LayerHistory
