@@ -184,6 +184,29 @@ def test_self_timing_decisions_on_cpu():
     assert h.sparse_slower(b)
 
 
+def test_promotion_band_decisions_on_cpu():
+    """Just above the crossover: sparse is probed (2 samples), run when >2% faster than dense, re-probed every
+    REPROBE_EVERY calls of the bucket."""
+    from kernels.twell.ops import LayerHistory
+
+    h = LayerHistory()
+    b = 17
+    h.count_call(b)
+    assert h.needs_sparse_probe(b) and not h.sparse_faster(b)
+    h.add_sample(b, "sparse", 0.9)
+    h.add_sample(b, "sparse", 0.8)
+    assert not h.needs_sparse_probe(b) and not h.sparse_faster(b)   # no dense samples yet
+    h.add_sample(b, "dense", 1.0)
+    h.add_sample(b, "dense", 1.1)
+    assert h.sparse_faster(b)                                        # 0.8 < 0.98 * 1.0
+    h.add_sample(b, "sparse", 0.99)
+    h.add_sample(b, "sparse", 0.99)
+    h.add_sample(b, "sparse", 0.99)
+    assert not h.sparse_faster(b)                                    # within 2%: stay dense
+    h.bucket_calls[b] = LayerHistory.REPROBE_EVERY
+    assert h.needs_sparse_probe(b)
+
+
 def test_nongated_table_is_its_own(monkeypatch):
     from kernels.twell import ops
 

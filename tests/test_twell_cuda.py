@@ -619,6 +619,33 @@ def test_self_timing_keeps_a_faster_sparse_path(ffn, monkeypatch):
     assert paths[-4:] == ["sparse"] * 4, (paths, hist.times)
 
 
+def test_self_timing_promotes_a_faster_sparse_path(ffn, monkeypatch):
+    """A table that puts the crossover too low for a layer (here 0.1%, at 0.25% activity where sparse is ~1.6x
+    faster at M = 65536): inside the promotion band auto times sparse as well and settles on it; exact."""
+    from kernels.twell import ops
+
+    monkeypatch.setenv("TWELL_CROSSOVER", "1:0.001")
+    monkeypatch.setenv("TWELL_PROMOTE_BAND", "4")
+    K, N, M = 2048, 5632, 65536
+    x, wg, wu, wd = make_problem(M, K, N, 0.0025, seed=43, adversarial=False)
+    hist = ops.history_for(wg)
+    hist.__init__()
+    paths = []
+    for _ in range(10):
+        y = ffn.sparse_gated_ffn(x, wg, wu, wd)
+        paths.append(ops.LAST_PATH["path"])
+        torch.cuda.synchronize()
+    check(y, x, wg, wu, wd, True)
+    assert paths[0] == "dense" and "sparse" in paths[1:4], paths    # measure, then the sparse probe
+    assert paths[-4:] == ["sparse"] * 4, (paths, hist.times)
+    monkeypatch.setenv("TWELL_PROMOTE_BAND", "0")                    # off: the table alone keeps it dense
+    hist.__init__()
+    for _ in range(4):
+        ffn.sparse_gated_ffn(x, wg, wu, wd)
+        torch.cuda.synchronize()
+    assert ops.LAST_PATH["path"] == "dense"
+
+
 # ---------------------------------------------------------------- fused d2t (d2t_gemm.cu, sm_90a)
 def _fused_or_skip(x, w):
     from kernels.twell import ops

@@ -60,7 +60,7 @@ _KNOB_ENV = ("TWELL_CHUNK_ROWS", "TWELL_GATE_SCRATCH_MB", "TWELL_SLOTS", "TWELL_
              "TWELL_FLAGGED_DENSE_ABOVE", "TWELL_DOWN_NB", "TWELL_DECODE_TILES_PER_WARP",
              "TWELL_FUSED_DECODE_MAX_M", "TWELL_UPDOWN_BLOCKS_PER_SM", "TWELL_COMPACT",
              "TWELL_SELF_TIMING", "TWELL_CROSSOVER_NONGATED", "TWELL_D2T", "TWELL_D2T_CTAS", "TWELL_D2T_OVERLAP_MIN_K",
-             "TWELL_NONGATED_MEASURE_EVERY")
+             "TWELL_NONGATED_MEASURE_EVERY", "TWELL_PROMOTE_BAND")
 _KNOB_CACHE: dict = {}
 
 
@@ -83,6 +83,7 @@ def _parse_knobs() -> dict:
         "d2t_ctas": _env_int("TWELL_D2T_CTAS", 0),
         "d2t_overlap_min_k": _env_int("TWELL_D2T_OVERLAP_MIN_K", 4096),
         "nongated_measure_every": _env_int("TWELL_NONGATED_MEASURE_EVERY", 16),
+        "promote_band": _env_float("TWELL_PROMOTE_BAND", 2.0),
     }
 
 
@@ -222,6 +223,16 @@ class LayerHistory:
     def needs_dense_probe(self, bucket: int) -> bool:
         """The table says sparse but this bucket has fewer than 2 dense timings to compare with."""
         return len(self.times.get((bucket, "dense"), ())) < 2
+
+    def needs_sparse_probe(self, bucket: int) -> bool:
+        """Promotion band (just above the crossover): fewer than 2 sparse timings, or the periodic re-probe."""
+        return (len(self.times.get((bucket, "sparse"), ())) < 2
+                or self.bucket_calls.get(bucket, 0) % self.REPROBE_EVERY == 0)
+
+    def sparse_faster(self, bucket: int) -> bool:
+        """Measured here: sparse faster than dense by more than 2% (>= 2 samples each, minimum vs minimum)."""
+        sp, de = self.times.get((bucket, "sparse"), ()), self.times.get((bucket, "dense"), ())
+        return len(sp) >= 2 and len(de) >= 2 and min(sp) < 0.98 * min(de)
 
     def sparse_slower(self, bucket: int) -> bool:
         """Measured here: sparse slower than dense at this bucket (>= 2 samples each, minimum vs minimum)."""
@@ -454,6 +465,10 @@ def _ffn_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down_t: Tensor, 
             sparse = False          # time dense here first (a dense call is never slower than dense)
         elif sparse and hist.sparse_slower(bucket):
             sparse = False          # measured slower on this layer: the table does not fit it
+        elif (not sparse and mode == MODE_AUTO and p is not None and 0 < xo < p <= kn["promote_band"] * xo
+              and f <= kn["flagged_dense_above"] and not capturing
+              and (hist.needs_sparse_probe(bucket) or hist.sparse_faster(bucket))):
+            sparse = True           # just above the table's crossover: sparse timed here, and run when faster
         timed = not capturing and hist.want_timing(bucket, "sparse" if sparse else "dense")
     if timed:
         t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
