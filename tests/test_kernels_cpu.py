@@ -244,3 +244,16 @@ def test_source_hash_covers_the_shared_header(tmp_path, monkeypatch):
     before = loader.source_hash()
     hdr.write_text("// b")
     assert loader.source_hash() != before
+
+
+def test_history_is_per_storage():
+    """Views of one weight share a history; a new weight at the same address would not (storage object in the
+    key), so timing samples of a freed weight never steer a new one."""
+    import torch
+
+    from kernels.twell import ops
+
+    w = torch.randn(256, 64)
+    assert ops.history_for(w) is ops.history_for(w.detach()) is ops.history_for(w.view(256, 64))
+    other = torch.randn(256, 64)
+    assert ops.history_for(other) is not ops.history_for(w)

@@ -83,9 +83,7 @@ def _parse_knobs() -> dict:
         "d2t_ctas": _env_int("TWELL_D2T_CTAS", 0),
         "d2t_overlap_min_k": _env_int("TWELL_D2T_OVERLAP_MIN_K", 4096),
         "nongated_measure_every": _env_int("TWELL_NONGATED_MEASURE_EVERY", 16),
-        # off by default: timing samples are not tied to the activity they were measured at, so a stale sample can
-        # promote a slower sparse path (kernels/README.md, KNOBS)
-        "promote_band": _env_float("TWELL_PROMOTE_BAND", 0.0),
+        "promote_band": _env_float("TWELL_PROMOTE_BAND", 2.0),
     }
 
 
@@ -255,11 +253,12 @@ _HISTORY_MAX = 4096
 def history_for(w_gate: Tensor) -> LayerHistory:
     """The dispatch history of a gate weight (non-gated: the up weight), keyed by its storage.
 
-    Keyed by (device, data_ptr, shape), not identity: modules pass a fresh .detach() view every call. A new
-    weight that reuses a freed weight's memory inherits its history; that can cost one call of speed (the
-    next call's measurement corrects it), never exactness.
+    Keyed by (device, data_ptr, shape, storage object), not tensor identity: modules pass a fresh .detach() view
+    every call, and views share the storage. A new weight allocated where a freed one lived has a new storage
+    object, so it does not inherit the old weight's activity estimate or timing samples (which the self-timing
+    decisions trust).
     """
-    key = (w_gate.device.index, w_gate.data_ptr(), tuple(w_gate.shape))
+    key = (w_gate.device.index, w_gate.data_ptr(), tuple(w_gate.shape), w_gate.untyped_storage()._cdata)
     h = _HISTORY.get(key)
     if h is None:
         if len(_HISTORY) >= _HISTORY_MAX:
