@@ -83,7 +83,9 @@ def _parse_knobs() -> dict:
         "d2t_ctas": _env_int("TWELL_D2T_CTAS", 0),
         "d2t_overlap_min_k": _env_int("TWELL_D2T_OVERLAP_MIN_K", 4096),
         "nongated_measure_every": _env_int("TWELL_NONGATED_MEASURE_EVERY", 16),
-        "promote_band": _env_float("TWELL_PROMOTE_BAND", 2.0),
+        # off by default: timing samples are not tied to the activity they were measured at, so a stale sample can
+        # promote a slower sparse path (kernels/README.md, KNOBS)
+        "promote_band": _env_float("TWELL_PROMOTE_BAND", 0.0),
     }
 
 
