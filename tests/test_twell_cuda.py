@@ -578,6 +578,21 @@ def test_fused_decode_graph_replay(ffn, M):
         check(static_y, x2, wg, wu, wd, True)
 
 
+def _auto_calls(ffn, x, wg, wu, wd, calls: int, check_each: bool = False):
+    """`calls` auto-dispatched gated calls, each synchronized (so timings and measurements land before the next);
+    returns the path of every call and the last output."""
+    from kernels.twell import ops
+
+    paths = []
+    for _ in range(calls):
+        y = ffn.sparse_gated_ffn(x, wg, wu, wd)
+        paths.append(ops.LAST_PATH["path"])
+        torch.cuda.synchronize()
+        if check_each:
+            check(y, x, wg, wu, wd, True)
+    return paths, y
+
+
 def test_self_timing_leaves_a_slower_sparse_path(ffn, monkeypatch):
     """A crossover table that is wrong for a layer (here: 'always sparse' at ~3% activity, where sparse is several
     times slower and no row overflows): auto probes dense, times both paths and settles on dense within a few
@@ -590,12 +605,7 @@ def test_self_timing_leaves_a_slower_sparse_path(ffn, monkeypatch):
     x, wg, wu, wd = make_problem(M, K, N, 0.03, seed=41, adversarial=False)
     hist = ops.history_for(wg)
     hist.__init__()
-    paths = []
-    for _ in range(12):
-        y = ffn.sparse_gated_ffn(x, wg, wu, wd)
-        paths.append(ops.LAST_PATH["path"])
-        torch.cuda.synchronize()
-        check(y, x, wg, wu, wd, True)
+    paths, _ = _auto_calls(ffn, x, wg, wu, wd, 12, check_each=True)
     bucket = M.bit_length()
     assert paths[:2] == ["dense", "dense"] and "sparse" in paths[2:6], paths   # measure, dense probe, then sparse
     assert paths[-4:] == ["dense"] * 4, (paths, hist.times)
@@ -611,11 +621,7 @@ def test_self_timing_keeps_a_faster_sparse_path(ffn, monkeypatch):
     x, wg, wu, wd = make_problem(M, K, N, 0.0025, seed=42, adversarial=False)
     hist = ops.history_for(wg)
     hist.__init__()
-    paths = []
-    for _ in range(10):
-        ffn.sparse_gated_ffn(x, wg, wu, wd)
-        paths.append(ops.LAST_PATH["path"])
-        torch.cuda.synchronize()
+    paths, _ = _auto_calls(ffn, x, wg, wu, wd, 10)
     assert paths[-4:] == ["sparse"] * 4, (paths, hist.times)
 
 
@@ -630,20 +636,14 @@ def test_self_timing_promotes_a_faster_sparse_path(ffn, monkeypatch):
     x, wg, wu, wd = make_problem(M, K, N, 0.0025, seed=43, adversarial=False)
     hist = ops.history_for(wg)
     hist.__init__()
-    paths = []
-    for _ in range(10):
-        y = ffn.sparse_gated_ffn(x, wg, wu, wd)
-        paths.append(ops.LAST_PATH["path"])
-        torch.cuda.synchronize()
+    paths, y = _auto_calls(ffn, x, wg, wu, wd, 10)
     check(y, x, wg, wu, wd, True)
     assert paths[0] == "dense" and "sparse" in paths[1:4], paths    # measure, then the sparse probe
     assert paths[-4:] == ["sparse"] * 4, (paths, hist.times)
     monkeypatch.setenv("TWELL_PROMOTE_BAND", "0")                    # off: the table alone keeps it dense
     hist.__init__()
-    for _ in range(4):
-        ffn.sparse_gated_ffn(x, wg, wu, wd)
-        torch.cuda.synchronize()
-    assert ops.LAST_PATH["path"] == "dense"
+    paths, _ = _auto_calls(ffn, x, wg, wu, wd, 4)
+    assert paths[-1] == "dense"
 
 
 # ---------------------------------------------------------------- fused d2t (d2t_gemm.cu, sm_90a)
