@@ -8,6 +8,15 @@ Writes <out>/eval.json ({"provenance", "model", "limit", "tasks": {task: {"acc",
 are recorded during the eval forwards: from each module exposing `last_nnz_per_token` (our sparse
 MLPs), else from the output of every `mlp.act_fn` (plain HF Llama). lm-eval is imported only inside
 main(), so this module imports on machines without it.
+
+Split evaluation, for a GPU machine without lm-eval (experiments/loglik.py explains it):
+
+    python -m experiments.evaluate --model .data/smollm2-135m --tasks all --export-requests R.npz --out D  # CPU
+    python -m experiments.evaluate --model RUN/final --score R.npz --out D --device cuda --mlp-impl cuda  # GPU
+    python -m experiments.evaluate --replay D/scores.npz --requests R.npz --out E                      # CPU
+
+The last step writes the same eval.json as a direct run; lm-eval computes every metric from the GPU's
+loglikelihoods. `--score` needs no lm-eval.
 """
 from __future__ import annotations
 
@@ -146,7 +155,8 @@ def load_model(model_dir: Path, device: str, dtype: torch.dtype, mlp_impl: str |
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="HF model dir (save_pretrained output)")
+    ap.add_argument("--model", default=None, help="HF model dir (save_pretrained output); for --replay only its "
+                                                  "tokenizer is used (default: the exported requests' model)")
     ap.add_argument("--tasks", default="all", help="'all' or comma list of: hellaswag, commonsense_qa, piqa, "
                                                   "winogrande, arc_easy, arc_challenge, openbookqa")
     ap.add_argument("--limit", type=int, default=None, help="docs per task (default: all)")
@@ -158,6 +168,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="override config.mlp_impl of a sparse_llama model")
     ap.add_argument("--data-dir", default=None, help="prepared data dir (default $SFL_DATA_DIR or <repo>/.data)")
     ap.add_argument("--eval-dir", default=None, help="dir with <task>.jsonl (default <data_dir>/eval)")
+    split = ap.add_mutually_exclusive_group()
+    split.add_argument("--export-requests", default=None, metavar="R.npz",
+                       help="split eval, step 1 (lm-eval): write the tokenised requests of --tasks/--limit to R.npz")
+    split.add_argument("--score", default=None, metavar="R.npz",
+                       help="split eval, step 2 (no lm-eval): score R.npz with --model into <out>/scores.npz")
+    split.add_argument("--replay", default=None, metavar="SCORES.npz",
+                       help="split eval, step 3 (lm-eval): metrics from SCORES.npz (needs --requests)")
+    ap.add_argument("--requests", default=None, metavar="R.npz", help="the requests file a --replay scored")
+    ap.add_argument("--max-tokens", type=int, default=32768, help="--score: padded tokens per forward")
     return ap
 
 
@@ -166,9 +185,7 @@ def evaluate(model_dir: Path, tasks: list[str], limit: int | None, batch_size: i
     """Run lm-eval on `tasks` and return the eval.json dict (without writing it)."""
     import lm_eval
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
 
-    from data.lm_tasks import TASK_SPLITS, lm_eval_name, materialize
     from experiments.provenance import collect
 
     if device == "cuda" and not torch.cuda.is_available():
@@ -187,19 +204,9 @@ def evaluate(model_dir: Path, tasks: list[str], limit: int | None, batch_size: i
 
     lm = RecordingHFLM(pretrained=model, tokenizer=tok, batch_size=batch_size, device=device)
     t0 = time.time()
-    with tempfile.TemporaryDirectory(prefix="sfl_tasks_") as td:
-        materialize(eval_dir, Path(td), tasks)
-        tm = TaskManager(include_path=td, include_defaults=False)
-        res = lm_eval.simple_evaluate(model=lm, tasks=[lm_eval_name(t) for t in tasks], task_manager=tm,
-                                      limit=limit, num_fewshot=0, bootstrap_iters=0, log_samples=False)
+    out_tasks = _run_lm_eval(lm, tasks, limit, eval_dir)
     wall = time.time() - t0
     rec.remove()
-    out_tasks: dict[str, Any] = {}
-    for t in tasks:
-        r = res["results"][lm_eval_name(t)]
-        n = res["n-samples"][lm_eval_name(t)]["effective"]
-        out_tasks[t] = {"acc": r.get("acc,none"), "acc_norm": r.get("acc_norm,none"), "n": int(n),
-                        "split": TASK_SPLITS[t]}
     accs = [v["acc"] for v in out_tasks.values() if v["acc"] is not None]
     cfg = model.config
     return {
@@ -219,6 +226,159 @@ def evaluate(model_dir: Path, tasks: list[str], limit: int | None, batch_size: i
         "intermediate_size": getattr(cfg, "intermediate_size", None),
         **rec.summary(),
         "wall_s": round(wall, 1),
+    }
+
+
+def _run_lm_eval(lm: Any, tasks: list[str], limit: int | None, eval_dir: Path) -> dict[str, Any]:
+    """simple_evaluate over the repo's task YAMLs (0-shot) -> {task: {"acc", "acc_norm", "n", "split"}}."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from data.lm_tasks import TASK_SPLITS, lm_eval_name, materialize
+
+    with tempfile.TemporaryDirectory(prefix="sfl_tasks_") as td:
+        materialize(eval_dir, Path(td), tasks)
+        tm = TaskManager(include_path=td, include_defaults=False)
+        res = lm_eval.simple_evaluate(model=lm, tasks=[lm_eval_name(t) for t in tasks], task_manager=tm,
+                                      limit=limit, num_fewshot=0, bootstrap_iters=0, log_samples=False)
+    out: dict[str, Any] = {}
+    for t in tasks:
+        r = res["results"][lm_eval_name(t)]
+        n = res["n-samples"][lm_eval_name(t)]["effective"]
+        out[t] = {"acc": r.get("acc,none"), "acc_norm": r.get("acc_norm,none"), "n": int(n),
+                  "split": TASK_SPLITS[t]}
+    return out
+
+
+def vocab_digest(tok: Any) -> str:
+    """sha256 of the tokenizer's vocabulary (token -> id): the export and the scorer must share it."""
+    import hashlib
+
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+
+
+def _split_lm(kind: str, model: torch.nn.Module, tok: Any, table: dict | None = None) -> Any:
+    """An HFLM whose `_loglikelihood_tokens` records (export) or answers from `table` (replay).
+
+    Everything before that call -- the tasks' requests, lm-eval's own tokenisation (trailing spaces moved
+    into the continuation, the empty-context prefix token) -- is lm-eval's unchanged code."""
+    from lm_eval.models.huggingface import HFLM
+
+    class SplitHFLM(HFLM):
+        pairs: list[tuple[list[int], list[int]]] = []
+
+        def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
+            if kind == "export":
+                self.pairs.extend((list(c), list(x)) for _, c, x in requests)
+                return [(0.0, False)] * len(requests)
+            out = []
+            for _, c, x in requests:
+                hit = table.get((tuple(c), tuple(x)))
+                if hit is None:
+                    raise RuntimeError("a request lm-eval built here is not in the scored requests file: the "
+                                       "tasks, --limit, eval data or tokenizer differ from the export. Export "
+                                       "again with the same settings and score that file.")
+                out.append(hit)
+            return out
+
+    lm = SplitHFLM(pretrained=model, tokenizer=tok, batch_size=1, device="cpu")
+    lm.pairs = []
+    return lm
+
+
+def export_requests(model_dir: Path, tasks: list[str], limit: int | None, eval_dir: Path, path: Path,
+                    data_dir: str | None = None) -> dict[str, Any]:
+    """Split eval, step 1: every loglikelihood request of the tasks, tokenised by lm-eval's HFLM."""
+    import lm_eval
+
+    from experiments.loglik import save_requests
+    from experiments.provenance import collect
+
+    model, tok, tok_src = load_model(model_dir, "cpu", torch.float32, None, data_dir)
+    lm = _split_lm("export", model, tok)
+    _run_lm_eval(lm, tasks, limit, eval_dir)
+    meta = {"tasks": tasks, "limit": limit, "num_fewshot": 0, "model": str(model_dir), "tokenizer": tok_src,
+            "vocab_digest": vocab_digest(tok), "max_length": int(lm.max_length),
+            "lm_eval_version": getattr(lm_eval, "__version__", None), "provenance": collect(),
+            "n_pairs_asked": len(lm.pairs)}
+    return save_requests(path, lm.pairs, meta).meta
+
+
+def score(model_dir: Path, requests_path: Path, out: Path, device: str, dtype: str, mlp_impl: str | None,
+          max_tokens: int, data_dir: str | None = None) -> dict[str, Any]:
+    """Split eval, step 2 (no lm-eval): score the requests with the model; writes scores.npz/.json."""
+    import numpy as np
+
+    from experiments.loglik import load_requests, save_scores, score_requests
+    from experiments.provenance import collect
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but no GPU is visible; use --device cpu")
+    reqs = load_requests(requests_path)
+    rmeta = reqs.meta
+    model, tok, tok_src = load_model(model_dir, device, getattr(torch, dtype), mlp_impl, data_dir)
+    if vocab_digest(tok) != rmeta["vocab_digest"]:
+        raise SystemExit(f"the tokenizer of {model_dir} ({tok_src}) is not the one {requests_path} was exported "
+                         f"with ({rmeta['tokenizer']}); export the requests with this model's tokenizer")
+    rec = NnzRecorder(model)
+    cfg = model.config
+    t0 = time.time()
+    ll, greedy = score_requests(model, reqs, device, rmeta["max_length"], max_tokens=max_tokens, recorder=rec)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    wall = time.time() - t0
+    rec.remove()
+    meta = {"provenance": collect(), "model": str(model_dir), "model_type": cfg.model_type,
+            "mlp_impl": getattr(cfg, "mlp_impl", None), "tokenizer": tok_src, "device": device, "dtype": dtype,
+            "intermediate_size": getattr(cfg, "intermediate_size", None), "requests_digest": rmeta["digest"],
+            "requests_meta": rmeta, "n_requests": len(reqs), "max_length": rmeta["max_length"],
+            "max_tokens_per_batch": max_tokens, "score_wall_s": round(wall, 1),
+            "nonfinite_ll": int((~np.isfinite(ll)).sum()), **rec.summary()}
+    out.mkdir(parents=True, exist_ok=True)
+    save_scores(out / "scores.npz", ll, greedy, meta)
+    (out / "scores.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "requests_meta"},
+                                                indent=1) + "\n")
+    return meta
+
+
+def replay(scores_path: Path, requests_path: Path, model_dir: Path | None, eval_dir: Path,
+           data_dir: str | None = None) -> dict[str, Any]:
+    """Split eval, step 3: lm-eval's metrics from scored requests; returns the eval.json dict."""
+    import lm_eval
+
+    from experiments.loglik import load_requests, load_scores
+    from experiments.provenance import collect
+
+    reqs = load_requests(requests_path)
+    ll, greedy, smeta = load_scores(scores_path)
+    if smeta.get("requests_digest") != reqs.meta["digest"] or len(ll) != len(reqs):
+        raise SystemExit(f"{scores_path} scored another requests file than {requests_path} (digest mismatch)")
+    table = {k: (float(a), bool(g)) for k, a, g in zip(reqs.keys(), ll, greedy)}
+    tasks, limit = reqs.meta["tasks"], reqs.meta["limit"]
+    model_dir = model_dir or resolve_model_dir(reqs.meta["model"])
+    model, tok, tok_src = load_model(model_dir, "cpu", torch.float32, None, data_dir)
+    if vocab_digest(tok) != reqs.meta["vocab_digest"]:
+        raise SystemExit(f"the tokenizer of {model_dir} differs from the export's; pass --model with the "
+                         f"tokenizer the requests were exported with ({reqs.meta['tokenizer']})")
+    lm = _split_lm("replay", model, tok, table)
+    out_tasks = _run_lm_eval(lm, tasks, limit, eval_dir)
+    accs = [v["acc"] for v in out_tasks.values() if v["acc"] is not None]
+    keep = ("nnz_per_token_mean", "nnz_per_token_per_layer", "nnz_per_token_max_per_layer", "nnz_source",
+            "nnz_tokens_counted")
+    return {
+        "provenance": smeta.get("provenance"),  # where the model ran; the replay's own is below
+        "model": smeta.get("model"), "model_type": smeta.get("model_type"), "mlp_impl": smeta.get("mlp_impl"),
+        "tokenizer": smeta.get("tokenizer"), "limit": limit, "num_fewshot": 0, "batch_size": None,
+        "device": smeta.get("device"), "dtype": smeta.get("dtype"),
+        "lm_eval_version": getattr(lm_eval, "__version__", None), "tasks": out_tasks,
+        "mean_acc": sum(accs) / len(accs) if accs else None,
+        "intermediate_size": smeta.get("intermediate_size"), **{k: smeta.get(k) for k in keep},
+        "wall_s": smeta.get("score_wall_s"),
+        "split_eval": {"requests_digest": reqs.meta["digest"], "n_requests": len(reqs),
+                       "requests_lm_eval_version": reqs.meta.get("lm_eval_version"),
+                       "max_length": smeta.get("max_length"), "nonfinite_ll": smeta.get("nonfinite_ll"),
+                       "replay_provenance": collect()},
     }
 
 
@@ -247,9 +407,33 @@ def main(argv: list[str] | None = None) -> int:
     if a.limit is not None and a.limit <= 0:
         raise SystemExit("--limit must be positive")
     eval_dir = Path(a.eval_dir) if a.eval_dir else paths(a.data_dir).eval
-    result = evaluate(resolve_model_dir(a.model), tasks, a.limit, a.batch_size, a.device, a.dtype, a.mlp_impl,
-                      eval_dir, a.data_dir)
     out = Path(a.out)
+    if a.requests is not None and a.replay is None:
+        raise SystemExit("--requests goes with --replay")
+    if a.model is None and a.replay is None:
+        raise SystemExit("--model is required (except with --replay)")
+    if a.export_requests:
+        meta = export_requests(resolve_model_dir(a.model), tasks, a.limit, eval_dir, Path(a.export_requests),
+                               a.data_dir)
+        print(f"wrote {a.export_requests}: {meta['n_requests']:,} unique requests ({meta['n_pairs_asked']:,} asked), "
+              f"{meta['n_tokens']:,} tokens, tasks {', '.join(tasks)}, limit {a.limit}")
+        return 0
+    if a.score:
+        meta = score(resolve_model_dir(a.model), Path(a.score), out, a.device, a.dtype, a.mlp_impl, a.max_tokens,
+                     a.data_dir)
+        nnz = meta["nnz_per_token_mean"]
+        print(f"scored {meta['n_requests']:,} requests in {meta['score_wall_s']}s ({a.device}, {a.dtype}, "
+              f"mlp_impl {meta['mlp_impl']}); non-zeros per token {'n/a' if nnz is None else f'{nnz:.1f}'}; "
+              f"wrote {out / 'scores.npz'}")
+        return 0
+    if a.replay:
+        if a.requests is None:
+            raise SystemExit("--replay needs --requests (the file that was scored)")
+        result = replay(Path(a.replay), Path(a.requests), resolve_model_dir(a.model) if a.model else None,
+                        eval_dir, a.data_dir)
+    else:
+        result = evaluate(resolve_model_dir(a.model), tasks, a.limit, a.batch_size, a.device, a.dtype,
+                          a.mlp_impl, eval_dir, a.data_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "eval.json").write_text(json.dumps(result, indent=1) + "\n")
     print(format_table(result))

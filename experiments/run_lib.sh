@@ -107,6 +107,37 @@ sfl_eval() {
   rm -rf "$tmp"
 }
 
+# sfl_score EXP RUN NAME REQUESTS.npz [evaluate.py args ...]
+# Split eval, GPU half (no lm-eval needed): scores the exported requests with $RUNS_ROOT/EXP/RUN/final into
+# $RESULTS_ROOT/EXP/RUN/NAME.scores.{npz,json}; `evaluate.py --replay` turns them into NAME.json on a machine
+# with lm-eval (experiments/sparsify_smollm2/replay.sh). Skipped when the scores exist.
+sfl_score() {
+  local exp=$1 run=$2 name=$3 req=$4
+  shift 4
+  local res="$RESULTS_ROOT/$exp/$run" model="$RUNS_ROOT/$exp/$run/final"
+  if [ -f "$res/$name.scores.npz" ]; then
+    echo "  $exp/$run $name: scores exist, skipped"
+    return 0
+  fi
+  if [ ! -f "$model/config.json" ]; then
+    echo "  $exp/$run $name: no trained model at $model; skipped" >&2
+    SFL_FAILED+=("$exp/$run:$name")
+    return 0
+  fi
+  local tmp
+  tmp="$(mktemp -d "${TMPDIR:-/tmp}/sfl_score.XXXXXX")"
+  echo "  $exp/$run $name: scoring $req $*"
+  if python -m experiments.evaluate --model "$model" --score "$req" --out "$tmp" "$@"; then
+    mkdir -p "$res"
+    mv "$tmp/scores.npz" "$res/$name.scores.npz"
+    mv "$tmp/scores.json" "$res/$name.scores.json"
+  else
+    echo "  $exp/$run $name: FAILED" >&2
+    SFL_FAILED+=("$exp/$run:$name")
+  fi
+  rm -rf "$tmp"
+}
+
 # sfl_finish EXP: summary.csv over the experiment's runs, then a non-zero exit if anything failed.
 sfl_finish() {
   local exp=$1

@@ -7,8 +7,12 @@
 #   SCALE=cpu   bash experiments/sparsify_smollm2/run.sh   # CPU: 2 runs x 40 steps x 256 tokens, --limit 30, ~15 min
 #   SCALE=gpu   bash experiments/sparsify_smollm2/run.sh   # one H100: 4 runs x ~1-2 min + eval (limit 500)
 # Env: L1_VALUES="0 ..." replaces the list; EVAL_LIMIT=N docs per task (EVAL_LIMIT=all: the full sets);
-# SPARSE_IMPL=cuda|reference overrides the sparse path. Needs .data/smollm2-135m (python -m data.prepare) and
-# lm-eval (on the GPU machine: carry the cp312 wheels). RUNS_ROOT / RESULTS_ROOT / KEEP_CKPT: run_lib.sh.
+# SPARSE_IMPL=cuda|reference overrides the sparse path. Needs .data/smollm2-135m (python -m data.prepare).
+# EVAL_MODE=direct runs lm-eval here; EVAL_MODE=split (the default where lm-eval is missing, e.g. the GPU
+# machine) only scores the requests file EVAL_REQUESTS, exported on a machine with lm-eval by
+#   python -m experiments.evaluate --model .data/smollm2-135m --tasks all --export-requests R.npz --out /tmp/x
+# and experiments/sparsify_smollm2/replay.sh then computes the metrics there. RUNS_ROOT / RESULTS_ROOT /
+# KEEP_CKPT: run_lib.sh. STEPS="train eval" (default both) selects the steps.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 . experiments/env.sh
@@ -24,35 +28,67 @@ if [ "$SCALE" = gpu ]; then
   DEFAULT_L1="0 1e-3 3e-3 1e-2"
   EVAL_LIMIT="${EVAL_LIMIT:-500}"
   SPARSE_IMPL="${SPARSE_IMPL:-cuda}"
-  EVAL_ARGS=(--device cuda --dtype bfloat16 --batch-size 64)
+  DEV_ARGS=(--device cuda --dtype bfloat16)
+  EVAL_ARGS=("${DEV_ARGS[@]}" --batch-size 64)
 elif [ "$SCALE" = cpu ]; then
   DEFAULT_L1="0 1e-2"
   EVAL_LIMIT="${EVAL_LIMIT:-30}"
   SPARSE_IMPL="${SPARSE_IMPL:-reference}"
-  EVAL_ARGS=(--device cpu --batch-size 8)
+  DEV_ARGS=(--device cpu)
+  EVAL_ARGS=("${DEV_ARGS[@]}" --batch-size 8)
 else
   DEFAULT_L1="0 3e-3"
   EVAL_LIMIT="${EVAL_LIMIT:-5}"
   SPARSE_IMPL="${SPARSE_IMPL:-reference}"
-  EVAL_ARGS=(--device cpu --batch-size 8)
+  DEV_ARGS=(--device cpu)
+  EVAL_ARGS=("${DEV_ARGS[@]}" --batch-size 8)
 fi
 read -r -a L1S <<< "${L1_VALUES:-$DEFAULT_L1}"
+STEPS="${STEPS:-train eval}"
+EVAL_MODE="${EVAL_MODE:-auto}"
+if [ "$EVAL_MODE" = auto ]; then
+  if python -c "import lm_eval" 2>/dev/null; then EVAL_MODE=direct; else EVAL_MODE=split; fi
+fi
+case "$EVAL_MODE" in
+  direct) ;;
+  split)
+    if [ -z "${EVAL_REQUESTS:-}" ] || [ ! -f "$EVAL_REQUESTS" ]; then
+      echo "EVAL_MODE=split (no lm-eval here) needs EVAL_REQUESTS=<requests.npz>, exported where lm-eval runs:" >&2
+      echo "  python -m experiments.evaluate --model .data/smollm2-135m --tasks all [--limit N] --export-requests R.npz --out /tmp/x" >&2
+      exit 2
+    fi ;;
+  *) echo "EVAL_MODE=$EVAL_MODE: choose auto, direct or split" >&2; exit 2 ;;
+esac
 LIMIT_ARGS=(); [ "$EVAL_LIMIT" = all ] || LIMIT_ARGS=(--limit "$EVAL_LIMIT")
 
-echo "== $EXP, SCALE=$SCALE: L1 values ${L1S[*]} (l1_reduction=sum); eval limit $EVAL_LIMIT, sparse path $SPARSE_IMPL"
-i=0
-for l1 in "${L1S[@]}"; do
-  i=$((i + 1))
-  run=$([ "$l1" = 0 ] && echo dense_relu_l1_0 || echo "sparse_l1_$l1")
-  sfl_train "$EXP" "$run" "$i" "${#L1S[@]}" "$HERE/$SCALE.yaml" -- "l1_coeff=$l1" \
-    "init_from=${SFL_DATA_DIR:-.data}/smollm2-135m"
-done
-echo "== lm-eval, 7 tasks: dense path (eval.json) and sparse path $SPARSE_IMPL (eval_sparse.json)"
-for l1 in "${L1S[@]}"; do
-  run=$([ "$l1" = 0 ] && echo dense_relu_l1_0 || echo "sparse_l1_$l1")
-  sfl_eval "$EXP" "$run" eval --mlp-impl dense ${LIMIT_ARGS[@]+"${LIMIT_ARGS[@]}"} "${EVAL_ARGS[@]}"
-  sfl_eval "$EXP" "$run" eval_sparse --mlp-impl "$SPARSE_IMPL" ${LIMIT_ARGS[@]+"${LIMIT_ARGS[@]}"} "${EVAL_ARGS[@]}"
-done
+echo "== $EXP, SCALE=$SCALE: L1 values ${L1S[*]} (l1_reduction=sum); eval $EVAL_MODE, limit $EVAL_LIMIT, sparse path $SPARSE_IMPL"
+run_name() { if [ "$1" = 0 ]; then echo dense_relu_l1_0; else echo "sparse_l1_$1"; fi; }
+if [[ " $STEPS " == *" train "* ]]; then
+  i=0
+  for l1 in "${L1S[@]}"; do
+    i=$((i + 1))
+    sfl_train "$EXP" "$(run_name "$l1")" "$i" "${#L1S[@]}" "$HERE/$SCALE.yaml" -- "l1_coeff=$l1" \
+      "init_from=${SFL_DATA_DIR:-.data}/smollm2-135m"
+  done
+fi
+if [[ " $STEPS " == *" eval "* ]] && [ "$EVAL_MODE" = split ]; then
+  echo "== split eval: scoring $EVAL_REQUESTS (its tasks and limit), dense path and sparse path $SPARSE_IMPL;"
+  echo "   metrics: experiments/sparsify_smollm2/replay.sh where lm-eval runs"
+  for l1 in "${L1S[@]}"; do
+    sfl_score "$EXP" "$(run_name "$l1")" eval "$EVAL_REQUESTS" --mlp-impl dense "${DEV_ARGS[@]}"
+    sfl_score "$EXP" "$(run_name "$l1")" eval_sparse "$EVAL_REQUESTS" --mlp-impl "$SPARSE_IMPL" "${DEV_ARGS[@]}"
+  done
+  sfl_finish "$EXP"
+  exit 0
+fi
+if [[ " $STEPS " == *" eval "* ]]; then
+  echo "== lm-eval, 7 tasks: dense path (eval.json) and sparse path $SPARSE_IMPL (eval_sparse.json)"
+  for l1 in "${L1S[@]}"; do
+    run=$(run_name "$l1")
+    sfl_eval "$EXP" "$run" eval --mlp-impl dense ${LIMIT_ARGS[@]+"${LIMIT_ARGS[@]}"} "${EVAL_ARGS[@]}"
+    sfl_eval "$EXP" "$run" eval_sparse --mlp-impl "$SPARSE_IMPL" ${LIMIT_ARGS[@]+"${LIMIT_ARGS[@]}"} "${EVAL_ARGS[@]}"
+  done
+fi
 # The two paths must agree: print the per-run accuracy difference (the notebook tabulates it too).
 python - "$RESULTS_ROOT/$EXP" <<'PY' || true
 import json, sys
