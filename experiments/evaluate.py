@@ -126,7 +126,7 @@ def resolve_model_dir(model: str) -> Path:
 
 
 def load_model(model_dir: Path, device: str, dtype: torch.dtype, mlp_impl: str | None,
-               data_dir: str | None = None) -> tuple[torch.nn.Module, Any, str]:
+               data_dir: str | None = None, twell_mode: str | None = None) -> tuple[torch.nn.Module, Any, str]:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     try:  # registers sparse_llama with the Auto classes; plain Llama works without it
@@ -139,6 +139,10 @@ def load_model(model_dir: Path, device: str, dtype: torch.dtype, mlp_impl: str |
         if not hasattr(cfg, "mlp_impl"):
             raise SystemExit(f"--mlp-impl applies to sparse_llama models; {model_dir} is {cfg.model_type}")
         cfg.mlp_impl = mlp_impl
+    if twell_mode is not None:
+        if not hasattr(cfg, "twell_mode"):
+            raise SystemExit(f"--twell-mode applies to sparse_llama models; {model_dir} is {cfg.model_type}")
+        cfg.twell_mode = twell_mode
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), config=cfg, dtype=dtype).to(device).eval()
     tok_src = str(model_dir)
     try:
@@ -166,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", required=True, help="output dir (eval.json is written there)")
     ap.add_argument("--mlp-impl", default=None, choices=["dense", "reference", "cuda"],
                     help="override config.mlp_impl of a sparse_llama model")
+    ap.add_argument("--twell-mode", default=None, choices=["auto", "sparse"],
+                    help="with --mlp-impl cuda: auto dispatch (default) or every layer through TwELL")
     ap.add_argument("--data-dir", default=None, help="prepared data dir (default $SFL_DATA_DIR or <repo>/.data)")
     ap.add_argument("--eval-dir", default=None, help="dir with <task>.jsonl (default <data_dir>/eval)")
     split = ap.add_mutually_exclusive_group()
@@ -181,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def evaluate(model_dir: Path, tasks: list[str], limit: int | None, batch_size: int, device: str,
-             dtype: str, mlp_impl: str | None, eval_dir: Path, data_dir: str | None = None) -> dict[str, Any]:
+             dtype: str, mlp_impl: str | None, eval_dir: Path, data_dir: str | None = None,
+             twell_mode: str | None = None) -> dict[str, Any]:
     """Run lm-eval on `tasks` and return the eval.json dict (without writing it)."""
     import lm_eval
     from lm_eval.models.huggingface import HFLM
@@ -191,7 +198,7 @@ def evaluate(model_dir: Path, tasks: list[str], limit: int | None, batch_size: i
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but no GPU is visible; use --device cpu")
     torch_dtype = getattr(torch, dtype)
-    model, tok, tok_src = load_model(model_dir, device, torch_dtype, mlp_impl, data_dir)
+    model, tok, tok_src = load_model(model_dir, device, torch_dtype, mlp_impl, data_dir, twell_mode)
     rec = NnzRecorder(model)
 
     class RecordingHFLM(HFLM):
@@ -214,6 +221,7 @@ def evaluate(model_dir: Path, tasks: list[str], limit: int | None, batch_size: i
         "model": str(model_dir),
         "model_type": cfg.model_type,
         "mlp_impl": getattr(cfg, "mlp_impl", None),
+        "twell_mode": getattr(cfg, "twell_mode", None),
         "tokenizer": tok_src,
         "limit": limit,
         "num_fewshot": 0,
@@ -306,7 +314,7 @@ def export_requests(model_dir: Path, tasks: list[str], limit: int | None, eval_d
 
 
 def score(model_dir: Path, requests_path: Path, out: Path, device: str, dtype: str, mlp_impl: str | None,
-          max_tokens: int, data_dir: str | None = None) -> dict[str, Any]:
+          max_tokens: int, data_dir: str | None = None, twell_mode: str | None = None) -> dict[str, Any]:
     """Split eval, step 2 (no lm-eval): score the requests with the model; writes scores.npz/.json."""
     import numpy as np
 
@@ -317,7 +325,7 @@ def score(model_dir: Path, requests_path: Path, out: Path, device: str, dtype: s
         raise SystemExit("--device cuda but no GPU is visible; use --device cpu")
     reqs = load_requests(requests_path)
     rmeta = reqs.meta
-    model, tok, tok_src = load_model(model_dir, device, getattr(torch, dtype), mlp_impl, data_dir)
+    model, tok, tok_src = load_model(model_dir, device, getattr(torch, dtype), mlp_impl, data_dir, twell_mode)
     if vocab_digest(tok) != rmeta["vocab_digest"]:
         raise SystemExit(f"the tokenizer of {model_dir} ({tok_src}) is not the one {requests_path} was exported "
                          f"with ({rmeta['tokenizer']}); export the requests with this model's tokenizer")
@@ -330,7 +338,8 @@ def score(model_dir: Path, requests_path: Path, out: Path, device: str, dtype: s
     wall = time.time() - t0
     rec.remove()
     meta = {"provenance": collect(), "model": str(model_dir), "model_type": cfg.model_type,
-            "mlp_impl": getattr(cfg, "mlp_impl", None), "tokenizer": tok_src, "device": device, "dtype": dtype,
+            "mlp_impl": getattr(cfg, "mlp_impl", None), "twell_mode": getattr(cfg, "twell_mode", None),
+            "tokenizer": tok_src, "device": device, "dtype": dtype,
             "intermediate_size": getattr(cfg, "intermediate_size", None), "requests_digest": rmeta["digest"],
             "requests_meta": rmeta, "n_requests": len(reqs), "max_length": rmeta["max_length"],
             "max_tokens_per_batch": max_tokens, "score_wall_s": round(wall, 1),
@@ -369,6 +378,7 @@ def replay(scores_path: Path, requests_path: Path, model_dir: Path | None, eval_
     return {
         "provenance": smeta.get("provenance"),  # where the model ran; the replay's own is below
         "model": smeta.get("model"), "model_type": smeta.get("model_type"), "mlp_impl": smeta.get("mlp_impl"),
+        "twell_mode": smeta.get("twell_mode"),
         "tokenizer": smeta.get("tokenizer"), "limit": limit, "num_fewshot": 0, "batch_size": None,
         "device": smeta.get("device"), "dtype": smeta.get("dtype"),
         "lm_eval_version": getattr(lm_eval, "__version__", None), "tasks": out_tasks,
@@ -420,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.score:
         meta = score(resolve_model_dir(a.model), Path(a.score), out, a.device, a.dtype, a.mlp_impl, a.max_tokens,
-                     a.data_dir)
+                     a.data_dir, a.twell_mode)
         nnz = meta["nnz_per_token_mean"]
         print(f"scored {meta['n_requests']:,} requests in {meta['score_wall_s']}s ({a.device}, {a.dtype}, "
               f"mlp_impl {meta['mlp_impl']}); non-zeros per token {'n/a' if nnz is None else f'{nnz:.1f}'}; "
@@ -433,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
                         eval_dir, a.data_dir)
     else:
         result = evaluate(resolve_model_dir(a.model), tasks, a.limit, a.batch_size, a.device, a.dtype,
-                          a.mlp_impl, eval_dir, a.data_dir)
+                          a.mlp_impl, eval_dir, a.data_dir, a.twell_mode)
     out.mkdir(parents=True, exist_ok=True)
     (out / "eval.json").write_text(json.dumps(result, indent=1) + "\n")
     print(format_table(result))

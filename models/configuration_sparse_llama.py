@@ -11,6 +11,7 @@ from transformers import LlamaConfig
 MLP_IMPLS = ("dense", "reference", "cuda")
 ACTIVATIONS = ("relu", "silu")  # silu only for the dense SiLU baseline (paper Table 3)
 L1_REDUCTIONS = ("mean", "sum")
+TWELL_MODES = ("auto", "sparse")  # mode of the cuda inference kernels (kernels.ffn)
 
 
 class SparseLlamaConfig(LlamaConfig):
@@ -25,6 +26,8 @@ class SparseLlamaConfig(LlamaConfig):
         mlp_impl: "dense" (three F.linear), "reference" (pure-PyTorch TwELL path in
             kernels.reference, exact, slow) or "cuda" (TwELL kernels in kernels.ffn, inference only).
         twell_tile_n / twell_slots: TwELL tile width and slots per (row, tile) for the sparse paths.
+        twell_mode: mode of the mlp_impl="cuda" inference kernels: "auto" (dispatch: the dense path
+            where sparse would be slower) or "sparse" (always through TwELL; exact either way).
         dead_window_tokens: a neuron counts as dead when it has not fired in this many most recent
             training tokens (paper: one optimiser step, ~2^20 tokens).
     hidden_act is "relu" (the sparse model) or "silu" (dense SiLU baseline of paper Table 3: same
@@ -40,6 +43,7 @@ class SparseLlamaConfig(LlamaConfig):
     mlp_impl: str = "dense"
     twell_tile_n: int = 256
     twell_slots: int = 32
+    twell_mode: str = "auto"
     dead_window_tokens: int = 1_048_576
 
     def __post_init__(self, **kwargs):
@@ -68,6 +72,8 @@ class SparseLlamaConfig(LlamaConfig):
             raise bad("l1_reduction", self.l1_reduction, f"must be one of {L1_REDUCTIONS}")
         if self.mlp_impl not in MLP_IMPLS:
             raise bad("mlp_impl", self.mlp_impl, f"must be one of {MLP_IMPLS}")
+        if self.twell_mode not in TWELL_MODES:
+            raise bad("twell_mode", self.twell_mode, f"must be one of {TWELL_MODES}")
         for field in ("twell_tile_n", "twell_slots", "dead_window_tokens"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -85,4 +91,4 @@ class SparseLlamaConfig(LlamaConfig):
                           f"mlp_impl={self.mlp_impl!r} has no bias support; use mlp_impl='dense'")
 
 
-__all__ = ["SparseLlamaConfig", "MLP_IMPLS", "L1_REDUCTIONS", "ACTIVATIONS"]
+__all__ = ["SparseLlamaConfig", "MLP_IMPLS", "L1_REDUCTIONS", "ACTIVATIONS", "TWELL_MODES"]

@@ -194,10 +194,11 @@ class SparseLlamaMLP(nn.Module):
         wg, wu, wd = self._inference_weights()
         # The kernels take contiguous bf16; the residual stream (fp32 weights under autocast) may be wider.
         x2 = x2.to(wu.dtype).contiguous()
+        mode = getattr(self.config, "twell_mode", "auto")
         if self.gated:
-            y, stats = ffn.sparse_gated_ffn(x2, wg, wu, wd, return_stats=True)
+            y, stats = ffn.sparse_gated_ffn(x2, wg, wu, wd, return_stats=True, mode=mode)
         else:
-            y, stats = ffn.sparse_nongated_ffn(x2, wu, wd, return_stats=True)
+            y, stats = ffn.sparse_nongated_ffn(x2, wu, wd, return_stats=True, mode=mode)
         # h never leaves the inference kernels: L1 is unavailable on this path (reported as None).
         self.last_l1 = None
         self._record(stats["nnz_per_token"].float(), None)

@@ -310,6 +310,7 @@ def test_generate_greedy_matches_manual_argmax() -> None:
     (dict(twell_tile_n=0), "twell_tile_n"),
     (dict(twell_slots=512), "twell_slots"),
     (dict(dead_window_tokens=0), "dead_window_tokens"),
+    (dict(twell_mode="dense"), "twell_mode"),
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(hidden_act="silu", mlp_impl="reference", intermediate_size=256), "hidden_act"),
     (dict(mlp_impl="reference", intermediate_size=256, mlp_bias=True), "mlp_bias"),
@@ -330,6 +331,25 @@ def test_silu_baseline_matches_hf_llama() -> None:
     x = torch.randint(0, VOCAB, (2, 8))
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=x).logits, hf(input_ids=x).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["auto", "sparse"])
+def test_cuda_impl_passes_twell_mode_to_the_kernels(monkeypatch, mode) -> None:
+    """config.twell_mode reaches kernels.ffn (checked with a stand-in for the CUDA op, so it runs on CPU)."""
+    from kernels import ffn
+
+    seen = []
+
+    def fake(x, wg, wu, wd, *, return_stats=False, mode="auto", **kw):
+        seen.append(mode)
+        y = (torch.relu(x @ wg.T) * (x @ wu.T)) @ wd.T
+        return y, {"nnz_per_token": (torch.relu(x @ wg.T) != 0).sum(-1)}
+
+    monkeypatch.setattr(ffn, "sparse_gated_ffn", fake)
+    model = tiny_model(seed=4, mlp_impl="cuda", intermediate_size=512, twell_tile_n=256, twell_mode=mode).eval()
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, VOCAB, (1, 5)))
+    assert seen and set(seen) == {mode}
 
 
 def test_config_accepts_tileable_sparse_impl() -> None:

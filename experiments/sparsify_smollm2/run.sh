@@ -3,6 +3,8 @@
 # ReLU-fication + L1 fine-tuning at a few L1 values, and the dense ReLU-fied twin (L1 = 0) trained the same
 # way; then lm-eval on the 7 tasks, once through the dense MLP (eval.json) and once with the sparse path in
 # the loop (eval_sparse.json: mlp_impl=cuda on GPU, the pure-PyTorch TwELL reference on CPU) -- same accuracy.
+# On GPU also eval_sparse_forced.json: twell_mode=sparse, every layer through TwELL (auto dispatch runs our
+# dense path where the activity is above the crossover, which at these activities is most layers).
 #   SCALE=smoke bash experiments/sparsify_smollm2/run.sh   # CPU: 2 runs x 4 steps, lm-eval --limit 5, ~5-8 min
 #   SCALE=cpu   bash experiments/sparsify_smollm2/run.sh   # CPU: 2 runs x 40 steps x 256 tokens, --limit 30, ~15 min
 #   SCALE=gpu   bash experiments/sparsify_smollm2/run.sh   # one H100: 4 runs x ~1-2 min + eval (limit 500)
@@ -77,6 +79,9 @@ if [[ " $STEPS " == *" eval "* ]] && [ "$EVAL_MODE" = split ]; then
   for l1 in "${L1S[@]}"; do
     sfl_score "$EXP" "$(run_name "$l1")" eval "$EVAL_REQUESTS" --mlp-impl dense "${DEV_ARGS[@]}"
     sfl_score "$EXP" "$(run_name "$l1")" eval_sparse "$EVAL_REQUESTS" --mlp-impl "$SPARSE_IMPL" "${DEV_ARGS[@]}"
+    if [ "$SPARSE_IMPL" = cuda ]; then  # every layer through TwELL, whatever the dispatch would pick
+      sfl_score "$EXP" "$(run_name "$l1")" eval_sparse_forced "$EVAL_REQUESTS" --mlp-impl cuda --twell-mode sparse "${DEV_ARGS[@]}"
+    fi
   done
   sfl_finish "$EXP"
   exit 0
@@ -87,6 +92,10 @@ if [[ " $STEPS " == *" eval "* ]]; then
     run=$(run_name "$l1")
     sfl_eval "$EXP" "$run" eval --mlp-impl dense ${LIMIT_ARGS[@]+"${LIMIT_ARGS[@]}"} "${EVAL_ARGS[@]}"
     sfl_eval "$EXP" "$run" eval_sparse --mlp-impl "$SPARSE_IMPL" ${LIMIT_ARGS[@]+"${LIMIT_ARGS[@]}"} "${EVAL_ARGS[@]}"
+    if [ "$SPARSE_IMPL" = cuda ]; then
+      sfl_eval "$EXP" "$run" eval_sparse_forced --mlp-impl cuda --twell-mode sparse \
+        ${LIMIT_ARGS[@]+"${LIMIT_ARGS[@]}"} "${EVAL_ARGS[@]}"
+    fi
   done
 fi
 # The two paths must agree: print the per-run accuracy difference (the notebook tabulates it too).
