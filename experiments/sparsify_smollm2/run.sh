@@ -7,7 +7,7 @@
 # dense path where the activity is above the crossover, which at these activities is most layers).
 #   SCALE=smoke bash experiments/sparsify_smollm2/run.sh   # CPU: 2 runs x 4 steps, lm-eval --limit 5, ~5-8 min
 #   SCALE=cpu   bash experiments/sparsify_smollm2/run.sh   # CPU: 2 runs x 40 steps x 256 tokens, --limit 30, ~15 min
-#   SCALE=gpu   bash experiments/sparsify_smollm2/run.sh   # one H100: 4 runs x ~1-2 min + eval (limit 500)
+#   SCALE=gpu   bash experiments/sparsify_smollm2/run.sh   # one H100: 7 runs x ~2-3 min + eval (full sets)
 # Env: L1_VALUES="0 ..." replaces the list; EVAL_LIMIT=N docs per task (EVAL_LIMIT=all: the full sets);
 # SPARSE_IMPL=cuda|reference overrides the sparse path. Needs .data/smollm2-135m (python -m data.prepare).
 # EVAL_MODE=direct runs lm-eval here; EVAL_MODE=split (the default where lm-eval is missing, e.g. the GPU
@@ -27,8 +27,8 @@ if [ ! -f "${SFL_DATA_DIR:-.data}/smollm2-135m/config.json" ]; then
   echo "no .data/smollm2-135m: run 'python -m data.prepare' first" >&2; exit 2
 fi
 if [ "$SCALE" = gpu ]; then
-  DEFAULT_L1="0 1e-3 3e-3 1e-2"
-  EVAL_LIMIT="${EVAL_LIMIT:-500}"
+  DEFAULT_L1="0 1e-3 3e-3 1e-2 3e-2 1e-1 3e-1"
+  EVAL_LIMIT="${EVAL_LIMIT:-all}"
   SPARSE_IMPL="${SPARSE_IMPL:-cuda}"
   DEV_ARGS=(--device cuda --dtype bfloat16)
   EVAL_ARGS=("${DEV_ARGS[@]}" --batch-size 64)
