@@ -561,9 +561,11 @@ def run_trained(a: argparse.Namespace) -> list[dict[str, Any]]:
 def run_paper(a: argparse.Namespace) -> list[dict[str, Any]]:
     dev = require_cuda()
     rows = []
-    for n_layers in a.layers:
+    levels = [(n, None) for n in a.layers] if not a.nnz_sweep else [(n, v) for n in a.layers for v in a.nnz_sweep]
+    for n_layers, sweep_nnz in levels:
         scale = PAPER_SCALES.get(n_layers)
-        mean_nnz = a.nnz_mean if a.nnz_mean is not None else PAPER_NNZ.get(n_layers, 30.0)
+        mean_nnz = sweep_nnz if sweep_nnz is not None else (
+            a.nnz_mean if a.nnz_mean is not None else PAPER_NNZ.get(n_layers, 30.0))
         targets = paper_profile(n_layers, mean_nnz)
         model = build_paper_model(n_layers, dev, torch.bfloat16, seed=a.seed)
         g = torch.Generator(device="cpu").manual_seed(a.seed)
@@ -582,14 +584,19 @@ def run_paper(a: argparse.Namespace) -> list[dict[str, Any]]:
         model.config.l1_coeff = 2e-5  # training side: the paper's recommended sparse recipe (L1 on)
         model.config.l1_reduction = "sum"
         name = f"paper-shape {scale}" if scale else f"paper-shape {n_layers} layers"
+        if sweep_nnz is not None:  # its own model key, so Table 1 (the paper's activity) never picks these rows
+            name, scale = f"{name}, {sweep_nnz:g} non-zeros/token", None
         extra = {"calibration_s": round(time.time() - t0, 1), "target_nnz_mean": mean_nnz,
                  "calibration_nnz_per_layer": achieved, "calibration_nnz_mean": cal_mean,
                  "calibration_ok": cal_ok, "calibration_tol": CALIB_TOL, "calibration_tokens": "the timed batch",
-                 "target_nnz_per_layer": targets, "target_note": ("paper §4.2 mean at L1=2e-5" if n_layers in (8, 28, 38)
+                 "target_nnz_per_layer": targets, "target_note": ("activity sweep (mean set by --nnz-sweep)" if sweep_nnz is not None
+                                                                  else "user (--nnz-mean)" if a.nnz_mean is not None
+                                                                  else "paper §4.2 mean at L1=2e-5" if n_layers in (8, 28, 38)
                                                                   else "interpolated (1B not published)" if n_layers == 18
                                                                   else "user/default"),
                  "heavy_frac": a.heavy_frac, "heavy_scale": a.heavy_scale, "dead_frac_target": a.dead_frac,
-                 "input": "random token ids", "num_hidden_layers": n_layers}
+                 "input": "random token ids", "num_hidden_layers": n_layers,
+                 "activity_sweep_of": (PAPER_SCALES.get(n_layers) or f"{n_layers} layers") if sweep_nnz is not None else None}
         rows += measure_all(model, ids, a, dev, name=name, paper_scale=scale, l1=None, extra=extra,
                             train=a.train and n_layers in a.train_layers)
         del model
@@ -664,6 +671,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train", action="store_true", help="also time training (memory: fp32 weights + AdamW)")
     p.add_argument("--train-layers", type=int, nargs="+", default=[8, 18])
     p.add_argument("--nnz-mean", type=float, default=None, help="target mean non-zeros per token (default: paper's)")
+    p.add_argument("--nnz-sweep", type=float, nargs="+", default=None,
+                   help="time each --layers shape at each of these mean non-zeros per token (Fig. 4/5 counterpart: "
+                        "speed-up against activity); rows are keyed 'paper-shape <scale>, <v> non-zeros/token'")
     p.add_argument("--heavy-frac", type=float, default=0.01, help="fraction of the vocabulary that fires heavily")
     p.add_argument("--heavy-scale", type=float, default=0.5, help="bias scale of heavy tokens (< 1: more active)")
     p.add_argument("--dead-frac", type=float, default=0.3, help="fraction of never-firing neurons (paper: >30%%)")
