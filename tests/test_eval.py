@@ -147,7 +147,7 @@ def test_recorder_uses_sparse_mlp_stats_when_present(tmp_path):
 def test_split_eval_matches_direct_lm_eval(tmp_path):
     """export -> score (no lm-eval) -> replay gives exactly the direct lm-eval accuracies, and the scorer's
     loglikelihoods equal HFLM's own on the same requests."""
-    from experiments.evaluate import _split_lm, load_model
+    from experiments.evaluate import load_model
     from experiments.loglik import load_requests, load_scores, score_requests
 
     model_dir = _tiny_model_dir(tmp_path)
@@ -196,7 +196,6 @@ def test_split_eval_matches_direct_lm_eval(tmp_path):
     with pytest.raises(SystemExit, match="another requests file"):
         main(["--replay", str(tmp_path / "scored" / "scores.npz"), "--requests", str(export2),
               "--out", str(tmp_path / "bad")])
-    _ = _split_lm  # imported to keep the helper's name checked
 
 
 def test_requests_file_roundtrip_and_checks(tmp_path):
