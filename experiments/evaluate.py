@@ -274,7 +274,7 @@ def _split_lm(kind: str, model: torch.nn.Module, tok: Any, table: dict | None = 
     from lm_eval.models.huggingface import HFLM
 
     class SplitHFLM(HFLM):
-        pairs: list[tuple[list[int], list[int]]] = []
+        pairs: list[tuple[list[int], list[int]]]  # set per instance below
 
         def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
             if kind == "export":
