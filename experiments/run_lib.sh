@@ -78,14 +78,15 @@ sfl_train() {
   echo "[$idx/$total] $exp/$run: done -- $(python -m experiments.runs describe "$res")"
 }
 
-# sfl_eval EXP RUN NAME [evaluate.py args ...]
-# lm-eval on $RUNS_ROOT/EXP/RUN/final; the eval.json it writes is stored as $RESULTS_ROOT/EXP/RUN/NAME.json
-# (NAME=eval for the dense path, eval_sparse for the sparse one). Skipped when that file exists.
-sfl_eval() {
-  local exp=$1 run=$2 name=$3
-  shift 3
+# _sfl_evaluate EXP RUN NAME DONE_FILE WHAT [evaluate.py args ...]
+# Runs experiments/evaluate.py on $RUNS_ROOT/EXP/RUN/final into a temp dir and moves each file it wrote to
+# $RESULTS_ROOT/EXP/RUN as NAME.<file> (eval.json -> NAME.json, scores.npz -> NAME.scores.npz). Skipped when
+# DONE_FILE exists there; a failure is recorded in SFL_FAILED and the sweep goes on.
+_sfl_evaluate() {
+  local exp=$1 run=$2 name=$3 done_file=$4 what=$5
+  shift 5
   local res="$RESULTS_ROOT/$exp/$run" model="$RUNS_ROOT/$exp/$run/final"
-  if [ -f "$res/$name.json" ]; then
+  if [ -f "$res/$done_file" ]; then
     echo "  $exp/$run $name: exists, skipped"
     return 0
   fi
@@ -94,12 +95,12 @@ sfl_eval() {
     SFL_FAILED+=("$exp/$run:$name")
     return 0
   fi
-  local tmp
+  local tmp f
   tmp="$(mktemp -d "${TMPDIR:-/tmp}/sfl_eval.XXXXXX")"
-  echo "  $exp/$run $name: lm-eval $*"
+  echo "  $exp/$run $name: $what $*"
   if python -m experiments.evaluate --model "$model" --out "$tmp" "$@"; then
     mkdir -p "$res"
-    mv "$tmp/eval.json" "$res/$name.json"
+    for f in "$tmp"/*; do f=$(basename "$f"); mv "$tmp/$f" "$res/$name.${f#eval.}"; done
   else
     echo "  $exp/$run $name: FAILED" >&2
     SFL_FAILED+=("$exp/$run:$name")
@@ -107,35 +108,19 @@ sfl_eval() {
   rm -rf "$tmp"
 }
 
+# sfl_eval EXP RUN NAME [evaluate.py args ...]
+# lm-eval on $RUNS_ROOT/EXP/RUN/final; the eval.json it writes is stored as $RESULTS_ROOT/EXP/RUN/NAME.json
+# (NAME=eval for the dense path, eval_sparse for the sparse one). Skipped when that file exists.
+sfl_eval() {
+  _sfl_evaluate "$1" "$2" "$3" "$3.json" lm-eval "${@:4}"
+}
+
 # sfl_score EXP RUN NAME REQUESTS.npz [evaluate.py args ...]
 # Split eval, GPU half (no lm-eval needed): scores the exported requests with $RUNS_ROOT/EXP/RUN/final into
 # $RESULTS_ROOT/EXP/RUN/NAME.scores.{npz,json}; `evaluate.py --replay` turns them into NAME.json on a machine
 # with lm-eval (experiments/sparsify_smollm2/replay.sh). Skipped when the scores exist.
 sfl_score() {
-  local exp=$1 run=$2 name=$3 req=$4
-  shift 4
-  local res="$RESULTS_ROOT/$exp/$run" model="$RUNS_ROOT/$exp/$run/final"
-  if [ -f "$res/$name.scores.npz" ]; then
-    echo "  $exp/$run $name: scores exist, skipped"
-    return 0
-  fi
-  if [ ! -f "$model/config.json" ]; then
-    echo "  $exp/$run $name: no trained model at $model; skipped" >&2
-    SFL_FAILED+=("$exp/$run:$name")
-    return 0
-  fi
-  local tmp
-  tmp="$(mktemp -d "${TMPDIR:-/tmp}/sfl_score.XXXXXX")"
-  echo "  $exp/$run $name: scoring $req $*"
-  if python -m experiments.evaluate --model "$model" --score "$req" --out "$tmp" "$@"; then
-    mkdir -p "$res"
-    mv "$tmp/scores.npz" "$res/$name.scores.npz"
-    mv "$tmp/scores.json" "$res/$name.scores.json"
-  else
-    echo "  $exp/$run $name: FAILED" >&2
-    SFL_FAILED+=("$exp/$run:$name")
-  fi
-  rm -rf "$tmp"
+  _sfl_evaluate "$1" "$2" "$3" "$3.scores.npz" scoring --score "$4" "${@:5}"
 }
 
 # sfl_finish EXP: summary.csv over the experiment's runs, then a non-zero exit if anything failed.

@@ -141,6 +141,20 @@ def summarize(exp_dir: Path) -> Path:
     return out
 
 
+def compare_paths(exp_dir: Path) -> list[str]:
+    """One line per run holding eval.json and eval_sparse.json: dense vs sparse-path mean accuracy and the
+    largest per-task change (the two must agree up to bf16)."""
+    lines = []
+    for d in sorted(p for p in exp_dir.iterdir() if (p / "eval.json").is_file() and (p / "eval_sparse.json").is_file()):
+        a, b = (json.loads((d / f).read_text()) for f in ("eval.json", "eval_sparse.json"))
+        diffs = {t: b["tasks"][t]["acc"] - a["tasks"][t]["acc"] for t in a["tasks"] if t in b["tasks"]}
+        worst = max(diffs.items(), key=lambda kv: abs(kv[1]))
+        lines.append(f"{d.name}: mean acc dense {100 * a['mean_acc']:.2f} vs sparse {100 * b['mean_acc']:.2f} "
+                     f"(largest per-task change {worst[0]} {100 * worst[1]:+.2f} points); "
+                     f"nnz/token {a['nnz_per_token_mean']:.1f}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -155,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("run_dir")
     z = sub.add_parser("summarize")
     z.add_argument("exp_dir")
+    c = sub.add_parser("compare-paths")
+    c.add_argument("exp_dir")
     a = ap.parse_args(argv)
     if a.cmd == "merge":
         try:
@@ -176,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {p} does not exist (no runs yet)", file=sys.stderr)
             return 1
         print(f"wrote {summarize(p)}")
+        return 0
+    if a.cmd == "compare-paths":
+        print("\n".join(compare_paths(Path(a.exp_dir))))
         return 0
     return 1
 

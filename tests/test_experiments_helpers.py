@@ -99,3 +99,33 @@ def test_paired_ratios() -> None:
     assert r["speedup_sparse_over_dense"] == 2.0
     assert r["speedup_block_pairs_min"] == pytest.approx(1.5) and r["speedup_block_pairs_max"] == pytest.approx(2.0)
     assert paired_ratios({"dense": res["dense"], "sparse": {"note": "not measured"}}) == {}
+
+
+def test_run_lib_eval_and_score_store_outputs(tmp_path: Path) -> None:
+    """sfl_eval / sfl_score (experiments/run_lib.sh) put evaluate.py's outputs under NAME.*, skip done work,
+    and record a missing model as a failure. evaluate.py is replaced by a shell stand-in writing its files."""
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    (tmp_path / "runs" / "exp" / "r1" / "final").mkdir(parents=True)
+    (tmp_path / "runs" / "exp" / "r1" / "final" / "config.json").write_text("{}")
+    script = f"""
+set -e
+cd {repo}
+SCALE=gpu RUNS_ROOT={tmp_path}/runs RESULTS_ROOT={tmp_path}/res SFL_GIT_COMMIT=x
+. experiments/run_lib.sh
+python() {{  # stand-in for `python -m experiments.evaluate --model M --out DIR ...`
+  local out="" score=""
+  while [ $# -gt 0 ]; do case "$1" in --out) out=$2; shift ;; --score) score=$2; shift ;; esac; shift; done
+  if [ -n "$score" ]; then echo s > "$out/scores.npz"; echo j > "$out/scores.json"; else echo e > "$out/eval.json"; fi
+}}
+sfl_eval exp r1 eval_sparse --mlp-impl cuda
+sfl_score exp r1 eval req.npz --device cuda
+sfl_score exp r1 eval req.npz --device cuda
+sfl_eval exp missing eval
+echo "failed=${{SFL_FAILED[*]}}"
+"""
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout
+    res = tmp_path / "res" / "exp" / "r1"
+    assert sorted(p.name for p in res.iterdir()) == ["eval.scores.json", "eval.scores.npz", "eval_sparse.json"]
+    assert "exists, skipped" in out and "failed=exp/missing:eval" in out

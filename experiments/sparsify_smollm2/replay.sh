@@ -31,14 +31,5 @@ for scores in "$RESULTS_ROOT"/$EXP/*/*.scores.npz; do
   n=$((n + 1))
 done
 echo "replayed $n score files"
-python - "$RESULTS_ROOT/$EXP" <<'PY'
-import json, sys
-from pathlib import Path
-for d in sorted(p for p in Path(sys.argv[1]).iterdir() if (p / "eval.json").is_file() and (p / "eval_sparse.json").is_file()):
-    a, b = (json.loads((d / f).read_text()) for f in ("eval.json", "eval_sparse.json"))
-    diffs = {t: b["tasks"][t]["acc"] - a["tasks"][t]["acc"] for t in a["tasks"] if t in b["tasks"]}
-    worst = max(diffs.items(), key=lambda kv: abs(kv[1]))
-    print(f"{d.name}: mean acc dense {100 * a['mean_acc']:.2f} vs sparse {100 * b['mean_acc']:.2f} "
-          f"(largest per-task change {worst[0]} {100 * worst[1]:+.2f} points); nnz/token {a['nnz_per_token_mean']:.1f}")
-PY
+python -m experiments.runs compare-paths "$RESULTS_ROOT/$EXP"
 python -m experiments.runs summarize "$RESULTS_ROOT/$EXP" || true
