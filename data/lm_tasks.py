@@ -9,7 +9,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from data import EVAL_TASKS
+from . import EVAL_TASKS
 
 TEMPLATE_DIR = Path(__file__).resolve().parent / "tasks"
 PLACEHOLDER = "@SFL_EVAL_DIR@"
@@ -48,7 +48,7 @@ def materialize(eval_dir: Path, dest: Path, tasks: list[str]) -> Path:
     if missing:
         raise FileNotFoundError(
             f"eval data missing in {eval_dir}: {', '.join(t + '.jsonl' for t in missing)}. "
-            f"Run `python -m data.prepare --only eval` (data dir from $SFL_DATA_DIR or --data-dir).")
+            f"Run `python -m sfl.data.prepare --only eval` (data dir from $SFL_DATA_DIR or --data-dir).")
     dest.mkdir(parents=True, exist_ok=True)
     shutil.copy(TEMPLATE_DIR / "utils.py", dest / "utils.py")
     for t in tasks:

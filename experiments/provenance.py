@@ -21,15 +21,15 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
-_CODE_DIRS = ("kernels", "models", "experiments", "data")
+_CODE_DIRS = ("sfl", "kernels", "models", "experiments", "data")
 _CODE_SUFFIXES = {".py", ".cu", ".cpp", ".h", ".cuh", ".sh", ".yaml"}
 
 
 def source_tree_hash() -> str:
-    """sha256 over the code that produced a number (kernels/, models/, experiments/, data/ sources).
+    """sha256 over the code that produced a number (sfl/, kernels/, models/, experiments/, data/ sources).
 
     The GPU machine gets a copy of the working tree without .git: this hash still ties a log to the
-    exact code, and `python -c "from experiments.provenance import source_tree_hash as h; print(h())"`
+    exact code, and `python -c "from sfl.experiments.provenance import source_tree_hash as h; print(h())"`
     at a commit checks whether that commit is the code of a log.
     """
     digest = hashlib.sha256()

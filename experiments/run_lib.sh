@@ -50,15 +50,15 @@ sfl_train() {
   for y in "${yamls[@]}"; do
     [ -f "$y" ] || { echo "$exp/$run: no config $y (SCALE=$SCALE is not offered by this experiment)" >&2; exit 2; }
   done
-  if python -m experiments.runs done "$res"; then
-    echo "[$idx/$total] $exp/$run: finished before, skipped -- $(python -m experiments.runs describe "$res")"
+  if python -m sfl.experiments.runs done "$res"; then
+    echo "[$idx/$total] $exp/$run: finished before, skipped -- $(python -m sfl.experiments.runs describe "$res")"
     return 0
   fi
   mkdir -p "$out" "$res"
-  if ! python -m experiments.runs done "$out"; then
+  if ! python -m sfl.experiments.runs done "$out"; then
     local setargs=()
     for s in ${sets[@]+"${sets[@]}"}; do setargs+=(--set "$s"); done
-    python -m experiments.runs merge "${yamls[@]}" ${setargs[@]+"${setargs[@]}"} --set "out_dir=$out" \
+    python -m sfl.experiments.runs merge "${yamls[@]}" ${setargs[@]+"${setargs[@]}"} --set "out_dir=$out" \
       -o "$out/config.yaml"
     if compgen -G "$out/checkpoints/step_*/COMPLETE" > /dev/null; then
       echo "[$idx/$total] $exp/$run: resuming from its newest checkpoint"
@@ -67,7 +67,7 @@ sfl_train() {
       echo "[$idx/$total] $exp/$run: training ($(tr '\n' ' ' < "$out/config.yaml" | grep -oE 'l1_coeff: [^ ]+' || true))"
     fi
     local t0=$SECONDS
-    if ! python -m experiments.train --config "$out/config.yaml" --resume; then
+    if ! python -m sfl.experiments.train --config "$out/config.yaml" --resume; then
       echo "[$idx/$total] $exp/$run: FAILED after $((SECONDS - t0)) s (log: $out/train_log.jsonl)" >&2
       SFL_FAILED+=("$exp/$run")
       return 0
@@ -75,7 +75,7 @@ sfl_train() {
   fi
   cp "$out/train_log.jsonl" "$res/train_log.jsonl"
   [ "$KEEP_CKPT" = 1 ] || rm -rf "$out/checkpoints"
-  echo "[$idx/$total] $exp/$run: done -- $(python -m experiments.runs describe "$res")"
+  echo "[$idx/$total] $exp/$run: done -- $(python -m sfl.experiments.runs describe "$res")"
 }
 
 # _sfl_evaluate EXP RUN NAME DONE_FILE WHAT [evaluate.py args ...]
@@ -98,7 +98,7 @@ _sfl_evaluate() {
   local tmp f
   tmp="$(mktemp -d "${TMPDIR:-/tmp}/sfl_eval.XXXXXX")"
   echo "  $exp/$run $name: $what $*"
-  if python -m experiments.evaluate --model "$model" --out "$tmp" "$@"; then
+  if python -m sfl.experiments.evaluate --model "$model" --out "$tmp" "$@"; then
     mkdir -p "$res"
     for f in "$tmp"/*; do f=$(basename "$f"); mv "$tmp/$f" "$res/$name.${f#eval.}"; done
   else
@@ -126,7 +126,7 @@ sfl_score() {
 # sfl_finish EXP: summary.csv over the experiment's runs, then a non-zero exit if anything failed.
 sfl_finish() {
   local exp=$1
-  if [ -d "$RESULTS_ROOT/$exp" ]; then python -m experiments.runs summarize "$RESULTS_ROOT/$exp" || true; fi
+  if [ -d "$RESULTS_ROOT/$exp" ]; then python -m sfl.experiments.runs summarize "$RESULTS_ROOT/$exp" || true; fi
   if [ ${#SFL_FAILED[@]} -gt 0 ]; then
     echo "FAILED: ${SFL_FAILED[*]}" >&2
     return 1

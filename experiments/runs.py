@@ -1,9 +1,9 @@
 """Small helpers for the experiment run scripts (experiments/*/run.sh); no training code lives here.
 
-    python -m experiments.runs merge BASE.yaml [OVERRIDE.yaml ...] [--set key=value ...] -o OUT.yaml
-    python -m experiments.runs done RESULT_DIR [--file train_log.jsonl]   # exit 0 iff a 'final' line exists
-    python -m experiments.runs describe RUN_DIR                           # one-line summary of a finished run
-    python -m experiments.runs summarize EXP_RESULTS_DIR                  # summary.csv (+ printed table)
+    python -m sfl.experiments.runs merge BASE.yaml [OVERRIDE.yaml ...] [--set key=value ...] -o OUT.yaml
+    python -m sfl.experiments.runs done RESULT_DIR [--file train_log.jsonl]   # exit 0 iff a 'final' line exists
+    python -m sfl.experiments.runs describe RUN_DIR                           # one-line summary of a finished run
+    python -m sfl.experiments.runs summarize EXP_RESULTS_DIR                  # summary.csv (+ printed table)
 
 Configs are flat YAML mappings (experiments/config.py); `merge` applies later files and --set on top of
 earlier ones and validates every key against train.py's accepted set, so a typo fails before training starts.
@@ -27,7 +27,7 @@ _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 def merge_configs(paths: list[str], sets: list[str]) -> dict[str, Any]:
     """Flat merge of YAML files then key=value overrides; keys checked against experiments.config."""
-    from experiments.config import ConfigError, _check_keys, _parse_set
+    from .config import ConfigError, _check_keys, _parse_set
 
     cfg: dict[str, Any] = {}
     for p in paths:

@@ -1,12 +1,12 @@
 """The one training entry point: SparseLlama (ReLU FFN + L1) language-model training.
 
-    python -m experiments.train --config path.yaml [--set key=value ...] [--resume]
-    torchrun --nproc_per_node=N -m experiments.train --config path.yaml      # DDP
+    python -m sfl.experiments.train --config path.yaml [--set key=value ...] [--resume]
+    torchrun --nproc_per_node=N -m sfl.experiments.train --config path.yaml      # DDP
 
 Config keys: experiments/config.py (DEFAULTS/DOCS) and experiments/README.md "train.py config".
 Writes <out_dir>/train_log.jsonl (schema: team brief / experiments/README.md), crash-safe
 checkpoints under <out_dir>/checkpoints (exact resume with --resume) and <out_dir>/final
-(save_pretrained, loadable by experiments/evaluate.py after `import models`).
+(save_pretrained, loadable by experiments/evaluate.py after `import sfl.models`).
 """
 from __future__ import annotations
 
@@ -31,11 +31,11 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from experiments.checkpoint import atomic_write_text, find_latest, load_checkpoint, save_checkpoint
-from experiments.config import ConfigError, l1_coeff_at, load_config, lr_at
-from experiments.data_loader import TokenData
-from models import SparseLlamaConfig, SparseLlamaForCausalLM
-from models.sparsity import reinit_dead_rows
+from .checkpoint import atomic_write_text, find_latest, load_checkpoint, save_checkpoint
+from .config import ConfigError, l1_coeff_at, load_config, lr_at
+from .data_loader import TokenData
+from sfl.models import SparseLlamaConfig, SparseLlamaForCausalLM
+from sfl.models.sparsity import reinit_dead_rows
 
 # Keys that may change between a checkpoint and its resumption without breaking exactness.
 RESUME_MUTABLE = {"max_steps", "log_every", "eval_every", "eval_batches", "ckpt_every", "progress", "device",
@@ -140,7 +140,7 @@ def build_model(cfg: dict[str, Any], data_vocab: int, eos_id: int | None, dead_w
         if model_type == "llama":
             from transformers import LlamaForCausalLM
 
-            from models.convert import relufy
+            from sfl.models.convert import relufy
             model = relufy(LlamaForCausalLM.from_pretrained(src, dtype=torch.float32), **sparsity)
         elif model_type == SparseLlamaConfig.model_type:
             # config kwargs are applied before the model is built (and validated there)
@@ -306,7 +306,7 @@ def train(cfg: dict[str, Any], resume: bool = False) -> dict[str, Any]:
             truncate_log(log_path, step)
 
     log = JsonlLog(log_path, d.main)
-    from experiments.provenance import collect
+    from .provenance import collect
     if ckpt_dir is None:
         mc = model.config  # the built model's shape (with init_from the arch keys of cfg are not used)
         arch = {k: getattr(mc, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",

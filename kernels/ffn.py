@@ -16,8 +16,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from kernels.loader import REFERENCE_HINT, KernelUnavailableError
-from kernels.reference import check_ffn_layouts
+from .loader import REFERENCE_HINT, KernelUnavailableError
+from .reference import check_ffn_layouts
 
 _MODES = {"auto": 0, "sparse": 1, "dense": 2}
 _WDT_CACHE: dict[tuple, tuple] = {}
@@ -25,7 +25,7 @@ _WDT_CACHE_MAX = 16
 
 
 def _ops():
-    import kernels.twell.ops  # noqa: F401  (registers torch.ops.sfl_twell.*)
+    import sfl.kernels.twell.ops  # noqa: F401  (registers torch.ops.sfl_twell.*)
 
     return torch.ops.sfl_twell
 
@@ -82,9 +82,9 @@ def _run(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, return_
          activity_hint: float, w_down_t: Tensor | None):
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w_gate, w_up, w_down)):
         # the inference kernels have no backward: refuse rather than return a result whose gradients are missing
-        raise ValueError("kernels.ffn is inference-only (no backward): call it under torch.no_grad() / "
+        raise ValueError("sfl.kernels.ffn is inference-only (no backward): call it under torch.no_grad() / "
                          "torch.inference_mode() or pass detached tensors; to train, use "
-                         "kernels.train_ffn.sparse_gated_ffn_train / sparse_nongated_ffn_train")
+                         "sfl.kernels.train_ffn.sparse_gated_ffn_train / sparse_nongated_ffn_train")
     validate(x, w_gate, w_up, w_down)
     if mode not in _MODES:
         raise ValueError(f"mode must be one of {sorted(_MODES)}, got {mode!r}")
@@ -96,7 +96,7 @@ def _run(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, return_
     if not torch.compiler.is_compiling():
         # eager (CUDA-graph capture included): call the implementation directly; the torch.library op costs
         # tens of microseconds of host time per call, which the GPU waits for at small M
-        from kernels.twell.ops import _ffn_impl
+        from .twell.ops import _ffn_impl
 
         y, nnz = _ffn_impl(x2, w_gate, w_up, wdt, w_down, _MODES[mode], float(activity_hint), return_stats)
     elif w_gate is not None:
@@ -132,7 +132,7 @@ def twell_d2t(x: Tensor, w_gate: Tensor, slots: int = 32) -> tuple[Tensor, Tenso
     return _ops().d2t(_aligned(x.reshape(-1, x.shape[-1])), _aligned(w_gate), slots)
 
 
-from kernels.twell.module import TwELLGatedMLP, TwELLMLP  # noqa: E402  (re-export)
+from .twell.module import TwELLGatedMLP, TwELLMLP  # noqa: E402  (re-export)
 
 __all__ = ["sparse_gated_ffn", "sparse_nongated_ffn", "twell_d2t", "transposed_down", "validate",
            "TwELLGatedMLP", "TwELLMLP", "KernelUnavailableError"]

@@ -24,7 +24,7 @@ TWELL_SOURCES = [_HERE / "twell" / "binding.cpp", _HERE / "twell" / "twell_kerne
 _LOCK = threading.Lock()
 _CACHE: dict[str, ModuleType] = {}
 
-REFERENCE_HINT = ("the pure-PyTorch path kernels.reference (gated_ffn_twell / nongated_ffn_twell) "
+REFERENCE_HINT = ("the pure-PyTorch path sfl.kernels.reference (gated_ffn_twell / nongated_ffn_twell) "
                   "or mlp_impl='reference'/'dense' works on any device")
 
 

@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.reference import check_ffn_layouts
-from kernels.train import ops as _ops
+from .reference import check_ffn_layouts
+from .train import ops as _ops
 
 _L1_REDUCTIONS = ("mean", "sum")
 
@@ -184,7 +184,7 @@ def _count_rows(a: Tensor) -> Tensor:
     """int32 per-row count of a != 0: our 16-byte-load kernel on bf16 CUDA (torch's (a != 0).sum(1) measured
     0.49 ms on [16384, 5632], ~375 GB/s), torch elsewhere."""
     if a.is_cuda and a.dtype == torch.bfloat16 and a.shape[1] % 8 == 0 and a.stride(1) == 1 and a.stride(0) % 8 == 0:
-        from kernels.loader import KernelUnavailableError
+        from .loader import KernelUnavailableError
 
         try:
             return _ops.load_ext().count(a)
@@ -202,7 +202,7 @@ class _FusedDenseFFN(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, scale, row_cap, want_stats, want_last_active):
-        from kernels.loader import load_twell
+        from .loader import load_twell
 
         tw = load_twell()
         gated = w_gate is not None
@@ -253,7 +253,7 @@ def _fused_dense_ok(x2: Tensor, backend: str, kn: dict[str, Any], N: int) -> boo
         return False
     if torch.compiler.is_compiling():  # plain torch ops trace cleanly, and inductor fuses the elementwise part itself
         return False
-    from kernels.loader import KernelUnavailableError, load_twell
+    from .loader import KernelUnavailableError, load_twell
 
     try:
         load_twell()

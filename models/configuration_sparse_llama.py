@@ -58,7 +58,7 @@ class SparseLlamaConfig(LlamaConfig):
 
         if self.hidden_act not in ACTIVATIONS:
             raise bad("hidden_act", self.hidden_act,
-                      f"must be one of {ACTIVATIONS} (convert other checkpoints with `python -m models.convert`)")
+                      f"must be one of {ACTIVATIONS} (convert other checkpoints with `python -m sfl.models.convert`)")
         if self.hidden_act != "relu" and self.mlp_impl != "dense":
             raise bad("hidden_act", self.hidden_act,
                       f"mlp_impl={self.mlp_impl!r} computes ReLU FFNs only; use hidden_act='relu' or mlp_impl='dense'")

@@ -3,7 +3,7 @@
 All weights are copied unchanged; only the activation changes (SiLU -> ReLU), so the converted
 model is a *different function* that needs fine-tuning (with L1) to recover quality.
 
-    python -m models.convert --src <data_dir>/smollm2-135m --out runs/smollm2-135m-relu [--l1-coeff 2e-5]
+    python -m sfl.models.convert --src <data_dir>/smollm2-135m --out runs/smollm2-135m-relu [--l1-coeff 2e-5]
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Only the MLP and the causal-LM head's loss differ from LlamaForCausalLM; attention, norms, RoPE,
 caching and generation are inherited, so from_pretrained / generate / lm-eval's HFLM work as for
-any Llama once `import models` has registered the classes with the Auto factories.
+any Llama once `import sfl.models` has registered the classes with the Auto factories.
 """
 from __future__ import annotations
 
@@ -154,7 +154,7 @@ class SparseLlamaMLP(nn.Module):
 
     def _forward_reference(self, x2: torch.Tensor) -> torch.Tensor:
         try:
-            from kernels import reference as ref
+            from sfl.kernels import reference as ref
         except ImportError as e:  # pragma: no cover - depends on the kernels package
             raise ImportError(
                 "mlp_impl='reference' needs kernels/reference.py (pure-PyTorch TwELL path); "
@@ -186,7 +186,7 @@ class SparseLlamaMLP(nn.Module):
                                         or any(w is not None and w.requires_grad for w in self._weights())):
             return self._forward_cuda_train(x2)
         try:
-            from kernels import ffn
+            from sfl.kernels import ffn
         except ImportError as e:  # pragma: no cover - depends on the kernels package
             raise ImportError(
                 f"mlp_impl='cuda' needs kernels/ffn.py ({e}). Use mlp_impl='reference' or 'dense'."
@@ -223,7 +223,7 @@ class SparseLlamaMLP(nn.Module):
     def _forward_cuda_train(self, x2: torch.Tensor) -> torch.Tensor:
         """Training through the hybrid-format op of kernels/train_ffn.py: exact y, L1 and gradients."""
         try:
-            from kernels import train_ffn
+            from sfl.kernels import train_ffn
         except ImportError as e:  # pragma: no cover - depends on the kernels package
             raise ImportError(f"mlp_impl='cuda' training needs kernels/train_ffn.py ({e}); use mlp_impl='dense'.") from e
         if self.config.mlp_bias:

@@ -1,4 +1,4 @@
-"""Execute the figure/table notebooks headless: `python -m notebooks.run_all [--only NAME ...]`.
+"""Execute the figure/table notebooks headless: `python -m sfl.notebooks.run_all [--only NAME ...]`.
 
 Each notebook is executed from a temporary copy (the committed .ipynb stays output-free, so no diff churn)
 with the repository root as working directory; the notebooks write figures/*.png and paper_tables/*.md/.csv
@@ -87,7 +87,7 @@ def run(only: list[str] | None = None, keep_dir: Path | None = None, timeout: in
             ok, msg = execute(p, timeout=timeout, keep_dir=keep_dir or Path(tmp))
             results[p.stem] = (ok, msg if not ok else f"ok in {time.time() - t0:.1f}s")
     sys.path.insert(0, str(REPO_ROOT))
-    from notebooks import nbutil
+    from . import nbutil
 
     nbutil.write_index()
     return results

@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import data
-from data import manifest as M
-from data import prepare as P
-from data import sources as S
-from data import tokens as T
-from data.eval_data import _strip_qa, convert_rows, hellaswag_preprocess
+from sfl import data
+from sfl.data import manifest as M
+from sfl.data import prepare as P
+from sfl.data import sources as S
+from sfl.data import tokens as T
+from sfl.data.eval_data import _strip_qa, convert_rows, hellaswag_preprocess
 
 # ----------------------------------------------------------------------------------------- cleaning
 
@@ -253,7 +253,7 @@ def test_upstream_rebuild_makes_tokens_stale_and_cli_is_idempotent(tmp_path, cap
 def test_require_and_paths(tmp_path, monkeypatch):
     monkeypatch.setenv("SFL_DATA_DIR", str(tmp_path))
     assert data.paths().root == tmp_path.resolve()
-    with pytest.raises(data.DataNotPrepared, match="python -m data.prepare --only tokens"):
+    with pytest.raises(data.DataNotPrepared, match="python -m sfl.data.prepare --only tokens"):
         data.require("tokens")
     _fake_upstream(tmp_path)
     assert data.require("text").text == tmp_path.resolve() / "text"

@@ -10,8 +10,8 @@ import torch
 
 pytest.importorskip("lm_eval")
 
-from data.lm_tasks import TEMPLATE_DIR, materialize, parse_tasks  # noqa: E402
-from experiments.evaluate import NnzRecorder, main, valid_mask_right_padded  # noqa: E402
+from sfl.data.lm_tasks import TEMPLATE_DIR, materialize, parse_tasks  # noqa: E402
+from sfl.experiments.evaluate import NnzRecorder, main, valid_mask_right_padded  # noqa: E402
 
 PIQA = [
     {"id": str(i), "question": q, "choices": c, "gold": g}
@@ -123,7 +123,7 @@ def test_recorder_uses_sparse_mlp_stats_when_present(tmp_path):
     """With our sparse model (models/ by the models helper) the recorder reads last_nnz_per_token;
     on a ReLU-fied copy of a ReLU Llama it must count exactly what the act_fn hook counts."""
     try:
-        from models.convert import relufy
+        from sfl.models.convert import relufy
     except Exception as e:  # noqa: BLE001 - models/ is developed concurrently
         pytest.skip(f"models package not importable: {e}")
     from transformers import AutoModelForCausalLM
@@ -147,8 +147,8 @@ def test_recorder_uses_sparse_mlp_stats_when_present(tmp_path):
 def test_split_eval_matches_direct_lm_eval(tmp_path):
     """export -> score (no lm-eval) -> replay gives exactly the direct lm-eval accuracies, and the scorer's
     loglikelihoods equal HFLM's own on the same requests."""
-    from experiments.evaluate import load_model
-    from experiments.loglik import load_requests, load_scores, score_requests
+    from sfl.experiments.evaluate import load_model
+    from sfl.experiments.loglik import load_requests, load_scores, score_requests
 
     model_dir = _tiny_model_dir(tmp_path)
     eval_dir = tmp_path / "eval"
@@ -199,7 +199,7 @@ def test_split_eval_matches_direct_lm_eval(tmp_path):
 
 
 def test_requests_file_roundtrip_and_checks(tmp_path):
-    from experiments.loglik import load_requests, save_requests
+    from sfl.experiments.loglik import load_requests, save_requests
 
     pairs = [([1, 2, 3], [4]), ([1, 2, 3], [4]), ([5], [6, 7]), ([60000, 1], [2])]
     r = save_requests(tmp_path / "r.npz", pairs, {"tasks": ["x"]})

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.ffn as ffn
-from kernels.loader import KernelUnavailableError, load_twell, source_hash
+import sfl.kernels.ffn as ffn
+from sfl.kernels.loader import KernelUnavailableError, load_twell, source_hash
 
 
 def _w(K=576, N=1536, dtype=torch.bfloat16, device="cpu"):
@@ -15,9 +15,9 @@ def _w(K=576, N=1536, dtype=torch.bfloat16, device="cpu"):
 
 def test_cpu_tensors_name_the_reference_path():
     x, wg, wu, wd = _w()
-    with pytest.raises(KernelUnavailableError, match="kernels.reference"):
+    with pytest.raises(KernelUnavailableError, match="sfl.kernels.reference"):
         ffn.sparse_gated_ffn(x, wg, wu, wd)
-    with pytest.raises(KernelUnavailableError, match="kernels.reference"):
+    with pytest.raises(KernelUnavailableError, match="sfl.kernels.reference"):
         ffn.sparse_nongated_ffn(x, wu, wd)
 
 
@@ -61,7 +61,7 @@ def test_validate_dtype_contiguity_layout(monkeypatch):
 def test_fake_impls_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import kernels.twell.ops  # noqa: F401
+    import sfl.kernels.twell.ops  # noqa: F401
 
     ops = torch.ops.sfl_twell
     with FakeTensorMode():
@@ -84,7 +84,7 @@ def test_module_rejects_bias():
 
 
 def test_crossover_table_parsing():
-    from kernels.twell.ops import crossover
+    from sfl.kernels.twell.ops import crossover
 
     spec = "1:0.012,17:0,8192:0.003"
     assert crossover(1, spec) == 0.012 and crossover(16, spec) == 0.012
@@ -96,7 +96,7 @@ def test_crossover_table_parsing():
 
 
 def test_layer_history_update_and_keys():
-    from kernels.twell.ops import LayerHistory, history_for, reset_history
+    from sfl.kernels.twell.ops import LayerHistory, history_for, reset_history
 
     h = LayerHistory()
     h.update(nnz_ok=900, n_bad=10, rows=100, n=1000)   # 900 active entries over 90 unflagged rows of 1000
@@ -114,7 +114,7 @@ def test_layer_history_update_and_keys():
 def test_inference_entry_refuses_autograd_inputs() -> None:
     """No backward in the inference kernels: grad-requiring inputs get a clear error (before any device check),
     and the same call under no_grad goes on to the usual checks."""
-    from kernels import ffn
+    from sfl.kernels import ffn
 
     K, N = 64, 256
     x = torch.randn(4, K, dtype=torch.bfloat16)
@@ -132,7 +132,7 @@ def test_inference_entry_refuses_autograd_inputs() -> None:
 
 def test_knobs_parse_every_env_var(monkeypatch):
     """knobs() runs on CPU too: every TWELL_* knob parses, a set value reaches the dict, unset ones default."""
-    from kernels.twell import ops
+    from sfl.kernels.twell import ops
 
     base = ops.knobs()
     assert base["slots"] == 32 and base["compact"] == 2 and "crossover" in base
@@ -148,7 +148,7 @@ def test_every_knob_is_documented():
     """Each TWELL_* env knob the ops read has a row in kernels/README.md's KNOBS table (default, effect, failure)."""
     from pathlib import Path
 
-    from kernels.twell import ops
+    from sfl.kernels.twell import ops
 
     readme = (Path(ops.__file__).resolve().parents[1] / "README.md").read_text()
     table = readme[readme.index("## KNOBS"):]
@@ -158,7 +158,7 @@ def test_every_knob_is_documented():
 
 def test_self_timing_decisions_on_cpu():
     """LayerHistory's self-timing bookkeeping (no GPU needed: samples injected)."""
-    from kernels.twell.ops import LayerHistory
+    from sfl.kernels.twell.ops import LayerHistory
 
     h = LayerHistory()
     b = 13
@@ -187,7 +187,7 @@ def test_self_timing_decisions_on_cpu():
 def test_promotion_band_decisions_on_cpu():
     """Just above the crossover: sparse is probed (2 samples), run when >2% faster than dense, re-probed every
     REPROBE_EVERY calls of the bucket."""
-    from kernels.twell.ops import LayerHistory
+    from sfl.kernels.twell.ops import LayerHistory
 
     h = LayerHistory()
     b = 17
@@ -208,7 +208,7 @@ def test_promotion_band_decisions_on_cpu():
 
 
 def test_nongated_table_is_its_own(monkeypatch):
-    from kernels.twell import ops
+    from sfl.kernels.twell import ops
 
     kn = ops.knobs()
     assert kn["crossover_nongated"] == ops.DEFAULT_CROSSOVER_NONGATED != kn["crossover"]
@@ -219,8 +219,8 @@ def test_nongated_table_is_its_own(monkeypatch):
 def test_crossover_spec_from_calibration_rows():
     """The calibration -> table rule: interpolated 0.98 crossing, min over profiles, a profile that loses at its
     lowest activity limits the table just below it, no measured win -> 0."""
-    pytest.importorskip("experiments.kernel_bench.bench_inference")
-    from experiments.kernel_bench.bench_inference import crossover_spec
+    pytest.importorskip("sfl.experiments.kernel_bench.bench_inference")
+    from sfl.experiments.kernel_bench.bench_inference import crossover_spec
 
     def rows(M, pattern, pts):
         return [{"M": M, "pattern": pattern, "p_measured": p, "speedup": s} for p, s in pts]
@@ -236,7 +236,7 @@ def test_crossover_spec_from_calibration_rows():
 
 def test_source_hash_covers_the_shared_header(tmp_path, monkeypatch):
     """Editing kernels/common/*.cuh must change every extension's hash (else a stale build would load)."""
-    from kernels import loader
+    from sfl.kernels import loader
 
     hdr = tmp_path / "x.cuh"
     hdr.write_text("// a")
@@ -251,7 +251,7 @@ def test_history_is_per_storage():
     key), so timing samples of a freed weight never steer a new one."""
     import torch
 
-    from kernels.twell import ops
+    from sfl.kernels.twell import ops
 
     w = torch.randn(256, 64)
     assert ops.history_for(w) is ops.history_for(w.detach()) is ops.history_for(w.view(256, 64))

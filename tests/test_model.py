@@ -13,9 +13,9 @@ import torch.nn.functional as F
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import models  # noqa: E402  (registers the Auto classes)
-from models import SparseLlamaConfig, SparseLlamaForCausalLM, SparseLlamaMLP  # noqa: E402
-from models.sparsity import l1_penalty, nnz_per_token, update_tokens_since_fire  # noqa: E402
+from sfl import models  # noqa: E402  (registers the Auto classes)
+from sfl.models import SparseLlamaConfig, SparseLlamaForCausalLM, SparseLlamaMLP  # noqa: E402
+from sfl.models.sparsity import l1_penalty, nnz_per_token, update_tokens_since_fire  # noqa: E402
 
 VOCAB = 97
 
@@ -202,13 +202,13 @@ def test_model_sparsity_stats_aggregates() -> None:
 # ----------------------------------------------------------------------------- mlp_impl paths
 def _reference_available() -> bool:
     try:
-        ref = importlib.import_module("kernels.reference")
+        ref = importlib.import_module("sfl.kernels.reference")
     except ImportError:
         return False
     return hasattr(ref, "gated_ffn_twell") and hasattr(ref, "nongated_ffn_twell")
 
 
-@pytest.mark.skipif(not _reference_available(), reason="kernels.reference.*_ffn_twell not importable yet")
+@pytest.mark.skipif(not _reference_available(), reason="sfl.kernels.reference.*_ffn_twell not importable yet")
 @pytest.mark.parametrize("gated", [True, False])
 def test_reference_impl_matches_dense(gated: bool) -> None:
     model = tiny_model(seed=3, gated_mlp=gated, intermediate_size=512, twell_tile_n=256, twell_slots=32).eval()
@@ -231,7 +231,7 @@ def test_cuda_impl_trains_through_hybrid_op_like_dense(monkeypatch) -> None:
     loss, L1 and every gradient equal the dense model's; statistics and dead trackers are kept.
     A knob forces the sparse path (auto picks dense on CPU), with an ELL narrow enough that some rows
     take the dense backup."""
-    pytest.importorskip("kernels.train_ffn")
+    pytest.importorskip("sfl.kernels.train_ffn")
     monkeypatch.setenv("SFL_TRAIN_FORCE_MODE", "sparse")
     monkeypatch.setenv("SFL_TRAIN_WIDTH", "96")
     torch.manual_seed(0)
@@ -336,7 +336,7 @@ def test_silu_baseline_matches_hf_llama() -> None:
 @pytest.mark.parametrize("mode", ["auto", "sparse"])
 def test_cuda_impl_passes_twell_mode_to_the_kernels(monkeypatch, mode) -> None:
     """config.twell_mode reaches kernels.ffn (checked with a stand-in for the CUDA op, so it runs on CPU)."""
-    from kernels import ffn
+    from sfl.kernels import ffn
 
     seen = []
 
@@ -373,7 +373,7 @@ def _tiny_tokenizer(path) -> None:
 def test_convert_relufies_dense_llama(tmp_path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from models.convert import main as convert_main
+    from sfl.models.convert import main as convert_main
 
     torch.manual_seed(6)
     dense_cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -409,7 +409,7 @@ def test_convert_relufies_dense_llama(tmp_path) -> None:
 
 
 def test_convert_rejects_non_llama(tmp_path) -> None:
-    from models.convert import convert
+    from sfl.models.convert import convert
 
     with pytest.raises(FileNotFoundError, match="config.json"):
         convert(tmp_path / "missing", tmp_path / "out")

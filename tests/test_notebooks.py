@@ -1,7 +1,7 @@
 """The figure/table notebooks execute headless (a) on the real results/ — logs may be missing, and then each
 output must say "not reproduced yet" with the command to run — and (b) on small synthetic logs in a temp dir
 that follow the schemas in notebooks/README.md, where the tables must carry our values beside the published
-ones from results/published/paper_numbers.csv. Both runs go through `python -m notebooks.run_all` in two
+ones from results/published/paper_numbers.csv. Both runs go through `python -m sfl.notebooks.run_all` in two
 parallel subprocesses (kernel start-up dominates; ~30-40 s each on 2 cores)."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
 from nb_synthetic import make_synthetic_results  # noqa: E402
-from notebooks import nbutil  # noqa: E402
+from sfl.notebooks import nbutil  # noqa: E402
 
 pytest.importorskip("nbclient")
 pytest.importorskip("matplotlib")
@@ -59,7 +59,7 @@ def runs(tmp_path_factory):
         env.pop("SFL_RESULTS_DIR", None)
         if results is not None:
             env["SFL_RESULTS_DIR"] = str(results)
-        procs[name] = subprocess.Popen([sys.executable, "-m", "notebooks.run_all"], cwd=REPO, env=env,
+        procs[name] = subprocess.Popen([sys.executable, "-m", "sfl.notebooks.run_all"], cwd=REPO, env=env,
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = {}
     for name, p in procs.items():

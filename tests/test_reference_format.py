@@ -11,8 +11,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels import reference as ref
-from kernels.reference import (
+from sfl.kernels import reference as ref
+from sfl.kernels.reference import (
     Hybrid,
     TwELL,
     activation_stats,

@@ -17,10 +17,10 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from experiments import train as train_mod  # noqa: E402
-from experiments.checkpoint import find_latest, list_checkpoints, load_checkpoint  # noqa: E402
-from experiments.config import ConfigError, l1_coeff_at, load_config, lr_at  # noqa: E402
-from experiments.data_loader import TokenData  # noqa: E402
+from sfl.experiments import train as train_mod  # noqa: E402
+from sfl.experiments.checkpoint import find_latest, list_checkpoints, load_checkpoint  # noqa: E402
+from sfl.experiments.config import ConfigError, l1_coeff_at, load_config, lr_at  # noqa: E402
+from sfl.experiments.data_loader import TokenData  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 61
@@ -91,7 +91,7 @@ def test_log_schema_and_final_model(data_dir, tmp_path) -> None:
     assert final["val_ce"] == evals[-1]["val_ce"] and final["wall_s"] > 0
     assert steps[-1]["ce"] < steps[0]["ce"]  # it learns something
 
-    import models  # noqa: F401
+    from sfl import models  # noqa: F401
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(out / "final")
     assert type(model).__name__ == "SparseLlamaForCausalLM" and model.config.l1_coeff == 1e-2
@@ -161,7 +161,7 @@ def test_resume_refuses_changed_config_and_fresh_run_refuses_existing(data_dir, 
 
 # ----------------------------------------------------------------------------- init_from / SiLU
 def test_init_from_dense_llama_and_sparse_checkpoint(data_dir, tmp_path) -> None:
-    import models  # noqa: F401
+    from sfl import models  # noqa: F401
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -191,7 +191,7 @@ def test_silu_baseline_trains(data_dir, tmp_path) -> None:
 
 def test_dead_neuron_reinit(data_dir, tmp_path, monkeypatch) -> None:
     """Eq. 6 moves exactly the dead gate rows toward N(0, std^2); live rows and other weights are untouched."""
-    from models.sparsity import reinit_dead_rows
+    from sfl.models.sparsity import reinit_dead_rows
 
     w = torch.randn(6, 4)
     since = torch.tensor([0, 100, 5, 64, 63, 1000])
@@ -266,7 +266,7 @@ def test_sigkill_never_corrupts_checkpoint(data_dir, tmp_path) -> None:
     """Kill a real training process at an arbitrary moment; the newest checkpoint still loads and
     the run resumes to completion."""
     out = tmp_path / "run"
-    args = [sys.executable, "-m", "experiments.train", "--set", f"data_dir={data_dir}", "--set", f"out_dir={out}",
+    args = [sys.executable, "-m", "sfl.experiments.train", "--set", f"data_dir={data_dir}", "--set", f"out_dir={out}",
             "--set", "hidden_size=32", "--set", "intermediate_size=64", "--set", "num_hidden_layers=2",
             "--set", "num_attention_heads=2", "--set", "seq_len=16", "--set", "micro_batch_size=4",
             "--set", "max_steps=400", "--set", "warmup_steps=2", "--set", "ckpt_every=1", "--set", "eval_every=0",
@@ -358,7 +358,7 @@ def test_unknown_yaml_key_and_cli_exit(tmp_path) -> None:
 def test_provenance_prefers_exported_commit(monkeypatch):
     """On the GPU machine the copied tree may carry a stale .git: an exported SFL_GIT_COMMIT names the commit, and
     the local HEAD (when it differs) is kept beside it."""
-    from experiments import provenance
+    from sfl.experiments import provenance
 
     monkeypatch.setattr(provenance, "_git", lambda *a: "a" * 40 if a[0] == "rev-parse" else "")
     monkeypatch.setenv("SFL_GIT_COMMIT", "b" * 40)

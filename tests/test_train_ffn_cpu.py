@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.train import ops
-from kernels.train_ffn import (DispatchState, sparse_gated_ffn_train, sparse_nongated_ffn_train,
+from sfl.kernels.train import ops
+from sfl.kernels.train_ffn import (DispatchState, sparse_gated_ffn_train, sparse_nongated_ffn_train,
                                update_tokens_since_fire_sparse)
-from models.sparsity import l1_penalty, update_tokens_since_fire
+from sfl.models.sparsity import l1_penalty, update_tokens_since_fire
 
 DT = torch.float64
 
@@ -108,7 +108,7 @@ def test_saved_hybrid_format_and_transpose():
     assert torch.equal(nnz, nnz_ref)
     assert torch.equal(brow, (nnz_ref > 10).nonzero().squeeze(1))  # exactly the Hybrid heavy rows
     assert torch.equal(backup, a[brow])
-    from kernels import reference as ref
+    from sfl.kernels import reference as ref
 
     hy = ref.d2h(a, 10)
     valid = ops.light_valid(ell_col, nnz, flag)

@@ -81,7 +81,7 @@ def grads(fn, inputs, gy, coef):
 
 def check_case(M, K, N, p, seed, gated=True, heavy_frac=0.0, reduction="sum", coef=1.0, gy_zero=False,
                mode="sparse", width=None, adversarial=True):
-    from kernels.train_ffn import sparse_gated_ffn_train, sparse_nongated_ffn_train
+    from sfl.kernels.train_ffn import sparse_gated_ffn_train, sparse_nongated_ffn_train
 
     x, wg, wu, wd = make_problem(M, K, N, p, seed, gated, heavy_frac, adversarial)
     gy = torch.zeros(M, K, device=DEV) if gy_zero else torch.randn(M, K, device=DEV, generator=torch.Generator(
@@ -155,7 +155,7 @@ def test_chunked_gate(monkeypatch):
 
 
 def test_auto_dispatch_and_history(monkeypatch):
-    from kernels.train_ffn import DispatchState, sparse_gated_ffn_train
+    from sfl.kernels.train_ffn import DispatchState, sparse_gated_ffn_train
 
     monkeypatch.setenv("SFL_TRAIN_SPARSE_MIN_M", "0")
 
@@ -166,7 +166,7 @@ def test_auto_dispatch_and_history(monkeypatch):
     a = F.relu(F.linear(x, wg))
     a[0, 5] = -0.0
     a[1, 6] = float("nan")
-    from kernels.train_ffn import _count_rows
+    from sfl.kernels.train_ffn import _count_rows
     assert torch.equal(s1["nnz_per_token"], (F.relu(F.linear(x, wg)) != 0).sum(1, dtype=torch.int32))
     assert torch.equal(_count_rows(a), (a != 0).sum(1, dtype=torch.int32))  # -0.0 inactive, NaN active
     torch.cuda.synchronize()
@@ -181,7 +181,7 @@ def test_auto_dispatch_and_history(monkeypatch):
 
 
 def test_nonfinite_rows_match_dense():
-    from kernels.train_ffn import sparse_gated_ffn_train
+    from sfl.kernels.train_ffn import sparse_gated_ffn_train
 
     x, wg, wu, wd = make_problem(512, 512, 1024, 0.01, 4)
     x[20, 7] = float("nan")
@@ -200,7 +200,7 @@ def test_nonfinite_rows_match_dense():
 
 
 def test_saved_format_matches_reference():
-    from kernels.train import ops
+    from sfl.kernels.train import ops
 
     x, wg, wu, wd = make_problem(3000, 1024, 2048, 0.01, 6)
     out = ops.ffn_fwd(x, wg, wu, wd, 128, 1.0, 1 << 20, False, "cuda")
@@ -220,7 +220,7 @@ def test_saved_format_matches_reference():
 
 
 def test_autocast_fp32_master_weights():
-    from kernels.train_ffn import sparse_gated_ffn_train
+    from sfl.kernels.train_ffn import sparse_gated_ffn_train
 
     x, wg, wu, wd = make_problem(2048, 1024, 2048, 0.01, 8)
     ps = [t.float().clone().requires_grad_(True) for t in (wg, wu, wd)]
@@ -243,7 +243,7 @@ def test_autocast_fp32_master_weights():
 def test_fused_dense_path_vs_fp32(M, K, N, p, gated):
     """mode='dense' runs the fused dense function (relu*mul+L1+stats forward, one elementwise backward pass):
     y, l1 and every gradient within 2x of bf16 PyTorch's error against fp32, adversarial rows included."""
-    from kernels import train_ffn
+    from sfl.kernels import train_ffn
 
     x = torch.zeros(M, K, device=DEV, dtype=BF)
     assert train_ffn._fused_dense_ok(x, "cuda", train_ffn.knobs(), N)
@@ -255,7 +255,7 @@ def test_fused_dense_path_vs_fp32(M, K, N, p, gated):
 def test_fused_dense_equals_plain_dense(monkeypatch, gated):
     """Fused and plain (SFL_TRAIN_FUSED_DENSE=0) dense paths: the same y bits (same GEMMs, same rounding of
     relu*mul), the same per-token counts, last-active rows and dispatch measurement; gradients agree to bf16."""
-    from kernels.train_ffn import DispatchState, sparse_gated_ffn_train, sparse_nongated_ffn_train
+    from sfl.kernels.train_ffn import DispatchState, sparse_gated_ffn_train, sparse_nongated_ffn_train
 
     x, wg, wu, wd = make_problem(3000, 1024, 2048, 0.02, seed=21, gated=gated)
     gy = torch.randn(3000, 1024, device=DEV, generator=torch.Generator(device=DEV).manual_seed(5)).to(BF)

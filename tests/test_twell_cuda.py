@@ -82,7 +82,7 @@ def check(y: torch.Tensor, x, wg, wu, wd, gated: bool, nan_fill_ok: bool = True)
 
 @pytest.fixture(scope="module")
 def ffn():
-    import kernels.ffn as ffn
+    import sfl.kernels.ffn as ffn
 
     return ffn
 
@@ -128,7 +128,7 @@ def test_modes_and_many_heavy_rows(ffn, mode, p):
 @pytest.mark.parametrize("chunk", [0, 64, 100000])   # 0 = auto (one GEMM over all rows at this size)
 def test_d2t_matches_reference(ffn, monkeypatch, chunk):
     """Every cuBLAS d2t variant (full-M GEMM, chunked) equals reference.d2t bit for bit on the valid slots."""
-    from kernels import reference
+    from sfl.kernels import reference
 
     K, N, M = 2048, 5632, 300
     x, wg, _, _ = make_problem(M, K, N, 0.01, seed=3)
@@ -214,7 +214,7 @@ def test_bad_inputs_on_gpu(ffn):
 def test_relu_mul_stats_kernel(ffn, gated):
     """The dense path's fused relu(g) * u (in place): the same bits as torch's relu then mul on finite values
     (NaN where torch has NaN, 0 * Inf included), per-row active counts, and the exact dispatch measurement."""
-    from kernels.loader import load_twell
+    from sfl.kernels.loader import load_twell
 
     ext = load_twell()
     gen = torch.Generator(device=DEV).manual_seed(7)
@@ -291,7 +291,7 @@ def test_dense_path_is_torch_dense(ffn):
 
 
 def test_row_stats_kernel(ffn):
-    from kernels.loader import load_twell
+    from sfl.kernels.loader import load_twell
 
     ext = load_twell()
     counts = torch.randint(0, 300, (5000, 22), device=DEV, dtype=torch.int32)
@@ -312,7 +312,7 @@ def _set_activity(x: torch.Tensor, scale: float) -> torch.Tensor:
 def test_dispatch_history_follows_activity(ffn, monkeypatch, M):
     """Auto dispatch: first call dense + measure; low activity -> sparse; a jump to high activity is run (exact)
     on the stale choice once, then dense; back to low -> sparse again. Exact on every call."""
-    from kernels.twell import ops
+    from sfl.kernels.twell import ops
 
     monkeypatch.setenv("TWELL_CROSSOVER", "1:0.01")   # sparse whenever measured activity <= 1%
     monkeypatch.setenv("TWELL_SELF_TIMING", "0")       # the table alone (self-timing: its own test)
@@ -338,7 +338,7 @@ def test_nongated_dense_measures_every_nth_call(ffn, monkeypatch):
     """Non-gated auto: a layer measured above the crossover runs as HF does (torch's relu, same bits) and is
     re-measured only every TWELL_NONGATED_MEASURE_EVERY dense calls; when the activity drops, it is seen at the
     next re-measurement and the layer goes sparse. Exact on every call."""
-    from kernels.twell import ops
+    from sfl.kernels.twell import ops
 
     monkeypatch.setenv("TWELL_CROSSOVER_NONGATED", "1:0.01")
     monkeypatch.setenv("TWELL_SELF_TIMING", "0")
@@ -368,7 +368,7 @@ def test_nongated_dense_measures_every_nth_call(ffn, monkeypatch):
 
 def test_dispatch_without_readback_keeps_old_estimate(ffn, monkeypatch):
     """If the measurement has not landed yet (host ahead of GPU), the previous estimate is used: no sync."""
-    from kernels.twell import ops
+    from sfl.kernels.twell import ops
 
     monkeypatch.setenv("TWELL_CROSSOVER", "1:0.01")
     K, N, M = 576, 1536, 2000
@@ -407,7 +407,7 @@ def test_dense_dispatch_has_no_host_sync(ffn, monkeypatch):
 
 def test_graph_capture_auto_uses_history(ffn, monkeypatch):
     """Under capture, auto takes the choice of the history measured by earlier eager calls."""
-    from kernels.twell import ops
+    from sfl.kernels.twell import ops
 
     monkeypatch.setenv("TWELL_CROSSOVER", "1:0.01")
     K, N, M = 2048, 5632, 8
@@ -451,8 +451,8 @@ def test_library_op_matches_direct_call(ffn):
 def test_compact_v2_equals_v1_and_reference(ffn):
     """The persistent compaction (v2, default) writes exactly what the first kernel and reference.d2t write,
     on adversarial rows, strided row views and row counts that are not multiples of the unroll."""
-    from kernels import reference
-    from kernels.loader import load_twell
+    from sfl.kernels import reference
+    from sfl.kernels.loader import load_twell
 
     ext = load_twell()
     gen = torch.Generator(device=DEV).manual_seed(1234)
@@ -526,7 +526,7 @@ def test_fused_decode_vs_fp32(ffn, K, N, gated, M):
     else:
         y, st = ffn.sparse_nongated_ffn(x, wu, wd, return_stats=True, mode="sparse")
     torch.cuda.synchronize()
-    from kernels.twell import ops
+    from sfl.kernels.twell import ops
 
     assert ops.LAST_PATH["path"] == "sparse-syncfree"
     check(y, x, wg, wu, wd, gated)
@@ -581,7 +581,7 @@ def test_fused_decode_graph_replay(ffn, M):
 def _auto_calls(ffn, x, wg, wu, wd, calls: int, check_each: bool = False):
     """`calls` auto-dispatched gated calls, each synchronized (so timings and measurements land before the next);
     returns the path of every call and the last output."""
-    from kernels.twell import ops
+    from sfl.kernels.twell import ops
 
     paths = []
     for _ in range(calls):
@@ -597,7 +597,7 @@ def test_self_timing_leaves_a_slower_sparse_path(ffn, monkeypatch):
     """A crossover table that is wrong for a layer (here: 'always sparse' at ~3% activity, where sparse is several
     times slower and no row overflows): auto probes dense, times both paths and settles on dense within a few
     calls; exact throughout."""
-    from kernels.twell import ops
+    from sfl.kernels.twell import ops
 
     monkeypatch.setenv("TWELL_CROSSOVER", "1:1")
     monkeypatch.setenv("TWELL_FLAGGED_DENSE_ABOVE", "1")
@@ -614,7 +614,7 @@ def test_self_timing_leaves_a_slower_sparse_path(ffn, monkeypatch):
 
 def test_self_timing_keeps_a_faster_sparse_path(ffn, monkeypatch):
     """Where the table is right (0.25% activity at M = 65536, sparse ~1.4x faster), timing confirms it."""
-    from kernels.twell import ops
+    from sfl.kernels.twell import ops
 
     monkeypatch.setenv("TWELL_CROSSOVER", "1:0.01")
     K, N, M = 2048, 5632, 65536
@@ -628,7 +628,7 @@ def test_self_timing_keeps_a_faster_sparse_path(ffn, monkeypatch):
 def test_self_timing_promotes_a_faster_sparse_path(ffn, monkeypatch):
     """A table that puts the crossover too low for a layer (here 0.1%, at 0.25% activity where sparse is ~1.6x
     faster at M = 65536): inside the promotion band auto times sparse as well and settles on it; exact."""
-    from kernels.twell import ops
+    from sfl.kernels.twell import ops
 
     monkeypatch.setenv("TWELL_CROSSOVER", "1:0.001")
     monkeypatch.setenv("TWELL_PROMOTE_BAND", "4")
@@ -648,7 +648,7 @@ def test_self_timing_promotes_a_faster_sparse_path(ffn, monkeypatch):
 
 # ---------------------------------------------------------------- fused d2t (d2t_gemm.cu, sm_90a)
 def _fused_or_skip(x, w):
-    from kernels.twell import ops
+    from sfl.kernels.twell import ops
 
     if not ops.fused_d2t_available(x, w):
         pytest.skip("the fused d2t needs an sm_90 GPU")
@@ -744,7 +744,7 @@ def test_fused_d2t_persistent_grid(ffn, overlap, ctas):
 def test_fused_d2t_op_and_ffn_use_it(ffn, monkeypatch):
     """twell_d2t and the FFN take the fused d2t by default on sm_90, and the result matches the cuBLAS d2t up
     to entries within rounding of zero; TWELL_D2T=cublas switches back."""
-    from kernels.twell import ops
+    from sfl.kernels.twell import ops
 
     M, K, N = 3000, 2048, 5632
     x, wg, wu, wd = make_problem(M, K, N, 0.005, seed=5)
@@ -773,7 +773,7 @@ def test_fused_d2t_op_and_ffn_use_it(ffn, monkeypatch):
 def test_unaligned_input_is_copied(ffn):
     """An x whose data pointer is not 16-byte aligned (contiguous, but at an odd element offset) is copied to an
     aligned buffer (the kernels use 16-byte loads) and the result is exact, on every path."""
-    from kernels.twell import ops
+    from sfl.kernels.twell import ops
 
     M, K, N = 1000, 576, 1536
     x, wg, wu, wd = make_problem(M + 1, K, N, 0.01, seed=9, adversarial=False)

@@ -34,7 +34,7 @@ train_or_reuse() {
   shift 5
   local src_res="$RESULTS_ROOT/l1_sweep/relu_l1_$l1" src_model="$RUNS_ROOT/l1_sweep/relu_l1_$l1/final"
   local dst_res="$RESULTS_ROOT/ablations/$group/$run" dst_out="$RUNS_ROOT/ablations/$group/$run"
-  if [ $# -eq 0 ] && [ ${#EXTRA_SETS[@]} -eq 0 ] && python -m experiments.runs done "$src_res" && [ -f "$src_model/config.json" ]; then
+  if [ $# -eq 0 ] && [ ${#EXTRA_SETS[@]} -eq 0 ] && python -m sfl.experiments.runs done "$src_res" && [ -f "$src_model/config.json" ]; then
     mkdir -p "$dst_res" "$dst_out"
     cp "$src_res/train_log.jsonl" "$dst_res/train_log.jsonl"
     [ -f "$src_res/eval.json" ] && [ ! -f "$dst_res/eval.json" ] && cp "$src_res/eval.json" "$dst_res/eval.json"

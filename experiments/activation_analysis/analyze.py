@@ -2,7 +2,7 @@
 of a trained checkpoint over held-out tokens, plus (on a GPU with the TwELL kernels) each layer's FFN time
 dense vs sparse, i.e. its share of the speed-up.
 
-    python -m experiments.activation_analysis.analyze --model runs/gpu/l1_sweep/relu_l1_1e-3/final \
+    python -m sfl.experiments.activation_analysis.analyze --model runs/gpu/l1_sweep/relu_l1_1e-3/final \
         --name l1_sweep/relu_l1_1e-3 [--tokens 262144] [--seq-len 512] [--out results/activation_analysis]
 
 Appends to <out>/ (schemas: notebooks/README.md "results/activation_analysis/"), replacing earlier rows of the
@@ -72,8 +72,8 @@ class ActivityRecorder:
 
 
 def load_model(model_dir: Path, device: torch.device):
-    import models  # noqa: F401  (registers sparse_llama)
-    from models import SparseLlamaForCausalLM
+    from sfl import models  # noqa: F401  (registers sparse_llama)
+    from sfl.models import SparseLlamaForCausalLM
 
     cfg_path = model_dir / "config.json"
     if not cfg_path.is_file():
@@ -93,7 +93,7 @@ def decode_token(tok: Any, token_id: int) -> str:
 @torch.no_grad()  # the inference kernels refuse grad-requiring weights (they have no backward)
 def time_layers(model: torch.nn.Module, xs: list[torch.Tensor], reps: int = 20, warmup: int = 5) -> list[dict[str, Any]]:
     """Per layer: median ms of the dense FFN (three cuBLAS GEMMs) and of kernels.ffn on the same bf16 input."""
-    from kernels import ffn
+    from sfl.kernels import ffn
 
     out = []
     for mlp, x in zip(model.sparse_mlps(), xs):
@@ -106,7 +106,7 @@ def time_layers(model: torch.nn.Module, xs: list[torch.Tensor], reps: int = 20, 
         else:
             dense = lambda: F.linear(F.relu(F.linear(x, wu)), wd)  # noqa: E731
             sparse = lambda mode="auto": ffn.sparse_nongated_ffn(x, wu, wd, mode=mode)  # noqa: E731
-        from kernels.twell import ops as twops
+        from sfl.kernels.twell import ops as twops
 
         for _ in range(3):   # auto dispatch measures the layer on its first calls
             sparse()
@@ -149,8 +149,8 @@ def replace_rows(path: Path, model_name: str, rows: list[dict[str, Any]]) -> Non
 
 def analyze(model_dir: Path, name: str, out_dir: Path, tokens: int, seq_len: int, batch: int, device: str,
             data_dir: str | None, figure: str | None, timing: bool) -> dict[str, Any]:
-    from experiments.data_loader import TokenData
-    from experiments.provenance import collect
+    from ..data_loader import TokenData
+    from ..provenance import collect
 
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        ("cpu" if device == "auto" else device))

@@ -21,7 +21,7 @@ OUT="$RESULTS_ROOT/activation_analysis"
 mapfile -t PICKS < <(python - "$RESULTS_ROOT/l1_sweep" "${AA_MODELS:-}" <<'PY'
 import math, sys
 from pathlib import Path
-from experiments.runs import run_summary
+from sfl.experiments.runs import run_summary
 base, wanted = Path(sys.argv[1]), sys.argv[2].split()
 runs = [s for d in sorted(base.glob("relu_l1_*")) if (s := run_summary(d)) and s["finished"]] if base.is_dir() else []
 if wanted:
@@ -54,8 +54,8 @@ for line in "${PICKS[@]}"; do
   model="$RUNS_ROOT/l1_sweep/$run/final"
   echo "[$i/${#PICKS[@]}] l1_sweep/$run${fig:+ -> $fig}"
   if [ ! -f "$model/config.json" ]; then echo "  no model at $model; skipped" >&2; SFL_FAILED+=("$run"); continue; fi
-  python -m experiments.activation_analysis.analyze --model "$model" --name "l1_sweep/$run" --out "$OUT" \
+  python -m sfl.experiments.activation_analysis.analyze --model "$model" --name "l1_sweep/$run" --out "$OUT" \
     "${ARGS[@]}" ${fig:+--figure "$fig"} || SFL_FAILED+=("$run")
 done
 if [ ${#SFL_FAILED[@]} -gt 0 ]; then echo "FAILED: ${SFL_FAILED[*]}" >&2; exit 1; fi
-echo "wrote $OUT/{per_layer,tokens,position,neurons}.jsonl; figures: python -m notebooks.run_all --only activation_analysis"
+echo "wrote $OUT/{per_layer,tokens,position,neurons}.jsonl; figures: python -m sfl.notebooks.run_all --only activation_analysis"

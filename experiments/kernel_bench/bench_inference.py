@@ -4,8 +4,8 @@ CUDA events, warm-up, medians, an L2 flush (write of a 256 MB buffer) before eve
 checked against dense in the same run. Decode sizes (M <= 64) are timed as CUDA-graph replays for both.
 One JSONL row per configuration (with provenance) goes to --out; a table is printed at the end.
 
-    python -m experiments.kernel_bench.bench_inference --out results/kernel_bench/bench.jsonl [--quick]
-    python -m experiments.kernel_bench.bench_inference --calib --out results/kernel_bench/calib.jsonl
+    python -m sfl.experiments.kernel_bench.bench_inference --out results/kernel_bench/bench.jsonl [--quick]
+    python -m sfl.experiments.kernel_bench.bench_inference --calib --out results/kernel_bench/calib.jsonl
 
 --calib times dense against the forced sparse path over a grid of M and activity (the data behind the
 TWELL_CROSSOVER table of kernels/README.md) and prints the largest activity at which sparse wins per M.
@@ -183,9 +183,9 @@ def calibrate(out: str, kind: str = "gated") -> int:
     Dispatch chooses between these two paths, so they are what the table compares (HF's dense is slower
     than our dense path; the benchmark compares against HF). kind: gated (K 2048, N 5632 -> TWELL_CROSSOVER) or
     nongated (K 2048, N 8192 -> TWELL_CROSSOVER_NONGATED)."""
-    from experiments.provenance import collect
-    from kernels.ffn import sparse_gated_ffn, sparse_nongated_ffn, transposed_down
-    from kernels.twell import ops as twops
+    from ..provenance import collect
+    from sfl.kernels.ffn import sparse_gated_ffn, sparse_nongated_ffn, transposed_down
+    from sfl.kernels.twell import ops as twops
 
     prov = collect({"knobs": twops.knobs(), "calibration": True})
     timer = Timer()
@@ -245,7 +245,7 @@ def calibrate(out: str, kind: str = "gated") -> int:
 
 def overhead() -> int:
     """Host-side cost per call (GPU kept busy so the host never waits) and a profiler table of API calls."""
-    from kernels.ffn import sparse_gated_ffn, transposed_down
+    from sfl.kernels.ffn import sparse_gated_ffn, transposed_down
 
     K, N = 2048, 5632
     wg32, wu32, wd32 = make_weights(K, N)
@@ -279,7 +279,7 @@ def overhead() -> int:
 def explore() -> int:
     """Variant timings for the round-3 decisions (one line each): compaction v1 vs v2, up/down grid caps at
     M = 65536, fused vs unfused decode (CUDA-graph replays)."""
-    from kernels.ffn import sparse_gated_ffn, transposed_down, twell_d2t
+    from sfl.kernels.ffn import sparse_gated_ffn, transposed_down, twell_d2t
 
     timer = Timer()
     K, N = 2048, 5632
@@ -323,9 +323,9 @@ def explore() -> int:
 def d2t_compare(out: str) -> int:
     """The two d2t variants side by side (fused tensor-core GEMM with the TwELL epilogue vs cuBLAS gate GEMM +
     compaction), the cuBLAS gate GEMM alone, and the whole forced-sparse block with each, against dense; JSONL."""
-    from experiments.provenance import collect
-    from kernels.ffn import sparse_gated_ffn, transposed_down, twell_d2t
-    from kernels.twell import ops as twops
+    from ..provenance import collect
+    from sfl.kernels.ffn import sparse_gated_ffn, transposed_down, twell_d2t
+    from sfl.kernels.twell import ops as twops
 
     prov = collect({"knobs": twops.knobs(), "mode": "d2t_compare"})
     timer = Timer()
@@ -398,9 +398,9 @@ def overlap_probe(out: str) -> int:
     (one CTA each), so it is capped at `ctas` CTAs and the rest of the SMs are left to the up/down kernels of the
     previous chunk, issued on a second stream. Forced-sparse composition of the same kernels as the op (uniform
     profile, no flagged rows, checked against the op's output), gated, K 2048, N 5632, M 65536; JSONL."""
-    from experiments.provenance import collect
-    from kernels.ffn import sparse_gated_ffn, transposed_down
-    from kernels.twell import ops as twops
+    from ..provenance import collect
+    from sfl.kernels.ffn import sparse_gated_ffn, transposed_down
+    from sfl.kernels.twell import ops as twops
 
     prov = collect({"knobs": twops.knobs(), "mode": "overlap_probe"})
     ext = twops._ext()
@@ -482,9 +482,9 @@ def main() -> int:
         return calibrate(args.out, args.kind)
     if args.overhead:
         return overhead()
-    from experiments.provenance import collect
-    from kernels.ffn import sparse_gated_ffn, sparse_nongated_ffn, transposed_down
-    from kernels.twell import ops as twops
+    from ..provenance import collect
+    from sfl.kernels.ffn import sparse_gated_ffn, sparse_nongated_ffn, transposed_down
+    from sfl.kernels.twell import ops as twops
 
     prov = collect({"knobs": twops.knobs()})
     timer = Timer()
@@ -583,7 +583,7 @@ def main() -> int:
             if M == 65536 and kind == "gated":
                 # breakdown: cuBLAS gate GEMM alone; d2t fused (default on sm_90: tensor-core GEMM with the TwELL
                 # epilogue) and cuBLAS + compaction (v2, v1, chunked); forced sparse with the cuBLAS d2t
-                from kernels.ffn import twell_d2t
+                from sfl.kernels.ffn import twell_d2t
 
                 row["gate_gemm_ms"] = timer.time(lambda: torch.mm(x, wg.t()), reps)
                 row["d2t_ms"] = timer.time(lambda: twell_d2t(x, wg, 32), reps)

@@ -9,7 +9,7 @@ Per configuration (M tokens, activity p, heavy-row fraction), in one run:
 - outputs and all gradients checked in the same run: rel. error vs fp32 dense (M <= 16384) and vs bf16 dense.
 One JSONL row per configuration (with provenance); a table is printed at the end.
 
-    python -m experiments.kernel_bench.bench_training --out results/kernel_bench/training_h100.jsonl [--quick]
+    python -m sfl.experiments.kernel_bench.bench_training --out results/kernel_bench/training_h100.jsonl [--quick]
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from experiments.kernel_bench.bench_inference import Timer  # same method: CUDA events, L2 flush, median
+from .bench_inference import Timer  # same method: CUDA events, L2 flush, median
 
 DEV = "cuda"
 BF = torch.bfloat16
@@ -60,7 +60,7 @@ def rel(a, b):
 
 
 def run_config(M, K, N, p, heavy, reps, timer, check_fp32):
-    from kernels.train_ffn import DispatchState, sparse_gated_ffn_train
+    from sfl.kernels.train_ffn import DispatchState, sparse_gated_ffn_train
 
     x, (wg, wu, wd), gy = make_case(M, K, N, p, heavy, seed=int(p * 1e5) + M + int(heavy * 1e4))
     params = [t.clone().requires_grad_(True) for t in (x, wg, wu, wd)]
@@ -167,7 +167,7 @@ def run_config(M, K, N, p, heavy, reps, timer, check_fp32):
 
 def profile_phases(M, K, N, p, reps, timer):
     """Per-kernel times of the sparse path (CUDA events), with the bytes each must move, for the README."""
-    from kernels.train import ops
+    from sfl.kernels.train import ops
 
     ext = ops.load_ext()
     x, (wg, wu, wd), gy = make_case(M, K, N, p, 0.0, seed=7)
@@ -228,7 +228,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--ms", type=str, default="4096,16384,65536")
     args = ap.parse_args(argv)
-    from experiments.provenance import collect
+    from ..provenance import collect
 
     prov = collect()
     K, N = 2048, 5632

@@ -10,13 +10,13 @@ out="${1:?usage: calibrate.sh OUT_DIR [TAG]}"; tag="${2:-$(date -u +%Y%m%dT%H%M%
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 for run in a b; do
-  python3 -m experiments.kernel_bench.bench_inference --calib --out "$out/calib_${tag}${run}.jsonl" > "$out/calib_${tag}${run}.txt" 2>&1
+  python3 -m sfl.experiments.kernel_bench.bench_inference --calib --out "$out/calib_${tag}${run}.jsonl" > "$out/calib_${tag}${run}.txt" 2>&1
 done
-python3 -m experiments.kernel_bench.bench_inference --calib --kind nongated --out "$out/calib_nongated_${tag}.jsonl" \
+python3 -m sfl.experiments.kernel_bench.bench_inference --calib --kind nongated --out "$out/calib_nongated_${tag}.jsonl" \
   > "$out/calib_nongated_${tag}.txt" 2>&1
 python3 - "$out" "$tag" <<'PY'
 import json, sys
-from experiments.kernel_bench.bench_inference import crossover_spec
+from sfl.experiments.kernel_bench.bench_inference import crossover_spec
 out, tag = sys.argv[1], sys.argv[2]
 rows = lambda p: [json.loads(l) for l in open(p)]
 specs = [dict(kv.split(":") for kv in crossover_spec(rows(f"{out}/calib_{tag}{r}.jsonl")).split(",")) for r in "ab"]

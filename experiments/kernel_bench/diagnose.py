@@ -1,8 +1,8 @@
 """GPU diagnostics behind two open questions of issue #3/#4 (not a benchmark of record; logs go to results/kernel_bench/diag/).
 
-    python -m experiments.kernel_bench.diagnose compact --out DIR    # v1/v2 compaction vs reference.d2t, many seeds
-    python -m experiments.kernel_bench.diagnose gap --out DIR        # where a dense-dispatched call loses time
-    python -m experiments.kernel_bench.diagnose sparse --out DIR     # the sparse op vs its bare kernel sequence
+    python -m sfl.experiments.kernel_bench.diagnose compact --out DIR    # v1/v2 compaction vs reference.d2t, many seeds
+    python -m sfl.experiments.kernel_bench.diagnose gap --out DIR        # where a dense-dispatched call loses time
+    python -m sfl.experiments.kernel_bench.diagnose sparse --out DIR     # the sparse op vs its bare kernel sequence
 
 compact: the intermittent `test_compact_v2_equals_v1_and_reference` failure. Runs the test's inputs over many
 seeds (and each seed several times) and logs every mismatching slot with the gate value behind it.
@@ -27,7 +27,7 @@ DEV, BF = "cuda", torch.bfloat16
 
 
 def _write(out_dir: str, name: str, rows: list[dict]) -> None:
-    from experiments.provenance import collect
+    from ..provenance import collect
 
     prov = collect({})
     with open(os.path.join(out_dir, name), "a") as f:
@@ -36,8 +36,8 @@ def _write(out_dir: str, name: str, rows: list[dict]) -> None:
 
 
 def compact(out_dir: str, seeds: int, max_rows: int) -> None:
-    from kernels import reference
-    from kernels.loader import load_twell
+    from sfl.kernels import reference
+    from sfl.kernels.loader import load_twell
 
     ext = load_twell()
     rows_out = []
@@ -114,11 +114,11 @@ def kernel_table(fn) -> list[dict]:
 
 
 def gap(out_dir: str) -> None:
-    from experiments.kernel_bench.bench_inference import Timer, dense_gated, make_case, make_weights
-    from experiments.kernel_bench.bench_training import dense_block
-    from experiments.kernel_bench.bench_training import make_case as make_train_case
-    from kernels.ffn import sparse_gated_ffn, transposed_down
-    from kernels.train_ffn import DispatchState, sparse_gated_ffn_train
+    from .bench_inference import Timer, dense_gated, make_case, make_weights
+    from .bench_training import dense_block
+    from .bench_training import make_case as make_train_case
+    from sfl.kernels.ffn import sparse_gated_ffn, transposed_down
+    from sfl.kernels.train_ffn import DispatchState, sparse_gated_ffn_train
 
     timer = Timer()
     K, N = 2048, 5632
@@ -150,8 +150,8 @@ def gap(out_dir: str) -> None:
                 print(k, json.dumps(rec[k][:8]), flush=True)
             rows.append(rec)
     with torch.no_grad():   # non-gated (N = 8192): HF's linear-relu-linear against our dense path, kernel by kernel
-        from experiments.kernel_bench.bench_inference import dense_nongated
-        from kernels.ffn import sparse_nongated_ffn
+        from .bench_inference import dense_nongated
+        from sfl.kernels.ffn import sparse_nongated_ffn
 
         wn32 = make_weights(K, 8192, seed=1)
         wdn = wn32[2].to(BF)
@@ -161,7 +161,7 @@ def gap(out_dir: str) -> None:
             ours_dense = lambda: sparse_nongated_ffn(x, wun, wdn, mode="dense")  # noqa: E731
             g = torch.mm(x, wun.t())
             relu_torch = lambda: torch.relu(g)  # noqa: E731
-            from kernels.loader import load_twell
+            from sfl.kernels.loader import load_twell
             ext = load_twell()
             e_i, e_l = torch.empty(0, device=DEV, dtype=torch.int32), torch.empty(0, device=DEV)
             st2 = torch.zeros(2, device=DEV, dtype=torch.int64)
@@ -218,9 +218,9 @@ def gap(out_dir: str) -> None:
 
 
 def sparse(out_dir: str) -> None:
-    from experiments.kernel_bench.bench_inference import Timer, make_case, make_weights
-    from kernels.ffn import sparse_gated_ffn, transposed_down
-    from kernels.twell import ops as twops
+    from .bench_inference import Timer, make_case, make_weights
+    from sfl.kernels.ffn import sparse_gated_ffn, transposed_down
+    from sfl.kernels.twell import ops as twops
 
     ext = twops._ext()
     timer = Timer()

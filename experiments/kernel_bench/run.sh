@@ -7,5 +7,5 @@ cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export MAX_JOBS="${MAX_JOBS:-16}"
 out="${BENCH_OUT:-results/kernel_bench/bench_$(date -u +%Y%m%dT%H%M%SZ).jsonl}"
-python3 -m experiments.kernel_bench.bench_inference --out "$out" "$@"
+python3 -m sfl.experiments.kernel_bench.bench_inference --out "$out" "$@"
 echo "log: $out"

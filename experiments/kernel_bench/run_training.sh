@@ -12,7 +12,7 @@ out="${BENCH_OUT:-results/kernel_bench/training_${stamp}.jsonl}"
 logdir="${LOG_DIR:-results/kernel_tests}"
 mkdir -p "$(dirname "$out")" "$logdir"
 t0=$(date +%s)
-python3 -c "from kernels.train.ops import load_ext; load_ext(); print('build ok')"
+python3 -c "from sfl.kernels.train.ops import load_ext; load_ext(); print('build ok')"
 echo "build_s=$(( $(date +%s) - t0 ))"
 if [ -z "${SKIP_TESTS:-}" ]; then
   set +e  # the benchmark runs (and checks its own outputs) even when a test fails
@@ -20,5 +20,5 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   echo "tests rc=${PIPESTATUS[0]}"
   set -e
 fi
-python3 -m experiments.kernel_bench.bench_training --out "$out" "$@"
+python3 -m sfl.experiments.kernel_bench.bench_training --out "$out" "$@"
 echo "log: $out"

@@ -45,7 +45,7 @@ fi
 last="$RESULTS_ROOT/$EXP/relu_l1_${L1S[-1]}"
 python - "$last" <<'PY' || true
 import json, sys
-from experiments.runs import run_summary
+from sfl.experiments.runs import run_summary
 from pathlib import Path
 s = run_summary(Path(sys.argv[1]))
 if s:

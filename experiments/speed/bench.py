@@ -1,10 +1,10 @@
 """Model-level speed, energy and memory, dense vs sparse (paper Table 1 efficiency columns, Figs 4, 5). GPU only.
 
     # (a) a trained checkpoint, on real validation tokens
-    python -m experiments.speed.bench trained --model runs/gpu/l1_sweep/relu_l1_1e-3/final --name l1_sweep/relu_l1_1e-3
+    python -m sfl.experiments.speed.bench trained --model runs/gpu/l1_sweep/relu_l1_1e-3/final --name l1_sweep/relu_l1_1e-3
     # (b) the paper's shapes (hidden 2048, N 5632, 32 heads; 8/18/28/38 layers = 0.5B/1B/1.5B/2B), random weights
     #     whose gates are calibrated to a paper-like activity profile (mean ~24-39 non-zeros per token, heavy tail)
-    python -m experiments.speed.bench paper --layers 8 [--train]
+    python -m sfl.experiments.speed.bench paper --layers 8 [--train]
 
 Appends one JSON row per (model, mode) to --out (default results/speed/<trained|paper_shapes>.jsonl; schema in
 notebooks/README.md): model, paper_scale, l1_coeff, mode (inference|training), dense_/sparse_tokens_per_s,
@@ -128,8 +128,8 @@ def _dense_ffn(mlp, x: torch.Tensor) -> torch.Tensor:
 
 
 def _sparse_ffn_factory(mode: str) -> Callable:
-    """kernels.ffn forward; uses mlp._bench_wdt (W_d^T) when sparse_side() set it, else the kernels' small cache."""
-    from kernels import ffn
+    """sfl.kernels.ffn forward; uses mlp._bench_wdt (W_d^T) when sparse_side() set it, else the kernels' small cache."""
+    from sfl.kernels import ffn
 
     def fwd(mlp, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -269,7 +269,7 @@ def paired_ratios(res: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def _layer_paths(model) -> list[dict[str, Any]] | None:
     """Per layer, the sparse side's dispatch counters so far (kernels.twell.ops history), or None if unavailable."""
     try:
-        from kernels.twell.ops import history_for
+        from sfl.kernels.twell.ops import history_for
     except Exception:  # noqa: BLE001 - no kernels package build: the row just lacks the field
         return None
     out = []
@@ -410,7 +410,7 @@ def build_paper_model(n_layers: int, device: torch.device, dtype: torch.dtype, s
     """Random-weight SparseLlama with the paper's shapes; residual dimension 0 carries a per-vocab constant
     (nothing writes to it: row 0 of every o_proj and down_proj is zero), which gives the gates an exact bias
     channel for calibrate_paper_model."""
-    from models import SparseLlamaConfig, SparseLlamaForCausalLM
+    from sfl.models import SparseLlamaConfig, SparseLlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = SparseLlamaConfig(vocab_size=49152, hidden_size=2048, intermediate_size=5632, num_hidden_layers=n_layers,
@@ -424,7 +424,7 @@ def build_paper_model(n_layers: int, device: torch.device, dtype: torch.dtype, s
 
 def small_paper_like_model(n_layers: int, hidden: int, n: int, heads: int, vocab: int, device: torch.device):
     """Same construction at toy sizes (tests, CPU)."""
-    from models import SparseLlamaConfig, SparseLlamaForCausalLM
+    from sfl.models import SparseLlamaConfig, SparseLlamaForCausalLM
 
     cfg = SparseLlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=n, num_hidden_layers=n_layers,
                             num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=512,
@@ -527,7 +527,7 @@ def require_cuda() -> torch.device:
 
 def val_ids(n_seq: int, seq_len: int, data_dir: str | None) -> torch.Tensor:
     """[n_seq, seq_len + 1] validation windows."""
-    from experiments.data_loader import TokenData
+    from ..data_loader import TokenData
 
     ddir = Path(data_dir or os.environ.get("SFL_DATA_DIR") or REPO_ROOT / ".data")
     data = TokenData(ddir / "tokens", seq_len)
@@ -545,8 +545,8 @@ def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def run_trained(a: argparse.Namespace) -> list[dict[str, Any]]:
-    import models  # noqa: F401
-    from models import SparseLlamaForCausalLM
+    from sfl import models  # noqa: F401
+    from sfl.models import SparseLlamaForCausalLM
 
     dev = require_cuda()
     mdir = Path(a.model)
@@ -618,7 +618,7 @@ def _summary(r: dict[str, Any]) -> str:
 
 def measure_all(model, ids: torch.Tensor, a: argparse.Namespace, dev: torch.device, *, name: str,
                 paper_scale: str | None, l1: float | None, extra: dict[str, Any], train: bool = True) -> list[dict]:
-    from experiments.provenance import collect
+    from ..provenance import collect
 
     meter = EnergyMeter(dev.index if dev.index is not None else torch.cuda.current_device())
     act = activity(model, ids[:, :-1])
@@ -651,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--batch", type=int, default=None, help="sequences per forward (trained 64, paper 32)")
         p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (trained 512, paper 2048)")
         p.add_argument("--sparse-mode", default="auto", choices=["auto", "sparse"],
-                       help="kernels.ffn mode: auto may run dense where sparsity does not pay; sparse forces TwELL")
+                       help="sfl.kernels.ffn mode: auto may run dense where sparsity does not pay; sparse forces TwELL")
         p.add_argument("--train-impl", default="cuda", help="mlp_impl for the sparse training side")
         p.add_argument("--train-micro-batch", type=int, default=8)
         p.add_argument("--train-steps", type=int, default=10, help="unused (steps follow from --min-seconds)")

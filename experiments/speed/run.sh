@@ -33,7 +33,7 @@ for part in "${PARTS[@]}"; do
   case "$part" in
     paper)
       echo "== paper shapes: layers ${LAYERS[*]}"
-      python -m experiments.speed.bench paper --layers "${LAYERS[@]}" --train --train-layers 8 18 \
+      python -m sfl.experiments.speed.bench paper --layers "${LAYERS[@]}" --train --train-layers 8 18 \
         --sparse-mode "$MODE" --out "$OUT/paper_shapes.jsonl" || SFL_FAILED+=(paper_shapes)
       ;;
     trained)
@@ -45,7 +45,7 @@ for part in "${PARTS[@]}"; do
         i=$((i + 1))
         name=${f#"$RUNS_ROOT"/}; name=${name%/final}
         echo "[$i/${#finals[@]}] $name"
-        python -m experiments.speed.bench trained --model "$f" --name "$name" --sparse-mode "$MODE" \
+        python -m sfl.experiments.speed.bench trained --model "$f" --name "$name" --sparse-mode "$MODE" \
           --out "$OUT/trained.jsonl" || SFL_FAILED+=("$name")
       done
       ;;
@@ -53,4 +53,4 @@ for part in "${PARTS[@]}"; do
   esac
 done
 if [ ${#SFL_FAILED[@]} -gt 0 ]; then echo "FAILED: ${SFL_FAILED[*]}" >&2; exit 1; fi
-echo "rows in $OUT/; figures: python -m notebooks.run_all --only speed"
+echo "rows in $OUT/; figures: python -m sfl.notebooks.run_all --only speed"

@@ -36,7 +36,7 @@ _EXT: dict[str, ModuleType] = {}
 # ----------------------------------------------------------------------------------------------- loader
 def load_ext(verbose: bool = False) -> ModuleType:
     """Build (once per source version, cached on disk) and return the training-kernel extension."""
-    from kernels.loader import REFERENCE_HINT, KernelUnavailableError, _arch_for_device, build_extension, source_hash
+    from ..loader import REFERENCE_HINT, KernelUnavailableError, _arch_for_device, build_extension, source_hash
 
     hint = "use backend='torch' or mode='dense'"
 

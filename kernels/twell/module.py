@@ -56,7 +56,7 @@ class TwELLGatedMLP(_TwELLBase):
         return m
 
     def forward(self, x: Tensor) -> Tensor:
-        from kernels.ffn import sparse_gated_ffn
+        from ..ffn import sparse_gated_ffn
 
         out = sparse_gated_ffn(x.contiguous(), self.gate_proj.weight.detach(), self.up_proj.weight.detach(),
                                self.down_proj.weight.detach(), return_stats=self.track_stats, mode=self.mode,
@@ -89,7 +89,7 @@ class TwELLMLP(_TwELLBase):
         return m
 
     def forward(self, x: Tensor) -> Tensor:
-        from kernels.ffn import sparse_nongated_ffn
+        from ..ffn import sparse_nongated_ffn
 
         out = sparse_nongated_ffn(x.contiguous(), self.up_proj.weight.detach(), self.down_proj.weight.detach(),
                                   return_stats=self.track_stats, mode=self.mode, activity_hint=self.activity_hint,

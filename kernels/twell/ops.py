@@ -274,7 +274,7 @@ def reset_history() -> None:
 
 
 def _ext():
-    from kernels.loader import load_twell
+    from ..loader import load_twell
 
     return load_twell()
 

@@ -1,0 +1,1 @@
+"""GPU kernel benchmarks (inference and training ops vs dense); see README.md."""
