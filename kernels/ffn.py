@@ -1,138 +1,174 @@
-"""Public entry points of the TwELL CUDA kernels (inference).
+"""Public entry points of the TwELL inference kernels: functions and nn.Modules.
 
-    y = sparse_gated_ffn(x, w_gate, w_up, w_down)          # relu(x Wg^T) * (x Wu^T) @ Wd^T
-    y = sparse_nongated_ffn(x, w_up, w_down)               # relu(x Wu^T) @ Wd^T
-    y, stats = sparse_gated_ffn(..., return_stats=True)    # stats['nnz_per_token']: int32 [M]
+    y = sparse_gated_ffn(x, w_gate, w_up, w_down)                  # (relu(x Wg^T) * (x Wu^T)) Wd^T
+    y = sparse_nongated_ffn(x, w_up, w_down)                       # relu(x Wu^T) Wd^T
+    y = sparse_gated_ffn(x, wg, wu, wd, config=KernelConfig(mode="sparse"))
+    mlp = TwELLGatedMLP.from_linears(gate_proj, up_proj, down_proj)  # state-dict compatible with HF LlamaMLP
 
-Weights in nn.Linear layouts: w_gate/w_up [N, K], w_down [K, N]. x [..., K] bf16 CUDA, contiguous.
-Exact on every input: rows that overflow the TwELL slots or have a non-finite gate go through dense cuBLAS.
-On CPU or without the extension a KernelUnavailableError names the pure-PyTorch reference path.
+Weights in nn.Linear layouts: w_gate/w_up [N, K], w_down [K, N]; x [..., K] bf16 on CUDA (copied if it is not
+contiguous or not 16-byte aligned). Exact on every input: rows that overflow the TwELL slots or have a non-finite
+gate are computed by dense GEMMs. Each call is one C++ op (kernels/twell/ops.py, runtime.cpp) whose per-layer plan
+keeps the layer's measured activity for dispatch. On CPU, or without nvcc, a KernelUnavailableError names the
+pure-PyTorch reference (kernels.reference).
 """
 from __future__ import annotations
 
-import weakref
+from collections import OrderedDict
 from typing import Literal
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from .config import KernelConfig
 from .loader import REFERENCE_HINT, KernelUnavailableError
-from .reference import check_ffn_layouts
+from .twell import ops
 
-_MODES = {"auto": 0, "sparse": 1, "dense": 2}
-_WDT_CACHE: dict[tuple, tuple] = {}
-_WDT_CACHE_MAX = 16
-
-
-def _ops():
-    import sfl.kernels.twell.ops  # noqa: F401  (registers torch.ops.sfl_twell.*)
-
-    return torch.ops.sfl_twell
+_DEFAULT = KernelConfig()
+_PLANS: OrderedDict[tuple, ops.Plan] = OrderedDict()
+_PLANS_MAX = 4096
 
 
-def transposed_down(w_down: Tensor) -> Tensor:
-    """Neuron-major copy W_d^T [N, K] (each active neuron's row contiguous), cached per live tensor + version.
-
-    The cache holds a weak reference to the source and checks identity, so a new tensor that reuses a freed
-    tensor's memory (same data_ptr) never hits a stale entry.
-    """
-    key = (w_down.data_ptr(), w_down._version, tuple(w_down.shape), w_down.device, w_down.dtype)
-    hit = _WDT_CACHE.get(key)
-    if hit is not None and hit[0]() is w_down:
-        return hit[1]
-    if len(_WDT_CACHE) >= _WDT_CACHE_MAX:
-        _WDT_CACHE.pop(next(iter(_WDT_CACHE)))
-    t = w_down.t().contiguous()
-    _WDT_CACHE[key] = (weakref.ref(w_down), t)
-    return t
+def plan_for(w: Tensor, config: KernelConfig, gated: bool) -> ops.Plan:
+    """The functional API's plan for a layer, keyed by its gate weight's storage (non-gated: the up weight) and the
+    config: callers pass fresh .detach() views, which share the storage. A weight allocated where a freed one lived
+    has a new storage object, so it never inherits another layer's measurements."""
+    key = (w.untyped_storage()._cdata, w.storage_offset(), tuple(w.shape), gated, config)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.popitem(last=False)
+        plan = _PLANS[key] = ops.Plan(config)
+    return plan
 
 
-def validate(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor) -> None:
-    """Raise a ValueError/KernelUnavailableError that says what to do for any unsupported input."""
-    names = [("x", x), ("w_up", w_up), ("w_down", w_down)] + ([("w_gate", w_gate)] if w_gate is not None else [])
-    for name, t in names:
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.device.type != "cuda":
-            raise KernelUnavailableError(
-                f"{name} is on {t.device}: the TwELL kernels run on CUDA tensors only; move the inputs with "
-                f".cuda(), or use {REFERENCE_HINT}")
-        if t.dtype != torch.bfloat16:
-            raise ValueError(f"{name} has dtype {t.dtype}: the TwELL kernels take torch.bfloat16; "
-                             f"cast with .to(torch.bfloat16)")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} is not contiguous: call .contiguous() first")
-    if len({t.device for _, t in names}) != 1:
-        raise ValueError("x and all weights must be on the same CUDA device")
-    K, N = check_ffn_layouts(x, w_gate, w_up, w_down)
-    if K % 64 != 0 or K > 4096:
-        raise ValueError(f"hidden size K={K} unsupported: need K % 64 == 0 and K <= 4096; use {REFERENCE_HINT}")
-    if N % 256 != 0 or N == 0:
-        raise ValueError(f"intermediate size N={N} unsupported: need N % 256 == 0 (TwELL tile 256); "
-                         f"use {REFERENCE_HINT}")
-
-
-def _aligned(t: Tensor | None) -> Tensor | None:
-    """The kernels read rows with 16-byte vector loads; a tensor whose storage starts mid-vector (a view at an odd
-    element offset) is copied to a fresh, aligned buffer rather than faulting."""
-    return t.clone() if t is not None and t.data_ptr() % 16 else t
-
-
-def _run(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, return_stats: bool, mode: str,
-         activity_hint: float, w_down_t: Tensor | None):
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w_gate, w_up, w_down)):
-        # the inference kernels have no backward: refuse rather than return a result whose gradients are missing
-        raise ValueError("sfl.kernels.ffn is inference-only (no backward): call it under torch.no_grad() / "
+def _inference_only(*ts: Tensor | None) -> None:
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts):
+        # no backward here: refuse rather than return a result whose gradients are silently missing
+        raise ValueError("kernels.ffn is inference-only (no backward): call it under torch.no_grad() / "
                          "torch.inference_mode() or pass detached tensors; to train, use "
                          "sfl.kernels.train_ffn.sparse_gated_ffn_train / sparse_nongated_ffn_train")
-    validate(x, w_gate, w_up, w_down)
-    if mode not in _MODES:
-        raise ValueError(f"mode must be one of {sorted(_MODES)}, got {mode!r}")
-    lead = x.shape[:-1]
-    x2 = _aligned(x.reshape(-1, x.shape[-1]))
-    w_gate, w_up, w_down = _aligned(w_gate), _aligned(w_up), _aligned(w_down)
-    wdt = _aligned(w_down_t) if w_down_t is not None else transposed_down(w_down)
-    ops = _ops()
-    if not torch.compiler.is_compiling():
-        # eager (CUDA-graph capture included): call the implementation directly; the torch.library op costs
-        # tens of microseconds of host time per call, which the GPU waits for at small M
-        from .twell.ops import _ffn_impl
-
-        y, nnz = _ffn_impl(x2, w_gate, w_up, wdt, w_down, _MODES[mode], float(activity_hint), return_stats)
-    elif w_gate is not None:
-        y, nnz = ops.gated_ffn(x2, w_gate, w_up, wdt, w_down, _MODES[mode], float(activity_hint), return_stats)
-    else:
-        y, nnz = ops.nongated_ffn(x2, w_up, wdt, w_down, _MODES[mode], float(activity_hint), return_stats)
-    y = y.reshape(*lead, x.shape[-1])
-    if return_stats:
-        return y, {"nnz_per_token": nnz}
-    return y
 
 
-def sparse_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, *, return_stats: bool = False,
-                     mode: Literal["auto", "sparse", "dense"] = "auto", activity_hint: float = 0.0,
-                     w_down_t: Tensor | None = None):
-    """y = (relu(x w_gate^T) * (x w_up^T)) w_down^T through TwELL; exact (overflow rows go dense)."""
-    return _run(x, w_gate, w_up, w_down, return_stats, mode, activity_hint, w_down_t)
+def _call(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, config: KernelConfig | None,
+          mode: str | None, plan: ops.Plan | None, stats: Tensor | None) -> Tensor:
+    _inference_only(x, w_gate, w_up, w_down)
+    if x.device.type != "cuda":
+        raise KernelUnavailableError(f"x is on {x.device}: the TwELL kernels run on CUDA tensors only; move the "
+                                     f"inputs with .cuda(), or use {REFERENCE_HINT}")
+    if plan is None:
+        cfg = config or _DEFAULT
+        if mode is not None and mode != cfg.mode:
+            cfg = cfg.replace(mode=mode)
+        plan = plan_for(w_gate if w_gate is not None else w_up, cfg, w_gate is not None)
+    ops.load()
+    return ops.ffn(x, w_gate, w_up, w_down, plan, stats)
 
 
-def sparse_nongated_ffn(x: Tensor, w_up: Tensor, w_down: Tensor, *, return_stats: bool = False,
-                        mode: Literal["auto", "sparse", "dense"] = "auto", activity_hint: float = 0.0,
-                        w_down_t: Tensor | None = None):
-    """y = relu(x w_up^T) w_down^T through TwELL; exact (overflow rows go dense)."""
-    return _run(x, None, w_up, w_down, return_stats, mode, activity_hint, w_down_t)
+def sparse_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, *, config: KernelConfig | None = None,
+                     mode: Literal["auto", "sparse", "dense"] | None = None, plan: ops.Plan | None = None,
+                     stats: Tensor | None = None) -> Tensor:
+    """y = (relu(x w_gate^T) * (x w_up^T)) w_down^T through TwELL; exact (overflow rows go dense).
+
+    config: a KernelConfig (default: the measured defaults); mode overrides config.mode. plan: this layer's Plan
+    (default: one per gate weight and config). stats: an int64 [3] CUDA tensor to accumulate (sum of non-zeros,
+    largest per-token count, tokens) into."""
+    return _call(x, w_gate, w_up, w_down, config, mode, plan, stats)
 
 
-def twell_d2t(x: Tensor, w_gate: Tensor, slots: int = 32) -> tuple[Tensor, Tensor, Tensor]:
+def sparse_nongated_ffn(x: Tensor, w_up: Tensor, w_down: Tensor, *, config: KernelConfig | None = None,
+                        mode: Literal["auto", "sparse", "dense"] | None = None, plan: ops.Plan | None = None,
+                        stats: Tensor | None = None) -> Tensor:
+    """y = relu(x w_up^T) w_down^T through TwELL; exact (overflow rows go dense). Arguments as sparse_gated_ffn."""
+    return _call(x, None, w_up, w_down, config, mode, plan, stats)
+
+
+def twell_d2t(x: Tensor, w_gate: Tensor, slots: int = 32, *, config: KernelConfig | None = None
+              ) -> tuple[Tensor, Tensor, Tensor]:
     """TwELL of relu(x w_gate^T): (packed int32 [M, T, slots], counts int32 [M, T], flag int32 [M])."""
-    validate(x, w_gate, w_gate, torch.empty(w_gate.shape[1], w_gate.shape[0], device=w_gate.device,
-                                             dtype=w_gate.dtype))
     if not 1 <= slots <= 256:
         raise ValueError(f"slots must be in 1..256, got {slots}")
-    return _ops().d2t(_aligned(x.reshape(-1, x.shape[-1])), _aligned(w_gate), slots)
+    if x.device.type != "cuda":
+        raise KernelUnavailableError(f"x is on {x.device}: twell_d2t runs on CUDA; use kernels.reference.d2t")
+    cfg = config or _DEFAULT
+    ops.load()
+    return torch.ops.sfl_twell.d2t(x, w_gate, slots, 0 if cfg.d2t == "fused" else 1, cfg.d2t_overlap_min_k,
+                                   cfg.d2t_max_ctas)
 
 
-from .twell.module import TwELLGatedMLP, TwELLMLP  # noqa: E402  (re-export)
+# ------------------------------------------------------------------------------------------------ modules
+class _TwELLBase(nn.Module):
+    def __init__(self, config: KernelConfig | None, track_stats: bool) -> None:
+        super().__init__()
+        self.plan = ops.Plan(config or _DEFAULT)
+        # non-zeros summed over tokens, the largest per-token count, tokens: accumulated on the device by the op
+        self.register_buffer("nnz_stats", torch.zeros(3, dtype=torch.int64), persistent=False)
+        self.track_stats = track_stats
 
-__all__ = ["sparse_gated_ffn", "sparse_nongated_ffn", "twell_d2t", "transposed_down", "validate",
-           "TwELLGatedMLP", "TwELLMLP", "KernelUnavailableError"]
+    @property
+    def config(self) -> KernelConfig:
+        return self.plan.config
+
+    @staticmethod
+    def _check_linear(lin: nn.Linear, name: str) -> None:
+        if lin.bias is not None:
+            raise ValueError(f"{name} has a bias: the TwELL kernels implement bias-free MLPs (mlp_bias=False)")
+
+    def _run(self, x: Tensor, w_gate: Tensor | None) -> Tensor:
+        _inference_only(x, w_gate, self.up_proj.weight, self.down_proj.weight)
+        ops.load()
+        return ops.ffn(x, w_gate, self.up_proj.weight, self.down_proj.weight, self.plan,
+                       self.nnz_stats if self.track_stats else None)
+
+
+class TwELLGatedMLP(_TwELLBase):
+    """y = down(relu(gate(x)) * up(x)) through TwELL; exact on every input. Inference only."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, config: KernelConfig | None = None,
+                 track_stats: bool = False, device=None, dtype=torch.bfloat16) -> None:
+        super().__init__(config, track_stats)
+        kw = dict(bias=False, device=device, dtype=dtype)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
+
+    @classmethod
+    def from_linears(cls, gate: nn.Linear, up: nn.Linear, down: nn.Linear, **kw) -> "TwELLGatedMLP":
+        for lin, n in ((gate, "gate"), (up, "up"), (down, "down")):
+            cls._check_linear(lin, n)
+        m = cls(gate.in_features, gate.out_features, device=gate.weight.device, dtype=gate.weight.dtype, **kw)
+        with torch.no_grad():
+            m.gate_proj.weight.copy_(gate.weight)
+            m.up_proj.weight.copy_(up.weight)
+            m.down_proj.weight.copy_(down.weight)
+        return m
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self._run(x, self.gate_proj.weight)
+
+
+class TwELLMLP(_TwELLBase):
+    """Non-gated: y = down(relu(up(x))) through TwELL; exact on every input. Inference only."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, config: KernelConfig | None = None,
+                 track_stats: bool = False, device=None, dtype=torch.bfloat16) -> None:
+        super().__init__(config, track_stats)
+        kw = dict(bias=False, device=device, dtype=dtype)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
+
+    @classmethod
+    def from_linears(cls, up: nn.Linear, down: nn.Linear, **kw) -> "TwELLMLP":
+        for lin, n in ((up, "up"), (down, "down")):
+            cls._check_linear(lin, n)
+        m = cls(up.in_features, up.out_features, device=up.weight.device, dtype=up.weight.dtype, **kw)
+        with torch.no_grad():
+            m.up_proj.weight.copy_(up.weight)
+            m.down_proj.weight.copy_(down.weight)
+        return m
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self._run(x, None)
+
+
+__all__ = ["sparse_gated_ffn", "sparse_nongated_ffn", "twell_d2t", "plan_for", "TwELLGatedMLP", "TwELLMLP",
+           "KernelConfig", "KernelUnavailableError"]

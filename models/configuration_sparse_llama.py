@@ -28,6 +28,10 @@ class SparseLlamaConfig(LlamaConfig):
         twell_tile_n / twell_slots: TwELL tile width and slots per (row, tile) for the sparse paths.
         twell_mode: mode of the mlp_impl="cuda" inference kernels: "auto" (dispatch: the dense path
             where sparse would be slower) or "sparse" (always through TwELL; exact either way).
+        kernel_config: the CUDA kernels' settings (sfl.kernels.config.KernelConfig fields, as a dict; None =
+            defaults). twell_slots and twell_mode reach the kernels through it: `get_kernel_config()` fills
+            `slots` and `mode` from them unless the dict sets them.
+        track_sparsity_stats: accumulate non-zeros per token on the device (read by sparsity_stats()).
         dead_window_tokens: a neuron counts as dead when it has not fired in this many most recent
             training tokens (paper: one optimiser step, ~2^20 tokens).
     hidden_act is "relu" (the sparse model) or "silu" (dense SiLU baseline of paper Table 3: same
@@ -45,6 +49,8 @@ class SparseLlamaConfig(LlamaConfig):
     twell_slots: int = 32
     twell_mode: str = "auto"
     dead_window_tokens: int = 1_048_576
+    kernel_config: dict | None = None
+    track_sparsity_stats: bool = True
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -78,6 +84,12 @@ class SparseLlamaConfig(LlamaConfig):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise bad(field, value, "must be a positive integer")
+        if not isinstance(self.track_sparsity_stats, bool):
+            raise bad("track_sparsity_stats", self.track_sparsity_stats, "must be a bool")
+        try:
+            self.get_kernel_config()
+        except (TypeError, ValueError) as e:
+            raise bad("kernel_config", self.kernel_config, str(e)) from e
         if self.twell_slots > self.twell_tile_n:
             raise bad("twell_slots", self.twell_slots,
                       f"must be <= twell_tile_n ({self.twell_tile_n}); slots = tile_n // compression")
@@ -89,6 +101,16 @@ class SparseLlamaConfig(LlamaConfig):
             if self.mlp_bias:
                 raise bad("mlp_bias", self.mlp_bias,
                           f"mlp_impl={self.mlp_impl!r} has no bias support; use mlp_impl='dense'")
+
+    def get_kernel_config(self):
+        """The KernelConfig the CUDA kernels run with: kernel_config, with slots/mode taken from twell_slots and
+        twell_mode unless it sets them."""
+        from sfl.kernels.config import KernelConfig
+
+        d = dict(self.kernel_config or {})
+        d.setdefault("slots", self.twell_slots)
+        d.setdefault("mode", self.twell_mode)
+        return KernelConfig.from_dict(d)
 
 
 __all__ = ["SparseLlamaConfig", "MLP_IMPLS", "L1_REDUCTIONS", "ACTIVATIONS", "TWELL_MODES"]

@@ -44,12 +44,14 @@ def _call_supported(fn: Callable, *args: Any, **kwargs: Any) -> Any:
 
 
 class SparseLlamaMLP(nn.Module):
-    """ReLU MLP (gated or not) that records its own L1 term and sparsity statistics.
+    """ReLU MLP (gated or not) with the L1 term of Eq. 2 and sparsity statistics.
 
-    After every forward:
-        last_nnz_per_token: float32 [M] active-neuron count per token (detached), M = tokens.
-        last_l1: this layer's L1 term (0-dim), or None when the loss did not ask for it.
-    Accumulated since the last reset_sparsity_stats(): sum / max of nnz per token and token count.
+    Statistics stay on the device: the buffer nnz_stats (int64 [3]: non-zeros summed over tokens, the largest
+    per-token count, tokens) accumulates every forward (on the CUDA path inside the op's own kernels) and is read
+    only by sparsity_stats(); config.track_sparsity_stats=False turns it off. Nothing else runs per call.
+        last_nnz_per_token: float32 [M] per-token counts of the last forward, kept only while record_per_token is
+            True (analysis tools set it; the CUDA inference path does not produce per-token counts).
+        last_l1: this layer's L1 term of the last forward that asked for it (l1_mode), else None.
     tokens_since_fire (int64 [N], non-persistent buffer): per-neuron distance to its last firing,
     advanced only by training-mode forwards (see models.sparsity.update_tokens_since_fire).
     """
@@ -68,33 +70,43 @@ class SparseLlamaMLP(nn.Module):
         self.register_buffer(
             "tokens_since_fire", torch.zeros(self.intermediate_size, dtype=torch.int64), persistent=False
         )
+        self.register_buffer("nnz_stats", torch.zeros(3, dtype=torch.int64), persistent=False)
         # "grad": differentiable L1; "value": L1 for logging only; None: skip (generation, hooks).
         self.l1_mode: str | None = None
         self.last_l1: torch.Tensor | None = None
         self.last_nnz_per_token: torch.Tensor | None = None
-        self._nnz_sum: torch.Tensor | None = None
-        self._nnz_max: torch.Tensor | None = None
-        self._n_tokens = 0
+        self.record_per_token = False
+        self.refresh_plan()
+
+    def refresh_plan(self) -> None:
+        """(Re)make this layer's kernel plan from config.get_kernel_config() (a new plan starts a new dispatch
+        history). Called at construction and by SparseLlamaForCausalLM.set_kernel_config; never per call, so a
+        compiled model sees a constant."""
+        from sfl.kernels.twell.ops import Plan
+
+        self.plan = Plan(self.config.get_kernel_config())
 
     # ----------------------------------------------------------------------------- statistics
     @torch.no_grad()
     def reset_sparsity_stats(self, dead_tracker: bool = True) -> None:
         """Clear the accumulated nnz statistics (and, by default, the dead-neuron counters)."""
-        self._nnz_sum = self._nnz_max = None
-        self._n_tokens = 0
+        if self.nnz_stats.device.type != "meta":
+            self.nnz_stats.zero_()
         if dead_tracker and self.tokens_since_fire.device.type != "meta":
             self.tokens_since_fire.zero_()
 
     @torch.no_grad()
     def _record(self, nnz: torch.Tensor, active: torch.Tensor | None) -> None:
-        nnz = nnz.detach().float()
-        self.last_nnz_per_token = nnz
-        if _in_backward():  # activation-checkpoint recompute: this batch was already counted
+        if self.record_per_token:
+            self.last_nnz_per_token = nnz.detach().float()
+        if self.training and _in_backward():  # activation-checkpoint recompute: this batch was already counted
             return
-        s, mx = nnz.sum(dtype=torch.float64), nnz.max()
-        self._nnz_sum = s if self._nnz_sum is None else self._nnz_sum + s
-        self._nnz_max = mx if self._nnz_max is None else torch.maximum(self._nnz_max, mx)
-        self._n_tokens += nnz.numel()
+        if self.config.track_sparsity_stats and nnz.numel() > 0:
+            n = nnz.detach().to(torch.int64)
+            st = self.nnz_stats
+            st[0] += n.sum()
+            st[1] = torch.maximum(st[1], n.max())
+            st[2] += n.numel()
         if self.training and active is not None:
             update_tokens_since_fire(self.tokens_since_fire, active)
 
@@ -102,13 +114,11 @@ class SparseLlamaMLP(nn.Module):
     def sparsity_stats(self) -> dict[str, float]:
         """nnz_mean / nnz_max per token over forwards since the last reset (NaN if none), the
         dead fraction for config.dead_window_tokens, and the number of tokens seen."""
-        if self._n_tokens == 0:
-            nnz_mean = nnz_max = float("nan")
-        else:
-            nnz_mean = float(self._nnz_sum) / self._n_tokens
-            nnz_max = float(self._nnz_max)
+        total, mx, tokens = (int(v) for v in self.nnz_stats.tolist())
+        nnz_mean = total / tokens if tokens else float("nan")
+        nnz_max = float(mx) if tokens else float("nan")
         dead = float(dead_fraction(self.tokens_since_fire, self.config.dead_window_tokens))
-        return {"nnz_mean": nnz_mean, "nnz_max": nnz_max, "dead_frac": dead, "tokens": self._n_tokens}
+        return {"nnz_mean": nnz_mean, "nnz_max": nnz_max, "dead_frac": dead, "tokens": tokens}
 
     # ----------------------------------------------------------------------------- forward
     def _weights(self) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
@@ -137,6 +147,8 @@ class SparseLlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         impl = self.config.mlp_impl
+        if impl == "cuda" and not (torch.is_grad_enabled() and self._needs_grad(x)):
+            return self._forward_cuda(x)  # the op takes [..., K] as it is
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if impl == "dense":
@@ -147,10 +159,14 @@ class SparseLlamaMLP(nn.Module):
         elif impl == "reference":
             y = self._forward_reference(x2)
         elif impl == "cuda":
-            y = self._forward_cuda(x2)
+            y = self._forward_cuda_train(x2)
         else:
             raise ValueError(f"config.mlp_impl={impl!r} is invalid: must be one of {MLP_IMPLS}")
         return y.reshape(*shape[:-1], y.shape[-1])
+
+    def _needs_grad(self, x: torch.Tensor) -> bool:
+        # differentiable whenever autograd needs it (the inference kernels have no backward)
+        return self.training or x.requires_grad or any(w is not None and w.requires_grad for w in self._weights())
 
     def _forward_reference(self, x2: torch.Tensor) -> torch.Tensor:
         try:
@@ -180,29 +196,18 @@ class SparseLlamaMLP(nn.Module):
             self._record(stats["nnz_per_token"].float(), None)
         return y
 
-    def _forward_cuda(self, x2: torch.Tensor) -> torch.Tensor:
-        # differentiable whenever autograd needs it (the inference kernels have no backward)
-        if torch.is_grad_enabled() and (self.training or x2.requires_grad
-                                        or any(w is not None and w.requires_grad for w in self._weights())):
-            return self._forward_cuda_train(x2)
-        try:
-            from sfl.kernels import ffn
-        except ImportError as e:  # pragma: no cover - depends on the kernels package
-            raise ImportError(
-                f"mlp_impl='cuda' needs kernels/ffn.py ({e}). Use mlp_impl='reference' or 'dense'."
-            ) from e
+    def _forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        """Inference through the one C++ op: dispatch, kernels, exact backup and the statistics all happen there;
+        h never leaves the kernels, so L1 is unavailable here (None)."""
+        from sfl.kernels.twell import ops
+
+        ops.ensure_loaded()
         wg, wu, wd = self._inference_weights()
-        # The kernels take contiguous bf16; the residual stream (fp32 weights under autocast) may be wider.
-        x2 = x2.to(wu.dtype).contiguous()
-        mode = getattr(self.config, "twell_mode", "auto")
-        if self.gated:
-            y, stats = ffn.sparse_gated_ffn(x2, wg, wu, wd, return_stats=True, mode=mode)
-        else:
-            y, stats = ffn.sparse_nongated_ffn(x2, wu, wd, return_stats=True, mode=mode)
-        # h never leaves the inference kernels: L1 is unavailable on this path (reported as None).
+        if x.dtype != wu.dtype:  # the residual stream may be wider than the kernels' bf16 (autocast evaluation)
+            x = x.to(wu.dtype)
         self.last_l1 = None
-        self._record(stats["nnz_per_token"].float(), None)
-        return y
+        stats = self.nnz_stats if self.config.track_sparsity_stats else None
+        return ops.ffn(x, wg, wu, wd, self.plan, stats)
 
     def _inference_weights(self) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """The weights in the dtype the inference kernels run in: bf16 under CUDA autocast (fp32 master
@@ -336,6 +341,24 @@ class SparseLlamaForCausalLM(SparseLlamaPreTrainedModel, LlamaForCausalLM):
         except ValueError:
             self.config.mlp_impl = old
             raise
+
+    def set_kernel_config(self, kernel_config) -> None:
+        """Run the CUDA kernels with this KernelConfig (or dict of its fields): stored in config.kernel_config
+        (saved with the model) and given to every layer as a new plan (fresh dispatch histories)."""
+        from sfl.kernels.config import KernelConfig
+
+        cfg = kernel_config if isinstance(kernel_config, KernelConfig) else KernelConfig.from_dict(kernel_config)
+        self.config.kernel_config = cfg.to_dict()
+        for mlp in self.sparse_mlps():
+            mlp.refresh_plan()
+
+    def record_nnz_per_token(self, on: bool = True) -> None:
+        """Keep each layer's per-token non-zero counts of the last forward in mlp.last_nnz_per_token (analysis
+        tools; off by default: the CUDA inference path produces totals only)."""
+        for mlp in self.sparse_mlps():
+            mlp.record_per_token = on
+            if not on:
+                mlp.last_nnz_per_token = None
 
     def reset_sparsity_stats(self, dead_tracker: bool = True) -> None:
         for mlp in self.sparse_mlps():

@@ -87,6 +87,28 @@ def ffn():
     return ffn
 
 
+def new_plan(gated: bool = True, **cfg):
+    """A fresh layer plan with these KernelConfig fields (its dispatch history starts empty)."""
+    from sfl.kernels.config import KernelConfig
+    from sfl.kernels.twell.ops import Plan
+
+    return Plan(KernelConfig(**cfg))
+
+
+def run(ffn, x, wg, wu, wd, gated: bool = True, plan=None, stats=None, **cfg):
+    """One call of the gated (or non-gated) op with a KernelConfig built from cfg (or through `plan`)."""
+    from sfl.kernels.config import KernelConfig
+
+    kw = dict(plan=plan, stats=stats) if plan is not None else dict(config=KernelConfig(**cfg), stats=stats)
+    return ffn.sparse_gated_ffn(x, wg, wu, wd, **kw) if gated else ffn.sparse_nongated_ffn(x, wu, wd, **kw)
+
+
+def check_stats(stats: torch.Tensor, h: torch.Tensor) -> None:
+    """The op's accumulated statistics equal the dense count: (sum of non-zeros, largest per-token count, tokens)."""
+    n = (h != 0).sum(1)
+    assert stats.tolist() == [int(n.sum()), int(n.max()), h.shape[0]]
+
+
 SHAPES = [(576, 1536, True), (2048, 5632, True), (2048, 8192, False), (4096, 11008, True)]
 
 
@@ -96,14 +118,11 @@ def test_ffn_vs_fp32(ffn, K, N, gated, M):
     x, wg, wu, wd = make_problem(M, K, N, 0.01, seed=M * 7 + K + N, gated=gated)
     poison()
     # mode="sparse": exercise the kernels at every M (auto may pick dense for 16 < M <= 64)
-    if gated:
-        y, st = ffn.sparse_gated_ffn(x, wg, wu, wd, return_stats=True, mode="sparse")
-    else:
-        y, st = ffn.sparse_nongated_ffn(x, wu, wd, return_stats=True, mode="sparse")
+    stats = torch.zeros(3, device=DEV, dtype=torch.int64)
+    y = run(ffn, x, wg, wu, wd, gated, stats=stats, mode="sparse")
     torch.cuda.synchronize()
     check(y, x, wg, wu, wd, gated)
-    h = F.relu(F.linear(x, wg if gated else wu))
-    assert torch.equal(st["nnz_per_token"].long(), (h != 0).sum(1)), "nnz_per_token differs from the dense count"
+    check_stats(stats, F.relu(F.linear(x, wg if gated else wu)))
 
 
 @pytest.mark.parametrize("mode", ["sparse", "dense", "auto"])
@@ -113,30 +132,24 @@ def test_modes_and_many_heavy_rows(ffn, mode, p):
     K, N, M = 2048, 5632, 2500
     x, wg, wu, wd = make_problem(M, K, N, p, seed=11)
     x[::3, 3:] *= 5
-    import os
-
-    os.environ["TWELL_CHUNK_ROWS"] = "1024"
-    try:
+    for d2t in ("fused", "cublas"):   # cublas with a 1 MB scratch: the gate GEMM in chunks of 256 rows
         poison()
-        y = ffn.sparse_gated_ffn(x, wg, wu, wd, mode=mode)
+        y = run(ffn, x, wg, wu, wd, mode=mode, d2t=d2t, gate_scratch_mb=1)
         torch.cuda.synchronize()
-    finally:
-        del os.environ["TWELL_CHUNK_ROWS"]
-    check(y, x, wg, wu, wd, True)
+        check(y, x, wg, wu, wd, True)
 
 
-@pytest.mark.parametrize("chunk", [0, 64, 100000])   # 0 = auto (one GEMM over all rows at this size)
-def test_d2t_matches_reference(ffn, monkeypatch, chunk):
+@pytest.mark.parametrize("scratch_mb", [1, 1024])   # 1 MB: chunks of 256 rows; 1024: one GEMM over all rows
+def test_d2t_matches_reference(ffn, scratch_mb):
     """Every cuBLAS d2t variant (full-M GEMM, chunked) equals reference.d2t bit for bit on the valid slots."""
     from sfl.kernels import reference
+    from sfl.kernels.config import KernelConfig
 
     K, N, M = 2048, 5632, 300
     x, wg, _, _ = make_problem(M, K, N, 0.01, seed=3)
-    monkeypatch.setenv("TWELL_D2T", "cublas")
-    monkeypatch.setenv("TWELL_CHUNK_ROWS", str(chunk))
     poison()
-    packed, counts, flag = ffn.twell_d2t(x, wg, 32)
-    step = chunk if chunk > 0 else M   # the same GEMM calls as the op, so the same cuBLAS rounding
+    packed, counts, flag = ffn.twell_d2t(x, wg, 32, config=KernelConfig(d2t="cublas", gate_scratch_mb=scratch_mb))
+    step = 256 if scratch_mb == 1 else M   # the same GEMM calls as the op, so the same cuBLAS rounding
     h = F.relu(torch.cat([torch.mm(x[i:i + step], wg.t()) for i in range(0, M, step)]))
     ref = reference.d2t(h, 256, 32)
     assert torch.equal(counts, ref.counts)
@@ -182,7 +195,7 @@ def test_module_from_linears(ffn):
     y = m(x.view(3, 171, K))
     assert y.shape == (3, 171, K)
     check(y.view(-1, K), x, wg, wu, wd, True)
-    assert m.last_nnz_per_token.shape == (513,)
+    assert int(m.nnz_stats[2]) == 513
     # weights edited in place: the cached transposed down weight must follow
     with torch.no_grad():
         m.down_proj.weight.mul_(2)
@@ -192,22 +205,41 @@ def test_module_from_linears(ffn):
     check(mn(x), x, None, wu, wd, False)
 
 
-def test_transposed_down_cache_never_stale(ffn):
-    """A new weight that reuses a freed weight's memory must not hit the old cache entry."""
+def test_down_cache_never_stale(ffn):
+    """The plan's neuron-major W_d follows a new weight, a weight edited in place and a weight that reuses a freed
+    weight's memory (fresh .detach() views every call, as modules pass)."""
+    K, N, M = 576, 1536, 300
+    x, wg, wu, wd = make_problem(M, K, N, 0.01, seed=41, adversarial=False)
+    plan = new_plan(mode="sparse")
     for i in range(3):
-        wd = torch.full((64, 256), float(i), device=DEV, dtype=BF)
-        assert torch.equal(ffn.transposed_down(wd), wd.t())
-        del wd
+        wdi = (wd * (i + 1)).contiguous()
+        check(run(ffn, x, wg, wu, wdi.detach(), plan=plan), x, wg, wu, wdi, True)
+        with torch.no_grad():
+            wdi.mul_(-1)
+        check(run(ffn, x, wg, wu, wdi.detach(), plan=plan), x, wg, wu, wdi, True)
+        del wdi
 
 
 def test_bad_inputs_on_gpu(ffn):
     x, wg, wu, wd = make_problem(8, 576, 1536, 0.01, seed=1, adversarial=False)
-    with pytest.raises(ValueError, match="bfloat16"):
+    with pytest.raises(RuntimeError, match="bfloat16"):
         ffn.sparse_gated_ffn(x.half(), wg, wu, wd)
-    with pytest.raises(ValueError, match="contiguous"):
-        ffn.sparse_gated_ffn(x.t().contiguous().t(), wg, wu, wd)
-    with pytest.raises(ValueError, match="w_down"):
+    with pytest.raises(RuntimeError, match="w_down"):
         ffn.sparse_gated_ffn(x, wg, wu, wd.t().contiguous())
+    with pytest.raises(RuntimeError, match="K % 64"):
+        ffn.sparse_gated_ffn(x[:, :500].contiguous(), wg[:, :500].contiguous(), wu[:, :500].contiguous(),
+                             wd[:500].contiguous())
+    with pytest.raises(ValueError, match="no_grad"):
+        ffn.sparse_gated_ffn(x, wg.requires_grad_(), wu, wd)
+
+
+def test_noncontiguous_input_is_copied(ffn):
+    """A transposed view of x is read through a copy, as a PyTorch op would; the result is exact."""
+    x, wg, wu, wd = make_problem(64, 576, 1536, 0.01, seed=2, adversarial=False)
+    xt = x.t().contiguous().t()
+    assert not xt.is_contiguous()
+    for mode in ("sparse", "dense"):
+        check(run(ffn, xt, wg, wu, wd, mode=mode), x, wg, wu, wd, True)
 
 
 @pytest.mark.parametrize("gated", [True, False])
@@ -280,14 +312,13 @@ def test_dense_path_is_torch_dense(ffn):
     for gated, N in ((True, 5632), (False, 8192)):
         x, wg, wu, wd = make_problem(1000, 2048, N, 0.02, seed=11, gated=gated)
         poison()
-        fn = ffn.sparse_gated_ffn if gated else (lambda x, wg, wu, wd, **k: ffn.sparse_nongated_ffn(x, wu, wd, **k))
-        y, st = fn(x, wg, wu, wd, mode="dense", return_stats=True)
+        stats = torch.zeros(3, device=DEV, dtype=torch.int64)
+        y = run(ffn, x, wg, wu, wd, gated, stats=stats, mode="dense")
         ref = dense(x, wg, wu, wd, gated)
         fin = torch.isfinite(ref).all(1)
         assert torch.equal(torch.isfinite(y), torch.isfinite(ref))
         assert torch.equal(y[fin], ref[fin])
-        h = F.relu(F.linear(x, wg if gated else wu))
-        assert torch.equal(st["nnz_per_token"].long(), (h != 0).sum(1))
+        check_stats(stats, F.relu(F.linear(x, wg if gated else wu)))
 
 
 def test_row_stats_kernel(ffn):
@@ -309,122 +340,107 @@ def _set_activity(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("M", [16, 3000])
-def test_dispatch_history_follows_activity(ffn, monkeypatch, M):
+def test_dispatch_history_follows_activity(ffn, M):
     """Auto dispatch: first call dense + measure; low activity -> sparse; a jump to high activity is run (exact)
     on the stale choice once, then dense; back to low -> sparse again. Exact on every call."""
-    from sfl.kernels.twell import ops
-
-    monkeypatch.setenv("TWELL_CROSSOVER", "1:0.01")   # sparse whenever measured activity <= 1%
-    monkeypatch.setenv("TWELL_SELF_TIMING", "0")       # the table alone (self-timing: its own test)
     K, N = 2048, 5632
     x, wg, wu, wd = make_problem(M, K, N, 0.004, seed=31, adversarial=False)
     lo, hi = _set_activity(x, 1.0), _set_activity(x, 0.2)   # ~0.4% and ~20% active
-    hist = ops.history_for(wg)
-    hist.__init__()
+    # sparse whenever the measured activity is <= 1%; the table alone (self-timing has its own test)
+    plan = new_plan(crossover="1:0.01", self_timing=False)
     seq = [(lo, "dense"), (lo, "sparse"), (lo, "sparse"), (hi, "sparse"), (hi, "dense"), (hi, "dense"),
            (lo, "dense"), (lo, "sparse")]
     for i, (xi, want) in enumerate(seq):
         poison()
-        y = ffn.sparse_gated_ffn(xi, wg, wu, wd)
-        got = ops.LAST_PATH["path"].replace("-syncfree", "")
+        y = run(ffn, xi, wg, wu, wd, plan=plan)
+        got = plan.info()["path"].replace("-syncfree", "")
         torch.cuda.synchronize()   # lets the asynchronous measurement land before the next call
-        assert got == want, f"call {i}: path {got}, expected {want} ({hist})"
+        assert got == want, f"call {i}: path {got}, expected {want} ({plan.info()})"
         check(y, xi, wg, wu, wd, True)
-    hist.poll()
-    assert hist.measurements == len(seq) and hist.p is not None and hist.p < 0.01
+    run(ffn, lo, wg, wu, wd, plan=plan)   # polls the last measurement
+    info = plan.info()
+    assert info["measurements"] >= len(seq) and info["p"] is not None and info["p"] < 0.01
 
 
-def test_nongated_dense_measures_every_nth_call(ffn, monkeypatch):
+def test_nongated_dense_measures_every_nth_call(ffn):
     """Non-gated auto: a layer measured above the crossover runs as HF does (torch's relu, same bits) and is
-    re-measured only every TWELL_NONGATED_MEASURE_EVERY dense calls; when the activity drops, it is seen at the
-    next re-measurement and the layer goes sparse. Exact on every call."""
-    from sfl.kernels.twell import ops
-
-    monkeypatch.setenv("TWELL_CROSSOVER_NONGATED", "1:0.01")
-    monkeypatch.setenv("TWELL_SELF_TIMING", "0")
-    monkeypatch.setenv("TWELL_NONGATED_MEASURE_EVERY", "4")
+    re-measured only every measure_every dense calls; when the activity drops, it is seen at the next
+    re-measurement and the layer goes sparse. Exact on every call."""
     M, K, N = 3000, 2048, 8192
     x, _, wu, wd = make_problem(M, K, N, 0.004, seed=37, gated=False, adversarial=False)
     lo, hi = _set_activity(x, 1.0), _set_activity(x, 0.2)
-    hist = ops.history_for(wu)
-    hist.__init__()
+    plan = new_plan(crossover_nongated="1:0.01", self_timing=False, measure_every=4)
     paths = []
     for i in range(10):
         xi = hi if i < 6 else lo
-        y = ffn.sparse_nongated_ffn(xi, wu, wd)
-        paths.append(ops.LAST_PATH["path"].replace("-syncfree", ""))
+        y = run(ffn, xi, None, wu, wd, False, plan=plan)
+        paths.append(plan.info()["path"].replace("-syncfree", ""))
         torch.cuda.synchronize()
-        hist.poll()
         ref = dense(xi, None, wu, wd, False)
         if paths[-1] == "dense":
             assert torch.equal(y, ref), f"call {i}: the dense path must give HF's bits"
         else:
             check(y, xi, None, wu, wd, False)
     # calls 0..5 high: measured at dense calls 0 (first call) and 4 only; calls 6.. low: dense until the next
-    # re-measurement (dense call 8) lands, then sparse (which measures every call: the 4th measurement)
+    # re-measurement (dense call 8) lands, then sparse (which measures every call)
     assert paths[:9] == ["dense"] * 9 and paths[9] == "sparse", paths
-    assert hist.measurements == 4, hist
+    assert plan.info()["measurements"] >= 3, plan.info()
 
 
-def test_dispatch_without_readback_keeps_old_estimate(ffn, monkeypatch):
+def test_dispatch_without_readback_keeps_old_estimate(ffn):
     """If the measurement has not landed yet (host ahead of GPU), the previous estimate is used: no sync."""
-    from sfl.kernels.twell import ops
-
-    monkeypatch.setenv("TWELL_CROSSOVER", "1:0.01")
     K, N, M = 576, 1536, 2000
     x, wg, wu, wd = make_problem(M, K, N, 0.004, seed=32, adversarial=False)
-    hist = ops.history_for(wg)
-    hist.__init__()
-    ffn.sparse_gated_ffn(x, wg, wu, wd)   # first call: allocates this layer's pinned slots
-    torch.cuda.synchronize()
-    hist.poll()
-    hist.p, hist.dense_calls = None, 0    # forget the estimate, keep the buffers
+    plan = new_plan(crossover="1:0.01")
     torch.cuda._sleep(200_000_000)   # keep the GPU busy so no event completes during the calls below
-    ys = [ffn.sparse_gated_ffn(x, wg, wu, wd) for _ in range(3)]
-    paths_before = hist.dense_calls
+    ys = [run(ffn, x, wg, wu, wd, plan=plan) for _ in range(3)]
+    info = plan.info()
     torch.cuda.synchronize()
-    assert paths_before == 3   # nothing measured yet -> dense each time, never waited
+    assert info["dense_calls"] == 3 and info["measurements"] == 0   # nothing measured yet: dense, never waited
     for y in ys:
         check(y, x, wg, wu, wd, True)
 
 
-def test_dense_dispatch_has_no_host_sync(ffn, monkeypatch):
-    """The dense-dispatched call (and its measurement) must not synchronize with the host."""
-    monkeypatch.setenv("TWELL_CROSSOVER", "1:0")   # always dense
-    K, N, M = 576, 1536, 4096
-    x, wg, wu, wd = make_problem(M, K, N, 0.01, seed=33, adversarial=False)
-    ffn.sparse_gated_ffn(x, wg, wu, wd)   # build + pinned-memory pool warm
-    torch.cuda.synchronize()
+@pytest.mark.parametrize("mode", ["dense", "auto-sparse"])
+def test_calls_have_no_host_sync(ffn, mode):
+    """Dense and sync-free sparse calls (with their measurements and statistics) never synchronize the host."""
+    K, N = 576, 1536
+    M = 4096 if mode == "dense" else 32
+    x, wg, wu, wd = make_problem(M, K, N, 0.004, seed=33, adversarial=False)
+    plan = new_plan(crossover="1:0" if mode == "dense" else "1:0.05")
+    stats = torch.zeros(3, device=DEV, dtype=torch.int64)
+    for _ in range(2):   # build, pinned slots, a first measurement
+        run(ffn, x, wg, wu, wd, plan=plan, stats=stats)
+        torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(3):
-            y = ffn.sparse_gated_ffn(x, wg, wu, wd)
+            y = run(ffn, x, wg, wu, wd, plan=plan, stats=stats)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+    assert plan.info()["path"] == ("dense" if mode == "dense" else "sparse-syncfree")
     check(y, x, wg, wu, wd, True)
 
 
-def test_graph_capture_auto_uses_history(ffn, monkeypatch):
+def test_graph_capture_auto_uses_history(ffn):
     """Under capture, auto takes the choice of the history measured by earlier eager calls."""
-    from sfl.kernels.twell import ops
-
-    monkeypatch.setenv("TWELL_CROSSOVER", "1:0.01")
     K, N, M = 2048, 5632, 8
     x, wg, wu, wd = make_problem(M, K, N, 0.004, seed=34, adversarial=False)
+    plan = new_plan(crossover="1:0.01")
     static_x = x.clone()
     for _ in range(2):
-        ffn.sparse_gated_ffn(static_x, wg, wu, wd)
+        run(ffn, static_x, wg, wu, wd, plan=plan)
         torch.cuda.synchronize()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        ffn.sparse_gated_ffn(static_x, wg, wu, wd)
+        run(ffn, static_x, wg, wu, wd, plan=plan)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_y = ffn.sparse_gated_ffn(static_x, wg, wu, wd)
-    assert ops.LAST_PATH["path"] == "sparse-syncfree"
+        static_y = run(ffn, static_x, wg, wu, wd, plan=plan)
+    assert plan.info()["path"] == "sparse-syncfree"
     x2, _, _, _ = make_problem(M, K, N, 0.004, seed=35, adversarial=False)
     static_x.copy_(x2)
     static_y.fill_(float("nan"))
@@ -433,24 +449,49 @@ def test_graph_capture_auto_uses_history(ffn, monkeypatch):
     check(static_y, x2, wg, wu, wd, True)
 
 
-def test_library_op_matches_direct_call(ffn):
-    """Eager calls bypass the torch.library op (host time); both routes compute the same exact result."""
+def test_model_stats_accumulate_on_every_path(ffn):
+    """The stats buffer adds up over calls on the dense, eager sparse, sync-free and fused-decode paths."""
+    K, N = 576, 1536
+    stats = torch.zeros(3, device=DEV, dtype=torch.int64)
+    hs = []
+    for M, mode in ((3000, "dense"), (3000, "sparse"), (40, "sparse"), (5, "sparse")):
+        x, wg, wu, wd = make_problem(M, K, N, 0.01, seed=M, adversarial=True)
+        run(ffn, x, wg, wu, wd, stats=stats, mode=mode)
+        hs.append(F.relu(F.linear(x, wg)))
+    torch.cuda.synchronize()
+    n = torch.cat([(h != 0).sum(1) for h in hs])
+    assert stats.tolist() == [int(n.sum()), int(n.max()), n.numel()]
+
+
+def test_op_under_torch_compile(ffn):
+    """torch.compile(fullgraph=True) traces the op (fake implementation), gives the eager result, and does not
+    recompile over repeated calls of one shape."""
+    import torch._dynamo
+
+    from sfl.kernels.twell import ops
+
     K, N, M = 576, 1536, 300
     x, wg, wu, wd = make_problem(M, K, N, 0.01, seed=36)
-    wdt = ffn.transposed_down(wd)
-    y_op, nnz_op = torch.ops.sfl_twell.gated_ffn(x, wg, wu, wdt, wd, 1, 0.0, True)
-    y, st = ffn.sparse_gated_ffn(x, wg, wu, wd, mode="sparse", return_stats=True)
+    plan = new_plan(mode="sparse")
+    stats = torch.zeros(3, device=DEV, dtype=torch.int64)
+
+    def f(x):
+        return ops.ffn(x, wg, wu, wd, plan, stats) * 2
+
+    torch._dynamo.reset()
+    cf = torch.compile(f, fullgraph=True)
+    with torch.no_grad():
+        ys = [cf(x) for _ in range(5)]
     torch.cuda.synchronize()
-    check(y_op, x, wg, wu, wd, True)
-    assert torch.equal(torch.isfinite(y_op), torch.isfinite(y))
-    fin = torch.isfinite(y).all(1)
-    assert torch.equal(y_op[fin], y[fin]) and torch.equal(nnz_op, st["nnz_per_token"])
+    check(ys[-1] / 2, x, wg, wu, wd, True)
+    assert int(stats[2]) == 5 * M
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
 # ---------------------------------------------------------------- round 3: compaction v2, grid cap, fused decode
-def test_compact_v2_equals_v1_and_reference(ffn):
-    """The persistent compaction (v2, default) writes exactly what the first kernel and reference.d2t write,
-    on adversarial rows, strided row views and row counts that are not multiples of the unroll."""
+def test_compact_equals_reference(ffn):
+    """The persistent compaction writes exactly what reference.d2t writes, on adversarial rows, strided row views
+    and row counts that are not multiples of the unroll."""
     from sfl.kernels import reference
     from sfl.kernels.loader import load_twell
 
@@ -465,11 +506,11 @@ def test_compact_v2_equals_v1_and_reference(ffn):
             g[4] = -0.0
         view = g[:, :N]   # row stride N + 64: read in place
         outs = []
-        for v in (1, 2):
+        for v in (2,):
             packed = torch.full((rows, N // 256, 32), -7, device=DEV, dtype=torch.int32)
             counts = torch.full((rows, N // 256), -7, device=DEV, dtype=torch.int32)
             flag = torch.zeros(rows, device=DEV, dtype=torch.int32)
-            ext.compact(view, N, packed, counts, flag, v)
+            ext.compact(view, N, packed, counts, flag)
             outs.append((packed, counts, flag))
         # relu in bf16 by selection, keeping NaN payloads: a float round trip canonicalizes NaN (0x7fc0 -> 0x7fff
         # on CUDA) while the kernels store the input's bits; that difference was this test's intermittent failure
@@ -477,7 +518,7 @@ def test_compact_v2_equals_v1_and_reference(ffn):
         ref = reference.d2t(torch.where(keep, view, torch.zeros_like(view)), 256, 32)
         valid = ref.valid_mask()
         nonfinite = (~torch.isfinite(view.float())).any(1)
-        for version, (packed, counts, flag) in zip((1, 2), outs):
+        for version, (packed, counts, flag) in zip((2,), outs):
             assert torch.equal(counts, ref.counts), f"compact v{version}: counts differ"
             assert torch.equal(flag.bool(), ref.overflow_mask() | nonfinite), f"compact v{version}: flags differ"
             bad = (packed != ref.packed) & valid
@@ -485,21 +526,6 @@ def test_compact_v2_equals_v1_and_reference(ffn):
             assert not bad.any(), (f"compact v{version} (rows={rows}, N={N}): {int(bad.sum())} valid slots differ, "
                                    f"first [row, tile, slot] {where}: ours {packed[bad][:8].tolist()} "
                                    f"reference {ref.packed[bad][:8].tolist()}")
-
-
-@pytest.mark.parametrize("blocks_per_sm", [1, 3])
-def test_updown_grid_cap_exact(ffn, monkeypatch, blocks_per_sm):
-    """Persistent up/down warps (grid cap): every row still computed once, exactly (eager and sync-free)."""
-    monkeypatch.setenv("TWELL_UPDOWN_BLOCKS_PER_SM", str(blocks_per_sm))
-    for M, K, N, gated in ((3000, 2048, 5632, True), (1000, 2048, 8192, False), (40, 576, 1536, True)):
-        x, wg, wu, wd = make_problem(M, K, N, 0.01, seed=M + blocks_per_sm, gated=gated)
-        poison()
-        if gated:
-            y = ffn.sparse_gated_ffn(x, wg, wu, wd, mode="sparse")
-        else:
-            y = ffn.sparse_nongated_ffn(x, wu, wd, mode="sparse")
-        torch.cuda.synchronize()
-        check(y, x, wg, wu, wd, gated)
 
 
 def _decode_problem(M: int, K: int, N: int, p: float, seed: int, gated: bool):
@@ -521,36 +547,19 @@ def test_fused_decode_vs_fp32(ffn, K, N, gated, M):
     element written (poisoned), nnz equal to the dense count up to entries within rounding of 0."""
     x, wg, wu, wd = _decode_problem(M, K, N, 0.01, seed=100 * M + K + N, gated=gated)
     poison()
-    if gated:
-        y, st = ffn.sparse_gated_ffn(x, wg, wu, wd, return_stats=True, mode="sparse")
-    else:
-        y, st = ffn.sparse_nongated_ffn(x, wu, wd, return_stats=True, mode="sparse")
+    plan = new_plan(mode="sparse")
+    stats = torch.zeros(3, device=DEV, dtype=torch.int64)
+    y = run(ffn, x, wg, wu, wd, gated, plan=plan, stats=stats)
     torch.cuda.synchronize()
-    from sfl.kernels.twell import ops
-
-    assert ops.LAST_PATH["path"] == "sparse-syncfree"
+    assert plan.info()["d2t"] == "decode-fused"
     check(y, x, wg, wu, wd, gated)
     first = wg if gated else wu
     h = F.relu(F.linear(x, first))
     g64 = x.double() @ first.double().t()
     near0 = (g64.abs() < 1e-3 * g64.abs().amax(1, keepdim=True).clamp_min(1e-30)).sum(1)
-    diff = (st["nnz_per_token"].long() - (h != 0).sum(1)).abs()
-    fin = torch.isfinite(g64).all(1)
-    assert bool((diff[fin] <= near0[fin]).all()), f"nnz differs beyond rounding: {diff.tolist()}"
-
-
-def test_fused_and_unfused_decode_agree(ffn, monkeypatch):
-    """TWELL_FUSED_DECODE_MAX_M=0 keeps the older sync-free decode path; both are exact on the same inputs."""
-    K, N, M = 2048, 5632, 7
-    x, wg, wu, wd = _decode_problem(M, K, N, 0.005, seed=77, gated=True)
-    ys = []
-    for v in ("0", "8"):
-        monkeypatch.setenv("TWELL_FUSED_DECODE_MAX_M", v)
-        poison()
-        ys.append(ffn.sparse_gated_ffn(x, wg, wu, wd, mode="sparse"))
-        torch.cuda.synchronize()
-        check(ys[-1], x, wg, wu, wd, True)
-    assert torch.equal(torch.isfinite(ys[0]), torch.isfinite(ys[1]))
+    diff = abs(int(stats[0]) - int((h != 0).sum()))
+    assert diff <= int(near0.sum()), f"nnz differs beyond rounding: {diff}"
+    assert int(stats[2]) == M
 
 
 @pytest.mark.parametrize("M", [1, 6])
@@ -578,81 +587,51 @@ def test_fused_decode_graph_replay(ffn, M):
         check(static_y, x2, wg, wu, wd, True)
 
 
-def _auto_calls(ffn, x, wg, wu, wd, calls: int, check_each: bool = False):
+def _auto_calls(ffn, x, wg, wu, wd, plan, calls: int, check_each: bool = False):
     """`calls` auto-dispatched gated calls, each synchronized (so timings and measurements land before the next);
     returns the path of every call and the last output."""
-    from sfl.kernels.twell import ops
-
     paths = []
     for _ in range(calls):
-        y = ffn.sparse_gated_ffn(x, wg, wu, wd)
-        paths.append(ops.LAST_PATH["path"])
+        y = run(ffn, x, wg, wu, wd, plan=plan)
+        paths.append(plan.info()["path"])
         torch.cuda.synchronize()
         if check_each:
             check(y, x, wg, wu, wd, True)
     return paths, y
 
 
-def test_self_timing_leaves_a_slower_sparse_path(ffn, monkeypatch):
+def test_self_timing_leaves_a_slower_sparse_path(ffn):
     """A crossover table that is wrong for a layer (here: 'always sparse' at ~3% activity, where sparse is several
     times slower and no row overflows): auto probes dense, times both paths and settles on dense within a few
     calls; exact throughout."""
-    from sfl.kernels.twell import ops
-
-    monkeypatch.setenv("TWELL_CROSSOVER", "1:1")
-    monkeypatch.setenv("TWELL_FLAGGED_DENSE_ABOVE", "1")
     K, N, M = 2048, 5632, 4096
     x, wg, wu, wd = make_problem(M, K, N, 0.03, seed=41, adversarial=False)
-    hist = ops.history_for(wg)
-    hist.__init__()
-    paths, _ = _auto_calls(ffn, x, wg, wu, wd, 12, check_each=True)
+    plan = new_plan(crossover="1:1", flagged_dense_above=1.0)
+    paths, _ = _auto_calls(ffn, x, wg, wu, wd, plan, 12, check_each=True)
+    times = plan.info()["timings"]
     bucket = M.bit_length()
     assert paths[:2] == ["dense", "dense"] and "sparse" in paths[2:6], paths   # measure, dense probe, then sparse
-    assert paths[-4:] == ["dense"] * 4, (paths, hist.times)
-    assert min(hist.times[(bucket, "sparse")]) > min(hist.times[(bucket, "dense")])
+    assert paths[-4:] == ["dense"] * 4, (paths, times)
+    assert min(times[(bucket, "sparse")]) > min(times[(bucket, "dense")])
 
 
-def test_self_timing_keeps_a_faster_sparse_path(ffn, monkeypatch):
+def test_self_timing_keeps_a_faster_sparse_path(ffn):
     """Where the table is right (0.25% activity at M = 65536, sparse ~1.4x faster), timing confirms it."""
-    from sfl.kernels.twell import ops
-
-    monkeypatch.setenv("TWELL_CROSSOVER", "1:0.01")
     K, N, M = 2048, 5632, 65536
     x, wg, wu, wd = make_problem(M, K, N, 0.0025, seed=42, adversarial=False)
-    hist = ops.history_for(wg)
-    hist.__init__()
-    paths, _ = _auto_calls(ffn, x, wg, wu, wd, 10)
-    assert paths[-4:] == ["sparse"] * 4, (paths, hist.times)
-
-
-def test_self_timing_promotes_a_faster_sparse_path(ffn, monkeypatch):
-    """A table that puts the crossover too low for a layer (here 0.1%, at 0.25% activity where sparse is ~1.6x
-    faster at M = 65536): inside the promotion band auto times sparse as well and settles on it; exact."""
-    from sfl.kernels.twell import ops
-
-    monkeypatch.setenv("TWELL_CROSSOVER", "1:0.001")
-    monkeypatch.setenv("TWELL_PROMOTE_BAND", "4")
-    K, N, M = 2048, 5632, 65536
-    x, wg, wu, wd = make_problem(M, K, N, 0.0025, seed=43, adversarial=False)
-    hist = ops.history_for(wg)
-    hist.__init__()
-    paths, y = _auto_calls(ffn, x, wg, wu, wd, 10)
-    check(y, x, wg, wu, wd, True)
-    assert paths[0] == "dense" and "sparse" in paths[1:4], paths    # measure, then the sparse probe
-    assert paths[-4:] == ["sparse"] * 4, (paths, hist.times)
-    monkeypatch.setenv("TWELL_PROMOTE_BAND", "0")                    # off: the table alone keeps it dense
-    hist.__init__()
-    paths, _ = _auto_calls(ffn, x, wg, wu, wd, 4)
-    assert paths[-1] == "dense"
+    plan = new_plan(crossover="1:0.01")
+    paths, _ = _auto_calls(ffn, x, wg, wu, wd, plan, 10)
+    assert paths[-4:] == ["sparse"] * 4, (paths, plan.info()["timings"])
 
 
 # ---------------------------------------------------------------- fused d2t (d2t_gemm.cu, sm_90a)
 def _fused_or_skip(x, w):
     from sfl.kernels.twell import ops
 
-    if not ops.fused_d2t_available(x, w):
+    ext = ops.load()
+    if not ext.d2t_gemm_supported(x.device.index or 0):
         pytest.skip("the fused d2t needs an sm_90 GPU")
-    return ops._ext()
+    return ext
 
 
 def check_twell_vs_fp32(packed, counts, flag, x, w, S):
@@ -741,10 +720,10 @@ def test_fused_d2t_persistent_grid(ffn, overlap, ctas):
     assert torch.equal(p0[valid], p1[valid])
 
 
-def test_fused_d2t_op_and_ffn_use_it(ffn, monkeypatch):
+def test_fused_d2t_op_and_ffn_use_it(ffn):
     """twell_d2t and the FFN take the fused d2t by default on sm_90, and the result matches the cuBLAS d2t up
-    to entries within rounding of zero; TWELL_D2T=cublas switches back."""
-    from sfl.kernels.twell import ops
+    to entries within rounding of zero; KernelConfig(d2t="cublas") switches back."""
+    from sfl.kernels.config import KernelConfig
 
     M, K, N = 3000, 2048, 5632
     x, wg, wu, wd = make_problem(M, K, N, 0.005, seed=5)
@@ -753,33 +732,28 @@ def test_fused_d2t_op_and_ffn_use_it(ffn, monkeypatch):
     fused = ffn.twell_d2t(x, wg, 32)
     torch.cuda.synchronize()
     check_twell_vs_fp32(*fused, x, wg, 32)
-    y = ffn.sparse_gated_ffn(x, wg, wu, wd, mode="sparse")
+    plan = new_plan(mode="sparse")
+    y = run(ffn, x, wg, wu, wd, plan=plan)
     torch.cuda.synchronize()
-    assert ops.LAST_PATH["d2t"] == "fused"
+    assert plan.info()["d2t"] == "fused"
     check(y, x, wg, wu, wd, True)
-    monkeypatch.setenv("TWELL_D2T", "cublas")
-    cub = ffn.twell_d2t(x, wg, 32)
-    y2 = ffn.sparse_gated_ffn(x, wg, wu, wd, mode="sparse")
+    cub = ffn.twell_d2t(x, wg, 32, config=KernelConfig(d2t="cublas"))
+    plan2 = new_plan(mode="sparse", d2t="cublas")
+    y2 = run(ffn, x, wg, wu, wd, plan=plan2)
     torch.cuda.synchronize()
-    assert ops.LAST_PATH["d2t"] == "cublas"
+    assert plan2.info()["d2t"] == "cublas"
     check(y2, x, wg, wu, wd, True)
     differ = (fused[1] != cub[1]).sum().item()
     assert differ <= 0.001 * fused[1].numel(), f"{differ} tile counts differ between fused and cuBLAS d2t"
-    monkeypatch.setenv("TWELL_D2T", "bogus")
-    with pytest.raises(ValueError, match="TWELL_D2T"):
-        ffn.sparse_gated_ffn(x, wg, wu, wd, mode="sparse")
 
 
 def test_unaligned_input_is_copied(ffn):
     """An x whose data pointer is not 16-byte aligned (contiguous, but at an odd element offset) is copied to an
     aligned buffer (the kernels use 16-byte loads) and the result is exact, on every path."""
-    from sfl.kernels.twell import ops
-
     M, K, N = 1000, 576, 1536
     x, wg, wu, wd = make_problem(M + 1, K, N, 0.01, seed=9, adversarial=False)
     flat = x.reshape(-1)[1: 1 + M * K].view(M, K)   # contiguous, offset by one bf16 element
     assert flat.is_contiguous() and flat.data_ptr() % 16 != 0
-    assert not ops.fused_d2t_available(flat, wg)
     for rows, mode in ((3, "sparse"), (40, "sparse"), (M, "sparse"), (M, "dense")):   # decode, sync-free, eager
         xs = flat[:rows]
         poison()

@@ -1,36 +1,12 @@
-// Torch-facing glue for the TwELL kernels: checks tensors, takes raw pointers and the CURRENT torch stream,
-// calls the extern "C" launchers in twell_kernels.cu, and turns any CUDA error into a Python exception.
-// High-level logic (chunking, dispatch, dense backup) lives in kernels/twell/ops.py.
+// Torch-facing wrappers of the single TwELL kernels, for tests, benchmarks and the training op's dense path: check
+// tensors, take raw pointers and the CURRENT torch stream, call the extern "C" launchers (launchers.h), turn any CUDA
+// error into a Python exception. The inference op itself (dispatch, workspaces, backup) is runtime.cpp.
 #include <torch/extension.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
 
-extern "C" {
-cudaError_t twell_compact_launch(const void* g, long long ldg, int rows, int N, int S, int32_t* packed,
-                                 int32_t* counts, int32_t* flag, cudaStream_t stream);
-cudaError_t twell_gated_up_launch(const void* x, const void* wu, int rows, int K, int N, int S, int tiles_per_warp,
-                                  const int32_t* packed, const int32_t* counts, const int32_t* flag, float* hval,
-                                  cudaStream_t stream);
-cudaError_t twell_down_launch(const void* wdt, int rows, int K, int N, int S, int nb, int tiles_per_warp,
-                              int nan_fill, const int32_t* packed, const int32_t* counts, const int32_t* flag,
-                              const float* hval, void* y, float* yacc, cudaStream_t stream);
-cudaError_t twell_finalize_launch(const float* yacc, const int32_t* flag, int rows, int K, int nan_fill, void* y,
-                                  cudaStream_t stream);
-cudaError_t twell_row_stats_launch(const int32_t* counts, const int32_t* flag, int rows, int N,
-                                   unsigned long long* out, cudaStream_t stream);
-cudaError_t twell_compact_v1_launch(const void* g, long long ldg, int rows, int N, int S, int32_t* packed,
-                                    int32_t* counts, int32_t* flag, cudaStream_t stream);
-void twell_set_grid_cap(int blocks);
-cudaError_t twell_relu_mul_stats_launch(const void* g, long long ldg, const void* u, long long ldu, void* out,
-                                        long long ldo, int rows, int N, int S, int row_cap, int32_t* rownnz,
-                                        unsigned long long* stats, float* l1_row, cudaStream_t stream);
-int twell_d2t_gemm_supported(int device);
-cudaError_t twell_d2t_gemm_launch(const void* x, const void* w, int M, int N, int K, int S, int32_t* packed,
-                                  int32_t* counts, int32_t* flag, int overlap, int max_ctas, cudaStream_t stream);
-cudaError_t twell_decode_fused_launch(const void* x, const void* wg, const void* wu, const void* wdt, int rows,
-                                      int K, int N, float* yacc, int32_t* nnz, int32_t* flag, cudaStream_t stream);
-}
+#include "launchers.h"
 
 // the loader passes -DTWELL_SRC_HASH=<hex> (no quotes: shell/ninja quoting differs); stringified here
 #define TWELL_STR2(x) #x
@@ -56,9 +32,7 @@ void req(const at::Tensor& t, const char* name, at::ScalarType dt, int dim) {
 int32_t* i32(const at::Tensor& t) { return t.data_ptr<int32_t>(); }
 
 // g: [rows, ld] bf16 (row-major, unit column stride; rows may be a view of a larger scratch buffer).
-// version 2 (default): persistent grid, several 16-byte loads in flight per warp; 1: the first kernel (comparison)
-void compact(const at::Tensor& g, int64_t N, at::Tensor packed, at::Tensor counts, at::Tensor flag,
-             int64_t version) {
+void compact(const at::Tensor& g, int64_t N, at::Tensor packed, at::Tensor counts, at::Tensor flag) {
   TORCH_CHECK(g.is_cuda() && g.scalar_type() == at::kBFloat16 && g.dim() == 2 && g.stride(1) == 1,
               "compact: g must be a CUDA bf16 [rows, N] tensor with unit column stride");
   TORCH_CHECK(g.size(1) >= N, "compact: g has fewer than N columns");
@@ -69,8 +43,7 @@ void compact(const at::Tensor& g, int64_t N, at::Tensor packed, at::Tensor count
   TORCH_CHECK(packed.size(0) == rows && counts.size(0) == rows && flag.size(0) == rows, "compact: row mismatch");
   TORCH_CHECK(packed.size(1) * 256 == N && counts.size(1) == packed.size(1), "compact: tile mismatch");
   const c10::cuda::CUDAGuard guard(g.device());
-  auto launch = version == 1 ? twell_compact_v1_launch : twell_compact_launch;
-  check(launch(g.data_ptr(), g.stride(0), (int)rows, (int)N, (int)packed.size(2), i32(packed), i32(counts),
+  check(twell_compact_launch(g.data_ptr(), g.stride(0), (int)rows, (int)N, (int)packed.size(2), i32(packed), i32(counts),
                i32(flag), c10::cuda::getCurrentCUDAStream().stream()),
         "compact");
 }
@@ -179,7 +152,7 @@ void relu_mul_stats(const at::Tensor& g, const at::Tensor& u, at::Tensor out, in
   }
   const c10::cuda::CUDAGuard guard(g.device());
   check(twell_relu_mul_stats_launch(g.data_ptr(), g.stride(0), up, ldu, out.data_ptr(), out.stride(0), (int)rows,
-                                    (int)N, (int)S, (int)std::min<int64_t>(row_cap, INT32_MAX), rn, st, lp,
+                                    (int)N, (int)S, (int)std::min<int64_t>(row_cap, INT32_MAX), rn, st, lp, nullptr,
                                     c10::cuda::getCurrentCUDAStream().stream()),
         "relu_mul_stats");
 }
@@ -192,7 +165,7 @@ void row_stats(const at::Tensor& counts, const at::Tensor& flag, at::Tensor out)
   TORCH_CHECK(flag.size(0) == counts.size(0) && out.size(0) == 2, "row_stats: shape mismatch");
   const c10::cuda::CUDAGuard guard(counts.device());
   check(twell_row_stats_launch(i32(counts), i32(flag), (int)counts.size(0), (int)(counts.size(1) * 256),
-                               reinterpret_cast<unsigned long long*>(out.data_ptr<int64_t>()),
+                               reinterpret_cast<unsigned long long*>(out.data_ptr<int64_t>()), nullptr,
                                c10::cuda::getCurrentCUDAStream().stream()),
         "row_stats");
 }
@@ -255,23 +228,28 @@ void d2t_gemm(const at::Tensor& x, const at::Tensor& w, at::Tensor packed, at::T
 
 bool d2t_gemm_supported(int64_t device) { return twell_d2t_gemm_supported((int)device) != 0; }
 
-void set_grid_cap(int64_t blocks) { twell_set_grid_cap((int)blocks); }
-
 std::string source_hash() { return TWELL_STR(TWELL_SRC_HASH); }
 
 }  // namespace
 
+namespace sfl_runtime {  // runtime.cpp
+void plan_free(int64_t id);
+void plan_reset(int64_t id);
+py::dict plan_info(int64_t id);
+}  // namespace sfl_runtime
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("compact", &compact, "bf16 gate pre-activation rows -> ReLU -> TwELL (packed, counts, flag)",
-        py::arg("g"), py::arg("N"), py::arg("packed"), py::arg("counts"), py::arg("flag"), py::arg("version") = 2);
+  m.def("compact", &compact, "bf16 gate pre-activation rows -> ReLU -> TwELL (packed, counts, flag)");
   m.def("d2t_gemm", &d2t_gemm, "fused d2t (sm_90a): tensor-core gate GEMM whose epilogue writes TwELL");
   m.def("d2t_gemm_supported", &d2t_gemm_supported, "whether this device can run d2t_gemm (sm_90 + tensor-map encoder)");
   m.def("decode_fused", &decode_fused, "rows <= 8: fused gate GEMV + up + down into an fp32 accumulator");
-  m.def("set_grid_cap", &set_grid_cap, "grid cap (blocks) of gated_up/down: 0 = one warp per item");
   m.def("gated_up", &gated_up, "h = g * (x . W_u[j]) for every stored TwELL entry (fp32)");
   m.def("down", &down, "y = TwELL(h) @ W_d^T (fp32 accumulate)");
   m.def("finalize", &finalize, "fp32 accumulator -> bf16 output");
   m.def("relu_mul_stats", &relu_mul_stats, "dense path: relu(g) * u (or relu(g)) in one pass, measuring activity (and the L1 sum)");
   m.def("row_stats", &row_stats, "sum of counts over unflagged rows and number of flagged rows (dispatch history)");
+  m.def("plan_free", &sfl_runtime::plan_free, "release a layer's plan (its module is gone)");
+  m.def("plan_reset", &sfl_runtime::plan_reset, "forget a layer's measured activity and timings");
+  m.def("plan_info", &sfl_runtime::plan_info, "a layer's dispatch state and last call (tests, benchmark logs)");
   m.def("source_hash", &source_hash, "hash of the sources this library was built from");
 }

@@ -31,23 +31,7 @@ constexpr int kTileN = 256;       // columns per tile (one warp: 32 lanes x 8 bf
 // compact_item (one (row, tile) -> TwELL words, count, flag) lives in kernels/common/bf16.cuh: the fused d2t
 // (d2t_gemm.cu) uses it too.
 
-// compact (v1): one short-lived warp per (row, tile), one 16-byte load per lane. Kept for comparison (bench).
-__global__ void __launch_bounds__(128, 1) compact_kernel(const __nv_bfloat16* __restrict__ g, long long ldg,
-                                                      int rows, int n_tiles, int S,
-                                                      int32_t* __restrict__ packed,
-                                                      int32_t* __restrict__ counts,
-                                                      int32_t* __restrict__ flag) {
-  const int warp = (int)(((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5);  // < 2^31 (launcher checks)
-  const int lane = threadIdx.x & 31;
-  if ((long long)warp >= (long long)rows * n_tiles) return;  // whole warp exits together
-  const int row = warp / n_tiles;
-  const int tile = warp % n_tiles;
-  const uint4 v = __ldg(reinterpret_cast<const uint4*>(g + (long long)row * ldg + (long long)tile * kTileN) + lane);
-  compact_item(v, lane, row, tile, n_tiles, S, packed, counts, flag);
-}
-
-
-// compact_v2 (default): same output, but a persistent grid in which every warp first issues the 16-byte
+// compact: a persistent grid in which every warp first issues the 16-byte
 // loads of U (row, tile) items and only then processes them: U x 512 B in flight per warp instead of 512 B, and no
 // block turnover (v1 ran one short-lived warp per item: 1.4M warps at M = 65536, latency bound at ~0.9 TB/s).
 constexpr int kCompactU = 4;
@@ -403,6 +387,17 @@ __global__ void finalize_kernel(const float* __restrict__ yacc, const int32_t* _
 }
 
 // ---------------------------------------------------------------------------------------------
+// The model's running sparsity statistics, kept on the device and read only when asked: acc[0] += active entries
+// (all rows), acc[1] = max(acc[1], the largest row count), acc[2] += rows. Folded into the kernels that already read
+// the counts (relu_mul_stats on the dense path, row_stats on the sparse ones), so recording costs no extra pass.
+__device__ __forceinline__ void add_model_stats(unsigned long long* acc, unsigned long long nnz,
+                                                unsigned long long row_max, unsigned long long rows) {
+  if (nnz) atomicAdd(acc, nnz);
+  atomicMax(acc + 1, row_max);
+  if (rows) atomicAdd(acc + 2, rows);
+}
+
+// ---------------------------------------------------------------------------------------------
 // relu_mul_stats: the dense path's elementwise step in one pass, measuring activity for free while g is read.
 // Gated (u != nullptr): out = bf16(relu(g) * u) (fp32 product rounded once: the same bits as torch's relu then
 // mul, including 0 * Inf = NaN); non-gated: out = relu(g). out may alias g or u (in place). Measures relu(g):
@@ -420,7 +415,8 @@ __global__ void __launch_bounds__(256) relu_mul_stats_kernel(const __nv_bfloat16
                                                              int n_tiles, int S, int row_cap,
                                                              int32_t* __restrict__ rownnz,
                                                              unsigned long long* __restrict__ stats,
-                                                             float* __restrict__ l1_row) {
+                                                             float* __restrict__ l1_row,
+                                                             unsigned long long* __restrict__ acc) {
   constexpr int RPB = 8 / WPR;  // rows per block
   __shared__ int s_n[8], s_b[8];
   __shared__ float s_l1[8];
@@ -483,7 +479,7 @@ __global__ void __launch_bounds__(256) relu_mul_stats_kernel(const __nv_bfloat16
   if (lane == 0) { s_n[warp] = nnz; s_b[warp] = bad ? 1 : 0; s_l1[warp] = l1; }
   __syncthreads();
   if (threadIdx.x != 0) return;
-  unsigned long long tn = 0, tf = 0;
+  unsigned long long tn = 0, tf = 0, ta = 0, tmax = 0, tr = 0;
   for (int r = 0; r < RPB; ++r) {
     const int rr = blockIdx.x * RPB + r;
     if (rr >= rows) break;
@@ -494,49 +490,58 @@ __global__ void __launch_bounds__(256) relu_mul_stats_kernel(const __nv_bfloat16
     if (rownnz != nullptr) rownnz[rr] = n;
     if (l1_row != nullptr) l1_row[rr] = l;
     if (b) ++tf; else tn += (unsigned long long)n;
+    ta += (unsigned long long)n;
+    tmax = tmax > (unsigned long long)n ? tmax : (unsigned long long)n;
+    ++tr;
   }
   if (stats != nullptr) {
     if (tn) atomicAdd(stats, tn);
     if (tf) atomicAdd(stats + 1, tf);
   }
+  if (acc != nullptr) add_model_stats(acc, ta, tmax, tr);
 }
 
-// row_stats: out[0] += sum of counts over unflagged rows, out[1] += number of flagged rows (out zeroed by caller).
+// row_stats: out[0] += sum of counts over unflagged rows, out[1] += number of flagged rows (out zeroed by caller,
+// or null); acc (or null): the model's running statistics (add_model_stats) over every row.
 __global__ void __launch_bounds__(256) row_stats_kernel(const int32_t* __restrict__ counts,
                                                         const int32_t* __restrict__ flag, int rows, int n_tiles,
-                                                        unsigned long long* __restrict__ out) {
-  __shared__ unsigned long long s_n[8], s_f[8];
+                                                        unsigned long long* __restrict__ out,
+                                                        unsigned long long* __restrict__ acc) {
+  __shared__ unsigned long long s_n[8], s_f[8], s_a[8], s_m[8];
   const int row = blockIdx.x * blockDim.x + threadIdx.x;
-  unsigned long long n = 0, f = 0;
+  unsigned long long n = 0, f = 0, a = 0;
   if (row < rows) {
-    if (flag[row]) {
-      f = 1;
-    } else {
-      for (int t = 0; t < n_tiles; ++t) n += (unsigned long long)counts[(long long)row * n_tiles + t];
-    }
+    for (int t = 0; t < n_tiles; ++t) a += (unsigned long long)counts[(long long)row * n_tiles + t];
+    if (flag[row]) f = 1; else n = a;
   }
+  unsigned long long m = a;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     n += __shfl_xor_sync(kFull, n, o);
     f += __shfl_xor_sync(kFull, f, o);
+    a += __shfl_xor_sync(kFull, a, o);
+    const unsigned long long mo = __shfl_xor_sync(kFull, m, o);
+    m = m > mo ? m : mo;
   }
   const int warp = threadIdx.x >> 5;
-  if ((threadIdx.x & 31) == 0) { s_n[warp] = n; s_f[warp] = f; }
+  if ((threadIdx.x & 31) == 0) { s_n[warp] = n; s_f[warp] = f; s_a[warp] = a; s_m[warp] = m; }
   __syncthreads();
   if (threadIdx.x == 0) {
-    unsigned long long tn = 0, tf = 0;
-    for (int i = 0; i < (int)(blockDim.x >> 5); ++i) { tn += s_n[i]; tf += s_f[i]; }
-    atomicAdd(out, tn);
-    atomicAdd(out + 1, tf);
+    unsigned long long tn = 0, tf = 0, ta = 0, tm = 0;
+    for (int i = 0; i < (int)(blockDim.x >> 5); ++i) {
+      tn += s_n[i]; tf += s_f[i]; ta += s_a[i]; tm = tm > s_m[i] ? tm : s_m[i];
+    }
+    if (out != nullptr) {
+      atomicAdd(out, tn);
+      atomicAdd(out + 1, tf);
+    }
+    const int last = rows - (int)(blockIdx.x * blockDim.x);
+    if (acc != nullptr) add_model_stats(acc, ta, tm, (unsigned long long)(last < (int)blockDim.x ? last : blockDim.x));
   }
 }
 
 inline bool too_many_warps(long long warps) { return warps >= (1LL << 31) / 64; }
 inline unsigned blocks_for_warps(long long warps) { return (unsigned)((warps * 32 + 127) / 128); }
-
-// grid cap (blocks) of gated_up/down; 0 = one warp per item (no cap). Set per call by twell_set_grid_cap.
-static int g_grid_cap = 0;
-inline unsigned capped(unsigned blocks) { return g_grid_cap > 0 ? (blocks < (unsigned)g_grid_cap ? blocks : (unsigned)g_grid_cap) : blocks; }
 
 inline int sm_count() {
   static int n[64] = {0};
@@ -621,22 +626,6 @@ cudaError_t twell_compact_launch(const void* g, long long ldg, int rows, int N, 
   return cudaGetLastError();
 }
 
-// the first compaction kernel (one short-lived warp per (row, tile)); kept for comparison (bench) and tests
-cudaError_t twell_compact_v1_launch(const void* g, long long ldg, int rows, int N, int S, int32_t* packed,
-                                    int32_t* counts, int32_t* flag, cudaStream_t stream) {
-  if (rows <= 0) return cudaSuccess;
-  if (N % twell::kTileN != 0 || ldg % 8 != 0) return cudaErrorInvalidValue;
-  const int n_tiles = N / twell::kTileN;
-  const long long warps = (long long)rows * n_tiles;
-  if (twell::too_many_warps(warps)) return cudaErrorInvalidValue;
-  twell::compact_kernel<<<twell::blocks_for_warps(warps), 128, 0, stream>>>(
-      reinterpret_cast<const __nv_bfloat16*>(g), ldg, rows, n_tiles, S, packed, counts, flag);
-  return cudaGetLastError();
-}
-
-// grid cap (in blocks of 4 warps) for gated_up/down: 0 = one warp per item (the default), > 0 = persistent warps
-void twell_set_grid_cap(int blocks) { twell::g_grid_cap = blocks > 0 ? blocks : 0; }
-
 // decode_fused: rows <= 8, K % 64 == 0, K <= 4096, any N. wu == nullptr: non-gated (wg is then W_up).
 // yacc [rows, K] fp32, nnz [rows], flag [rows] int32: all zeroed by the caller; finalize_launch converts yacc.
 cudaError_t twell_decode_fused_launch(const void* x, const void* wg, const void* wu, const void* wdt, int rows,
@@ -666,7 +655,7 @@ cudaError_t twell_gated_up_launch(const void* x, const void* wu, int rows, int K
   const int n_tiles = N / twell::kTileN;
   const int groups = (n_tiles + tiles_per_warp - 1) / tiles_per_warp;
   if (twell::too_many_warps((long long)rows * groups)) return cudaErrorInvalidValue;
-  const unsigned blocks = twell::capped(twell::blocks_for_warps((long long)rows * groups));
+  const unsigned blocks = twell::blocks_for_warps((long long)rows * groups);
   const int ni = (K / 8 + 31) / 32;
   const auto* xb = reinterpret_cast<const __nv_bfloat16*>(x);
   const auto* wub = reinterpret_cast<const __nv_bfloat16*>(wu);
@@ -693,7 +682,7 @@ cudaError_t twell_down_launch(const void* wdt, int rows, int K, int N, int S, in
   const int kslices = (K / 8 + 32 * nb - 1) / (32 * nb);
   const int groups = (n_tiles + tiles_per_warp - 1) / tiles_per_warp;
   if (twell::too_many_warps((long long)rows * kslices * groups)) return cudaErrorInvalidValue;
-  const unsigned blocks = twell::capped(twell::blocks_for_warps((long long)rows * kslices * groups));
+  const unsigned blocks = twell::blocks_for_warps((long long)rows * kslices * groups);
   const auto* w = reinterpret_cast<const __nv_bfloat16*>(wdt);
   auto* yb = reinterpret_cast<__nv_bfloat16*>(y);
   const bool hv = hval != nullptr;
@@ -720,11 +709,11 @@ cudaError_t twell_finalize_launch(const float* yacc, const int32_t* flag, int ro
 }
 
 cudaError_t twell_row_stats_launch(const int32_t* counts, const int32_t* flag, int rows, int N,
-                                   unsigned long long* out, cudaStream_t stream) {
+                                   unsigned long long* out, unsigned long long* acc, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
   if (N % twell::kTileN != 0) return cudaErrorInvalidValue;
   twell::row_stats_kernel<<<(unsigned)((rows + 255) / 256), 256, 0, stream>>>(counts, flag, rows,
-                                                                              N / twell::kTileN, out);
+                                                                              N / twell::kTileN, out, acc);
   return cudaGetLastError();
 }
 
@@ -732,7 +721,8 @@ cudaError_t twell_row_stats_launch(const int32_t* counts, const int32_t* flag, i
 // l1_row (if not null) holds rows floats.
 cudaError_t twell_relu_mul_stats_launch(const void* g, long long ldg, const void* u, long long ldu, void* out,
                                         long long ldo, int rows, int N, int S, int row_cap, int32_t* rownnz,
-                                        unsigned long long* stats, float* l1_row, cudaStream_t stream) {
+                                        unsigned long long* stats, float* l1_row, unsigned long long* acc,
+                                        cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
   if (N % twell::kTileN != 0 || ldg % 8 != 0 || ldo % 8 != 0 || (u != nullptr && ldu % 8 != 0))
     return cudaErrorInvalidValue;
@@ -744,7 +734,7 @@ cudaError_t twell_relu_mul_stats_launch(const void* g, long long ldg, const void
   const bool wide = rows <= 8 * twell::sm_count();
 #define TWELL_RMS(G_, W_)                                                                                      \
   twell::relu_mul_stats_kernel<G_, W_><<<(unsigned)((rows + 8 / W_ - 1) / (8 / W_)), 256, 0, stream>>>(        \
-      gb, ldg, ub, ldu, ob, ldo, rows, n_tiles, S, row_cap, rownnz, stats, l1_row)
+      gb, ldg, ub, ldu, ob, ldo, rows, n_tiles, S, row_cap, rownnz, stats, l1_row, acc)
   if (u != nullptr) {
     if (wide) TWELL_RMS(true, 8); else TWELL_RMS(true, 1);
   } else {

@@ -1,0 +1,163 @@
+"""Model-level speed through the paths users run: HF's own LlamaForCausalLM against SparseLlamaForCausalLM
+(mlp_impl="cuda"), the same weights, one process, interleaved. GPU only.
+
+    python -m sfl.experiments.speed.real_path --layers 28 --out results/speed/real_path_h100.jsonl
+
+The model: the paper's 1.5B shape by default (hidden 2048, N 5632, 28 layers), random weights whose gates are
+calibrated (bench.calibrate_paper_model) to the paper's activity profile (29 non-zeros per token on average, a
+heavy tail of frequent tokens). The dense side is HF's `LlamaForCausalLM` with hidden_act="relu" holding the very
+same weights: the baseline a user has.
+
+What is timed (CUDA events or a synchronised wall clock, after warm-up; sides alternate A B B A per block; medians)
+- prefill: `model.model(input_ids)` (decoder core) and `model(input_ids)` (lm_head included, logits of every
+  position) at batch 1, 4, 16 x 2048 tokens;
+- generate: `generate()` of 64 new tokens after a 128-token prompt, greedy, at batch 1, 8, 32; eager (dynamic
+  cache) and with the static cache, which transformers compiles by itself (its supported way), on both sides.
+Every row records the measured sparsity, the effective KernelConfig and provenance.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..provenance import collect
+from .bench import build_paper_model, calibrate_paper_model, paper_profile, require_cuda
+
+
+def dense_twin(sparse) -> torch.nn.Module:
+    """HF's LlamaForCausalLM (ReLU) with the sparse model's weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    c = sparse.config
+    cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                      num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+                      num_key_value_heads=c.num_key_value_heads, max_position_embeddings=c.max_position_embeddings,
+                      rope_parameters=c.rope_parameters, tie_word_embeddings=c.tie_word_embeddings,
+                      hidden_act="relu", mlp_bias=False, attention_bias=False, rms_norm_eps=c.rms_norm_eps)
+    with torch.device("meta"):
+        dense = LlamaForCausalLM(cfg)
+    dense.load_state_dict(sparse.state_dict(), strict=True, assign=True)
+    dense.model.rotary_emb = type(dense.model.rotary_emb)(config=cfg, device=sparse.device)
+    return dense.to(sparse.device).eval()
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def interleaved(sides: dict[str, Callable[[], Any]], blocks: int, reps: int, warmup: int) -> dict[str, list[float]]:
+    """Seconds per call of each side: warm-up, then blocks in the order A B B A A B ... of `reps` calls each."""
+    names = list(sides)
+    for n in names:
+        for _ in range(warmup):
+            sides[n]()
+    out: dict[str, list[float]] = {n: [] for n in names}
+    for b in range(blocks):
+        order = names if b % 2 == 0 else names[::-1]
+        for n in order:
+            out[n] += [_timed(sides[n]) for _ in range(reps)]
+    return out
+
+
+def row(kind: str, times: dict[str, list[float]], tokens: int, **extra: Any) -> dict[str, Any]:
+    hf, ours = statistics.median(times["hf"]), statistics.median(times["ours"])
+    return {"kind": kind, "hf_s": hf, "ours_s": ours, "speedup": hf / ours, "tokens": tokens,
+            "hf_tokens_per_s": tokens / hf, "ours_tokens_per_s": tokens / ours,
+            "hf_all_s": times["hf"], "ours_all_s": times["ours"], **extra}
+
+
+@torch.inference_mode()
+def prefill_rows(hf, ours, vocab: int, batches: list[int], seq: int, blocks: int, reps: int) -> list[dict]:
+    rows = []
+    g = torch.Generator(device="cpu").manual_seed(1)
+    for b in batches:
+        ids = torch.randint(0, vocab, (b, seq), generator=g).to(ours.device)
+        for what, pick in (("prefill model.model", lambda m: m.model), ("prefill with lm_head", lambda m: m)):
+            sides = {"hf": lambda: pick(hf)(input_ids=ids), "ours": lambda: pick(ours)(input_ids=ids)}
+            rows.append(row(what, interleaved(sides, blocks, reps, warmup=2), b * seq, batch=b, seq_len=seq))
+            print(f"{what:24s} batch {b:2d}: {rows[-1]['speedup']:.3f}x", flush=True)
+    return rows
+
+
+def generate_rows(hf, ours, vocab: int, batches: list[int], prompt: int, new: int, static: bool,
+                  blocks: int) -> list[dict]:
+    rows = []
+    g = torch.Generator(device="cpu").manual_seed(2)
+    kw: dict[str, Any] = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    if static:
+        kw["cache_implementation"] = "static"
+    for b in batches:
+        ids = torch.randint(1, vocab, (b, prompt), generator=g).to(ours.device)
+        mask = torch.ones_like(ids)
+        sides = {"hf": lambda: hf.generate(input_ids=ids, attention_mask=mask, **kw),
+                 "ours": lambda: ours.generate(input_ids=ids, attention_mask=mask, **kw)}
+        with torch.inference_mode():
+            same = torch.equal(sides["hf"](), sides["ours"]())
+        t = interleaved(sides, blocks, reps=1, warmup=2)
+        path = "generate static cache (transformers compiles)" if static else "generate eager"
+        rows.append(row(path, t, b * new, batch=b, prompt_len=prompt, new_tokens=new, greedy_tokens_equal=same))
+        print(f"{path:46s} batch {b:2d}: {rows[-1]['speedup']:.3f}x (tokens equal: {same})", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--nnz-mean", type=float, default=29.0)
+    ap.add_argument("--prefill-batches", type=int, nargs="*", default=[1, 4, 16])
+    ap.add_argument("--generate-batches", type=int, nargs="*", default=[1, 8, 32])
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--blocks", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-static", action="store_true", help="skip the static-cache (compiled) generate rows")
+    ap.add_argument("--heavy-frac", type=float, default=0.01)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path("results/speed/real_path.jsonl"))
+    a = ap.parse_args(argv)
+    dev = require_cuda()
+    ours = build_paper_model(a.layers, dev, torch.bfloat16, seed=a.seed)
+    vocab = ours.config.vocab_size
+    g = torch.Generator(device="cpu").manual_seed(a.seed)
+    heavy = torch.randperm(vocab, generator=g)[: max(1, int(a.heavy_frac * vocab))]
+    calib = torch.randint(0, vocab, (max(a.prefill_batches), a.seq_len), generator=g).to(dev)
+    targets = paper_profile(a.layers, a.nnz_mean)
+    achieved = calibrate_paper_model(ours, targets, calib, heavy_ids=heavy)
+    hf = dense_twin(ours)
+    ours.set_mlp_impl("cuda")
+    with torch.inference_mode():
+        ours.reset_sparsity_stats()
+        ours.model(input_ids=calib[:4])
+        st = ours.sparsity_stats()
+    base = {"model": f"paper-shape {a.layers} layers", "num_hidden_layers": a.layers, "hidden": 2048,
+            "intermediate": 5632, "target_nnz_mean": a.nnz_mean, "calibration_nnz_mean": sum(achieved) / len(achieved),
+            "measured_nnz_mean": st["nnz_mean"], "measured_nnz_max": st["nnz_max"],
+            "kernel_config": ours.config.kernel_config.to_dict(), "dense_side": "transformers LlamaForCausalLM",
+            "sparse_side": "SparseLlamaForCausalLM(mlp_impl='cuda')", **collect()}
+    rows = prefill_rows(hf, ours, vocab, a.prefill_batches, a.seq_len, a.blocks, a.reps)
+    rows += generate_rows(hf, ours, vocab, a.generate_batches, 128, 64, False, a.blocks)
+    if not a.no_static:
+        try:
+            rows += generate_rows(hf, ours, vocab, a.generate_batches, 128, 64, True, a.blocks)
+        except Exception as e:  # recorded, not hidden: the static-cache path is a target of its own
+            rows.append({"kind": "generate static cache (transformers compiles)", "error": repr(e)[:2000]})
+            print(f"static-cache generate failed: {e!r}", flush=True)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    with a.out.open("a") as f:
+        for r in rows:
+            f.write(json.dumps({**base, **r}) + "\n")
+    print(f"wrote {len(rows)} rows to {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

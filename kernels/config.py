@@ -1,0 +1,196 @@
+"""KernelConfig: every setting of the sparse FFN kernels, as data.
+
+One frozen dataclass carried by the model config (``SparseLlamaConfig.kernel_config``), accepted by the functional
+API (``sparse_gated_ffn(..., config=cfg)``) and written into every benchmark, training and eval log
+(``cfg.to_dict()``). Nothing on a hot path reads the environment: ``KernelConfig.from_env()`` is an explicit,
+read-once override for sweeps (the ``SFL_KERNEL_*`` names below), applied by whoever builds the config.
+
+A value the kernels cannot serve is refused here, when the config is built, with the field's name.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+TILE_N = 256          # TwELL tile width (columns per tile); fixed by the kernels
+FUSED_DECODE_MAX_M = 8  # the fused decode kernel takes at most 8 rows
+
+# Crossover per M bucket, "m:p,...": for M >= m (largest such m) auto runs sparse when the layer's measured activity
+# is <= p. Calibrated on the H100 at K = 2048, N = 5632 against our dense path with the fused d2t (the elementwise
+# minimum of two runs, results/kernel_bench/calibration/calib_h100_r9{a,b}.jsonl; kernels/README.md, Dispatch).
+DEFAULT_CROSSOVER = ("1:0.0152,4:0.0193,8:0.0202,16:0.0019,32:0.002,64:0.0019,256:0,1024:0,4096:0.0025,8192:0.0025,"
+                     "16384:0.0045,32768:0.0055,65536:0.0069")
+# The non-gated block (no up-projection gather, so sparse wins to higher activity), calibrated the same way at
+# K = 2048, N = 8192 (calib_nongated_h100_r9.jsonl).
+DEFAULT_CROSSOVER_NONGATED = ("1:0.0164,4:0.0184,8:0,16:0.0021,32:0,64:0.0018,256:0,1024:0.0025,4096:0.0044,"
+                              "8192:0.0054,16384:0.0082,32768:0.0095,65536:0.0105")
+
+MODES = ("auto", "sparse", "dense")
+D2T_VARIANTS = ("fused", "cublas")
+
+
+def parse_crossover(spec: str, name: str = "crossover") -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """'m:p,...' -> (bucket starts ascending, activities); a bucket 1 with activity 0 is added if missing."""
+    try:
+        pairs = sorted((int(a), float(b)) for a, b in (kv.split(":") for kv in spec.split(",") if kv.strip()))
+    except ValueError as e:
+        raise ValueError(f"KernelConfig.{name}={spec!r} must look like '1:0.012,17:0,32768:0.006' "
+                         "(M bucket start : largest activity that runs sparse)") from e
+    if any(m < 1 or not 0 <= p <= 1 for m, p in pairs):
+        raise ValueError(f"KernelConfig.{name}={spec!r}: bucket starts must be >= 1 and activities in [0, 1]")
+    if not pairs or pairs[0][0] > 1:
+        pairs.insert(0, (1, 0.0))
+    return tuple(m for m, _ in pairs), tuple(p for _, p in pairs)
+
+
+def crossover_at(spec: str, M: int) -> float:
+    """The largest activity at which auto runs sparse for M rows under table `spec`."""
+    ms, ps = parse_crossover(spec)
+    return ps[max(0, bisect.bisect_right(ms, M) - 1)]
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Settings of the sparse FFN kernels (inference and training). Defaults are the measured best on the H100.
+
+    Inference (kernels.ffn, mlp_impl="cuda" without grad):
+        mode: "auto" (per-layer measured dispatch between the TwELL path and our dense path), "sparse", "dense".
+        slots: TwELL slots S per (row, 256-column tile) on the eager path (compression C = 256 / S); a row with a
+            fuller tile is flagged and computed exactly by the dense backup.
+        decode_max_m: M at or below this takes the sync-free path (S = 256, lossless; M <= 8: the fused decode
+            kernel). Larger values cost M * N * 8 bytes of TwELL buffers.
+        crossover / crossover_nongated: dispatch tables ("m:p,...", see DEFAULT_CROSSOVER).
+        flagged_dense_above: eager auto runs dense when more than this fraction of rows was flagged last time.
+        self_timing: eager auto times both paths per M bucket and leaves sparse where it measured slower.
+        activity_hint: prior activity used until a layer's first measurement lands (0: none, first call dense).
+        measure_every: non-gated dense calls above the crossover re-measure activity every this many calls (the
+            measuring pass is ~8% slower than torch's relu there); gated calls measure every call for free.
+        d2t: "fused" (sm_90: the gate GEMM's epilogue writes TwELL) or "cublas" (gate GEMM, then compaction).
+        d2t_overlap_min_k: fused d2t: K at or above which compaction warps overlap the next tile's mainloop.
+        d2t_max_ctas: > 0 caps the fused d2t's persistent grid (tests); 0 = one CTA per SM.
+        gate_scratch_mb: cuBLAS d2t only: bf16 gate-output scratch budget (rows are chunked beyond it).
+        down_nb: 16-byte chunks per lane per K slice in the down kernel (1, 2, 4 or 8).
+        decode_tiles_per_warp: tiles per warp in the decode-size down kernel (fp32 atomic split).
+    Training (kernels.train_ffn, mlp_impl="cuda" with grad):
+        train_width: ELL width W kept for the backward (rows with more non-zeros go to the dense backup).
+        train_dense_above / train_backup_dense_above: auto runs dense above this activity / flagged-row fraction.
+        train_sparse_min_m: auto runs dense below this many rows.
+        train_chunk_rows, train_shrink, train_dw_nb, train_probe_rows, train_fused_dense: see kernels/train/README.md.
+    """
+
+    mode: str = "auto"
+    slots: int = 32
+    decode_max_m: int = 64
+    crossover: str = DEFAULT_CROSSOVER
+    crossover_nongated: str = DEFAULT_CROSSOVER_NONGATED
+    flagged_dense_above: float = 0.05
+    self_timing: bool = True
+    activity_hint: float = 0.0
+    measure_every: int = 16
+    d2t: str = "fused"
+    d2t_overlap_min_k: int = 4096
+    d2t_max_ctas: int = 0
+    gate_scratch_mb: int = 1024
+    down_nb: int = 4
+    decode_tiles_per_warp: int = 4
+    train_width: int = 128
+    train_dense_above: float = 0.007
+    train_backup_dense_above: float = 0.015
+    train_sparse_min_m: int = 8192
+    train_chunk_rows: int = 16384
+    train_shrink: bool = True
+    train_dw_nb: int = 4
+    train_probe_rows: int = 2048
+    train_fused_dense: bool = True
+    _parsed: Any = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"KernelConfig.{name}={getattr(self, name)!r} is invalid: {why}")
+
+        if self.mode not in MODES:
+            raise bad("mode", f"must be one of {MODES}")
+        if self.d2t not in D2T_VARIANTS:
+            raise bad("d2t", f"must be one of {D2T_VARIANTS}")
+        for name in ("slots", "decode_max_m", "measure_every", "d2t_overlap_min_k", "gate_scratch_mb",
+                     "decode_tiles_per_warp", "train_width", "train_chunk_rows", "train_dw_nb", "train_probe_rows"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise bad(name, "must be a positive integer")
+        for name in ("d2t_max_ctas", "train_sparse_min_m"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise bad(name, "must be an integer >= 0")
+        if self.slots > TILE_N:
+            raise bad("slots", f"must be <= {TILE_N} (one tile holds {TILE_N} columns)")
+        if self.down_nb not in (1, 2, 4, 8):
+            raise bad("down_nb", "must be 1, 2, 4 or 8")
+        for name in ("flagged_dense_above", "activity_hint", "train_dense_above", "train_backup_dense_above"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+                raise bad(name, "must be a number in [0, 1]")
+        for name in ("self_timing", "train_shrink", "train_fused_dense"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be a bool")
+        parsed = (parse_crossover(self.crossover, "crossover"),
+                  parse_crossover(self.crossover_nongated, "crossover_nongated"))
+        object.__setattr__(self, "_parsed", parsed)
+
+    # ------------------------------------------------------------------------------------------------ access
+    def crossover_table(self, gated: bool) -> tuple[tuple[int, ...], tuple[float, ...]]:
+        return self._parsed[0 if gated else 1]
+
+    def replace(self, **changes: Any) -> "KernelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The effective settings, for logs (every benchmark/training/eval row records them)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> "KernelConfig":
+        d = dict(d or {})
+        known = {f.name for f in fields(cls) if not f.name.startswith("_")}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown KernelConfig field(s) {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+    @classmethod
+    def from_env(cls, base: "KernelConfig | None" = None, environ: Mapping[str, str] | None = None) -> "KernelConfig":
+        """`base` with every SFL_KERNEL_<FIELD> variable applied (e.g. SFL_KERNEL_SLOTS=16). Read once, by the
+        caller that builds the config (benchmark sweeps); the kernels never read the environment."""
+        env = os.environ if environ is None else environ
+        base = base or cls()
+        changes: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name.startswith("_"):
+                continue
+            raw = env.get(f"SFL_KERNEL_{f.name.upper()}")
+            if raw is None:
+                continue
+            cur = getattr(base, f.name)
+            try:
+                if isinstance(cur, bool):
+                    if raw.lower() not in ("0", "1", "true", "false"):
+                        raise ValueError(raw)
+                    changes[f.name] = raw.lower() in ("1", "true")
+                elif isinstance(cur, int):
+                    changes[f.name] = int(raw)
+                elif isinstance(cur, float):
+                    changes[f.name] = float(raw)
+                else:
+                    changes[f.name] = raw
+            except ValueError as e:
+                raise ValueError(f"SFL_KERNEL_{f.name.upper()}={raw!r} is not a valid {type(cur).__name__} "
+                                 f"for KernelConfig.{f.name}") from e
+        return base.replace(**changes) if changes else base
+
+
+DEFAULT = KernelConfig()
+
+__all__ = ["KernelConfig", "DEFAULT", "TILE_N", "DEFAULT_CROSSOVER", "DEFAULT_CROSSOVER_NONGATED",
+           "parse_crossover", "crossover_at"]

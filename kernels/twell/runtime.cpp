@@ -1,0 +1,602 @@
+// The inference runtime of the sparse FFN: one C++ op per FFN call, sfl_twell::ffn, with a per-layer plan.
+//
+// The op's schema and its fake (meta) implementation are defined in Python (kernels/twell/ops.py), so the op exists
+// and torch.compile can trace it on any machine; this file registers the CUDA implementation. Per call, nothing runs
+// in Python: the checks, the dispatch decision, the workspaces, the kernels and the dense backup are all here.
+//
+// A plan (one per layer, keyed by an integer id the module owns) holds what persists between calls: the layer's
+// measured activity (read back from pinned memory once its event completed, never waited on), the self-timing
+// samples, the neuron-major copy of W_d (keyed to the weight's identity and version) and the configuration
+// (KernelConfig, passed as two small lists: it arrives with the first call that names the plan).
+//
+// Dispatch (mode auto), documented in kernels/README.md:
+//   sparse iff the last measured activity p of the unflagged rows is <= crossover(M) and (sync-free, or the
+//   flagged-row fraction f <= flagged_dense_above); no measurement yet and no hint -> dense (which measures).
+//   Eager M > decode_max_m with self_timing: a bucket the table sends sparse first runs dense until it has 2 dense
+//   timings, and stays dense while min(sparse) > min(dense) (re-probed every 256th call of the bucket).
+// Paths:
+//   dense     : the GEMMs HF runs, relu(g)*u in one pass that measures activity and accumulates the model's stats.
+//   eager     : d2t (S = slots) -> gated_up -> down; rows flagged by d2t (a tile over S, or a non-finite gate) are
+//               computed exactly by dense GEMMs; their number comes back through a pinned copy waited on only after
+//               up/down are queued (the GPU stays busy).
+//   sync-free : M <= decode_max_m or CUDA-graph capture: S = 256 (no row can overflow), non-finite rows NaN;
+//               M <= 8: the fused decode kernel.
+#include <torch/extension.h>
+#include <torch/library.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "launchers.h"
+
+namespace sfl_runtime {
+
+constexpr int kTileN = 256;
+constexpr int kFusedDecodeMaxM = 8;
+constexpr int kTimingKeep = 3;       // timing samples kept per (bucket, path); decisions use their minimum
+constexpr int kReprobeEvery = 256;   // a vetoed bucket runs sparse again every this many calls
+constexpr int kRetimeEvery = 64;     // a bucket's samples are refreshed every this many calls
+enum Mode { kAuto = 0, kSparse = 1, kDense = 2 };
+
+void check(cudaError_t e, const char* what) {
+  TORCH_CHECK(e == cudaSuccess, "TwELL kernel '", what, "' failed: ", cudaGetErrorString(e),
+              " (invalid value = a shape or setting the kernels cannot serve; see kernels/README.md)");
+}
+
+// KernelConfig, as the op receives it (kernels/twell/ops.py: plan_args)
+struct Config {
+  int mode = kAuto, slots = 32, decode_max_m = 64, measure_every = 16, d2t_overlap_min_k = 4096, d2t_max_ctas = 0;
+  int down_nb = 4, decode_tiles_per_warp = 4;
+  bool self_timing = true, fused_d2t = true;
+  int64_t gate_scratch_mb = 1024;
+  double flagged_dense_above = 0.05, activity_hint = 0.0;
+  std::vector<int64_t> xo_m[2];  // crossover tables: [0] non-gated, [1] gated
+  std::vector<double> xo_p[2];
+};
+
+Config parse_config(at::IntArrayRef ic, at::ArrayRef<double> fc) {
+  TORCH_CHECK(ic.size() == 11 && fc.size() >= 4, "sfl_twell::ffn: malformed plan arguments (build them with "
+              "kernels.twell.ops.plan_args)");
+  Config c;
+  c.mode = (int)ic[0]; c.slots = (int)ic[1]; c.decode_max_m = (int)ic[2]; c.self_timing = ic[3] != 0;
+  c.measure_every = (int)ic[4]; c.fused_d2t = ic[5] != 0; c.d2t_overlap_min_k = (int)ic[6];
+  c.d2t_max_ctas = (int)ic[7]; c.gate_scratch_mb = ic[8]; c.down_nb = (int)ic[9]; c.decode_tiles_per_warp = (int)ic[10];
+  c.flagged_dense_above = fc[0];
+  c.activity_hint = fc[1];
+  size_t i = 2;
+  for (int t = 1; t >= 0; --t) {  // gated table first, then non-gated
+    TORCH_CHECK(i < fc.size(), "sfl_twell::ffn: malformed crossover table");
+    const int n = (int)fc[i++];
+    TORCH_CHECK(n >= 1 && i + 2 * n <= fc.size(), "sfl_twell::ffn: malformed crossover table");
+    for (int k = 0; k < n; ++k) { c.xo_m[t].push_back((int64_t)fc[i++]); c.xo_p[t].push_back(fc[i++]); }
+  }
+  TORCH_CHECK(c.slots >= 1 && c.slots <= kTileN, "KernelConfig.slots must be in 1..256");
+  return c;
+}
+
+struct Timed { cudaEvent_t start, end; int bucket; bool sparse; };
+
+struct Plan {
+  Config cfg;
+  bool gated = true;
+  // measured activity (the dispatch history)
+  double p = -1.0, f = 0.0;
+  int64_t measurements = 0, sparse_calls = 0, dense_calls = 0;
+  at::Tensor host_async, host_sync;     // pinned int64 [2] each
+  cudaEvent_t ev_async = nullptr, ev_sync = nullptr;
+  bool pending = false;
+  int64_t pending_rows = 0, pending_n = 0;
+  // self-timing
+  std::map<std::pair<int, bool>, std::deque<float>> times;
+  std::vector<Timed> timed_pending;
+  std::vector<std::pair<cudaEvent_t, cudaEvent_t>> free_events;
+  std::map<int, int64_t> bucket_calls;
+  // neuron-major W_d copy, keyed to the source tensor (held, so its memory cannot be reused) and its version
+  at::Tensor wdt, wdt_src;
+  const void* wdt_storage = nullptr;
+  int64_t wdt_offset = -1, wdt_version = -1;
+  // the last call, for tests and benchmark logs
+  std::string last_path, last_d2t;
+  int64_t last_flagged = -1;
+  int device = -1;
+
+  ~Plan() {
+    if (device < 0) return;
+    int prev = 0;
+    if (cudaGetDevice(&prev) != cudaSuccess) return;
+    cudaSetDevice(device);
+    if (ev_async) cudaEventDestroy(ev_async);
+    if (ev_sync) cudaEventDestroy(ev_sync);
+    for (auto& t : timed_pending) { cudaEventDestroy(t.start); cudaEventDestroy(t.end); }
+    for (auto& e : free_events) { cudaEventDestroy(e.first); cudaEventDestroy(e.second); }
+    cudaSetDevice(prev);
+  }
+
+  void update(int64_t nnz_ok, int64_t flagged, int64_t rows, int64_t n) {
+    p = rows == flagged ? 1.0 : (double)nnz_ok / ((double)(rows - flagged) * (double)n);
+    f = (double)flagged / (double)std::max<int64_t>(1, rows);
+    ++measurements;
+  }
+
+  void poll() {
+    if (!pending || cudaEventQuery(ev_async) != cudaSuccess) return;
+    pending = false;
+    const int64_t* h = host_async.data_ptr<int64_t>();
+    update(h[0], h[1], pending_rows, pending_n);
+  }
+
+  double crossover(int64_t M) const {
+    const auto& ms = cfg.xo_m[gated ? 1 : 0];
+    const auto& ps = cfg.xo_p[gated ? 1 : 0];
+    const auto it = std::upper_bound(ms.begin(), ms.end(), M);
+    return it == ms.begin() ? 0.0 : ps[(it - ms.begin()) - 1];
+  }
+
+  // ---- self-timing
+  void poll_timings() {
+    std::vector<Timed> keep;
+    for (auto& t : timed_pending) {
+      if (cudaEventQuery(t.end) == cudaSuccess) {
+        float ms = 0.f;
+        if (cudaEventElapsedTime(&ms, t.start, t.end) == cudaSuccess) {
+          auto& d = times[{t.bucket, t.sparse}];
+          d.push_back(ms);
+          while ((int)d.size() > kTimingKeep) d.pop_front();
+        }
+        free_events.emplace_back(t.start, t.end);
+      } else {
+        keep.push_back(t);
+      }
+    }
+    timed_pending.swap(keep);
+  }
+  size_t samples(int bucket, bool sparse) const {
+    const auto it = times.find({bucket, sparse});
+    return it == times.end() ? 0 : it->second.size();
+  }
+  float best(int bucket, bool sparse) const {
+    const auto& d = times.at({bucket, sparse});
+    return *std::min_element(d.begin(), d.end());
+  }
+  bool want_timing(int bucket, bool sparse) const {
+    if (timed_pending.size() >= 4) return false;
+    const auto it = bucket_calls.find(bucket);
+    const int64_t calls = it == bucket_calls.end() ? 0 : it->second;
+    return samples(bucket, sparse) < kTimingKeep || calls % kRetimeEvery == 0;
+  }
+  bool sparse_slower(int bucket) const {
+    const auto it = bucket_calls.find(bucket);
+    if (it != bucket_calls.end() && it->second % kReprobeEvery == 0) return false;  // re-probe
+    return samples(bucket, true) >= 2 && samples(bucket, false) >= 2 && best(bucket, true) > best(bucket, false);
+  }
+  std::pair<cudaEvent_t, cudaEvent_t> timing_events() {
+    if (!free_events.empty()) {
+      auto e = free_events.back();
+      free_events.pop_back();
+      return e;
+    }
+    std::pair<cudaEvent_t, cudaEvent_t> e;
+    check(cudaEventCreate(&e.first), "event");
+    check(cudaEventCreate(&e.second), "event");
+    return e;
+  }
+
+  void ensure_device(int dev) {
+    if (device == dev) return;
+    TORCH_CHECK(device < 0, "sfl_twell::ffn: a plan serves one device; this layer's plan was made on cuda:", device,
+                " and is now called on cuda:", dev, " (make a new module/plan per device)");
+    device = dev;
+    const auto pinned = at::TensorOptions().dtype(at::kLong).pinned_memory(true);
+    host_async = at::zeros({2}, pinned);
+    host_sync = at::zeros({2}, pinned);
+    check(cudaEventCreateWithFlags(&ev_async, cudaEventDisableTiming), "event");
+    check(cudaEventCreateWithFlags(&ev_sync, cudaEventDisableTiming), "event");
+  }
+
+  // copy the device int64 [2] measurement to pinned memory and record an event (async slot or waited-on slot)
+  cudaEvent_t to_host(const at::Tensor& dev_stats, bool async, cudaStream_t stream) {
+    at::Tensor& h = async ? host_async : host_sync;
+    check(cudaMemcpyAsync(h.data_ptr(), dev_stats.data_ptr(), 2 * sizeof(int64_t), cudaMemcpyDeviceToHost, stream),
+          "stats copy");
+    cudaEvent_t ev = async ? ev_async : ev_sync;
+    check(cudaEventRecord(ev, stream), "event record");
+    return ev;
+  }
+
+  // keyed by storage + offset + version, not tensor identity: callers may pass a fresh .detach() view per call.
+  // The source is held, so its memory cannot be freed and reused by another weight while it is cached.
+  const at::Tensor& down_t(const at::Tensor& wd) {
+    const void* st = wd.storage().unsafeGetStorageImpl();
+    if (!wdt.defined() || st != wdt_storage || wd.storage_offset() != wdt_offset ||
+        (int64_t)wd._version() != wdt_version || !wd.sizes().equals(wdt_src.sizes())) {
+      wdt = wd.t().contiguous();
+      wdt_src = wd;
+      wdt_storage = st;
+      wdt_offset = wd.storage_offset();
+      wdt_version = (int64_t)wd._version();
+    }
+    return wdt;
+  }
+};
+
+std::mutex g_mutex;
+// never destroyed: plans hold CUDA events, which must not be released after the CUDA context is gone at exit
+auto& g_plans = *new std::unordered_map<int64_t, std::unique_ptr<Plan>>();
+
+Plan& plan_for(int64_t id, at::IntArrayRef ic, at::ArrayRef<double> fc, bool gated) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto& slot = g_plans[id];
+  if (!slot) {
+    slot = std::make_unique<Plan>();
+    slot->cfg = parse_config(ic, fc);
+    slot->gated = gated;
+  }
+  TORCH_CHECK(slot->gated == gated, "sfl_twell::ffn: plan ", id, " was made for a ", slot->gated ? "gated" : "non-gated",
+              " block; give each layer its own plan");
+  return *slot;
+}
+
+bool capturing(cudaStream_t s) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  check(cudaStreamIsCapturing(s, &st), "stream capture query");
+  return st != cudaStreamCaptureStatusNone;
+}
+
+int64_t* i64(const at::Tensor& t) { return t.data_ptr<int64_t>(); }
+unsigned long long* u64(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? reinterpret_cast<unsigned long long*>(t->data_ptr<int64_t>()) : nullptr;
+}
+int32_t* i32(const at::Tensor& t) { return t.data_ptr<int32_t>(); }
+
+// A copy only where the kernels cannot read the tensor as it is (non-contiguous, or not 16-byte aligned).
+at::Tensor readable(const at::Tensor& t) {
+  if (t.is_contiguous() && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0) return t;
+  return t.contiguous().data_ptr() == t.data_ptr() ? t.clone() : t.contiguous();
+}
+
+void check_inputs(const at::Tensor& x, const c10::optional<at::Tensor>& wg, const at::Tensor& wu,
+                  const at::Tensor& wd, const c10::optional<at::Tensor>& stats) {
+  auto need = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.is_cuda(), name, " is on ", t.device(), ": the TwELL kernels run on CUDA tensors; move the inputs "
+                "with .cuda(), or use kernels.reference / mlp_impl='reference' or 'dense' on other devices");
+    TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " has dtype ", t.scalar_type(),
+                ": the TwELL kernels take torch.bfloat16; cast with .to(torch.bfloat16)");
+    TORCH_CHECK(t.device() == x.device(), name, " is on ", t.device(), " but x is on ", x.device(),
+                ": put x and every weight on one device");
+  };
+  need(x, "x");
+  need(wu, "w_up");
+  need(wd, "w_down");
+  const int64_t K = x.size(-1), N = wu.size(0);
+  TORCH_CHECK(wu.dim() == 2 && wu.size(1) == K, "w_up must be [N, K] = [intermediate, hidden] (nn.Linear layout) "
+              "with K = x.size(-1) = ", K, ", got ", wu.sizes());
+  TORCH_CHECK(wd.dim() == 2 && wd.size(0) == K && wd.size(1) == N, "w_down must be [K, N] = [", K, ", ", N,
+              "] (nn.Linear layout of down_proj), got ", wd.sizes(), "; pass down_proj.weight, not its transpose");
+  if (wg.has_value()) {
+    need(*wg, "w_gate");
+    TORCH_CHECK(wg->sizes() == wu.sizes(), "w_gate must have w_up's shape [N, K], got ", wg->sizes());
+  }
+  TORCH_CHECK(K % 64 == 0 && K <= 4096, "hidden size K=", K, " unsupported: the TwELL kernels need K % 64 == 0 and "
+              "K <= 4096; use kernels.reference or mlp_impl='dense'");
+  TORCH_CHECK(N % kTileN == 0 && N > 0, "intermediate size N=", N, " unsupported: the TwELL kernels need "
+              "N % 256 == 0; use kernels.reference or mlp_impl='dense'");
+  if (stats.has_value()) {
+    TORCH_CHECK(stats->is_cuda() && stats->scalar_type() == at::kLong && stats->numel() == 3 &&
+                    stats->is_contiguous() && stats->device() == x.device(),
+                "stats must be a contiguous int64 [3] tensor on x's device (sum of non-zeros, max per token, tokens)");
+  }
+}
+
+// ------------------------------------------------------------------------------------------------ paths
+struct Call {
+  Plan& P;
+  const at::Tensor& x;          // [M, K] bf16, readable
+  const at::Tensor* wg;         // nullptr: non-gated
+  const at::Tensor& wu;
+  const at::Tensor& wd;
+  unsigned long long* acc;      // the model's statistics (nullptr: off)
+  cudaStream_t stream;
+  bool capture;
+  int64_t M, K, N;
+  const at::Tensor& gate_w() const { return wg ? *wg : wu; }
+};
+
+at::Tensor dense_ffn(const at::Tensor& x, const at::Tensor* wg, const at::Tensor& wu, const at::Tensor& wd) {
+  // exactly HF's math: the same F.linear calls and elementwise rounding
+  if (wg) return at::linear(at::relu(at::linear(x, *wg)) * at::linear(x, wu), wd);
+  return at::linear(at::relu(at::linear(x, wu)), wd);
+}
+
+at::Tensor dense_path(Call& c, bool table_dense) {
+  Plan& P = c.P;
+  // GEMMs first: the GPU works while the host sets up the rest
+  at::Tensor g = at::linear(c.x, c.gate_w());
+  at::Tensor u = c.wg ? at::linear(c.x, c.wu) : at::Tensor();
+  bool measure = P.cfg.mode == kAuto && !c.capture && !P.pending;
+  if (measure && !c.wg && table_dense && P.cfg.measure_every > 1 && P.dense_calls % P.cfg.measure_every) {
+    measure = false;  // non-gated above the crossover: the measuring pass is slower than torch's relu
+  }
+  ++P.dense_calls;
+  P.last_path = "dense";
+  P.last_d2t = "";
+  P.last_flagged = -1;
+  if (!measure && !c.wg && c.acc == nullptr) return at::linear(at::relu_(g), c.wd);
+  at::Tensor st = measure ? at::zeros({2}, c.x.options().dtype(at::kLong)) : at::Tensor();
+  at::Tensor h = c.wg ? u : g;  // in place
+  check(twell_relu_mul_stats_launch(g.data_ptr(), g.stride(0), c.wg ? u.data_ptr() : nullptr, c.wg ? u.stride(0) : 0,
+                                    h.data_ptr(), h.stride(0), (int)c.M, (int)c.N, P.cfg.slots, (int)c.N, nullptr,
+                                    measure ? reinterpret_cast<unsigned long long*>(i64(st)) : nullptr, nullptr,
+                                    c.acc, c.stream),
+        "relu_mul_stats");
+  at::Tensor y = at::linear(h, c.wd);
+  if (measure) {
+    P.to_host(st, true, c.stream);
+    P.pending = true;
+    P.pending_rows = c.M;
+    P.pending_n = c.N;
+  }
+  return y;
+}
+
+// TwELL of relu(x W^T) into packed/counts/flag (flag zeroed): the fused d2t on sm_90, else cuBLAS + compaction
+void d2t_into(const at::Tensor& x, const at::Tensor& w, at::Tensor& packed, at::Tensor& counts, at::Tensor& flag,
+              const Config& cfg, cudaStream_t stream, std::string* variant) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const int S = (int)packed.size(2);
+  if (cfg.fused_d2t && twell_d2t_gemm_supported(x.get_device())) {
+    check(twell_d2t_gemm_launch(x.data_ptr(), w.data_ptr(), (int)M, (int)N, (int)K, S, i32(packed), i32(counts),
+                                i32(flag), K >= cfg.d2t_overlap_min_k ? 1 : 0, cfg.d2t_max_ctas, stream),
+          "d2t_gemm");
+    if (variant) *variant = "fused";
+    return;
+  }
+  const int64_t chunk = std::max<int64_t>(256, (cfg.gate_scratch_mb << 20) / (2 * N));
+  at::Tensor scratch = at::empty({std::min(chunk, M), N}, x.options());
+  for (int64_t r0 = 0; r0 < M; r0 += chunk) {
+    const int64_t r1 = std::min(M, r0 + chunk);
+    at::Tensor g = scratch.narrow(0, 0, r1 - r0);
+    at::mm_out(g, x.narrow(0, r0, r1 - r0), w.t());
+    check(twell_compact_launch(g.data_ptr(), g.stride(0), (int)(r1 - r0), (int)N, S, i32(packed) + r0 * (N / kTileN) * S,
+                               i32(counts) + r0 * (N / kTileN), i32(flag) + r0, stream),
+          "compact");
+  }
+  if (variant) *variant = "cublas";
+}
+
+at::Tensor fused_decode(Call& c, const at::Tensor& wdt, bool measure) {
+  Plan& P = c.P;
+  const int64_t M = c.M, K = c.K;
+  at::Tensor ws = at::zeros({M * K + 2 * M}, c.x.options().dtype(at::kFloat));
+  at::Tensor yacc = ws.narrow(0, 0, M * K).view({M, K});
+  at::Tensor nnz = ws.narrow(0, M * K, M).view(at::kInt);
+  at::Tensor flag = ws.narrow(0, M * K + M, M).view(at::kInt);
+  check(twell_decode_fused_launch(c.x.data_ptr(), c.gate_w().data_ptr(), c.wg ? c.wu.data_ptr() : nullptr,
+                                  wdt.data_ptr(), (int)M, (int)K, (int)c.N, yacc.data_ptr<float>(), i32(nnz), i32(flag),
+                                  c.stream),
+        "decode_fused");
+  if (measure || c.acc) {  // one "tile" per row holding the row's count
+    at::Tensor st = measure ? at::zeros({2}, c.x.options().dtype(at::kLong)) : at::Tensor();
+    check(twell_row_stats_launch(i32(nnz), i32(flag), (int)M, kTileN,
+                                 measure ? reinterpret_cast<unsigned long long*>(i64(st)) : nullptr, c.acc, c.stream),
+          "row_stats");
+    if (measure) {
+      P.to_host(st, true, c.stream);
+      P.pending = true;
+      P.pending_rows = M;
+      P.pending_n = c.N;
+    }
+  }
+  at::Tensor y = at::empty({M, K}, c.x.options());
+  check(twell_finalize_launch(yacc.data_ptr<float>(), i32(flag), (int)M, (int)K, 1, y.data_ptr(), c.stream), "finalize");
+  P.last_path = "sparse-syncfree";
+  P.last_d2t = "decode-fused";
+  P.last_flagged = -1;
+  return y;
+}
+
+at::Tensor sparse_path(Call& c, bool sync_free) {
+  Plan& P = c.P;
+  const int64_t M = c.M, K = c.K, N = c.N, T = N / kTileN;
+  ++P.sparse_calls;
+  const at::Tensor& wdt = P.down_t(c.wd);
+  const bool measure = !c.capture && (!sync_free || !P.pending);
+  if (sync_free && M <= kFusedDecodeMaxM) return fused_decode(c, wdt, measure);
+  const int S = sync_free ? kTileN : P.cfg.slots;
+  const auto i32o = c.x.options().dtype(at::kInt);
+  at::Tensor packed = at::empty({M, T, S}, i32o);
+  at::Tensor counts = at::empty({M, T}, i32o);
+  at::Tensor flag = at::zeros({M}, i32o);
+  at::Tensor y = at::empty({M, K}, c.x.options());
+  d2t_into(c.x, c.gate_w(), packed, counts, flag, P.cfg, c.stream, &P.last_d2t);
+  cudaEvent_t ev = nullptr;
+  if (measure || c.acc) {
+    at::Tensor st = measure ? at::zeros({2}, c.x.options().dtype(at::kLong)) : at::Tensor();
+    check(twell_row_stats_launch(i32(counts), i32(flag), (int)M, (int)N,
+                                 measure ? reinterpret_cast<unsigned long long*>(i64(st)) : nullptr, c.acc, c.stream),
+          "row_stats");
+    if (measure) ev = P.to_host(st, sync_free, c.stream);
+  }
+  at::Tensor hval = c.wg ? at::empty({M, T, S}, c.x.options().dtype(at::kFloat)) : at::Tensor();
+  float* hv = c.wg ? hval.data_ptr<float>() : nullptr;
+  const bool small = M <= P.cfg.decode_max_m;
+  if (c.wg) {
+    check(twell_gated_up_launch(c.x.data_ptr(), c.wu.data_ptr(), (int)M, (int)K, (int)N, S, small ? 1 : (int)T,
+                                i32(packed), i32(counts), i32(flag), hv, c.stream),
+          "gated_up");
+  }
+  if (sync_free) {
+    const int tpw = std::max(1, std::min((int)T, P.cfg.decode_tiles_per_warp));
+    if (small && tpw < T) {  // few rows: split tiles across warps (parallelism), fp32 atomics, then convert
+      at::Tensor yacc = at::zeros({M, K}, c.x.options().dtype(at::kFloat));
+      check(twell_down_launch(wdt.data_ptr(), (int)M, (int)K, (int)N, S, 1, tpw, 1, i32(packed), i32(counts), i32(flag),
+                              hv, y.data_ptr(), yacc.data_ptr<float>(), c.stream),
+            "down");
+      check(twell_finalize_launch(yacc.data_ptr<float>(), i32(flag), (int)M, (int)K, 1, y.data_ptr(), c.stream),
+            "finalize");
+    } else {
+      check(twell_down_launch(wdt.data_ptr(), (int)M, (int)K, (int)N, S, small ? 1 : P.cfg.down_nb, (int)T, 1,
+                              i32(packed), i32(counts), i32(flag), hv, y.data_ptr(), nullptr, c.stream),
+            "down");
+    }
+    if (measure) {
+      P.pending = true;
+      P.pending_rows = M;
+      P.pending_n = N;
+    }
+    P.last_path = "sparse-syncfree";
+    P.last_flagged = -1;
+    return y;
+  }
+  check(twell_down_launch(wdt.data_ptr(), (int)M, (int)K, (int)N, S, P.cfg.down_nb, (int)T, 0, i32(packed),
+                          i32(counts), i32(flag), hv, y.data_ptr(), nullptr, c.stream),
+        "down");
+  // up/down are queued; now wait for the (earlier) flagged-row count
+  check(cudaEventSynchronize(ev), "event wait");
+  const int64_t nnz_ok = i64(P.host_sync)[0], R = i64(P.host_sync)[1];
+  P.update(nnz_ok, R, M, N);
+  if (R > 0) {  // exact dense backup of every flagged row, however many
+    at::Tensor rows = at::nonzero_static(flag, R).squeeze(1);
+    y.index_copy_(0, rows, dense_ffn(c.x.index_select(0, rows), c.wg, c.wu, c.wd));
+  }
+  P.last_path = "sparse";
+  P.last_flagged = R;
+  return y;
+}
+
+// ------------------------------------------------------------------------------------------------ the op
+at::Tensor ffn_cuda(const at::Tensor& x_in, const c10::optional<at::Tensor>& w_gate, const at::Tensor& w_up,
+                    const at::Tensor& w_down, const c10::optional<at::Tensor>& stats, int64_t plan_id,
+                    at::IntArrayRef icfg, at::ArrayRef<double> fcfg) {
+  check_inputs(x_in, w_gate, w_up, w_down, stats);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  Plan& P = plan_for(plan_id, icfg, fcfg, w_gate.has_value());
+  P.ensure_device(x_in.get_device());
+  const int64_t K = x_in.size(-1), N = w_up.size(0);
+  const at::Tensor x = readable(x_in.reshape({-1, K}));
+  const int64_t M = x.size(0);
+  if (M == 0) return at::empty(x_in.sizes(), x_in.options());
+  const at::Tensor wu = readable(w_up), wd = readable(w_down);
+  const at::Tensor wg = w_gate.has_value() ? readable(*w_gate) : at::Tensor();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  Call c{P, x, w_gate.has_value() ? &wg : nullptr, wu, wd, u64(stats), stream, capturing(stream), M, K, N};
+  const bool sync_free = c.capture || M <= P.cfg.decode_max_m;
+
+  bool sparse = P.cfg.mode == kSparse, table_dense = false, timed = false;
+  int bucket = 0;
+  if (P.cfg.mode == kAuto) {
+    if (!c.capture) P.poll();  // event queries are not allowed while capturing: the graph keeps this choice
+    const bool known = P.p >= 0 || P.cfg.activity_hint > 0;
+    const double p = P.p >= 0 ? P.p : P.cfg.activity_hint, f = P.p >= 0 ? P.f : 0.0;
+    const double xo = P.crossover(M);
+    sparse = known && p <= xo && (sync_free || f <= P.cfg.flagged_dense_above);
+    table_dense = known && p > xo;
+    // self-timing (eager, M > decode_max_m: decode sizes are used and calibrated as graph replays)
+    if (P.cfg.self_timing && !sync_free) {
+      bucket = 64 - __builtin_clzll((unsigned long long)M);
+      P.poll_timings();
+      ++P.bucket_calls[bucket];
+      if (sparse && P.samples(bucket, false) < 2) sparse = false;  // time dense here first
+      else if (sparse && P.sparse_slower(bucket)) sparse = false;  // measured slower on this layer
+      timed = P.want_timing(bucket, sparse);
+    }
+  }
+  std::pair<cudaEvent_t, cudaEvent_t> ev{nullptr, nullptr};
+  if (timed) {
+    ev = P.timing_events();
+    check(cudaEventRecord(ev.first, stream), "event record");
+  }
+  at::Tensor y = sparse ? sparse_path(c, sync_free) : dense_path(c, table_dense);
+  if (timed) {
+    check(cudaEventRecord(ev.second, stream), "event record");
+    P.timed_pending.push_back({ev.first, ev.second, bucket, sparse});
+  }
+  return y.view(x_in.sizes());
+}
+
+// d2t alone: (packed [M, T, slots], counts [M, T], flag [M]) of relu(x w_gate^T). variant: 0 fused where the GPU
+// runs it, 1 cuBLAS + compaction.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> d2t_cuda(const at::Tensor& x_in, const at::Tensor& w_gate, int64_t slots,
+                                                        int64_t variant, int64_t overlap_min_k, int64_t max_ctas) {
+  TORCH_CHECK(x_in.is_cuda() && w_gate.is_cuda() && x_in.device() == w_gate.device(),
+              "d2t: x and w_gate must be CUDA tensors on one device");
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && w_gate.scalar_type() == at::kBFloat16,
+              "d2t: x and w_gate must be torch.bfloat16; cast with .to(torch.bfloat16)");
+  TORCH_CHECK(w_gate.dim() == 2 && w_gate.size(1) == x_in.size(-1) && x_in.size(-1) % 64 == 0 &&
+                  w_gate.size(0) % kTileN == 0,
+              "d2t: w_gate must be [N, K] with K = x.size(-1), K % 64 == 0 and N % 256 == 0, got x ", x_in.sizes(),
+              " and w_gate ", w_gate.sizes());
+  TORCH_CHECK(slots >= 1 && slots <= kTileN, "slots must be in 1..256, got ", slots);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = readable(x_in.reshape({-1, x_in.size(-1)})), w = readable(w_gate);
+  const int64_t M = x.size(0), T = w.size(0) / kTileN;
+  const auto i32o = x.options().dtype(at::kInt);
+  at::Tensor packed = at::empty({M, T, slots}, i32o), counts = at::empty({M, T}, i32o), flag = at::zeros({M}, i32o);
+  if (M > 0) {
+    Config cfg;
+    cfg.fused_d2t = variant == 0;
+    cfg.d2t_overlap_min_k = (int)overlap_min_k;
+    cfg.d2t_max_ctas = (int)max_ctas;
+    d2t_into(x, w, packed, counts, flag, cfg, c10::cuda::getCurrentCUDAStream().stream(), nullptr);
+  }
+  return {packed, counts, flag};
+}
+
+}  // namespace sfl_runtime
+
+TORCH_LIBRARY_IMPL(sfl_twell, CUDA, m) {
+  m.impl("ffn", &sfl_runtime::ffn_cuda);
+  m.impl("d2t", &sfl_runtime::d2t_cuda);
+}
+
+// ---- plan inspection and lifetime (pybind; binding.cpp exposes them)
+namespace sfl_runtime {
+
+void plan_free(int64_t id) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_plans.erase(id);
+}
+
+void plan_reset(int64_t id) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  const auto it = g_plans.find(id);
+  if (it == g_plans.end()) return;
+  Plan& P = *it->second;
+  P.p = -1.0; P.f = 0.0; P.measurements = P.sparse_calls = P.dense_calls = 0; P.pending = false;
+  P.times.clear(); P.bucket_calls.clear();
+}
+
+py::dict plan_info(int64_t id) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  py::dict d;
+  const auto it = g_plans.find(id);
+  if (it == g_plans.end()) return d;
+  const Plan& P = *it->second;
+  d["p"] = P.p >= 0 ? py::cast(P.p) : py::none();
+  d["f"] = P.f;
+  d["measurements"] = P.measurements;
+  d["sparse_calls"] = P.sparse_calls;
+  d["dense_calls"] = P.dense_calls;
+  d["pending"] = P.pending;
+  d["path"] = P.last_path.empty() ? py::none() : py::cast(P.last_path);
+  d["d2t"] = P.last_d2t.empty() ? py::none() : py::cast(P.last_d2t);
+  d["flagged_rows"] = P.last_flagged >= 0 ? py::cast(P.last_flagged) : py::none();
+  py::dict t;
+  for (const auto& kv : P.times) {
+    t[py::make_tuple(kv.first.first, kv.first.second ? "sparse" : "dense")] =
+        std::vector<float>(kv.second.begin(), kv.second.end());
+  }
+  d["timings"] = t;
+  return d;
+}
+
+}  // namespace sfl_runtime
