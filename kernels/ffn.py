@@ -114,7 +114,8 @@ class _TwELLBase(nn.Module):
             raise ValueError(f"{name} has a bias: the TwELL kernels implement bias-free MLPs (mlp_bias=False)")
 
     def _run(self, x: Tensor, w_gate: Tensor | None) -> Tensor:
-        _inference_only(x, w_gate, self.up_proj.weight, self.down_proj.weight)
+        # an inference module: its parameters may require grad (nn.Linear's default); only x is checked, as before
+        _inference_only(x)
         ops.load()
         return ops.ffn(x, w_gate, self.up_proj.weight, self.down_proj.weight, self.plan,
                        self.nnz_stats if self.track_stats else None)
