@@ -143,19 +143,22 @@ def main(argv: list[str] | None = None) -> int:
             "measured_nnz_mean": st["nnz_mean"], "measured_nnz_max": st["nnz_max"],
             "kernel_config": ours.config.kernel_config.to_dict(), "dense_side": "transformers LlamaForCausalLM",
             "sparse_side": "SparseLlamaForCausalLM(mlp_impl='cuda')", **collect()}
-    rows = prefill_rows(hf, ours, vocab, a.prefill_batches, a.seq_len, a.blocks, a.reps)
-    rows += generate_rows(hf, ours, vocab, a.generate_batches, 128, 64, False, a.blocks)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def log(rows: list[dict]) -> None:  # appended as each part finishes: a later failure keeps what was measured
+        with a.out.open("a") as f:
+            for r in rows:
+                f.write(json.dumps({**base, **r}) + "\n")
+
+    log(prefill_rows(hf, ours, vocab, a.prefill_batches, a.seq_len, a.blocks, a.reps))
+    log(generate_rows(hf, ours, vocab, a.generate_batches, 128, 64, False, a.blocks))
     if not a.no_static:
         try:
-            rows += generate_rows(hf, ours, vocab, a.generate_batches, 128, 64, True, a.blocks)
+            log(generate_rows(hf, ours, vocab, a.generate_batches, 128, 64, True, a.blocks))
         except Exception as e:  # recorded, not hidden: the static-cache path is a target of its own
-            rows.append({"kind": "generate static cache (transformers compiles)", "error": repr(e)[:2000]})
+            log([{"kind": "generate static cache (transformers compiles)", "error": repr(e)[:2000]}])
             print(f"static-cache generate failed: {e!r}", flush=True)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    with a.out.open("a") as f:
-        for r in rows:
-            f.write(json.dumps({**base, **r}) + "\n")
-    print(f"wrote {len(rows)} rows to {a.out}")
+    print(f"wrote {a.out}")
     return 0
 
 
