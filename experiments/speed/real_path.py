@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     base = {"model": f"paper-shape {a.layers} layers", "num_hidden_layers": a.layers, "hidden": 2048,
             "intermediate": 5632, "target_nnz_mean": a.nnz_mean, "calibration_nnz_mean": sum(achieved) / len(achieved),
             "measured_nnz_mean": st["nnz_mean"], "measured_nnz_max": st["nnz_max"],
-            "kernel_config": ours.config.kernel_config.to_dict(), "dense_side": "transformers LlamaForCausalLM",
+            "kernel_config": ours.config.get_kernel_config().to_dict(), "dense_side": "transformers LlamaForCausalLM",
             "sparse_side": "SparseLlamaForCausalLM(mlp_impl='cuda')", **collect()}
     a.out.parent.mkdir(parents=True, exist_ok=True)
 
