@@ -6,7 +6,8 @@
 Writes <out>/eval.json ({"provenance", "model", "limit", "tasks": {task: {"acc", "acc_norm", "n"}},
 "nnz_per_token_mean", "nnz_per_token_per_layer", ...}) and prints a table. Mean non-zeros per token
 are recorded during the eval forwards: from each module exposing `last_nnz_per_token` (our sparse
-MLPs), else from the output of every `mlp.act_fn` (plain HF Llama). lm-eval is imported only inside
+MLPs, with per-token recording switched on for the run; the CUDA inference path keeps totals only, so there the
+layers' device counters are read, padding included), else from the output of every `mlp.act_fn` (plain HF Llama). lm-eval is imported only inside
 main(), so this module imports on machines without it.
 
 Split evaluation, for a GPU machine without lm-eval (experiments/loglik.py explains it):
@@ -51,8 +52,13 @@ class NnzRecorder:
         for name, mod in model.named_modules():
             if hasattr(mod, "last_nnz_per_token"):
                 self.sources.append((name, mod))
+        self._recording_was: list[bool] = []
         if self.sources:
             self.kind = "last_nnz_per_token"
+            for _, mod in self.sources:  # our MLPs keep per-token counts only on request
+                self._recording_was.append(bool(getattr(mod, "record_per_token", False)))
+                mod.record_per_token = True
+                mod.last_nnz_per_token = None
         else:
             for name, mod in model.named_modules():
                 if name.endswith("mlp.act_fn"):
@@ -63,17 +69,43 @@ class NnzRecorder:
         self.count = [0] * n
         self.max = [0.0] * n
         self.valid: torch.Tensor | None = None
+        # forwards without per-token counts (mlp_impl="cuda" inference): the device counters' increments instead
+        self.counter_forwards = 0
+        self._before: list[torch.Tensor | None] = [None] * n
         self.handles = [mod.register_forward_hook(self._make_hook(i)) for i, (_, mod) in enumerate(self.sources)]
+        if self.kind == "last_nnz_per_token":
+            self.handles += [mod.register_forward_pre_hook(self._make_pre_hook(i))
+                             for i, (_, mod) in enumerate(self.sources) if hasattr(mod, "nnz_stats")]
 
     def set_valid(self, valid: torch.Tensor | None) -> None:
         self.valid = None if valid is None else valid.reshape(-1)
+
+    def _make_pre_hook(self, i: int):
+        def pre_hook(mod, inp):
+            self._before[i] = mod.nnz_stats.clone()  # on the device: no sync
+        return pre_hook
+
+    def _from_counters(self, i: int, mod: torch.nn.Module) -> None:
+        before, self._before[i] = self._before[i], None
+        if before is None:
+            return
+        total, mx, tokens = (int(v) for v in (mod.nnz_stats - before).tolist())
+        if tokens <= 0:
+            return
+        self.counter_forwards += 1
+        self.sum[i] += float(total)
+        self.count[i] += tokens
+        self.max[i] = max(self.max[i], float(mod.nnz_stats[1]))  # the counter's max since its last reset
 
     def _make_hook(self, i: int):
         def hook(mod, inp, out):
             if self.kind == "last_nnz_per_token":
                 nnz = getattr(mod, "last_nnz_per_token", None)
                 if nnz is None:
+                    self._from_counters(i, mod)
                     return
+                mod.last_nnz_per_token = None  # consumed: a later forward that records none is not counted twice
+                self._before[i] = None
                 nnz = nnz.reshape(-1)
             else:
                 h = out[0] if isinstance(out, tuple) else out
@@ -97,11 +129,18 @@ class NnzRecorder:
         return {"nnz_per_token_mean": sum(vals) / len(vals) if vals else None,
                 "nnz_per_token_per_layer": means,
                 "nnz_per_token_max_per_layer": [m if c else None for m, c in zip(self.max, self.count)],
-                "nnz_source": self.kind, "nnz_tokens_counted": self.count[0] if self.count else 0}
+                "nnz_source": self.kind if not self.counter_forwards else "nnz_stats_counters (padding included)",
+                "nnz_tokens_counted": self.count[0] if self.count else 0}
 
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+        self.handles = []
+        for (_, mod), was in zip(self.sources, self._recording_was):
+            mod.record_per_token = was
+            if not was:
+                mod.last_nnz_per_token = None
+        self._recording_was = []
 
 
 def valid_mask_right_padded(inps: torch.Tensor) -> torch.Tensor:

@@ -86,13 +86,16 @@ class SparseLlamaConfig(LlamaConfig):
                 raise bad(field, value, "must be a positive integer")
         if not isinstance(self.track_sparsity_stats, bool):
             raise bad("track_sparsity_stats", self.track_sparsity_stats, "must be a bool")
-        try:
-            self.get_kernel_config()
-        except (TypeError, ValueError) as e:
-            raise bad("kernel_config", self.kernel_config, str(e)) from e
         if self.twell_slots > self.twell_tile_n:
             raise bad("twell_slots", self.twell_slots,
                       f"must be <= twell_tile_n ({self.twell_tile_n}); slots = tile_n // compression")
+        try:
+            self.get_kernel_config()
+        except (TypeError, ValueError) as e:
+            inherited = "slots" not in (self.kernel_config or {})
+            if inherited and "KernelConfig.slots=" in str(e):  # the value came from twell_slots: name that field
+                raise bad("twell_slots", self.twell_slots, str(e)) from e
+            raise bad("kernel_config", self.kernel_config, str(e)) from e
         if self.mlp_impl != "dense":
             if self.intermediate_size % self.twell_tile_n != 0:
                 raise bad("intermediate_size", self.intermediate_size,

@@ -71,6 +71,7 @@ def test_calibration_hits_targets_with_heavy_tail_and_dead_neurons() -> None:
         return hook
 
     hooks = [m.register_forward_hook(record(i)) for i, m in enumerate(model.sparse_mlps())]
+    model.record_nnz_per_token(True)
     ids = torch.randint(0, vocab, (8, 64), generator=g)
     ids[:, ::8] = heavy[torch.randint(0, len(heavy), (8, 8), generator=g)]
     with torch.no_grad():

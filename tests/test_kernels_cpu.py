@@ -31,84 +31,10 @@ def test_source_hash_is_stable_and_covers_sources():
     assert source_hash() == source_hash() and len(source_hash()) == 12
 
 
-def test_validate_rejects_bad_inputs():
-    x, wg, wu, wd = _w()
-    with pytest.raises(KernelUnavailableError, match=r"\.cuda\(\)"):
-        ffn.validate(x, wg, wu, wd)
-
-
-@pytest.mark.parametrize("K,N,msg", [(100, 1536, "K % 64"), (576, 1000, "N % 256"), (8192, 1536, "K <= 4096")])
-def test_validate_shape_rules(monkeypatch, K, N, msg):
-    x, wg, wu, wd = _w(K, N)
-    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
-    with pytest.raises(ValueError, match=msg):
-        ffn.validate(x, wg, wu, wd)
-
-
-def test_validate_dtype_contiguity_layout(monkeypatch):
-    x, wg, wu, wd = _w()
-    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
-    with pytest.raises(ValueError, match="bfloat16"):
-        ffn.validate(x.float(), wg, wu, wd)
-    with pytest.raises(ValueError, match="contiguous"):
-        ffn.validate(x, wg.t().contiguous().t(), wu, wd)
-    with pytest.raises(ValueError, match="w_down must be"):
-        ffn.validate(x, wg, wu, wd.t().contiguous())
-    with pytest.raises(ValueError, match="w_gate must be"):
-        ffn.validate(x, wg[:256].contiguous(), wu, wd)
-
-
-def test_fake_impls_shapes():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    import sfl.kernels.twell.ops  # noqa: F401
-
-    ops = torch.ops.sfl_twell
-    with FakeTensorMode():
-        x = torch.empty(37, 576, dtype=torch.bfloat16)
-        wg = torch.empty(1536, 576, dtype=torch.bfloat16)
-        wdt = torch.empty(1536, 576, dtype=torch.bfloat16)
-        wd = torch.empty(576, 1536, dtype=torch.bfloat16)
-        y, nnz = ops.gated_ffn(x, wg, wg, wdt, wd, 0, 0.0, True)
-        assert y.shape == (37, 576) and y.dtype == torch.bfloat16 and nnz.shape == (37,) and nnz.dtype == torch.int32
-        y, nnz = ops.nongated_ffn(x, wg, wdt, wd, 0, 0.0, False)
-        assert y.shape == (37, 576) and nnz.shape == (0,)
-        p, c, f = ops.d2t(x, wg, 32)
-        assert p.shape == (37, 6, 32) and c.shape == (37, 6) and f.shape == (37,)
-
-
 def test_module_rejects_bias():
     lin = torch.nn.Linear(64, 256, bias=True)
     with pytest.raises(ValueError, match="bias"):
         ffn.TwELLMLP.from_linears(lin, torch.nn.Linear(256, 64, bias=False))
-
-
-def test_crossover_table_parsing():
-    from sfl.kernels.twell.ops import crossover
-
-    spec = "1:0.012,17:0,8192:0.003"
-    assert crossover(1, spec) == 0.012 and crossover(16, spec) == 0.012
-    assert crossover(17, spec) == 0.0 and crossover(8191, spec) == 0.0
-    assert crossover(8192, spec) == 0.003 and crossover(10 ** 6, spec) == 0.003
-    assert crossover(5, "64:0.01") == 0.0   # below the first bucket: dense
-    with pytest.raises(ValueError, match="TWELL_CROSSOVER"):
-        crossover(5, "garbage")
-
-
-def test_layer_history_update_and_keys():
-    from sfl.kernels.twell.ops import LayerHistory, history_for, reset_history
-
-    h = LayerHistory()
-    h.update(nnz_ok=900, n_bad=10, rows=100, n=1000)   # 900 active entries over 90 unflagged rows of 1000
-    assert h.p == 0.01 and h.f == 0.1
-    h.update(nnz_ok=45, n_bad=0, rows=10, n=900)
-    assert h.p == 45 / 9000 and h.f == 0.0
-    h.update(nnz_ok=0, n_bad=4, rows=4, n=900)   # every row flagged: treat as fully active (dense)
-    assert h.p == 1.0 and h.f == 1.0
-    reset_history()
-    w = torch.empty(256, 64)
-    assert history_for(w) is history_for(w.detach()) is history_for(w.view(256, 64))
-    assert history_for(w) is not history_for(torch.empty(256, 64))
 
 
 def test_inference_entry_refuses_autograd_inputs() -> None:
@@ -128,92 +54,6 @@ def test_inference_entry_refuses_autograd_inputs() -> None:
         ffn.sparse_gated_ffn(x, *w)
     assert "inference-only" not in str(e.value)
 
-
-
-def test_knobs_parse_every_env_var(monkeypatch):
-    """knobs() runs on CPU too: every TWELL_* knob parses, a set value reaches the dict, unset ones default."""
-    from sfl.kernels.twell import ops
-
-    base = ops.knobs()
-    assert base["slots"] == 32 and base["compact"] == 2 and "crossover" in base
-    for name in ops._KNOB_ENV:
-        assert name.startswith("TWELL_")
-    monkeypatch.setenv("TWELL_SLOTS", "16")
-    monkeypatch.setenv("TWELL_FLAGGED_DENSE_ABOVE", "0.25")
-    kn = ops.knobs()
-    assert kn["slots"] == 16 and kn["flagged_dense_above"] == 0.25
-
-
-def test_every_knob_is_documented():
-    """Each TWELL_* env knob the ops read has a row in kernels/README.md's KNOBS table (default, effect, failure)."""
-    from pathlib import Path
-
-    from sfl.kernels.twell import ops
-
-    readme = (Path(ops.__file__).resolve().parents[1] / "README.md").read_text()
-    table = readme[readme.index("## KNOBS"):]
-    missing = [k for k in ops._KNOB_ENV if f"| `{k}` |" not in table]
-    assert not missing, f"knobs without a KNOBS row in kernels/README.md: {missing}"
-
-
-def test_self_timing_decisions_on_cpu():
-    """LayerHistory's self-timing bookkeeping (no GPU needed: samples injected)."""
-    from sfl.kernels.twell.ops import LayerHistory
-
-    h = LayerHistory()
-    b = 13
-    h.count_call(b)
-    assert h.needs_dense_probe(b) and not h.sparse_slower(b) and h.want_timing(b, "dense")
-    for ms in (5.0, 1.0):               # a warm-up outlier, then the real dense time
-        h.add_sample(b, "dense", ms)
-    assert not h.needs_dense_probe(b)
-    h.add_sample(b, "sparse", 1.5)
-    assert not h.sparse_slower(b)        # one sparse sample is not enough
-    h.add_sample(b, "sparse", 1.2)
-    h.count_call(b)
-    assert h.sparse_slower(b)            # min 1.2 > min 1.0
-    for ms in (0.8, 0.9, 0.7):           # activity fell: sparse now faster; only the last 3 samples count
-        h.add_sample(b, "sparse", ms)
-    assert h.times[(b, "sparse")] == [0.8, 0.9, 0.7] and not h.sparse_slower(b)
-    h.add_sample(b, "sparse", 2.0)
-    h.add_sample(b, "sparse", 2.0)
-    h.add_sample(b, "sparse", 2.0)
-    h.bucket_calls[b] = LayerHistory.REPROBE_EVERY
-    assert not h.sparse_slower(b)        # the periodic re-probe runs sparse again
-    h.bucket_calls[b] += 1
-    assert h.sparse_slower(b)
-
-
-def test_promotion_band_decisions_on_cpu():
-    """Just above the crossover: sparse is probed (2 samples), run when >2% faster than dense, re-probed every
-    REPROBE_EVERY calls of the bucket."""
-    from sfl.kernels.twell.ops import LayerHistory
-
-    h = LayerHistory()
-    b = 17
-    h.count_call(b)
-    assert h.needs_sparse_probe(b) and not h.sparse_faster(b)
-    h.add_sample(b, "sparse", 0.9)
-    h.add_sample(b, "sparse", 0.8)
-    assert not h.needs_sparse_probe(b) and not h.sparse_faster(b)   # no dense samples yet
-    h.add_sample(b, "dense", 1.0)
-    h.add_sample(b, "dense", 1.1)
-    assert h.sparse_faster(b)                                        # 0.8 < 0.98 * 1.0
-    h.add_sample(b, "sparse", 0.99)
-    h.add_sample(b, "sparse", 0.99)
-    h.add_sample(b, "sparse", 0.99)
-    assert not h.sparse_faster(b)                                    # within 2%: stay dense
-    h.bucket_calls[b] = LayerHistory.REPROBE_EVERY
-    assert h.needs_sparse_probe(b)
-
-
-def test_nongated_table_is_its_own(monkeypatch):
-    from sfl.kernels.twell import ops
-
-    kn = ops.knobs()
-    assert kn["crossover_nongated"] == ops.DEFAULT_CROSSOVER_NONGATED != kn["crossover"]
-    monkeypatch.setenv("TWELL_CROSSOVER_NONGATED", "1:0.5")
-    assert ops.crossover(100, ops.knobs()["crossover_nongated"]) == 0.5
 
 
 def test_crossover_spec_from_calibration_rows():
@@ -246,14 +86,154 @@ def test_source_hash_covers_the_shared_header(tmp_path, monkeypatch):
     assert loader.source_hash() != before
 
 
-def test_history_is_per_storage():
-    """Views of one weight share a history; a new weight at the same address would not (storage object in the
-    key), so timing samples of a freed weight never steer a new one."""
-    import torch
+# ----------------------------------------------------------------------------------------------- KernelConfig
+@pytest.mark.parametrize("kw, field", [
+    (dict(mode="fast"), "mode"), (dict(d2t="triton"), "d2t"), (dict(slots=0), "slots"), (dict(slots=512), "slots"),
+    (dict(slots=True), "slots"), (dict(down_nb=3), "down_nb"), (dict(d2t_max_ctas=-1), "d2t_max_ctas"),
+    (dict(flagged_dense_above=1.5), "flagged_dense_above"), (dict(activity_hint=-0.1), "activity_hint"),
+    (dict(self_timing=1), "self_timing"), (dict(train_width=0), "train_width"),
+    (dict(train_sparse_min_m=-1), "train_sparse_min_m"), (dict(crossover="garbage"), "crossover"),
+    (dict(crossover_nongated="1:2.0"), "crossover_nongated"),
+])
+def test_kernel_config_validation_names_the_field(kw, field):
+    from sfl.kernels.config import KernelConfig
 
+    with pytest.raises(ValueError, match=rf"KernelConfig\.{field}="):
+        KernelConfig(**kw)
+
+
+def test_kernel_config_is_frozen_and_hashable():
+    """Frozen (the functional API keys plans by it): equal configs hash alike, replace() makes a new one."""
+    import dataclasses
+
+    from sfl.kernels.config import KernelConfig
+
+    a, b = KernelConfig(), KernelConfig()
+    assert a == b and hash(a) == hash(b)
+    c = a.replace(slots=16)
+    assert c.slots == 16 and a.slots == 32 and c != a
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.slots = 8
+
+
+def test_kernel_config_from_env_reads_sfl_kernel_vars_once(monkeypatch):
+    from sfl.kernels.config import KernelConfig
+
+    env = {"SFL_KERNEL_SLOTS": "16", "SFL_KERNEL_SELF_TIMING": "0", "SFL_KERNEL_FLAGGED_DENSE_ABOVE": "0.25",
+           "SFL_KERNEL_CROSSOVER": "1:0.5", "SFL_KERNEL_MODE": "sparse", "TWELL_SLOTS": "8"}
+    cfg = KernelConfig.from_env(environ=env)
+    assert (cfg.slots, cfg.self_timing, cfg.flagged_dense_above, cfg.crossover, cfg.mode) == \
+        (16, False, 0.25, "1:0.5", "sparse")
+    assert cfg.crossover_table(True) == ((1,), (0.5,))
+    # a base is kept where no variable overrides it
+    base = KernelConfig(down_nb=2, slots=64)
+    assert KernelConfig.from_env(base, environ={"SFL_KERNEL_SLOTS": "8"}) == base.replace(slots=8)
+    assert KernelConfig.from_env(base, environ={}) is base
+    # os.environ by default; read at the call, never later (the config is plain data afterwards)
+    monkeypatch.setenv("SFL_KERNEL_DOWN_NB", "8")
+    cfg = KernelConfig.from_env()
+    monkeypatch.setenv("SFL_KERNEL_DOWN_NB", "1")
+    assert cfg.down_nb == 8
+    # bad values name the variable and the field
+    with pytest.raises(ValueError, match="SFL_KERNEL_SLOTS.*KernelConfig.slots"):
+        KernelConfig.from_env(environ={"SFL_KERNEL_SLOTS": "many"})
+    with pytest.raises(ValueError, match="SFL_KERNEL_TRAIN_SHRINK"):
+        KernelConfig.from_env(environ={"SFL_KERNEL_TRAIN_SHRINK": "maybe"})
+    with pytest.raises(ValueError, match=r"KernelConfig\.down_nb"):
+        KernelConfig.from_env(environ={"SFL_KERNEL_DOWN_NB": "3"})
+
+
+def test_kernel_config_dict_round_trip():
+    import json
+
+    from sfl.kernels.config import KernelConfig
+
+    cfg = KernelConfig(mode="dense", slots=64, crossover="1:0.01,64:0", self_timing=False, activity_hint=0.02,
+                       train_width=96)
+    d = cfg.to_dict()
+    assert "_parsed" not in d and d["slots"] == 64 and d["self_timing"] is False
+    assert KernelConfig.from_dict(json.loads(json.dumps(d))) == cfg   # survives a JSON log
+    assert KernelConfig.from_dict(None) == KernelConfig() == KernelConfig.from_dict({})
+    with pytest.raises(ValueError, match="unknown KernelConfig field.*compact"):
+        KernelConfig.from_dict({**d, "compact": 1})
+
+
+def test_parse_crossover_and_crossover_at():
+    from sfl.kernels.config import DEFAULT_CROSSOVER, KernelConfig, crossover_at, parse_crossover
+
+    spec = "17:0,1:0.012,8192:0.003"   # order does not matter
+    assert parse_crossover(spec) == ((1, 17, 8192), (0.012, 0.0, 0.003))
+    assert crossover_at(spec, 1) == 0.012 and crossover_at(spec, 16) == 0.012
+    assert crossover_at(spec, 17) == 0.0 and crossover_at(spec, 8191) == 0.0
+    assert crossover_at(spec, 8192) == 0.003 and crossover_at(spec, 10 ** 6) == 0.003
+    assert parse_crossover("64:0.01") == ((1, 64), (0.0, 0.01))   # bucket 1 added: dense below the first bucket
+    assert crossover_at("64:0.01", 5) == 0.0
+    with pytest.raises(ValueError, match="KernelConfig.crossover_nongated="):
+        parse_crossover("garbage", "crossover_nongated")
+    with pytest.raises(ValueError, match=">= 1"):
+        parse_crossover("0:0.1")
+    cfg = KernelConfig()
+    assert cfg.crossover_table(True) == parse_crossover(DEFAULT_CROSSOVER)
+    assert cfg.crossover_table(False) != cfg.crossover_table(True)   # the non-gated table is its own
+
+
+def test_plan_args_layout():
+    """plan_args is what runtime.cpp's parse_config reads: 11 ints in a fixed order, then floats
+    [flagged_dense_above, activity_hint, n, m1, p1, ..., n', m1', p1', ...] with the gated table first."""
+    from sfl.kernels.config import KernelConfig
     from sfl.kernels.twell import ops
 
+    cfg = KernelConfig(mode="sparse", slots=16, decode_max_m=32, self_timing=False, measure_every=7, d2t="cublas",
+                       d2t_overlap_min_k=2048, d2t_max_ctas=3, gate_scratch_mb=64, down_nb=2,
+                       decode_tiles_per_warp=5, flagged_dense_above=0.1, activity_hint=0.03,
+                       crossover="1:0.01,64:0.002", crossover_nongated="8:0.2")
+    ints, floats = ops.plan_args(cfg)
+    assert ints == [1, 16, 32, 0, 7, 0, 2048, 3, 64, 2, 5]
+    assert all(type(v) is int for v in ints) and all(type(v) is float for v in floats)
+    assert floats == [0.1, 0.03, 2.0, 1.0, 0.01, 64.0, 0.002, 2.0, 1.0, 0.0, 8.0, 0.2]
+    ints, _ = ops.plan_args(KernelConfig())
+    assert ints[0] == 0 and ints[3] == 1 and ints[5] == 1   # auto, self-timing on, fused d2t
+    assert ops.plan_args(KernelConfig(mode="dense"))[0][0] == 2
+    plan = ops.Plan(cfg)
+    assert (plan.icfg, plan.fcfg) == ops.plan_args(cfg) and plan.config is cfg
+    assert ops.Plan(cfg).id != plan.id
+
+
+def test_plan_for_is_per_storage_and_config():
+    """Views of one weight share the functional API's plan (its dispatch history); another weight, another config
+    or the other block kind get their own."""
+    from sfl.kernels.config import KernelConfig
+
     w = torch.randn(256, 64)
-    assert ops.history_for(w) is ops.history_for(w.detach()) is ops.history_for(w.view(256, 64))
-    other = torch.randn(256, 64)
-    assert ops.history_for(other) is not ops.history_for(w)
+    cfg = KernelConfig()
+    p = ffn.plan_for(w, cfg, True)
+    assert p is ffn.plan_for(w.detach(), KernelConfig(), True) is ffn.plan_for(w.view(256, 64), cfg, True)
+    assert ffn.plan_for(torch.randn(256, 64), cfg, True) is not p
+    assert ffn.plan_for(w, cfg.replace(slots=16), True) is not p
+    assert ffn.plan_for(w, cfg, False) is not p
+    assert p.config is cfg
+
+
+def test_fake_impls_shapes():
+    """The ops' fake implementations (what torch.compile traces): ffn returns x's shape and dtype for gated and
+    non-gated blocks and any leading dims; d2t returns [M, N/256, slots], [M, N/256], [M] int32."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from sfl.kernels.config import KernelConfig
+    from sfl.kernels.twell import ops
+
+    ints, floats = ops.plan_args(KernelConfig())
+    with FakeTensorMode():
+        x = torch.empty(3, 37, 576, dtype=torch.bfloat16)
+        wg = torch.empty(1536, 576, dtype=torch.bfloat16)
+        wd = torch.empty(576, 1536, dtype=torch.bfloat16)
+        stats = torch.zeros(3, dtype=torch.int64)
+        y = torch.ops.sfl_twell.ffn(x, wg, wg, wd, stats, 1, ints, floats)
+        assert y.shape == (3, 37, 576) and y.dtype == torch.bfloat16
+        y = torch.ops.sfl_twell.ffn(x[0], None, wg, wd, None, 2, ints, floats)
+        assert y.shape == (37, 576) and y.dtype == torch.bfloat16
+        p, c, f = torch.ops.sfl_twell.d2t(x, wg, 32, 0, 4096, 0)
+        assert p.shape == (111, 6, 32) and c.shape == (111, 6) and f.shape == (111,)
+        assert p.dtype == c.dtype == f.dtype == torch.int32
+        p, c, f = torch.ops.sfl_twell.d2t(x[0], wg, 8, 1, 4096, 0)
+        assert p.shape == (37, 6, 8) and c.shape == (37, 6) and f.shape == (37,)

@@ -53,6 +53,8 @@ class ActivityRecorder:
         self.batch_nnz: list[torch.Tensor | None] = [None] * n_layers  # [M] of the current batch per layer
         self.n_tokens = 0
         self.handles = [m.register_forward_hook(self._hook(i)) for i, m in enumerate(self.mlps)]
+        self._recording_was = [m.record_per_token for m in self.mlps]
+        model.record_nnz_per_token(True)  # per-token counts are kept only on request
 
     def _hook(self, i: int):
         def hook(mod, inp, out):
@@ -69,6 +71,10 @@ class ActivityRecorder:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+        for m, was in zip(self.mlps, self._recording_was):
+            m.record_per_token = was
+            if not was:
+                m.last_nnz_per_token = None
 
 
 def load_model(model_dir: Path, device: torch.device):
@@ -106,15 +112,15 @@ def time_layers(model: torch.nn.Module, xs: list[torch.Tensor], reps: int = 20, 
         else:
             dense = lambda: F.linear(F.relu(F.linear(x, wu)), wd)  # noqa: E731
             sparse = lambda mode="auto": ffn.sparse_nongated_ffn(x, wu, wd, mode=mode)  # noqa: E731
-        from sfl.kernels.twell import ops as twops
+        from sfl.kernels.config import KernelConfig
 
         for _ in range(3):   # auto dispatch measures the layer on its first calls
             sparse()
         torch.cuda.synchronize()
         err = (sparse().float() - dense().float()).abs().max().item()
         # sparse_ms: what a model gets (auto dispatch, path recorded); sparse_forced_ms: the TwELL kernels alone
-        row = {"max_abs_diff_vs_dense": err, "path": twops.LAST_PATH["path"],
-               "flagged_rows_frac": twops.history_for(wg if wg is not None else wu).f}
+        info = ffn.plan_for(wg if wg is not None else wu, KernelConfig(), wg is not None).info()  # sparse()'s plan
+        row = {"max_abs_diff_vs_dense": err, "path": info.get("path"), "flagged_rows_frac": info.get("f")}
         forced = lambda: sparse("sparse")  # noqa: E731
         for name, fn in (("dense_ms", dense), ("sparse_ms", sparse), ("sparse_forced_ms", forced)):
             for _ in range(warmup):
