@@ -6,10 +6,9 @@ any Llama once `import sfl.models` has registered the classes with the Auto fact
 """
 from __future__ import annotations
 
-import inspect
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,13 +33,25 @@ def _in_backward() -> bool:
     return fn is not None and fn() != -1
 
 
-def _call_supported(fn: Callable, *args: Any, **kwargs: Any) -> Any:
-    """Call fn with only those keyword arguments its signature accepts (the sparse-path functions
-    live in kernels/, owned by other modules; optional knobs they do not take are dropped)."""
-    params = inspect.signature(fn).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        kwargs = {k: v for k, v in kwargs.items() if k in params}
-    return fn(*args, **kwargs)
+@torch.library.custom_op("sfl_reference::twell_ffn", mutates_args=())
+def _reference_twell_ffn(x: torch.Tensor, w_gate: torch.Tensor | None, w_up: torch.Tensor, w_down: torch.Tensor,
+                         tile_n: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference TwELL FFN as one opaque op, for torch.compile: its data-dependent shapes (nonzero, sparse
+    CSR products, overflow rows) cannot be traced, so a compiled model calls it whole. (y [M, K_out], int32 [M]
+    non-zeros per token); the same Python function as the eager path, so the same results."""
+    from sfl.kernels import reference as ref
+
+    if w_gate is not None:
+        y, st = ref.gated_ffn_twell(x, w_gate, w_up, w_down, tile_n=tile_n, slots=slots, return_stats=True)
+    else:
+        y, st = ref.nongated_ffn_twell(x, w_up, w_down, tile_n=tile_n, slots=slots, return_stats=True)
+    return y, st["nnz_per_token"]
+
+
+@_reference_twell_ffn.register_fake
+def _(x, w_gate, w_up, w_down, tile_n, slots):
+    m = x.numel() // x.shape[-1]
+    return x.new_empty(*x.shape[:-1], w_down.shape[0]), x.new_empty(m, dtype=torch.int32)
 
 
 class SparseLlamaMLP(nn.Module):
@@ -177,23 +188,25 @@ class SparseLlamaMLP(nn.Module):
                 f"it could not be imported ({e}). Use mlp_impl='dense'."
             ) from e
         wg, wu, wd = self._weights()
-        # The reference path computes through the TwELL format in the input dtype; run it
-        # outside autocast so it sees the same dtype as the weights it is handed.
-        args = (x2, wg, wu, wd) if self.gated else (x2, wu, wd)
-        fn = ref.gated_ffn_twell if self.gated else ref.nongated_ffn_twell
-        out = _call_supported(fn, *args, tile_n=self.config.twell_tile_n, slots=self.config.twell_slots,
-                              return_stats=True)
-        y, stats = out if isinstance(out, tuple) else (out, None)
-        # Activity and L1 come from a dense recomputation of a and h: the TwELL path stores values
-        # in bf16 and does not return h, while statistics must be exact and L1 differentiable.
-        need_h = self.l1_mode is not None or self.training or stats is None or "nnz_per_token" not in stats
+        tile_n, slots = self.config.twell_tile_n, self.config.twell_slots
+        need_h = self.l1_mode is not None or self.training
+        if torch.compiler.is_compiling() and not (torch.is_grad_enabled() and self._needs_grad(x2)):
+            y, nnz = _reference_twell_ffn(x2, wg, wu, wd, tile_n, slots)  # opaque to the compiler (no backward)
+        elif self.gated:
+            y, stats = ref.gated_ffn_twell(x2, wg, wu, wd, tile_n=tile_n, slots=slots, return_stats=True)
+            nnz = stats["nnz_per_token"]
+        else:
+            y, stats = ref.nongated_ffn_twell(x2, wu, wd, tile_n=tile_n, slots=slots, return_stats=True)
+            nnz = stats["nnz_per_token"]
+        # Activity and L1 come from a dense recomputation of a and h when L1 or training needs them: the TwELL
+        # path stores values in bf16 and does not return h, while statistics must be exact and L1 differentiable.
         if need_h:
             a, h = self._activation(x2)
             self._set_l1(h)
             self._record(nnz_per_token(a), a != 0)
         else:
             self.last_l1 = None
-            self._record(stats["nnz_per_token"].float(), None)
+            self._record(nnz.float(), None)
         return y
 
     def _forward_cuda(self, x: torch.Tensor) -> torch.Tensor:

@@ -136,6 +136,7 @@ def crafted_mlp(window: int) -> SparseLlamaMLP:
 
 def test_nnz_and_dead_fraction_hand_counts() -> None:
     mlp = crafted_mlp(window=3).train()
+    mlp.record_per_token = True  # per-token counts are kept only on request
     block1 = torch.tensor([[1.0, 1.0, 1.0, 1.0],   # neurons 0,1,2,3
                            [1.0, -1.0, 0.0, 0.0],  # neurons 0,5
                            [0.0, 0.0, 0.0, 0.0]])  # none
@@ -212,6 +213,7 @@ def _reference_available() -> bool:
 @pytest.mark.parametrize("gated", [True, False])
 def test_reference_impl_matches_dense(gated: bool) -> None:
     model = tiny_model(seed=3, gated_mlp=gated, intermediate_size=512, twell_tile_n=256, twell_slots=32).eval()
+    model.record_nnz_per_token(True)
     x = torch.randint(0, VOCAB, (2, 16))
     with torch.no_grad():
         dense = model(input_ids=x, labels=x)
@@ -238,6 +240,8 @@ def test_cuda_impl_trains_through_hybrid_op_like_dense(monkeypatch) -> None:
     dense = tiny_model(intermediate_size=256, l1_coeff=1e-2).train()
     sparse = tiny_model(intermediate_size=256, l1_coeff=1e-2, mlp_impl="cuda").train()
     sparse.load_state_dict(dense.state_dict())
+    dense.record_nnz_per_token(True)
+    sparse.record_nnz_per_token(True)
     x = torch.randint(0, VOCAB, (2, 8))
     out_d, out_s = dense(input_ids=x, labels=x), sparse(input_ids=x, labels=x)
     assert {m._train_state.last_path for m in sparse.sparse_mlps()} == {"sparse"}
@@ -260,6 +264,43 @@ def test_set_mlp_impl_validates() -> None:
     assert model.config.mlp_impl == "dense"
     with pytest.raises(ValueError, match="mlp_impl"):
         model.set_mlp_impl("triton")
+
+
+@pytest.mark.parametrize("impl", ["dense", "reference"])
+def test_compiles_once_fullgraph(impl: str) -> None:
+    """torch.compile(fullgraph=True) of the model in eval: one graph (no graph break: fullgraph raises on one), no
+    recompile over 20 forwards of one shape, the eager logits, and the statistics buffer still counts every token."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    if impl == "reference" and not _reference_available():
+        pytest.skip("sfl.kernels.reference not importable")
+    torch._dynamo.reset()
+    counters.clear()
+    compiles = []
+
+    def backend(gm, example_inputs):
+        compiles.append(gm)
+        return gm.forward
+
+    model = tiny_model(seed=7, intermediate_size=256).eval()
+    model.set_mlp_impl(impl)
+    x = torch.randint(0, VOCAB, (2, 8))
+    try:
+        with torch.no_grad():
+            want = model(input_ids=x).logits
+            model.reset_sparsity_stats()
+            compiled = torch.compile(model, fullgraph=True, backend=backend)
+            outs = [compiled(input_ids=x).logits for _ in range(20)]
+    finally:
+        torch._dynamo.reset()
+    assert len(compiles) == 1, f"{len(compiles)} compilations (recompiles or graph breaks)"
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1
+    for y in outs:
+        assert torch.equal(y, want)
+    st = model.sparsity_stats()
+    assert st["tokens"] == 20 * x.numel() and 0 < st["nnz_mean"] <= 256
 
 
 # ----------------------------------------------------------------------------- HF integration
@@ -335,21 +376,31 @@ def test_silu_baseline_matches_hf_llama() -> None:
 
 @pytest.mark.parametrize("mode", ["auto", "sparse"])
 def test_cuda_impl_passes_twell_mode_to_the_kernels(monkeypatch, mode) -> None:
-    """config.twell_mode reaches kernels.ffn (checked with a stand-in for the CUDA op, so it runs on CPU)."""
-    from sfl.kernels import ffn
+    """config.twell_mode reaches the op through the layer's plan (checked with a stand-in for the CUDA op, so it
+    runs on CPU): each layer calls ops.ffn once with its own plan, whose KernelConfig carries the mode, and
+    with its statistics buffer."""
+    from sfl.kernels.twell import ops
 
     seen = []
 
-    def fake(x, wg, wu, wd, *, return_stats=False, mode="auto", **kw):
-        seen.append(mode)
-        y = (torch.relu(x @ wg.T) * (x @ wu.T)) @ wd.T
-        return y, {"nnz_per_token": (torch.relu(x @ wg.T) != 0).sum(-1)}
+    def fake(x, w_gate, w_up, w_down, plan, stats=None):
+        seen.append((plan, stats))
+        return (torch.relu(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T
 
-    monkeypatch.setattr(ffn, "sparse_gated_ffn", fake)
+    monkeypatch.setattr(ops, "ffn", fake)
+    monkeypatch.setattr(ops, "ensure_loaded", lambda: None)
     model = tiny_model(seed=4, mlp_impl="cuda", intermediate_size=512, twell_tile_n=256, twell_mode=mode).eval()
+    x = torch.randint(0, VOCAB, (1, 5))
     with torch.no_grad():
-        model(input_ids=torch.randint(0, VOCAB, (1, 5)))
-    assert seen and set(seen) == {mode}
+        got = model(input_ids=x).logits
+        model.set_mlp_impl("dense")
+        want = model(input_ids=x).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    mlps = model.sparse_mlps()
+    assert len(seen) == len(mlps)
+    assert [p for p, _ in seen] == [m.plan for m in mlps] and len({p.id for p, _ in seen}) == len(mlps)
+    assert {p.config.mode for p, _ in seen} == {mode}
+    assert all(st is m.nnz_stats for (_, st), m in zip(seen, mlps))
 
 
 def test_config_accepts_tileable_sparse_impl() -> None:
