@@ -79,6 +79,8 @@ class KernelConfig:
         train_dense_above / train_backup_dense_above: auto runs dense above this activity / flagged-row fraction.
         train_sparse_min_m: auto runs dense below this many rows.
         train_chunk_rows, train_shrink, train_dw_nb, train_probe_rows, train_fused_dense: see kernels/train/README.md.
+        train_mode: the mode models train with: "auto" (measured dispatch), or "sparse" / "dense" to test or
+            benchmark one path inside a model (was SFL_TRAIN_FORCE_MODE).
     """
 
     mode: str = "auto"
@@ -105,6 +107,7 @@ class KernelConfig:
     train_dw_nb: int = 4
     train_probe_rows: int = 2048
     train_fused_dense: bool = True
+    train_mode: str = "auto"
     _parsed: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -113,6 +116,8 @@ class KernelConfig:
 
         if self.mode not in MODES:
             raise bad("mode", f"must be one of {MODES}")
+        if self.train_mode not in MODES:
+            raise bad("train_mode", f"must be one of {MODES}")
         if self.d2t not in D2T_VARIANTS:
             raise bad("d2t", f"must be one of {D2T_VARIANTS}")
         for name in ("slots", "decode_max_m", "measure_every", "d2t_overlap_min_k", "gate_scratch_mb",

@@ -250,7 +250,8 @@ class SparseLlamaMLP(nn.Module):
             self._train_state = train_ffn.DispatchState()  # this layer's measured-activity history
         wg, wu, wd = self._weights()
         recompute = _in_backward()  # activation checkpointing: statistics were taken in the first forward
-        kw = dict(l1_reduction=self.config.l1_reduction, state=self._train_state,
+        kc = self.plan.config  # config.get_kernel_config(), made once per plan (refresh_plan), not per call
+        kw = dict(l1_reduction=self.config.l1_reduction, state=self._train_state, mode=kc.train_mode, config=kc,
                   want_last_active=self.training and not recompute)
         if self.gated:
             y, l1, st = train_ffn.sparse_gated_ffn_train(x2, wg, wu, wd, **kw)

@@ -168,6 +168,33 @@ def test_dispatch_state():
     assert st2.choose(kn, 10) == "dense"  # below sparse_min_m
 
 
+def test_settings_come_from_the_kernel_config_not_the_environment(monkeypatch):
+    """knobs(config) maps the train_* fields; the default width and the dispatch thresholds are the config's; the
+    old SFL_TRAIN_* variables are not read per call (KernelConfig.from_env is the explicit, read-once override)."""
+    from sfl.kernels.config import KernelConfig
+    from sfl.kernels.train_ffn import knobs
+
+    cfg = KernelConfig(train_width=4, train_dense_above=0.5, train_backup_dense_above=0.75, train_chunk_rows=64,
+                       train_shrink=False, train_dw_nb=2, train_probe_rows=16, train_sparse_min_m=0,
+                       train_fused_dense=False)
+    assert knobs(cfg) == {"width": 4, "dense_above": 0.5, "backup_dense_above": 0.75, "chunk_rows": 64,
+                          "shrink": False, "dw_nb": 2, "probe_rows": 16, "sparse_min_m": 0, "fused_dense": False}
+    assert knobs() == knobs(KernelConfig()) and knobs()["width"] == 128
+    monkeypatch.setenv("SFL_TRAIN_WIDTH", "4")
+    monkeypatch.setenv("SFL_TRAIN_FORCE_MODE", "dense")
+    assert knobs()["width"] == 128
+    x, wg, wu, wd = problem(9, 16, 32, -1.0, 2)   # most neurons active: every row is heavy at W=4, none at W=128
+    _, _, st = sparse_gated_ffn_train(x, wg, wu, wd, mode="sparse", backend="torch", config=cfg)
+    assert st["path"] == "sparse" and st["backup_rows"] == 9 and st["width"] == 4   # config width, no shrink
+    _, _, st = sparse_gated_ffn_train(x, wg, wu, wd, mode="sparse", backend="torch")
+    assert st["path"] == "sparse" and st["backup_rows"] == 0   # the env width (4) was not read
+    assert KernelConfig.from_env(environ={"SFL_KERNEL_TRAIN_MODE": "sparse"}).train_mode == "sparse"
+    with pytest.raises(ValueError, match="KernelConfig.train_mode"):
+        KernelConfig(train_mode="forced")
+    with pytest.raises(TypeError, match="KernelConfig"):
+        sparse_gated_ffn_train(x, wg, wu, wd, config={"train_width": 4})
+
+
 def test_auto_mode_on_cpu_is_dense_and_exact():
     x, wg, wu, wd = problem(10, 16, 32, 1.5, 7)
     y, l1, st = sparse_gated_ffn_train(x, wg, wu, wd)

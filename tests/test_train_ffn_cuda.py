@@ -80,7 +80,7 @@ def grads(fn, inputs, gy, coef):
 
 
 def check_case(M, K, N, p, seed, gated=True, heavy_frac=0.0, reduction="sum", coef=1.0, gy_zero=False,
-               mode="sparse", width=None, adversarial=True):
+               mode="sparse", width=None, adversarial=True, config=None):
     from sfl.kernels.train_ffn import sparse_gated_ffn_train, sparse_nongated_ffn_train
 
     x, wg, wu, wd = make_problem(M, K, N, p, seed, gated, heavy_frac, adversarial)
@@ -96,8 +96,8 @@ def check_case(M, K, N, p, seed, gated=True, heavy_frac=0.0, reduction="sum", co
 
     def ours_fn(*t):
         if gated:
-            return sparse_gated_ffn_train(*t, l1_reduction=reduction, mode=mode, width=width)
-        return sparse_nongated_ffn_train(*t, l1_reduction=reduction, mode=mode, width=width)
+            return sparse_gated_ffn_train(*t, l1_reduction=reduction, mode=mode, width=width, config=config)
+        return sparse_nongated_ffn_train(*t, l1_reduction=reduction, mode=mode, width=width, config=config)
 
     poison()
     y, l1, gs = grads(ours_fn, ins, gy, coef)
@@ -149,15 +149,20 @@ def test_small_width_many_backup_rows():
     assert st["backup_rows"] > 500 and st["width"] <= 16
 
 
-def test_chunked_gate(monkeypatch):
-    monkeypatch.setenv("SFL_TRAIN_CHUNK_ROWS", "300")
-    check_case(1000, 1024, 2048, 0.01, seed=9)
+def test_chunked_gate():
+    from sfl.kernels.config import KernelConfig
+
+    check_case(1000, 1024, 2048, 0.01, seed=9, config=KernelConfig(train_chunk_rows=300))
 
 
-def test_auto_dispatch_and_history(monkeypatch):
-    from sfl.kernels.train_ffn import DispatchState, sparse_gated_ffn_train
+def test_auto_dispatch_and_history():
+    from sfl.kernels.config import KernelConfig
+    from sfl.kernels.train_ffn import DispatchState, sparse_gated_ffn_train as _train
 
-    monkeypatch.setenv("SFL_TRAIN_SPARSE_MIN_M", "0")
+    cfg = KernelConfig(train_sparse_min_m=0)
+
+    def sparse_gated_ffn_train(*a, **kw):
+        return _train(*a, config=cfg, **kw)
 
     x, wg, wu, wd = make_problem(2048, 1024, 2048, 0.003, 1)
     st = DispatchState()
@@ -246,26 +251,27 @@ def test_fused_dense_path_vs_fp32(M, K, N, p, gated):
     from sfl.kernels import train_ffn
 
     x = torch.zeros(M, K, device=DEV, dtype=BF)
-    assert train_ffn._fused_dense_ok(x, "cuda", train_ffn.knobs(), N)
+    assert train_ffn._fused_dense_ok(x, "cuda", train_ffn.knobs(), N)   # the default KernelConfig
     st, _ = check_case(M, K, N, p, seed=M + 3, gated=gated, mode="dense", adversarial=M >= 12)
     assert st["path"] == "dense"
 
 
 @pytest.mark.parametrize("gated", [True, False])
-def test_fused_dense_equals_plain_dense(monkeypatch, gated):
-    """Fused and plain (SFL_TRAIN_FUSED_DENSE=0) dense paths: the same y bits (same GEMMs, same rounding of
+def test_fused_dense_equals_plain_dense(gated):
+    """Fused and plain (KernelConfig(train_fused_dense=False)) dense paths: the same y bits (same GEMMs, same rounding of
     relu*mul), the same per-token counts, last-active rows and dispatch measurement; gradients agree to bf16."""
+    from sfl.kernels.config import KernelConfig
     from sfl.kernels.train_ffn import DispatchState, sparse_gated_ffn_train, sparse_nongated_ffn_train
 
     x, wg, wu, wd = make_problem(3000, 1024, 2048, 0.02, seed=21, gated=gated)
     gy = torch.randn(3000, 1024, device=DEV, generator=torch.Generator(device=DEV).manual_seed(5)).to(BF)
     res = {}
     for fused in ("1", "0"):
-        monkeypatch.setenv("SFL_TRAIN_FUSED_DENSE", fused)
+        cfg = KernelConfig(train_fused_dense=fused == "1")
         ins = [t.clone().requires_grad_(True) for t in ((x, wg, wu, wd) if gated else (x, wu, wd))]
         state = DispatchState()
         fn = sparse_gated_ffn_train if gated else sparse_nongated_ffn_train
-        y, l1, st = fn(*ins, mode="dense", state=state, want_last_active=True)
+        y, l1, st = fn(*ins, mode="dense", state=state, want_last_active=True, config=cfg)
         torch.autograd.backward([y, l1], [gy, torch.tensor(3.0, device=DEV)])
         torch.cuda.synchronize()
         state._poll()
