@@ -92,7 +92,8 @@ struct Plan {
   // measured activity (the dispatch history)
   double p = -1.0, f = 0.0;
   int64_t measurements = 0, sparse_calls = 0, dense_calls = 0;
-  at::Tensor host_async, host_sync;     // pinned int64 [2] each
+  int64_t* host_async = nullptr;        // pinned int64 [2] each (cudaHostAlloc: a pageable target would make the
+  int64_t* host_sync = nullptr;         // "asynchronous" copy synchronous)
   cudaEvent_t ev_async = nullptr, ev_sync = nullptr;
   bool pending = false;
   int64_t pending_rows = 0, pending_n = 0;
@@ -117,6 +118,7 @@ struct Plan {
     cudaSetDevice(device);
     if (ev_async) cudaEventDestroy(ev_async);
     if (ev_sync) cudaEventDestroy(ev_sync);
+    if (host_async) cudaFreeHost(host_async);
     for (auto& t : timed_pending) { cudaEventDestroy(t.start); cudaEventDestroy(t.end); }
     for (auto& e : free_events) { cudaEventDestroy(e.first); cudaEventDestroy(e.second); }
     cudaSetDevice(prev);
@@ -131,8 +133,7 @@ struct Plan {
   void poll() {
     if (!pending || cudaEventQuery(ev_async) != cudaSuccess) return;
     pending = false;
-    const int64_t* h = host_async.data_ptr<int64_t>();
-    update(h[0], h[1], pending_rows, pending_n);
+    update(host_async[0], host_async[1], pending_rows, pending_n);
   }
 
   double crossover(int64_t M) const {
@@ -193,20 +194,22 @@ struct Plan {
 
   void ensure_device(int dev) {
     if (device == dev) return;
-    TORCH_CHECK(device < 0, "sfl_twell::ffn: a plan serves one device; this layer's plan was made on cuda:", device,
-                " and is now called on cuda:", dev, " (make a new module/plan per device)");
+    TORCH_CHECK(device < 0, "sfl_twell::ffn: a plan serves one device; this layer's plan was made on cuda:",
+                std::to_string(device), " and is now called on cuda:", std::to_string(dev),
+                " (make a new module/plan per device)");
     device = dev;
-    const auto pinned = at::TensorOptions().dtype(at::kLong).pinned_memory(true);
-    host_async = at::zeros({2}, pinned);
-    host_sync = at::zeros({2}, pinned);
+    void* h = nullptr;
+    check(cudaHostAlloc(&h, 4 * sizeof(int64_t), cudaHostAllocDefault), "pinned host slots");
+    host_async = static_cast<int64_t*>(h);
+    host_sync = host_async + 2;
     check(cudaEventCreateWithFlags(&ev_async, cudaEventDisableTiming), "event");
     check(cudaEventCreateWithFlags(&ev_sync, cudaEventDisableTiming), "event");
   }
 
   // copy the device int64 [2] measurement to pinned memory and record an event (async slot or waited-on slot)
   cudaEvent_t to_host(const at::Tensor& dev_stats, bool async, cudaStream_t stream) {
-    at::Tensor& h = async ? host_async : host_sync;
-    check(cudaMemcpyAsync(h.data_ptr(), dev_stats.data_ptr(), 2 * sizeof(int64_t), cudaMemcpyDeviceToHost, stream),
+    int64_t* h = async ? host_async : host_sync;
+    check(cudaMemcpyAsync(h, dev_stats.data_ptr(), 2 * sizeof(int64_t), cudaMemcpyDeviceToHost, stream),
           "stats copy");
     cudaEvent_t ev = async ? ev_async : ev_sync;
     check(cudaEventRecord(ev, stream), "event record");
@@ -241,7 +244,7 @@ Plan& plan_for(int64_t id, at::IntArrayRef ic, at::ArrayRef<double> fc, bool gat
     slot->cfg = parse_config(ic, fc);
     slot->gated = gated;
   }
-  TORCH_CHECK(slot->gated == gated, "sfl_twell::ffn: plan ", id, " was made for a ", slot->gated ? "gated" : "non-gated",
+  TORCH_CHECK(slot->gated == gated, "sfl_twell::ffn: plan ", std::to_string(id), " was made for a ", slot->gated ? "gated" : "non-gated",
               " block; give each layer its own plan");
   return *slot;
 }
@@ -264,14 +267,24 @@ at::Tensor readable(const at::Tensor& t) {
   return t.contiguous().data_ptr() == t.data_ptr() ? t.clone() : t.contiguous();
 }
 
+// Numbers in error messages go through std::to_string: streaming an integer into TORCH_CHECK's message crashed
+// inside this extension on the GPU machine (std::num_put, seen 2026-11-25), so no message streams one.
+std::string str(int64_t v) { return std::to_string(v); }
+std::string dims(const at::Tensor& t) {
+  std::string s = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
+  return s + "]";
+}
+std::string dev(const at::Device& d) { return d.str(); }
+
 void check_inputs(const at::Tensor& x, const c10::optional<at::Tensor>& wg, const at::Tensor& wu,
                   const at::Tensor& wd, const c10::optional<at::Tensor>& stats) {
   auto need = [&](const at::Tensor& t, const char* name) {
-    TORCH_CHECK(t.is_cuda(), name, " is on ", t.device(), ": the TwELL kernels run on CUDA tensors; move the inputs "
+    TORCH_CHECK(t.is_cuda(), name, " is on ", dev(t.device()), ": the TwELL kernels run on CUDA tensors; move the inputs "
                 "with .cuda(), or use kernels.reference / mlp_impl='reference' or 'dense' on other devices");
-    TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " has dtype ", t.scalar_type(),
+    TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " has dtype ", std::string(c10::toString(t.scalar_type())),
                 ": the TwELL kernels take torch.bfloat16; cast with .to(torch.bfloat16)");
-    TORCH_CHECK(t.device() == x.device(), name, " is on ", t.device(), " but x is on ", x.device(),
+    TORCH_CHECK(t.device() == x.device(), name, " is on ", dev(t.device()), " but x is on ", dev(x.device()),
                 ": put x and every weight on one device");
   };
   need(x, "x");
@@ -279,16 +292,16 @@ void check_inputs(const at::Tensor& x, const c10::optional<at::Tensor>& wg, cons
   need(wd, "w_down");
   const int64_t K = x.size(-1), N = wu.size(0);
   TORCH_CHECK(wu.dim() == 2 && wu.size(1) == K, "w_up must be [N, K] = [intermediate, hidden] (nn.Linear layout) "
-              "with K = x.size(-1) = ", K, ", got ", wu.sizes());
-  TORCH_CHECK(wd.dim() == 2 && wd.size(0) == K && wd.size(1) == N, "w_down must be [K, N] = [", K, ", ", N,
-              "] (nn.Linear layout of down_proj), got ", wd.sizes(), "; pass down_proj.weight, not its transpose");
+              "with K = x.size(-1) = ", str(K), ", got ", dims(wu));
+  TORCH_CHECK(wd.dim() == 2 && wd.size(0) == K && wd.size(1) == N, "w_down must be [K, N] = [", str(K), ", ",
+              str(N), "] (nn.Linear layout of down_proj), got ", dims(wd), "; pass down_proj.weight, not its transpose");
   if (wg.has_value()) {
     need(*wg, "w_gate");
-    TORCH_CHECK(wg->sizes() == wu.sizes(), "w_gate must have w_up's shape [N, K], got ", wg->sizes());
+    TORCH_CHECK(wg->sizes() == wu.sizes(), "w_gate must have w_up's shape [N, K], got ", dims(*wg));
   }
-  TORCH_CHECK(K % 64 == 0 && K <= 4096, "hidden size K=", K, " unsupported: the TwELL kernels need K % 64 == 0 and "
+  TORCH_CHECK(K % 64 == 0 && K <= 4096, "hidden size K=", str(K), " unsupported: the TwELL kernels need K % 64 == 0 and "
               "K <= 4096; use kernels.reference or mlp_impl='dense'");
-  TORCH_CHECK(N % kTileN == 0 && N > 0, "intermediate size N=", N, " unsupported: the TwELL kernels need "
+  TORCH_CHECK(N % kTileN == 0 && N > 0, "intermediate size N=", str(N), " unsupported: the TwELL kernels need "
               "N % 256 == 0; use kernels.reference or mlp_impl='dense'");
   if (stats.has_value()) {
     TORCH_CHECK(stats->is_cuda() && stats->scalar_type() == at::kLong && stats->numel() == 3 &&
@@ -462,7 +475,7 @@ at::Tensor sparse_path(Call& c, bool sync_free) {
         "down");
   // up/down are queued; now wait for the (earlier) flagged-row count
   check(cudaEventSynchronize(ev), "event wait");
-  const int64_t nnz_ok = i64(P.host_sync)[0], R = i64(P.host_sync)[1];
+  const int64_t nnz_ok = P.host_sync[0], R = P.host_sync[1];
   P.update(nnz_ok, R, M, N);
   if (R > 0) {  // exact dense backup of every flagged row, however many
     at::Tensor rows = at::nonzero_static(flag, R).squeeze(1);
@@ -533,9 +546,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> d2t_cuda(const at::Tensor& x_in, 
               "d2t: x and w_gate must be torch.bfloat16; cast with .to(torch.bfloat16)");
   TORCH_CHECK(w_gate.dim() == 2 && w_gate.size(1) == x_in.size(-1) && x_in.size(-1) % 64 == 0 &&
                   w_gate.size(0) % kTileN == 0,
-              "d2t: w_gate must be [N, K] with K = x.size(-1), K % 64 == 0 and N % 256 == 0, got x ", x_in.sizes(),
-              " and w_gate ", w_gate.sizes());
-  TORCH_CHECK(slots >= 1 && slots <= kTileN, "slots must be in 1..256, got ", slots);
+              "d2t: w_gate must be [N, K] with K = x.size(-1), K % 64 == 0 and N % 256 == 0, got x ", dims(x_in),
+              " and w_gate ", dims(w_gate));
+  TORCH_CHECK(slots >= 1 && slots <= kTileN, "slots must be in 1..256, got ", std::to_string(slots));
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = readable(x_in.reshape({-1, x_in.size(-1)})), w = readable(w_gate);
   const int64_t M = x.size(0), T = w.size(0) / kTileN;
