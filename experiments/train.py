@@ -153,6 +153,12 @@ def build_model(cfg: dict[str, Any], data_vocab: int, eos_id: int | None, dead_w
                               f"max_position_embeddings={model.config.max_position_embeddings}")
     if vocab < data_vocab:
         raise ConfigError(f"config key vocab_size={vocab} is smaller than the data's vocab_size={data_vocab}")
+    if any(k.startswith("SFL_KERNEL_") for k in os.environ):
+        # the kernels' settings (training op: train_width, train_dense_above, ...; kernels/config.py) as explicit
+        # overrides, read once here and saved with the model config (the kernels read no environment)
+        from sfl.kernels.config import KernelConfig
+
+        model.set_kernel_config(KernelConfig.from_env(model.config.get_kernel_config()))
     return model
 
 
