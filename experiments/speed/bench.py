@@ -135,6 +135,7 @@ def _sparse_ffn(mlp, x: torch.Tensor) -> torch.Tensor:
     dispatch history and W_d^T cache)."""
     from sfl.kernels.twell import ops
 
+    ops.ensure_loaded()   # registers the op's CUDA kernels (one dict lookup once loaded)
     wg = mlp.gate_proj.weight if mlp.gated else None
     return ops.ffn(x, wg, mlp.up_proj.weight, mlp.down_proj.weight, mlp.plan)
 
