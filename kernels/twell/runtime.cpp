@@ -95,6 +95,7 @@ struct Plan {
   int64_t* host_async = nullptr;        // pinned int64 [2] each (cudaHostAlloc: a pageable target would make the
   int64_t* host_sync = nullptr;         // "asynchronous" copy synchronous)
   cudaEvent_t ev_async = nullptr, ev_sync = nullptr;
+  at::Tensor dev_stats;                 // int64 [4] on the device: the two measurement slots, zeroed per use
   bool pending = false;
   int64_t pending_rows = 0, pending_n = 0;
   // self-timing
@@ -202,8 +203,17 @@ struct Plan {
     check(cudaHostAlloc(&h, 4 * sizeof(int64_t), cudaHostAllocDefault), "pinned host slots");
     host_async = static_cast<int64_t*>(h);
     host_sync = host_async + 2;
+    dev_stats = at::empty({4}, at::TensorOptions().dtype(at::kLong).device(at::kCUDA, dev));
     check(cudaEventCreateWithFlags(&ev_async, cudaEventDisableTiming), "event");
     check(cudaEventCreateWithFlags(&ev_sync, cudaEventDisableTiming), "event");
+  }
+
+  // a zeroed device int64 [2] for this call's measurement (slot 0: read back asynchronously, 1: waited on); stream
+  // order keeps it from being reused before its copy to the host is done
+  at::Tensor measurement_slot(bool async, cudaStream_t stream) {
+    at::Tensor t = dev_stats.narrow(0, async ? 0 : 2, 2);
+    check(cudaMemsetAsync(t.data_ptr(), 0, 2 * sizeof(int64_t), stream), "memset");
+    return t;
   }
 
   // copy the device int64 [2] measurement to pinned memory and record an event (async slot or waited-on slot)
@@ -333,8 +343,10 @@ at::Tensor dense_ffn(const at::Tensor& x, const at::Tensor* wg, const at::Tensor
 at::Tensor dense_path(Call& c, bool table_dense) {
   Plan& P = c.P;
   // GEMMs first: the GPU works while the host sets up the rest
-  at::Tensor g = at::linear(c.x, c.gate_w());
-  at::Tensor u = c.wg ? at::linear(c.x, c.wu) : at::Tensor();
+  // at::mm with the transposed weight is the GEMM F.linear runs for a 2-D input (same cuBLAS call, same bits),
+  // without linear/matmul's dispatcher hops
+  at::Tensor g = at::mm(c.x, c.gate_w().t());
+  at::Tensor u = c.wg ? at::mm(c.x, c.wu.t()) : at::Tensor();
   bool measure = P.cfg.mode == kAuto && !c.capture && !P.pending;
   if (measure && !c.wg && table_dense && P.cfg.measure_every > 1 && P.dense_calls % P.cfg.measure_every) {
     measure = false;  // non-gated above the crossover: the measuring pass is slower than torch's relu
@@ -343,15 +355,15 @@ at::Tensor dense_path(Call& c, bool table_dense) {
   P.last_path = "dense";
   P.last_d2t = "";
   P.last_flagged = -1;
-  if (!measure && !c.wg && c.acc == nullptr) return at::linear(at::relu_(g), c.wd);
-  at::Tensor st = measure ? at::zeros({2}, c.x.options().dtype(at::kLong)) : at::Tensor();
+  if (!measure && !c.wg && c.acc == nullptr) return at::mm(at::relu_(g), c.wd.t());
+  at::Tensor st = measure ? P.measurement_slot(true, c.stream) : at::Tensor();
   at::Tensor h = c.wg ? u : g;  // in place
   check(twell_relu_mul_stats_launch(g.data_ptr(), g.stride(0), c.wg ? u.data_ptr() : nullptr, c.wg ? u.stride(0) : 0,
                                     h.data_ptr(), h.stride(0), (int)c.M, (int)c.N, P.cfg.slots, (int)c.N, nullptr,
                                     measure ? reinterpret_cast<unsigned long long*>(i64(st)) : nullptr, nullptr,
                                     c.acc, c.stream),
         "relu_mul_stats");
-  at::Tensor y = at::linear(h, c.wd);
+  at::Tensor y = at::mm(h, c.wd.t());
   if (measure) {
     P.to_host(st, true, c.stream);
     P.pending = true;
@@ -398,7 +410,7 @@ at::Tensor fused_decode(Call& c, const at::Tensor& wdt, bool measure) {
                                   c.stream),
         "decode_fused");
   if (measure || c.acc) {  // one "tile" per row holding the row's count
-    at::Tensor st = measure ? at::zeros({2}, c.x.options().dtype(at::kLong)) : at::Tensor();
+    at::Tensor st = measure ? P.measurement_slot(true, c.stream) : at::Tensor();
     check(twell_row_stats_launch(i32(nnz), i32(flag), (int)M, kTileN,
                                  measure ? reinterpret_cast<unsigned long long*>(i64(st)) : nullptr, c.acc, c.stream),
           "row_stats");
@@ -433,7 +445,7 @@ at::Tensor sparse_path(Call& c, bool sync_free) {
   d2t_into(c.x, c.gate_w(), packed, counts, flag, P.cfg, c.stream, &P.last_d2t);
   cudaEvent_t ev = nullptr;
   if (measure || c.acc) {
-    at::Tensor st = measure ? at::zeros({2}, c.x.options().dtype(at::kLong)) : at::Tensor();
+    at::Tensor st = measure ? P.measurement_slot(sync_free, c.stream) : at::Tensor();
     check(twell_row_stats_launch(i32(counts), i32(flag), (int)M, (int)N,
                                  measure ? reinterpret_cast<unsigned long long*>(i64(st)) : nullptr, c.acc, c.stream),
           "row_stats");
