@@ -66,8 +66,9 @@ class KernelConfig:
         flagged_dense_above: eager auto runs dense when more than this fraction of rows was flagged last time.
         self_timing: eager auto times both paths per M bucket and leaves sparse where it measured slower.
         activity_hint: prior activity used until a layer's first measurement lands (0: none, first call dense).
-        measure_every: non-gated dense calls above the crossover re-measure activity every this many calls (the
-            measuring pass is ~8% slower than torch's relu there); gated calls measure every call for free.
+        measure_every: dense calls of a layer measured above its crossover re-measure activity only every this many
+            calls (the read-back costs a few small operations per call; non-gated, the measuring pass is also ~8%
+            slower than torch's relu); a fall in activity is then seen up to this many calls late.
         d2t: "fused" (sm_90: the gate GEMM's epilogue writes TwELL) or "cublas" (gate GEMM, then compaction).
         d2t_overlap_min_k: fused d2t: K at or above which compaction warps overlap the next tile's mainloop.
         d2t_max_ctas: > 0 caps the fused d2t's persistent grid (tests); 0 = one CTA per SM.

@@ -347,7 +347,7 @@ def test_dispatch_history_follows_activity(ffn, M):
     x, wg, wu, wd = make_problem(M, K, N, 0.004, seed=31, adversarial=False)
     lo, hi = _set_activity(x, 1.0), _set_activity(x, 0.2)   # ~0.4% and ~20% active
     # sparse whenever the measured activity is <= 1%; the table alone (self-timing has its own test)
-    plan = new_plan(crossover="1:0.01", self_timing=False)
+    plan = new_plan(crossover="1:0.01", self_timing=False, measure_every=1)   # every dense call measures
     seq = [(lo, "dense"), (lo, "sparse"), (lo, "sparse"), (hi, "sparse"), (hi, "dense"), (hi, "dense"),
            (lo, "dense"), (lo, "sparse")]
     for i, (xi, want) in enumerate(seq):
