@@ -437,7 +437,9 @@ at::Tensor sparse_path(Call& c, bool sync_free) {
   const int64_t M = c.M, K = c.K, N = c.N, T = N / kTileN;
   ++P.sparse_calls;
   const at::Tensor& wdt = P.down_t(c.wd);
-  const bool measure = !c.capture && (!sync_free || !P.pending);
+  // the eager path always measures (it needs the flagged-row count); sync-free calls every measure_every-th call
+  // (the read-back is a few small operations, comparable to a decode-size call)
+  const bool measure = !c.capture && (!sync_free || (!P.pending && P.sparse_calls % P.cfg.measure_every == 1 % P.cfg.measure_every));
   if (sync_free && M <= kFusedDecodeMaxM) return fused_decode(c, wdt, measure);
   const int S = sync_free ? kTileN : P.cfg.slots;
   const auto i32o = c.x.options().dtype(at::kInt);
