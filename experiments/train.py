@@ -31,9 +31,12 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from .checkpoint import atomic_write_text, find_latest, load_checkpoint, save_checkpoint
+from .checkpoint import (CheckpointWriteError, atomic_write_text, ckpt_root, find_latest, list_checkpoints,
+                         load_checkpoint, save_checkpoint)
 from .config import ConfigError, l1_coeff_at, load_config, lr_at
-from .data_loader import TokenData
+from .data_loader import DataError, TokenData
+from .preflight import check_disk_space, check_kernels
+from .rundir import RunDirBusy, RunLock, clean_stale_temps, tmp_name
 from sfl.models import SparseLlamaConfig, SparseLlamaForCausalLM
 from sfl.models.sparsity import reinit_dead_rows
 
@@ -173,16 +176,18 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
 
 # --------------------------------------------------------------------------------------- logging
 class JsonlLog:
-    """Append-only JSONL writer (rank 0 only)."""
+    """Append-only JSONL writer (rank 0 only). `lines` counts the lines in the file: a checkpoint records it,
+    and a resume keeps exactly that many (`truncate_log`)."""
 
-    def __init__(self, path: Path, enabled: bool) -> None:
-        self.path, self.enabled = path, enabled
+    def __init__(self, path: Path, enabled: bool, lines: int = 0) -> None:
+        self.path, self.enabled, self.lines = path, enabled, lines
         self._f = open(path, "a") if enabled else None
 
     def write(self, obj: dict[str, Any]) -> None:
         if self._f is not None:
             self._f.write(json.dumps(obj) + "\n")
             self._f.flush()
+            self.lines += 1
 
     def sync(self) -> None:
         if self._f is not None:
@@ -194,21 +199,44 @@ class JsonlLog:
             self._f = None
 
 
-def truncate_log(path: Path, step: int) -> None:
-    """Drop lines of an interrupted run that lie after the checkpoint being resumed (and any
-    'final' line), so the resumed run's lines are not duplicated."""
+def read_log(path: Path) -> list[dict[str, Any]]:
+    """The complete JSON lines of a run's log (a line torn by a kill is skipped)."""
+    rows = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def truncate_log(path: Path, step: int, keep_lines: int | None = None) -> int:
+    """Cut the log back to what it held when the checkpoint being resumed was written, so the resumed run
+    writes every later line (steps, evals, the final eval and 'final' line) exactly once. Returns the number
+    of lines kept.
+
+    `keep_lines` is the line count the checkpoint recorded (the log is fsynced before every save, so those
+    lines are complete). Checkpoints written before it was recorded fall back to dropping the lines whose
+    step is after `step`, and any 'final' line. Runs under the run lock, so no other process has the file open.
+    """
     if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line torn by the kill
-        if obj.get("type") == "final" or obj.get("step", -1) > step:
-            continue
-        kept.append(line)
+        return 0
+    lines = path.read_text().splitlines()
+    if keep_lines is not None:
+        kept = lines[:keep_lines]
+    else:
+        kept = []
+        for line in lines:
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line torn by the kill
+            if obj.get("type") == "final" or obj.get("step", -1) > step:
+                continue
+            kept.append(line)
     atomic_write_text(path, "".join(x + "\n" for x in kept))
+    return len(kept)
 
 
 def finite(x: float) -> bool:
@@ -248,17 +276,61 @@ def check_resume_config(saved: dict[str, Any], cfg: dict[str, Any]) -> None:
                           "change on resume (start a new out_dir otherwise)")
 
 
+def finished_run(out_dir: Path, cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """The log's 'final' line if the run in out_dir is finished at this config's max_steps (its newest
+    checkpoint is at that step and the final line was written after it), else None."""
+    ckpt = find_latest(out_dir)
+    rows = read_log(out_dir / "train_log.jsonl")
+    final = next((r for r in reversed(rows) if r.get("type") == "final"), None)
+    if ckpt is None or final is None or not (checkpoint_step(ckpt) == final.get("step") == cfg["max_steps"]):
+        return None
+    header = next((r for r in rows if r.get("type") == "header"), None)
+    if header is not None:
+        check_resume_config(header["config"], cfg)
+    return final
+
+
+def checkpoint_step(ckpt_dir: Path) -> int:
+    return int(ckpt_dir.name.split("_")[1])
+
+
 def train(cfg: dict[str, Any], resume: bool = False) -> dict[str, Any]:
-    """Run (or resume) training; returns the final summary dict (also the log's final line)."""
+    """Run (or resume) training; returns the final summary dict (also the log's final line).
+
+    Rank 0 holds the run directory's lock for the whole run (a second writer is refused at once), and
+    everything knowable before step 1 is checked before it: device and kernels here, data and disk space
+    in `_train`. `--resume` of a finished run is a no-op that returns its final line."""
     t_start = time.time()
     d = Dist()
     device = pick_device(cfg, d)
+    check_kernels(cfg["mlp_impl"], device, str(cfg["device"]))
+    out_dir = Path(cfg["out_dir"])
+    lock = RunLock(out_dir) if d.main else None
+    if lock is not None:
+        lock.acquire()
+    try:
+        if resume:
+            final = finished_run(out_dir, cfg)
+            if final is not None:
+                if d.main:
+                    print(f"--resume: the run in {out_dir} already finished at step {final['step']} (its log has the "
+                          "final line); nothing to do. To train further, raise max_steps.", file=sys.stderr)
+                return final
+        return _train(cfg, resume, d, device, t_start)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg: dict[str, Any], resume: bool, d: Dist, device: torch.device, t_start: float) -> dict[str, Any]:
     d.init(device)
     out_dir = Path(cfg["out_dir"])
     log_path = out_dir / "train_log.jsonl"
 
     ckpt_dir = find_latest(out_dir) if resume else None
     if d.main:
+        for stale in clean_stale_temps(out_dir, ckpt_root(out_dir)):
+            print(f"removed {stale} (a temporary file of an interrupted process)", file=sys.stderr)
         if not resume and (log_path.exists() or find_latest(out_dir) is not None):
             raise ConfigError(f"out_dir={str(out_dir)!r} already holds a run; pass --resume to continue it "
                               "or choose another out_dir")
@@ -269,6 +341,7 @@ def train(cfg: dict[str, Any], resume: bool = False) -> dict[str, Any]:
     d.barrier()
 
     data = TokenData(Path(cfg["data_dir"]) / cfg["tokens_subdir"], cfg["seq_len"])
+    data_fp = data.fingerprint() if d.main else None  # checksums + id range of every shard (one read)
     mbs, accum, seq = cfg["micro_batch_size"], cfg["grad_accum"], cfg["seq_len"]
     tokens_per_step_rank = mbs * accum * seq
     tokens_per_step = tokens_per_step_rank * d.world
@@ -277,9 +350,7 @@ def train(cfg: dict[str, Any], resume: bool = False) -> dict[str, Any]:
     if n_val > data.n_val_windows and d.main:
         print(f"note: val split has only {data.n_val_windows} windows of {seq + 1} tokens; evaluating on all of "
               f"them instead of eval_batches*micro_batch_size={n_val}", file=sys.stderr)
-    val_windows = data.val_windows(min(n_val, data.n_val_windows))
-    if len(val_windows) == 0:
-        raise ConfigError(f"val split of {data.dir} has no window of seq_len+1={seq + 1} tokens")
+    val_windows = data.val_windows(min(n_val, data.n_val_windows))  # DataError if the val split is too small
 
     seed_everything(cfg["seed"])
     model = build_model(cfg, data.vocab_size, data.meta.get("eos_id"), dead_window).to(device)
@@ -288,14 +359,20 @@ def train(cfg: dict[str, Any], resume: bool = False) -> dict[str, Any]:
     opt = torch.optim.AdamW(param_groups(model, cfg["weight_decay"]), lr=cfg["lr"], betas=tuple(cfg["betas"]),
                             eps=cfg["eps"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(cfg, s) / cfg["lr"])
+    if d.main:
+        check_disk_space(out_dir, model, len(list_checkpoints(out_dir)), cfg["save_final"])
 
-    step, wall_prev = 0, 0.0
+    step, wall_prev, n_reinit, log_lines = 0, 0.0, 0, 0
     if ckpt_dir is not None:
         # CPU: RNG states must stay CPU ByteTensors; load_state_dict moves weights/optimizer state to device.
         state = load_checkpoint(ckpt_dir, map_location="cpu")
         check_resume_config(state["config"], cfg)
-        if state["data"] != data.fingerprint():
-            raise ConfigError(f"--resume: the train data in {data.dir} differs from the checkpoint's")
+        if state["step"] > cfg["max_steps"]:
+            raise ConfigError(f"--resume: the newest checkpoint in {out_dir} is at step {state['step']}, past "
+                              f"max_steps={cfg['max_steps']}; resume with max_steps >= {state['step']}")
+        mismatch = data.fingerprint_mismatch(state["data"]) if d.main else None
+        if mismatch is not None:
+            raise DataError(f"--resume: the train data differ from the checkpoint's: {mismatch}")
         if state["world_size"] != d.world:
             raise ConfigError(f"--resume: checkpoint was written with WORLD_SIZE={state['world_size']}, now "
                               f"{d.world}; the data order would change (start a new out_dir)")
@@ -307,11 +384,12 @@ def train(cfg: dict[str, Any], resume: bool = False) -> dict[str, Any]:
                 mlp.tokens_since_fire.copy_(t)
         set_rng_state(state["rng"][d.rank] if isinstance(state["rng"], list) else state["rng"])
         step, wall_prev = state["step"], state["wall_s"]
-        del state
+        n_reinit = state.get("counters", {}).get("reinit_neurons", 0)  # re-initialised since the last step line
         if d.main:
-            truncate_log(log_path, step)
+            log_lines = truncate_log(log_path, step, state.get("log_lines"))
+        del state
 
-    log = JsonlLog(log_path, d.main)
+    log = JsonlLog(log_path, d.main, lines=log_lines)
     from .provenance import collect
     if ckpt_dir is None:
         mc = model.config  # the built model's shape (with init_from the arch keys of cfg are not used)
@@ -341,8 +419,10 @@ def train(cfg: dict[str, Any], resume: bool = False) -> dict[str, Any]:
         return {"step": done, "model": model.state_dict(), "optimizer": opt.state_dict(),
                 "scheduler": sched.state_dict(), "trackers": [m.tokens_since_fire.clone() for m in model.sparse_mlps()],
                 "rng": rngs, "sampler": {"kind": "stateless(seed, rank, step)", "seed": cfg["seed"], "next_step": done},
-                "data": data.fingerprint(), "world_size": d.world, "config": cfg,
-                "wall_s": wall_prev + time.time() - t_start}
+                "data": data_fp, "world_size": d.world, "config": cfg,
+                "wall_s": wall_prev + time.time() - t_start,
+                # what a resume needs to write the log an uninterrupted run writes
+                "log_lines": log.lines, "counters": {"reinit_neurons": n_reinit}}
 
     def save(done: int) -> None:
         state = checkpoint_state(done)  # collective when world > 1: every rank calls it
@@ -355,7 +435,7 @@ def train(cfg: dict[str, Any], resume: bool = False) -> dict[str, Any]:
     clip = cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf")
     bar = tqdm(total=cfg["max_steps"], initial=step, disable=not (cfg["progress"] and d.main), desc="train",
                dynamic_ncols=True)
-    t_log, tok_log, n_reinit = time.time(), 0, 0
+    t_log, tok_log = time.time(), 0
     last_saved = step if ckpt_dir is not None else -1
     while step < cfg["max_steps"]:
         coeff = l1_coeff_at(cfg, step)
@@ -407,10 +487,10 @@ def train(cfg: dict[str, Any], resume: bool = False) -> dict[str, Any]:
             last_saved = step
     bar.close()
 
+    if last_saved != step:
+        save(step)  # before the final evaluation: a failure there never loses the training
     val_ce, val_nnz = evaluate(model, val_windows, cfg, device, d)
     log.write({"type": "eval", "step": step, "val_ce": val_ce, "val_nnz_mean": val_nnz})
-    if last_saved != step:
-        save(step)
     wall = wall_prev + time.time() - t_start
     final = {"type": "final", "step": step, "val_ce": val_ce, "wall_s": wall}
     if d.main and cfg["save_final"]:
@@ -445,7 +525,7 @@ def reinit_dead(model: SparseLlamaForCausalLM, cfg: dict, step: int, window: int
 
 def save_final(model: SparseLlamaForCausalLM, dest: Path, data_dir: Path) -> None:
     """save_pretrained (+ the data dir's tokenizer) into dest, via a temp dir + rename."""
-    tmp = dest.with_name(f".tmp-{dest.name}.{os.getpid()}")
+    tmp = dest.with_name(tmp_name(dest.name))
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tok_dir = data_dir / "tokenizer"
@@ -471,7 +551,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = load_config(args.config, args.set)
         final = train(cfg, resume=args.resume)
-    except ConfigError as e:
+    except (ConfigError, DataError, RunDirBusy, CheckpointWriteError) as e:
         sys.exit(f"error: {e}")
     except ValueError as e:  # SparseLlamaConfig field errors surface here
         if "SparseLlamaConfig." in str(e):
