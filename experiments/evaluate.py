@@ -461,6 +461,13 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--requests goes with --replay")
     if a.model is None and a.replay is None:
         raise SystemExit("--model is required (except with --replay)")
+    if not a.score:  # every mode but --score reads the eval files: check them before loading a model
+        from sfl.data import DataNotPrepared
+        from sfl.data.lm_tasks import EvalDataError, check_eval_files
+        try:
+            check_eval_files(eval_dir.resolve(), tasks)
+        except (EvalDataError, DataNotPrepared, FileNotFoundError) as e:
+            raise SystemExit(f"error: {e}") from None
     if a.export_requests:
         meta = export_requests(resolve_model_dir(a.model), tasks, a.limit, eval_dir, Path(a.export_requests),
                                a.data_dir)
