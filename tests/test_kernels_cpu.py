@@ -32,7 +32,7 @@ def test_source_hash_is_stable_and_covers_sources(tmp_path):
     edit of any source or an added one (else a stale build of edited kernels would load). Temp copies only."""
     import shutil
 
-    from kernels.loader import TWELL_SOURCES
+    from sfl.kernels.loader import TWELL_SOURCES
 
     h = source_hash()
     assert len(h) == 12 and all(c in "0123456789abcdef" for c in h)
