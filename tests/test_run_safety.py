@@ -319,7 +319,7 @@ def test_eval_rows_checked_against_manifest(tmp_path) -> None:
 # ----------------------------------------------------------------------------- 4. resume exactness
 def test_reinit_counter_survives_a_kill(data_dir, tmp_path, monkeypatch) -> None:
     """Step lines carry reinit_neurons summed since the previous line: a checkpoint between two lines must keep the
-    running count (before: step 4 read the count of step 4 alone after a kill at step 4)."""
+    running count (before: after a kill in step 2, the resumed step-2 line lost the 16 rows moved in step 1)."""
     real_build = train_mod.build_model
 
     def build_with_dead_rows(*a, **kw):
@@ -330,9 +330,10 @@ def test_reinit_counter_survives_a_kill(data_dir, tmp_path, monkeypatch) -> None
         return model
 
     monkeypatch.setattr(train_mod, "build_model", build_with_dead_rows)
-    over = dict(dead_reinit_lambda=0.1, log_every=2, ckpt_every=3, eval_every=0)
+    # the 16 zeroed rows are moved after step 1; the checkpoint of step 1 lies before the line of step 2
+    over = dict(dead_reinit_lambda=0.1, log_every=2, ckpt_every=1, eval_every=0)
     train_mod.train(cfg_for(data_dir, tmp_path / "full", **over))
-    die_at(monkeypatch, TokenData, "train_batch", when=lambda self, seed, step, rank, n: step == 3)
+    die_at(monkeypatch, TokenData, "train_batch", when=lambda self, seed, step, rank, n: step == 1)
     with pytest.raises(Killed):
         train_mod.train(cfg_for(data_dir, tmp_path / "cut", **over))
     monkeypatch.setattr(TokenData, "train_batch", _real_train_batch)
