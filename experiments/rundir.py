@@ -62,6 +62,10 @@ class RunLock:
             holder = _read_holder(fd)
             os.close(fd)
             raise RunDirBusy(self._busy_message(holder)) from None
+        except OSError as e:  # e.g. a network filesystem without flock: say so rather than run unguarded
+            os.close(fd)
+            raise RunDirBusy(f"cannot lock {self.path} ({e}): the filesystem of out_dir does not support flock; "
+                             "use an out_dir on a local filesystem") from None
         except BaseException:
             os.close(fd)
             raise
