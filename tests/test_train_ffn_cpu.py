@@ -111,13 +111,15 @@ def test_saved_hybrid_format_and_transpose():
     from sfl.kernels import reference as ref
 
     hy = ref.d2h(a, 10)
-    valid = ops.light_valid(ell_col, nnz, flag)
+    saved = ops.saved_hybrid(ell_col, ell_a, nnz, brow, backup, 64)
+    assert torch.equal(saved.backup_mask(), flag.bool())
+    valid = saved.valid_mask()
     assert torch.equal(torch.where(valid, ell_col, -1)[flag == 0], torch.where(valid, hy.ell_col, -1)[flag == 0])
     assert torch.equal(torch.where(valid, ell_a, 0.0)[flag == 0], torch.where(valid, hy.ell_val, 0.0)[flag == 0])
     u = F.linear(x, wu)
     assert torch.allclose(ell_u[valid], torch.gather(u, 1, ell_col.clamp(min=0).long())[valid])
     # CSR by neuron: every light entry exactly once, grouped by neuron, rows ascending
-    perm, colptr = ops.csr_by_neuron(ell_col, nnz, flag, 64)
+    perm, colptr = ref.csr_by_neuron(saved)
     assert int(colptr[-1]) == int(valid.sum())
     W = ell_col.shape[1]
     for j in range(64):

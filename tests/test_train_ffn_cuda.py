@@ -210,14 +210,18 @@ def test_saved_format_matches_reference():
     x, wg, wu, wd = make_problem(3000, 1024, 2048, 0.01, 6)
     out = ops.ffn_fwd(x, wg, wu, wd, 128, 1.0, 1 << 20, False, "cuda")
     y, l1, ell_col, ell_a, ell_u, nnz, flag, brow, backup = out
+    from sfl.kernels import reference as ref
+
     a = F.relu(F.linear(x, wg))
-    col_r, val_r, nnz_r = ops.ell_from_dense(a, 128)
-    assert torch.equal(nnz, nnz_r)
-    assert torch.equal(brow, (nnz_r > 128).nonzero().squeeze(1))
+    hy_r = ref.d2h(a, 128)   # finite inputs: the backup rows are exactly the heavy rows
+    assert torch.equal(nnz, hy_r.nnz)
+    assert torch.equal(brow, hy_r.backup_rows)
+    assert torch.equal(flag.bool(), hy_r.backup_mask())
     light = flag == 0
-    valid = ops.light_valid(ell_col, nnz, flag)
-    assert torch.equal(torch.where(valid, ell_col, -1)[light], torch.where(valid, col_r, -1)[light])
-    assert torch.equal(torch.where(valid, ell_a.float(), 0.0)[light], torch.where(valid, val_r.float(), 0.0)[light])
+    valid = ops.saved_hybrid(ell_col, ell_a, nnz, brow, backup, a.shape[1]).valid_mask()
+    assert torch.equal(torch.where(valid, ell_col, -1)[light], torch.where(valid, hy_r.ell_col, -1)[light])
+    assert torch.equal(torch.where(valid, ell_a.float(), 0.0)[light],
+                       torch.where(valid, hy_r.ell_val.float(), 0.0)[light])
     assert torch.equal(backup, a[brow])
     u = F.linear(x.float(), wu.float())
     ue = torch.gather(u, 1, ell_col.clamp(min=0).long())
