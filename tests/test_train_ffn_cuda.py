@@ -314,10 +314,12 @@ def _nf_problem(gated: bool, where: str, value: float, seed: int):
         x[63, k + 3] = value
     elif where == "w_gate":
         wg[j, k] = value
-    elif where == "w_up":
-        wu[j, k] = value
-    elif where == "w_down":
-        wd[k, j] = value
+    elif where in ("w_up", "w_down"):
+        (wg if gated else wu)[j, 0] = 0.0   # neuron j active in about half the rows: both cases occur
+        if where == "w_up":
+            wu[j, k] = value
+        else:
+            wd[k, j] = value
     return x, wg, wu, wd
 
 
