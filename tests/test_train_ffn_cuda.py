@@ -334,7 +334,7 @@ def _assert_like_dense(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 
 
 def _nf_run(gated: bool, ins, gy, mode: str):
-    from kernels.train_ffn import sparse_gated_ffn_train, sparse_nongated_ffn_train
+    from sfl.kernels.train_ffn import sparse_gated_ffn_train, sparse_nongated_ffn_train
 
     def ours(*t):
         if gated:
@@ -378,7 +378,7 @@ def test_nonfinite_like_dense_autograd(gated, where, value, mode):
 def test_nonfinite_sparse_poisoned_neuron_forward(gated, where, value):
     """Spec (CUDA sparse path): a non-finite w_up row j (gated) or w_down column j is used only where neuron j is
     active. Rows where j is active match dense; rows where it is inactive are finite (dense: NaN, 0 * Inf)."""
-    from kernels.train_ffn import sparse_gated_ffn_train, sparse_nongated_ffn_train
+    from sfl.kernels.train_ffn import sparse_gated_ffn_train, sparse_nongated_ffn_train
 
     if where == "w_up" and not gated:
         pytest.skip("non-gated: w_up is the first weight (every row goes through the dense backup)")
