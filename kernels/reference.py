@@ -1,7 +1,10 @@
 """Pure-PyTorch reference of the sparse activation formats and the FFN ops built on them.
 
-This module *defines* the semantics that the CUDA kernels (kernels/ffn.py) must match; the
-spec in words is kernels/FORMAT.md. Everything here runs on CPU and GPU with stock PyTorch.
+This module *defines* the semantics that the CUDA kernels (kernels/ffn.py, kernels/train_ffn.py)
+must match; the spec in words is kernels/FORMAT.md. Everything here runs on CPU and GPU with
+stock PyTorch. Contents, in order: word packing; TwELL; Hybrid; the dense FFNs; which rows a
+sparse FFN computes densely (heavy rows and the non-finite rule); the inference FFNs through
+TwELL and Hybrid; the training op's forward and backward (its `torch` backend calls them).
 
 Shapes follow nn.Linear: x [M, K], w_gate / w_up [N, K], w_down [K, N]
 (K = hidden size, N = intermediate size). The activation is h = relu(x w_gate^T)
