@@ -520,7 +520,7 @@ def dense_rows_mask(g: torch.Tensor, w_up: torch.Tensor | None, w_down: torch.Te
 
 
 def dense_rows_forward(x_rows: torch.Tensor, a_rows: torch.Tensor, w_up: torch.Tensor | None,
-                        w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                       w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(h, y) of some rows by the dense FFN's ops, from a = relu(g) of those rows (w_up None: non-gated).
     Also the CUDA backends' dense backup rows (kernels/train/ops.py)."""
     h = a_rows * F.linear(x_rows, w_up) if w_up is not None else a_rows
@@ -784,7 +784,7 @@ def _hybrid_rows(hy: Hybrid, rows: torch.Tensor) -> torch.Tensor:
 
 
 def dense_rows_backward(x_rows: torch.Tensor, a_rows: torch.Tensor, dy_rows: torch.Tensor,
-                         w_gate: torch.Tensor | None, w_up: torch.Tensor, w_down: torch.Tensor, c: torch.Tensor):
+                        w_gate: torch.Tensor | None, w_up: torch.Tensor, w_down: torch.Tensor, c: torch.Tensor):
     """Dense autograd's backward of some rows, op for op: (dx_rows, dW_g part or None, dW_u part, dW_d part
     TRANSPOSED, i.e. neuron-major [N, K]). Also the CUDA backend's backup rows (kernels/train/ops.py).
 
@@ -893,8 +893,8 @@ def train_ffn_backward(dy: torch.Tensor, gl1: torch.Tensor, x: torch.Tensor, w_g
         dwd_t.index_add_(0, j, dy_r * h.unsqueeze(1))
     rd = dense.nonzero().flatten()
     if rd.numel():
-        dx_d, dwg_d, dwu_d, dwd_t_d = dense_rows_backward(x[rd], _hybrid_rows(hy, rd), dy[rd], w_gate, w_up, w_down,
-                                                         c)
+        a_rows = _hybrid_rows(hy, rd)  # exactly the forward's a (decoded from the ELL, or the backup)
+        dx_d, dwg_d, dwu_d, dwd_t_d = dense_rows_backward(x[rd], a_rows, dy[rd], w_gate, w_up, w_down, c)
         dx[rd] = dx_d.to(acc)
         if gated:
             dwg += dwg_d.to(acc)
