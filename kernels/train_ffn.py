@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .config import KernelConfig
-from .reference import check_ffn_layouts
+from .reference import _acc_dtype, check_ffn_layouts
 from .train import ops as _ops
 
 _DEFAULT_CONFIG = KernelConfig()
@@ -282,7 +282,7 @@ def _dense(x2, w_gate, w_up, w_down, scale, want_last_active, want_stats, st, kn
     a = F.relu(F.linear(x2, w_gate if w_gate is not None else w_up))
     h = a * F.linear(x2, w_up) if w_gate is not None else a
     y = F.linear(h, w_down)
-    l1 = h.abs().sum(dtype=_ops._acc(h.dtype)) * scale
+    l1 = h.abs().sum(dtype=_acc_dtype(h.dtype)) * scale
     with torch.no_grad():
         if want_stats:  # per-token counts (what models' dense MLP logs); NaN != 0 counts as active
             nnz = _count_rows(a)
@@ -303,9 +303,9 @@ def _last_active_dense(active: Tensor) -> Tensor:
     return torch.where(fired, last, torch.full_like(last, -1))
 
 
-def _last_active_sparse(ell_col, nnz, flag, backup_rows, backup, N) -> Tensor:
-    valid = _ops.light_valid(ell_col, nnz, flag)
-    r, s = valid.nonzero(as_tuple=True)
+def _last_active_sparse(ell_col, ell_a, nnz, backup_rows, backup, N) -> Tensor:
+    hy = _ops.saved_hybrid(ell_col, ell_a, nnz, backup_rows, backup, N)
+    r, s = hy.valid_mask().nonzero(as_tuple=True)
     last = torch.full((N,), -1, dtype=torch.int64, device=ell_col.device)
     last.scatter_reduce_(0, ell_col[r, s].long(), r, reduce="amax")
     if backup_rows.numel():
@@ -375,7 +375,7 @@ def _run(x, w_gate, w_up, w_down, l1_reduction, mode, state, width, backend, wan
             stats = {"path": "sparse", "nnz_per_token": nnz, "backup_rows": int(backup_rows.numel()),
                      "width": int(ell_col.shape[1]), "kept_bytes": int(kept), "backend": backend}
             if want_last_active:
-                stats["last_active_row"] = _last_active_sparse(ell_col, nnz, flag, backup_rows, backup, N)
+                stats["last_active_row"] = _last_active_sparse(ell_col, ell_a, nnz, backup_rows, backup, N)
     return y.reshape(*lead, y.shape[-1]), l1, stats
 
 

@@ -168,6 +168,7 @@ def run_config(M, K, N, p, heavy, reps, timer, check_fp32, cfg=None):
 
 def profile_phases(M, K, N, p, reps, timer):
     """Per-kernel times of the sparse path (CUDA events), with the bytes each must move, for the README."""
+    from sfl.kernels import reference as ref
     from sfl.kernels.train import ops
 
     ext = ops.load_ext()
@@ -188,7 +189,8 @@ def profile_phases(M, K, N, p, reps, timer):
     cg = torch.empty(M, W, device=DEV)
     cu = torch.empty(M, W, device=DEV)
     dx = torch.empty(M, K, device=DEV, dtype=BF)
-    perm, colptr = ops.csr_by_neuron(ell_col, nnz, flag, N)
+    hy = ops.saved_hybrid(ell_col, ell_a, nnz, brow, backup, N)
+    perm, colptr = ref.csr_by_neuron(hy)
     dwg, dwu, dwd = (torch.empty(N, K, device=DEV, dtype=BF) for _ in range(3))
     kb = K * 2
     res = {"M": M, "p": p, "pairs": E, "ell_width": W}
@@ -199,7 +201,7 @@ def profile_phases(M, K, N, p, reps, timer):
                      E * 2 * kb / 1e9, "GB"),
         "bwd_rows": (lambda: ext.bwd_rows(True, gy, wg, wu, wdt, ell_col, ell_a, ell_u, nnz, flag, l1c, cg, cu,
                                           dx), E * 3 * kb / 1e9, "GB"),
-        "csr_by_neuron": (lambda: ops.csr_by_neuron(ell_col, nnz, flag, N), 0.0, "-"),
+        "csr_by_neuron": (lambda: ref.csr_by_neuron(hy), 0.0, "-"),
         "dense_gemm_same_shape": (lambda: torch.mm(x, wu.t(), out=g), 2 * M * K * N / 1e12, "TFLOP"),
     }
     a = torch.relu(g)
