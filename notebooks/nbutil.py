@@ -4,6 +4,10 @@ Every notebook reads only results/ (ours) and results/published/ (the paper's nu
 their source tags) and writes figures/<name>.png and paper_tables/<name>.md + .csv. A missing log never
 raises: `missing()` writes an explicit "not reproduced yet" entry and a labelled placeholder figure.
 
+Logs are read only through results/MANIFEST.csv (`record_paths`, `record_file`): a file in results/ that the
+manifest does not list is never read, so a new run's output cannot silently change a table. A results dir
+without a manifest reads as "no logs yet".
+
 Directories can be redirected (tests and development use synthetic logs in a temp dir):
   SFL_RESULTS_DIR    our logs                     (default <repo>/results)
   SFL_PUBLISHED_DIR  published CSVs               (default <repo>/results/published)
@@ -13,6 +17,7 @@ Directories can be redirected (tests and development use synthetic logs in a tem
 from __future__ import annotations
 
 import csv
+import fnmatch
 import json
 import math
 import os
@@ -206,12 +211,53 @@ def load_train_log(path: Path | str) -> TrainLog:
                     config=header.get("config") or {})
 
 
-def find_runs(experiment: str, filename: str = "train_log.jsonl") -> list[Path]:
-    """Run directories results/<experiment>/<run>/ that contain `filename` (sorted by name)."""
-    base = results_dir() / experiment
-    if not base.is_dir():
+# ----------------------------------------------------------------------------- the manifest
+MANIFEST_NAME = "MANIFEST.csv"
+MANIFEST_COLUMNS = ["path", "experiment", "what", "used_by", "seed", "status", "pending"]
+
+
+def manifest_rows(results: Path | str | None = None) -> list[dict[str, str]]:
+    """Rows of <results>/MANIFEST.csv (schema: results/README.md); [] when the results dir has no manifest."""
+    path = Path(results or results_dir()) / MANIFEST_NAME
+    if not path.is_file():
         return []
-    return sorted(p.parent for p in base.glob(f"*/{filename}"))
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if rows and set(MANIFEST_COLUMNS) - set(rows[0]):
+        raise ValueError(f"{path}: columns {sorted(set(MANIFEST_COLUMNS) - set(rows[0]))} missing; see results/README.md")
+    return rows
+
+
+def _path_matches(rel_path: str, pattern: str) -> bool:
+    """fnmatch per path segment, so '*' never crosses a '/' ('l1_sweep/*/train_log.jsonl' skips deeper files)."""
+    a, b = rel_path.split("/"), pattern.split("/")
+    return len(a) == len(b) and all(fnmatch.fnmatchcase(x, y) for x, y in zip(a, b))
+
+
+def record_paths(pattern: str) -> list[Path]:
+    """The logs of record whose manifest path (relative to the results dir) matches `pattern`, sorted.
+    A listed file that is missing is an error: the manifest and results/ disagree."""
+    base = results_dir()
+    out = []
+    for row in manifest_rows(base):
+        if _path_matches(row["path"], pattern):
+            p = base / row["path"]
+            if not p.is_file():
+                raise FileNotFoundError(f"{MANIFEST_NAME} lists {row['path']} but {p} does not exist; "
+                                        "restore the file or remove its row")
+            out.append(p)
+    return sorted(out)
+
+
+def record_file(rel_path: str) -> Path | None:
+    """One log of record by its path relative to the results dir; None when the manifest does not list it."""
+    hit = record_paths(rel_path)
+    return hit[0] if hit else None
+
+
+def find_runs(experiment: str, filename: str = "train_log.jsonl") -> list[Path]:
+    """Run directories results/<experiment>/<run>/ whose `filename` is in the manifest (sorted by name)."""
+    return sorted(p.parent for p in record_paths(f"{experiment}/*/{filename}"))
 
 
 def load_eval(path: Path | str) -> dict[str, Any]:
@@ -265,11 +311,15 @@ def mean_acc(ev: dict[str, Any], key: str = "acc") -> float:
 
 
 def load_jsonl_dir(directory: Path | str, pattern: str = "*.jsonl") -> pd.DataFrame:
-    """All rows of all JSONL files in a directory, nested 'provenance' flattened to prov_* columns,
-    plus 'source_file'. Empty DataFrame when nothing is there."""
-    directory = Path(directory)
+    """All rows of the manifest's JSONL files in a directory of the results dir, nested 'provenance' flattened
+    to prov_* columns, plus 'source_file'. Empty DataFrame when nothing is there."""
+    directory = Path(directory).resolve()
+    try:
+        rel_dir = directory.relative_to(results_dir()).as_posix()
+    except ValueError as e:
+        raise ValueError(f"{directory} is not under the results dir {results_dir()}: logs are read via its manifest") from e
     frames = []
-    for f in sorted(directory.glob(pattern)) if directory.is_dir() else []:
+    for f in record_paths(f"{rel_dir}/{pattern}" if rel_dir != "." else pattern):
         rows = []
         for r in read_jsonl(f):
             r = dict(r)
@@ -382,7 +432,9 @@ def speed_rows() -> pd.DataFrame:
 
 
 def latest(df: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame:
-    """One row per key combination: the most recent by provenance time when logged, else the last in file order."""
+    """One row per key combination: the most recent by provenance time when logged, else the last in file order.
+    Only the manifest's logs of record reach here, so this picks a listed rerun (e.g. training_h100_r8 over
+    training_h100_r4's M = 16384 cells), never an unlisted new file."""
     if df.empty:
         return df
     df = df.copy()
