@@ -250,9 +250,14 @@ def record_paths(pattern: str) -> list[Path]:
 
 
 def record_file(rel_path: str) -> Path | None:
-    """One log of record by its path relative to the results dir; None when the manifest does not list it."""
-    hit = record_paths(rel_path)
-    return hit[0] if hit else None
+    """One log of record by its exact path relative to the results dir; None when the manifest does not list it."""
+    base = results_dir()
+    if not any(row["path"] == rel_path for row in manifest_rows(base)):
+        return None
+    p = base / rel_path
+    if not p.is_file():
+        raise FileNotFoundError(f"{MANIFEST_NAME} lists {rel_path} but {p} does not exist; restore the file or remove its row")
+    return p
 
 
 def find_runs(experiment: str, filename: str = "train_log.jsonl") -> list[Path]:
