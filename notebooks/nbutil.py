@@ -40,6 +40,16 @@ SCALE_NOTE = (
     "corpus); the paper trained 0.5-2B-parameter models on 10-42B tokens on 8x H100 PCIe. Compare trends, "
     "ratios and sparsity fractions, not absolute values."
 )
+# Outputs that are not about our small trained models say their own scale (save_table/save_figure `scale=`).
+KERNEL_SCALE_NOTE = (
+    "Scale: single FFN blocks at the paper's layer shape (K = 2048, N = 5632 unless noted; M tokens per call), bf16, "
+    "on one GPU, with synthetic activations set to each activity level; no trained model is involved."
+)
+PAPER_SHAPE_SCALE_NOTE = (
+    "Scale: 'paper-shape' rows are the paper's 0.5-2B layer shapes (hidden 2048, N 5632, 8-38 layers) with random weights "
+    "and gates calibrated to the paper's activity, on one GPU, not trained models; rows named after a run are our small "
+    "trained models (SmolLM2-135M fine-tunes, K 576, N 1536)."
+)
 NOT_REPRODUCED = "not reproduced yet"
 MISSING_MARK = "**NOT REPRODUCED YET**"
 
@@ -611,13 +621,13 @@ def to_markdown(df: pd.DataFrame) -> str:
 
 # ----------------------------------------------------------------------------- writing outputs
 def save_table(name: str, df: pd.DataFrame, caption: str, *, title: str | None = None,
-               logs: Iterable[str] = (), extra: str = "") -> Path:
+               logs: Iterable[str] = (), extra: str = "", scale: str = SCALE_NOTE) -> Path:
     """Write paper_tables/<name>.md (title, caption + scale note, table, logs used) and <name>.csv."""
     out = tables_dir()
     out.mkdir(parents=True, exist_ok=True)
     df.to_csv(out / f"{name}.csv", index=False)
     logs = list(logs)
-    parts = [f"# {title or name}", "", caption.strip(), "", SCALE_NOTE, "", to_markdown(df), ""]
+    parts = [f"# {title or name}", "", caption.strip(), "", scale, "", to_markdown(df), ""]
     if extra:
         parts += [extra.strip(), ""]
     if logs:
@@ -629,11 +639,11 @@ def save_table(name: str, df: pd.DataFrame, caption: str, *, title: str | None =
     return path
 
 
-def save_figure(fig: plt.Figure, name: str, caption: str = "") -> Path:
+def save_figure(fig: plt.Figure, name: str, caption: str = "", *, scale: str = SCALE_NOTE) -> Path:
     """Write figures/<name>.png with the caption and scale note as a footer, then close the figure."""
     out = figures_dir()
     out.mkdir(parents=True, exist_ok=True)
-    footer = (caption.strip() + "\n" if caption else "") + SCALE_NOTE
+    footer = (caption.strip() + "\n" if caption else "") + scale
     width = int(fig.get_figwidth() * 17)  # characters per line at 6.5 pt
     # Placed below the axes; bbox_inches="tight" grows the image to include it (no overlap with labels).
     fig.text(0.01, -0.02, _wrap(footer, width), fontsize=6.5, va="top", ha="left", color="0.3")
