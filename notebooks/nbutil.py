@@ -420,6 +420,29 @@ def run_key(run_dir: Path | str) -> str:
         return p.name
 
 
+PAPER_DEAD_WINDOW_TOKENS = 2**20  # the paper counts a neuron dead over one training step (~1M tokens)
+
+
+def dead_window_tokens(log: TrainLog) -> float:
+    """The window over which the run counted a neuron dead: the config's dead_window_tokens, else (as
+    experiments/train.py defaults) one step's tokens on one rank = micro_batch_size x seq_len x grad_accum."""
+    v = cfg_get(log.config, "dead_window_tokens")
+    if v:
+        return float(v)
+    mbs, seq = cfg_get(log.config, "micro_batch_size"), cfg_get(log.config, "seq_len")
+    return float(mbs * seq * (cfg_get(log.config, "grad_accum") or 1)) if mbs and seq else float("nan")
+
+
+def dead_window_note(logs: Sequence[TrainLog]) -> str:
+    """'ours: dead = not active within the last N tokens (Kx shorter than the paper's ~1M-token step)'."""
+    w = sorted({dead_window_tokens(lg) for lg in logs if not math.isnan(dead_window_tokens(lg))})
+    if not w:
+        return "ours: dead-neuron window not logged"
+    ratio = PAPER_DEAD_WINDOW_TOKENS / w[0]
+    return (f"ours: dead = not active within the last {', '.join(f'{x:,.0f}' for x in w)} tokens, "
+            f"{ratio:.0f}x shorter than the paper's ~1M-token step (a shorter window counts more neurons dead)")
+
+
 def l1_sum_equivalent(log: TrainLog) -> float:
     """The run's L1 coefficient in the official code's normalisation (sum over neurons, mean over tokens).
     Eq. 2 ('mean' reduction) divides by N as well, so its coefficient is N times weaker: coeff / N."""
