@@ -130,3 +130,25 @@ def test_notebook_readers_see_only_listed_files(tmp_path, monkeypatch):
     (tmp_path / "speed" / "listed.jsonl").unlink()
     with pytest.raises(FileNotFoundError, match="MANIFEST.csv lists speed/listed.jsonl"):
         nbutil.record_paths("speed/*.jsonl")
+
+
+def _used_by_outputs(rows: list[dict[str, str]]) -> set[str]:
+    """'paper_tables/<name>' and 'figures/<name>' entries named in the used_by column."""
+    out = set()
+    for r in rows:
+        for item in r["used_by"].split(";"):
+            m = re.match(r"\s*((?:paper_tables|figures)/[\w.-]+)", item)
+            if m:
+                out.add(m.group(1))
+    return out
+
+
+def test_used_by_names_real_outputs_and_every_output_has_a_log():
+    """Each table and figure maps to manifest rows, and every table/figure a row names exists."""
+    named = _used_by_outputs(_manifest())
+    missing = sorted(n for n in named if not ((REPO / f"{n}.md").is_file() or (REPO / f"{n}.png").is_file()))
+    assert not missing, f"MANIFEST.csv used_by names outputs that do not exist: {missing}"
+    outputs = {f"paper_tables/{p.stem}" for p in (REPO / "paper_tables").glob("*.md") if p.stem != "INDEX"}
+    outputs |= {f"figures/{p.stem}" for p in (REPO / "figures").glob("*.png")}
+    orphans = sorted(outputs - named)
+    assert not orphans, f"tables/figures that no MANIFEST.csv row names in used_by (which logs feed them?): {orphans}"
