@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import csv
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from sfl.notebooks import nbutil
 
-from notebooks import nbutil  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 RESULTS = REPO / "results"
 STATUSES = {"record"}
