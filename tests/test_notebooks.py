@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-from nb_synthetic import make_synthetic_results  # noqa: E402
+from nb_synthetic import make_synthetic_results, write_manifest  # noqa: E402
 from sfl.notebooks import nbutil  # noqa: E402
 
 pytest.importorskip("nbclient")
@@ -63,6 +63,7 @@ def runs(tmp_path_factory):
     shutil.copytree(synth, partial)
     for rel in PARTIAL_REMOVED:
         shutil.rmtree(partial / rel)
+    write_manifest(partial)  # the removed logs leave the manifest too (a listed missing file is an error)
     procs, dirs = {}, {"real": None, "synthetic": synth, "partial": partial}
     for name, results in dirs.items():
         env = dict(os.environ, SFL_FIGURES_DIR=str(tmp / name / "figures"), SFL_TABLES_DIR=str(tmp / name / "tables"),
