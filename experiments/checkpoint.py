@@ -1,4 +1,7 @@
-"""Crash-safe training checkpoints: <out_dir>/checkpoints/step_XXXXXXX/{state.pt, COMPLETE}.
+"""Crash-safe training checkpoints: <out_dir>/checkpoints/step_XXXXXXX/{state.pt, dcp/, COMPLETE}.
+
+state.pt holds step, scheduler, RNG, counters and config; dcp/ the model and optimizer, written by every rank
+through torch.distributed.checkpoint (experiments/distributed.py).
 
 A checkpoint is written into a hidden temp dir, every file fsynced, the COMPLETE marker written
 last, then the dir is renamed into place (os.replace is atomic on POSIX) and latest.json is
@@ -10,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -72,21 +76,34 @@ def find_latest(out_dir: str | Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
-def save_checkpoint(out_dir: str | Path, step: int, state: dict[str, Any]) -> Path:
-    """Atomically write `state` as checkpoint `step`; keep the newest two; return its dir."""
+def begin_checkpoint(out_dir: str | Path, step: int) -> Path:
+    """A fresh hidden temp dir for checkpoint `step` (leftovers of crashed saves removed first)."""
     root = ckpt_root(out_dir)
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(f"{_TMP_PREFIX}*"):  # leftovers of a crashed save
         shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
-    final = root / f"step_{step:07d}"
-    tmp = root / f"{_TMP_PREFIX}{final.name}.{os.getpid()}"
+    tmp = root / f"{_TMP_PREFIX}step_{step:07d}.{os.getpid()}"
     tmp.mkdir()
+    return tmp
+
+
+def write_state(tmp: Path, state: dict[str, Any]) -> None:
+    """state.pt (fsynced) into a checkpoint temp dir."""
     with open(tmp / "state.pt", "wb") as f:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
+
+
+def commit_checkpoint(out_dir: str | Path, step: int, tmp: Path) -> Path:
+    """Mark a fully written temp dir COMPLETE, move it into place atomically, point latest.json at it and
+    keep the newest two; returns its final dir."""
+    root = ckpt_root(out_dir)
+    for sub in [tmp, *(d for d in tmp.iterdir() if d.is_dir())]:  # DCP writes a subdir
+        _fsync_dir(sub)
     _write_file(tmp / "COMPLETE", f"{step}\n".encode())
     _fsync_dir(tmp)
+    final = root / f"step_{step:07d}"
     if final.exists():  # re-saving the same step (e.g. final save right after a periodic one)
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -97,6 +114,33 @@ def save_checkpoint(out_dir: str | Path, step: int, state: dict[str, Any]) -> Pa
     return final
 
 
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+def save_checkpoint(out_dir: str | Path, step: int, state: dict[str, Any]) -> Path:
+    """Atomically write `state` as checkpoint `step`; keep the newest two; return its dir."""
+    tmp = begin_checkpoint(out_dir, step)
+    write_state(tmp, state)
+    return commit_checkpoint(out_dir, step, tmp)
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", model: bool = True) -> dict[str, Any]:
+    """state.pt of a checkpoint dir; with model=True also "model": the full model state dict, read in this
+    process from the checkpoint's DCP shards (dcp/, written by experiments/distributed.py) when it has them."""
     # weights_only=False: the state holds numpy / python RNG states (our own files only).
-    return torch.load(Path(path) / "state.pt", map_location=map_location, weights_only=False)
+    state = torch.load(Path(path) / "state.pt", map_location=map_location, weights_only=False)
+    if model and "model" not in state and (Path(path) / "dcp").is_dir():
+        state["model"] = read_dcp_tensors(Path(path) / "dcp", "model.")
+    return state
+
+
+def read_dcp_tensors(dcp_dir: str | Path, prefix: str) -> dict[str, torch.Tensor]:
+    """The full tensors stored under `prefix` in a torch.distributed.checkpoint dir, read by this process alone
+    (whatever number of ranks wrote it), keys without the prefix."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = dcp.FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata
+    out = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
+           if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+    with warnings.catch_warnings():  # DCP warns about no_dist even when asked for it
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load(out, checkpoint_id=str(dcp_dir), no_dist=True)
+    return {k[len(prefix):]: v for k, v in out.items()}
