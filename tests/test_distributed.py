@@ -23,7 +23,9 @@ import torch
 
 from sfl.experiments import train as train_mod
 from sfl.experiments.checkpoint import find_latest, load_checkpoint
-from sfl.experiments.config import load_config
+from sfl.experiments.config import ConfigError, load_config
+from sfl.experiments.data_loader import TokenData
+from sfl.experiments.distributed import Dist, resolve_grad_accum, restore_trackers, resume_config_view
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 61
@@ -96,9 +98,9 @@ def lines(out: Path, kind: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("dist")
-    data = root / "data"
+def data(tmp_path_factory) -> Path:
+    """Two train files (561 non-overlapping 17-token windows), one val file of 121 windows."""
+    data = tmp_path_factory.mktemp("data")
     tok = data / "tokens"
     tok.mkdir(parents=True)
     rng = np.random.default_rng(0)
@@ -109,7 +111,12 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         np.where(rng.random(n) < 0.1, rng.integers(0, VOCAB, n), base).astype(np.uint16).tofile(tok / name)
         meta[split].append({"file": name, "tokens": n})
     (tok / "meta.json").write_text(json.dumps(meta))
+    return data
 
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("dist")
     # The start model has 8 dead gate rows per layer (zero rows never fire), so Eq. 6 re-initialises some
     # rows at step 1 -- under FSDP each rank writes those of its own shard.
     from sfl.models import SparseLlamaConfig, SparseLlamaForCausalLM
@@ -192,3 +199,72 @@ def test_consolidated_final_model_loads_in_one_process(runs) -> None:
         assert torch.equal(v, ckpt[k]), k
     x = torch.arange(16).unsqueeze(0) % VOCAB
     assert torch.isfinite(final(input_ids=x).logits).all()
+
+
+# ----------------------------------------------------------------------------- no processes
+@pytest.mark.parametrize("order", ["random", "disjoint"])
+def test_global_batch_is_split_over_ranks(data, order) -> None:
+    """Rank r reads the r-th block of the step's global batch: 2 ranks x 4 = 1 rank x 8, at every step."""
+    one = TokenData(data / "tokens", 16, order, world=1)
+    two = TokenData(data / "tokens", 16, order, world=2)
+    for step in (0, 3, 70, 71):
+        whole = one.train_batch(5, step, 0, 8)
+        parts = [two.train_batch(5, step, r, 4) for r in range(2)]
+        assert torch.equal(whole, torch.cat(parts)), (order, step)
+        assert not torch.equal(parts[0], parts[1])
+    assert not torch.equal(one.train_batch(5, 0, 0, 8), one.train_batch(6, 0, 0, 8))
+
+
+def test_disjoint_order_reads_every_window_once_per_epoch(data) -> None:
+    tok = data / "tokens"
+    meta = json.loads((tok / "meta.json").read_text())
+    windows = []  # every non-overlapping window of the train files: starts at multiples of seq_len
+    for e in meta["train"]:
+        arr = np.fromfile(tok / e["file"], dtype=np.uint16).astype(np.int64)
+        windows += [tuple(arr[i * 16:i * 16 + 17]) for i in range((len(arr) - 1) // 16)]
+    assert len(windows) == 561 == 3 * 11 * 17
+    d = TokenData(tok, 16, "disjoint", world=3)
+    epoch = [tuple(row) for s in range(17) for r in range(3) for row in d.train_batch(1, s, r, 11).tolist()]
+    assert sorted(epoch) == sorted(windows)  # each window once (rank blocks disjoint, steps disjoint)
+    nxt = [tuple(row) for r in range(3) for row in d.train_batch(1, 17, r, 11).tolist()]
+    assert nxt != epoch[:33]  # the next epoch is reshuffled
+    with pytest.raises(ValueError, match="rank"):
+        d.train_batch(1, 0, 3, 11)
+
+
+def test_global_batch_size_and_resume_onto_other_world_size() -> None:
+    cfg = load_config(None, ["global_batch_size=512", "micro_batch_size=8"])
+    assert resolve_grad_accum(cfg, 8) == 8 and resolve_grad_accum(cfg, 2) == 32 and resolve_grad_accum(cfg, 1) == 64
+    with pytest.raises(ConfigError, match="global_batch_size"):
+        resolve_grad_accum(cfg, 3)
+    with pytest.raises(ConfigError, match="global_batch_size"):
+        load_config(None, ["global_batch_size=12", "micro_batch_size=8"])
+    saved = dict(cfg, grad_accum=8)  # as written by 8 ranks
+    view = resume_config_view(saved, 8, dict(cfg, grad_accum=32), 2)  # resumed on 2 ranks: same global batch
+    assert view["grad_accum"] == 8
+    with pytest.raises(ConfigError, match="global batch"):
+        resume_config_view(saved, 8, dict(cfg, grad_accum=8), 2)
+
+
+def test_dead_counters_restore_onto_other_world_size(monkeypatch) -> None:
+    class MLP:
+        def __init__(self) -> None:
+            self.tokens_since_fire = torch.zeros(4, dtype=torch.int64)
+
+    class Model:
+        mlps = [MLP()]
+
+        def sparse_mlps(self) -> list:
+            return self.mlps
+
+    # 2 ranks x 128 tokens per step. Neuron 0 fired in the last step (on rank 1), neuron 1 one step earlier
+    # (rank 0), neuron 2 never within 3 steps, neuron 3 at the very last token of rank 0.
+    saved = [torch.tensor([[200, 130, 384, 0], [5, 300, 390, 128]])]
+    model = Model()
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    restore_trackers(model, saved, Dist())  # one process: 256 tokens per step
+    since = model.mlps[0].tokens_since_fire
+    assert since.tolist() == [10, 260, 768, 0]
+    steps_since_fire = (since // 256).tolist()  # whole steps, as on 2 ranks: (min over ranks) // 128
+    assert steps_since_fire == (saved[0].min(0).values // 128).tolist() == [0, 1, 3, 0]
