@@ -325,7 +325,7 @@ def train(cfg: dict[str, Any], resume: bool = False) -> dict[str, Any]:
         for i in range(accum):
             x = batch[i * mbs:(i + 1) * mbs].to(device, non_blocking=True)
             with accumulation_context(fwd_model, last=i == accum - 1), autocast_ctx(cfg, device):
-                out = fwd_model(input_ids=x[:, :-1], shift_labels=x[:, 1:], l1_coeff=coeff)
+                out = fwd_model(input_ids=x[:, :-1], shift_labels=x[:, 1:], l1_coeff=coeff, use_cache=False)
                 (out.loss / accum).backward()
             l1 = out.l1.detach() if out.l1 is not None else torch.zeros((), device=device)
             sums += torch.stack([out.loss.detach().float(), out.ce.detach().float(), l1.float()])
