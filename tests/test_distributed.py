@@ -129,7 +129,7 @@ def runs(tmp_path_factory, data) -> dict[str, Path]:
             mlp.gate_proj.weight[20:28] = 0.0
     init.save_pretrained(root / "init")
 
-    out = {k: root / k for k in ("one", "fsdp", "ddp", "resumed", "resumed_one")}
+    out = {k: root / k for k in ("one", "fsdp", "ddp", "resumed", "resumed_one", "fsdp_bf16")}
     sets = {k: base_sets(data, root / "init", out[k]) for k in out}
     train_mod.train(load_config(None, as_sets({**sets["one"], **ONE_PROC})))
     torchrun({**sets["fsdp"], **FSDP})
@@ -141,6 +141,8 @@ def runs(tmp_path_factory, data) -> dict[str, Path]:
         (out[k] / "checkpoints" / "latest.json").unlink()
     forked({**sets["resumed"], **FSDP}, resume=True)
     train_mod.train(load_config(None, as_sets({**sets["resumed_one"], **ONE_PROC, "parallel": "fsdp"})), resume=True)
+    forked({**sets["fsdp_bf16"], **FSDP, "fsdp_mixed_precision": True, "max_steps": 2, "eval_every": 0,
+            "save_final": False})
     return out
 
 
@@ -187,6 +189,15 @@ def test_sharded_checkpoint_resumes_on_one_process(runs) -> None:
     pf, po = load_checkpoint(find_latest(runs["fsdp"])), load_checkpoint(find_latest(runs["resumed_one"]))
     for k in pf["model"]:
         assert torch.allclose(pf["model"][k], po["model"][k], rtol=1e-4, atol=1e-6), k
+
+
+def test_fsdp_mixed_precision_trains_close_to_fp32(runs) -> None:
+    """bf16 parameters in forward/backward, fp32 reduction: the same steps to bf16 rounding."""
+    one, bf16 = lines(runs["one"], "step")[:2], lines(runs["fsdp_bf16"], "step")
+    assert [x["step"] for x in bf16] == [1, 2]
+    for a, b in zip(one, bf16):
+        assert close(a["loss"], b["loss"], rel=2e-2) and close(a["nnz_mean"], b["nnz_mean"], rel=0.1), (a, b)
+        assert a["loss"] != b["loss"]  # it did run in bf16
 
 
 def test_consolidated_final_model_loads_in_one_process(runs) -> None:
