@@ -31,7 +31,7 @@ import torch.distributed as dist
 from sfl.models.sparsity import dead_fraction, reinit_dead_rows
 
 from .checkpoint import begin_checkpoint, commit_checkpoint, write_state
-from .config import ConfigError
+from .config import DEFAULTS, ConfigError
 
 DCP_SUBDIR = "dcp"  # <checkpoint>/dcp/: model + optimizer, written by torch.distributed.checkpoint
 
@@ -122,6 +122,9 @@ def resume_config_view(saved: dict[str, Any], saved_world: int, cfg: dict[str, A
     view = dict(cfg)
     for k in ("micro_batch_size", "grad_accum", "global_batch_size"):
         view[k] = saved.get(k, cfg[k])
+    for k, v in cfg.items():  # keys newer than the checkpoint: at their default they are what it ran with
+        if k not in saved and v == DEFAULTS.get(k):
+            view[k] = None
     return view
 
 

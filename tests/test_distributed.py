@@ -130,6 +130,7 @@ def runs(tmp_path_factory, data) -> dict[str, Path]:
     init.save_pretrained(root / "init")
 
     out = {k: root / k for k in ("one", "fsdp", "ddp", "resumed", "resumed_one", "fsdp_bf16")}
+    out.update(data=data, init=root / "init")
     sets = {k: base_sets(data, root / "init", out[k]) for k in out}
     train_mod.train(load_config(None, as_sets({**sets["one"], **ONE_PROC})))
     torchrun({**sets["fsdp"], **FSDP})
@@ -279,3 +280,36 @@ def test_dead_counters_restore_onto_other_world_size(monkeypatch) -> None:
     assert since.tolist() == [10, 260, 768, 0]
     steps_since_fire = (since // 256).tolist()  # whole steps, as on 2 ranks: (min over ranks) // 128
     assert steps_since_fire == (saved[0].min(0).values // 128).tolist() == [0, 1, 3, 0]
+
+
+def test_checkpoint_from_before_dcp_still_resumes(runs, tmp_path) -> None:
+    """A checkpoint in the earlier format (model and AdamW state inside state.pt, one process, no DCP, config
+    without the newer keys) resumes exactly."""
+    from sfl.experiments.distributed import load_checkpoint_dcp
+
+    out = tmp_path / "legacy"
+    shutil.copytree(runs["one"], out)
+    shutil.rmtree(out / "checkpoints" / "step_0000004")
+    (out / "checkpoints" / "latest.json").unlink()
+    ck = out / "checkpoints" / "step_0000002"
+    state = load_checkpoint(ck)
+    cfg = load_config(None, as_sets({**base_sets(runs["data"], runs["init"], out), **ONE_PROC}))
+    model = train_mod.build_model(cfg, VOCAB, 0, 256)
+    opt = torch.optim.AdamW(train_mod.param_groups(model, cfg["weight_decay"]), lr=cfg["lr"])
+    load_checkpoint_dcp(ck, model, opt)
+    state["optimizer"] = opt.state_dict()
+    state["trackers"] = [t[0] for t in state["trackers"]]  # one [N] tensor per layer
+    for k in ("global_batch_size", "parallel", "fsdp_mixed_precision", "activation_checkpointing"):
+        del state["config"][k]  # keys newer than that format, at their defaults in this run
+    shutil.rmtree(ck / "dcp")
+    # A key newer than the checkpoint set to a non-default value is a change: refused (legacy runs were random).
+    torch.save({**state, "config": {k: v for k, v in state["config"].items() if k != "data_order"}}, ck / "state.pt")
+    with pytest.raises(ConfigError, match="data_order"):
+        train_mod.train(cfg, resume=True)
+    torch.save(state, ck / "state.pt")
+    train_mod.train(cfg, resume=True)
+    want, got = lines(runs["one"], "step"), lines(out, "step")
+    assert [x["step"] for x in got] == [1, 2, 3, 4]
+    for a, b in zip(want, got):
+        for k in COMPARED:
+            assert a[k] == b[k], (a["step"], k)
