@@ -244,7 +244,7 @@ def _reinit_dead_rows_sharded(weight: Any, since: torch.Tensor, window: int, lam
 
     if tuple(weight.placements) != (Shard(0),):
         raise NotImplementedError(f"dead-neuron re-initialisation of a weight sharded as {weight.placements}")
-    dead = (since >= window).nonzero().flatten()
+    dead = (since >= window).nonzero().flatten().cpu()  # CPU like the noise (a CUDA mask cannot index it)
     if dead.numel() == 0:
         return 0
     noise = torch.randn((dead.numel(), weight.shape[1]), generator=gen, dtype=torch.float32)
@@ -256,9 +256,9 @@ def _reinit_dead_rows_sharded(weight: Any, since: torch.Tensor, window: int, lam
         raise RuntimeError(f"unexpected FSDP shard: {local.shape[0]} rows at offset {lo} of {rows}")
     mine = (dead >= lo) & (dead < lo + local.shape[0])
     if mine.any():
-        idx = dead[mine] - lo
-        new = (1.0 - lam) * local.index_select(0, idx.to(local.device)).float() + lam * std * noise[mine].to(local.device)
-        local.index_copy_(0, idx.to(local.device), new.to(local.dtype))
+        idx = (dead[mine] - lo).to(local.device)
+        new = (1.0 - lam) * local.index_select(0, idx).float() + lam * std * noise[mine].to(local.device)
+        local.index_copy_(0, idx, new.to(local.dtype))
     return int(dead.numel())
 
 
