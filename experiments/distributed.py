@@ -117,8 +117,9 @@ def resume_config_view(saved: dict[str, Any], saved_world: int, cfg: dict[str, A
     g_now = cfg["micro_batch_size"] * cfg["grad_accum"] * world
     if g_saved != g_now:
         raise ConfigError(f"--resume: the checkpoint's global batch is {g_saved} sequences (micro_batch_size "
-                          f"{saved['micro_batch_size']} x grad_accum {saved['grad_accum']} x WORLD_SIZE {saved_world}), "
-                          f"now {g_now}; keep it (set global_batch_size, or grad_accum) or start a new out_dir")
+                          f"{saved['micro_batch_size']} x grad_accum {saved['grad_accum']} x WORLD_SIZE "
+                          f"{saved_world}), now {g_now}; keep it (set global_batch_size, or grad_accum) or start a "
+                          "new out_dir")
     view = dict(cfg)
     for k in ("micro_batch_size", "grad_accum", "global_batch_size"):
         view[k] = saved.get(k, cfg[k])
@@ -183,6 +184,24 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.T
 def is_sharded(model: torch.nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
     return isinstance(model, FSDPModule)
+
+
+@contextlib.contextmanager
+def eval_path(model: torch.nn.Module) -> Any:
+    """Evaluation of an FSDP2 model with mlp_impl cuda runs the dense path instead (same CE and statistics up to
+    rounding). FSDP2 frees and refills a layer's gathered weights in the same storage without bumping their
+    version counter (checked on torch 2.13), and the CUDA inference path caches per weight, keyed by storage and
+    version (the bf16 cast in SparseLlamaMLP._inference_weights, the transposed W_d in the runtime): it could
+    serve the weights of an earlier step. Training goes through the training op, which caches nothing per weight."""
+    impl = model.config.mlp_impl
+    if impl != "cuda" or not is_sharded(model):
+        yield
+        return
+    model.set_mlp_impl("dense")
+    try:
+        yield
+    finally:
+        model.set_mlp_impl(impl)
 
 
 # --------------------------------------------------------------------------------------- sparsity statistics

@@ -34,9 +34,10 @@ from .checkpoint import atomic_write_text, find_latest, load_checkpoint
 from .config import ConfigError, l1_coeff_at, load_config, lr_at
 from .data_loader import TokenData
 # several processes (torchrun): wrapping, cross-rank statistics, DCP checkpoints -- see experiments/distributed.py
-from .distributed import (Dist, accumulation_context, clip_grad_norm, gather_trackers, global_sparsity_stats, is_sharded,
-                          load_model_and_optimizer, local_dead_window, reinit_dead, resolve_grad_accum, restore_trackers,
-                          resume_config_view, save_checkpoint_dcp, unsharded_copy, wrap_model)
+from .distributed import (Dist, accumulation_context, clip_grad_norm, eval_path, gather_trackers,
+                          global_sparsity_stats, is_sharded, load_model_and_optimizer, local_dead_window, reinit_dead,
+                          resolve_grad_accum, restore_trackers, resume_config_view, save_checkpoint_dcp,
+                          unsharded_copy, wrap_model)
 from sfl.models import SparseLlamaConfig, SparseLlamaForCausalLM
 
 # Keys that may change between a checkpoint and its resumption without breaking exactness.
@@ -197,7 +198,7 @@ def evaluate(model: SparseLlamaForCausalLM, windows: torch.Tensor, cfg: dict[str
         if j >= len(starts) and counted is None:
             counted = [m.sparsity_stats() for m in model.sparse_mlps()]
         x = windows[starts[j if j < len(starts) else 0]:][:mbs].to(device)
-        with autocast_ctx(cfg, device):
+        with autocast_ctx(cfg, device), eval_path(model):
             out = model(input_ids=x[:, :-1], shift_labels=x[:, 1:])
         if j < len(starts):
             n = x[:, 1:].numel()
