@@ -86,6 +86,23 @@ class DataNotPrepared(RuntimeError):
     """A prepared-data step is missing or incomplete; the message says which command makes it."""
 
 
+def read_manifest(path: Path) -> dict:
+    """Parse a manifest.json; a malformed one raises DataNotPrepared naming the file and the fix
+    (FileNotFoundError passes through: callers say what a missing one means)."""
+    import json
+
+    try:
+        data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict) or not isinstance(data.get("steps"), dict):
+            raise ValueError("no 'steps' mapping")
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise DataNotPrepared(
+            f"{path} is not a valid data manifest ({e}): it was cut short or edited. Delete it and rerun "
+            f"`python -m sfl.data.prepare --data-dir {Path(path).parent}`: every step is then checked again and "
+            "rebuilt where needed (downloads are reused)") from None
+    return data
+
+
 def require(step: str, data_dir_: str | os.PathLike | None = None) -> DataPaths:
     """Return the paths if `step` was prepared (recorded in manifest.json and its files exist).
 
@@ -101,7 +118,7 @@ def require(step: str, data_dir_: str | os.PathLike | None = None) -> DataPaths:
             + (f" --data-dir {p.root}" if p.root != DEFAULT_DATA_DIR else "")
             + f" (data dir {p.root}; set ${ENV_VAR} or --data-dir to use another)")
     try:
-        manifest = json.loads(p.manifest.read_text())
+        manifest = read_manifest(p.manifest)
     except FileNotFoundError:
         raise DataNotPrepared(f"data step '{step}' is not prepared: no {p.manifest}. To make it, {hint}") from None
     rec = manifest.get("steps", {}).get(step)

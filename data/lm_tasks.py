@@ -41,14 +41,47 @@ def parse_tasks(spec: str) -> list[str]:
     return out
 
 
+class EvalDataError(ValueError):
+    """An eval file that differs from what data.prepare recorded; the message names the file and the fix."""
+
+
+def check_eval_files(eval_dir: Path, tasks: list[str]) -> None:
+    """Check each task file against the `eval` record of the data dir's manifest.json: its size and its row
+    count (a file cut to 10 lines would otherwise be scored as n = 10). An eval dir outside a prepared data
+    dir (no manifest beside it, e.g. --eval-dir of hand-made files) has nothing to check against."""
+    from . import read_manifest
+
+    manifest = eval_dir.parent / "manifest.json"
+    if eval_dir.name != "eval" or not manifest.is_file():
+        return
+    rec = read_manifest(manifest)["steps"].get("eval")
+    fix = f"rebuild it with `python -m sfl.data.prepare --only eval --data-dir {eval_dir.parent}`"
+    if rec is None:
+        raise EvalDataError(f"{manifest} has no record of the eval step, so {eval_dir} cannot be trusted; {fix}")
+    for t in tasks:
+        f = eval_dir / f"{t}.jsonl"
+        files = rec.get("files", {}).get(f"eval/{t}.jsonl")
+        n_rec = rec.get("info", {}).get("tasks", {}).get(t, {}).get("n")
+        with open(f, "rb") as fh:
+            rows = sum(1 for line in fh if line.strip())
+        if n_rec is not None and rows != n_rec:
+            raise EvalDataError(f"{f} has {rows} rows but {manifest} records {n_rec}: the file was cut short or "
+                                f"edited after preparation (scores would be over {rows} docs); {fix}")
+        if files is not None and f.stat().st_size != files["bytes"]:
+            raise EvalDataError(f"{f} has {f.stat().st_size} bytes but {manifest} records {files['bytes']}: the "
+                                f"file was edited after preparation; {fix}")
+
+
 def materialize(eval_dir: Path, dest: Path, tasks: list[str]) -> Path:
-    """Write the YAMLs of `tasks` (+ utils.py they reference) into dest with eval_dir substituted."""
+    """Write the YAMLs of `tasks` (+ utils.py they reference) into dest with eval_dir substituted, after
+    checking the task files against the data dir's manifest (`check_eval_files`)."""
     eval_dir = Path(eval_dir).resolve()
     missing = [t for t in tasks if not (eval_dir / f"{t}.jsonl").is_file()]
     if missing:
         raise FileNotFoundError(
             f"eval data missing in {eval_dir}: {', '.join(t + '.jsonl' for t in missing)}. "
             f"Run `python -m sfl.data.prepare --only eval` (data dir from $SFL_DATA_DIR or --data-dir).")
+    check_eval_files(eval_dir, tasks)
     dest.mkdir(parents=True, exist_ok=True)
     shutil.copy(TEMPLATE_DIR / "utils.py", dest / "utils.py")
     for t in tasks:

@@ -64,7 +64,8 @@ class Manifest:
         self.root = Path(root)
         self.path = self.root / "manifest.json"
         if self.path.is_file():
-            self.data = json.loads(self.path.read_text())
+            from . import read_manifest  # malformed JSON: an error naming the file and the fix
+            self.data = read_manifest(self.path)
         else:
             self.data = {"format": 1, "steps": {}}
 

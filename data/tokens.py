@@ -13,6 +13,30 @@ from tqdm import tqdm
 from .manifest import atomic_write_text
 
 DTYPE = np.uint16
+# Per-shard checksum recorded in meta.json at preparation and checked where the shard is used
+# (experiments/data_loader.py): SHA-1 of the whole file, the fastest full-file hash hashlib has here
+# (~1.5 GB/s with the CPU's SHA extensions: 0.03 s for the 36 MB of the offline stream). Integrity, not security.
+CHECKSUM = "sha1"
+_SCAN_CHUNK = 1 << 24  # bytes per read (even: whole uint16 tokens)
+
+
+def scan_shard(path: Path) -> tuple[str, int, int]:
+    """(checksum of the file, largest token id in it or -1 if empty, number of bytes), in one read."""
+    h = hashlib.new(CHECKSUM)
+    top, size, carry = -1, 0, b""
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(_SCAN_CHUNK)
+            if not b:
+                break
+            h.update(b)
+            size += len(b)
+            b = carry + b
+            whole = len(b) - len(b) % 2
+            carry = b[whole:]
+            if whole:
+                top = max(top, int(np.frombuffer(b[:whole], dtype="<u2").max()))
+    return h.hexdigest(), top, size
 
 
 def doc_order_key(doc_id: str) -> bytes:
@@ -73,7 +97,8 @@ def encode_stream(tokenizer: Any, docs: Sequence[tuple[str, str]], eos_id: int, 
 
 
 def write_shards(tokens: np.ndarray, out_dir: Path, prefix: str, shard_tokens: int) -> list[dict[str, Any]]:
-    """Write tokens as <prefix>_000.bin, ... (raw uint16, little-endian) atomically; return meta entries."""
+    """Write tokens as <prefix>_000.bin, ... (raw uint16, little-endian) atomically; return meta entries
+    {"file", "tokens", "sha1"} (the checksum is verified by the training data loader)."""
     if shard_tokens <= 0:
         raise ValueError("shard_tokens must be positive")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -85,7 +110,7 @@ def write_shards(tokens: np.ndarray, out_dir: Path, prefix: str, shard_tokens: i
         tmp = out_dir / f".{name}.tmp{os.getpid()}"
         chunk.tofile(tmp)
         os.replace(tmp, out_dir / name)
-        entries.append({"file": name, "tokens": int(chunk.size)})
+        entries.append({"file": name, "tokens": int(chunk.size), CHECKSUM: scan_shard(out_dir / name)[0]})
     return entries
 
 

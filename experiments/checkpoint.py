@@ -3,24 +3,32 @@
 state.pt holds step, scheduler, RNG, counters and config; dcp/ the model and optimizer, written by every rank
 through torch.distributed.checkpoint (experiments/distributed.py).
 
-A checkpoint is written into a hidden temp dir, every file fsynced, the COMPLETE marker written
-last, then the dir is renamed into place (os.replace is atomic on POSIX) and latest.json is
-swapped atomically. A kill at any moment leaves either the old set or the new one; stray temp dirs
-are ignored by `find_latest` and removed by the next save. The newest two are kept.
+A checkpoint is written into a hidden temp dir owned by this process (`.tmp-step_XXXXXXX.<pid>`), every
+file fsynced, the COMPLETE marker written last, then the dir is renamed into place (os.replace is atomic on
+POSIX) and latest.json is swapped atomically. A kill at any moment leaves either the old set or the new one;
+stray temp dirs are ignored by `find_latest` and removed at the next start-up (experiments/rundir.py, under
+the run directory's lock). The newest two are kept. A write that fails (a full disk above all) removes its
+temp dir and raises CheckpointWriteError saying so; the previous checkpoint is untouched.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
-_TMP_PREFIX = ".tmp-"
-_KEEP = 2
+from .rundir import tmp_name
+
+KEEP = 2
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (e.g. no space left on device); the previous one is intact."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -40,9 +48,13 @@ def _write_file(path: Path, data: bytes) -> None:
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Write text to path via a fsynced temp file + os.replace."""
-    tmp = path.with_name(f"{_TMP_PREFIX}{path.name}.{os.getpid()}")
-    _write_file(tmp, text.encode())
-    os.replace(tmp, path)
+    tmp = path.with_name(tmp_name(path.name))
+    try:
+        _write_file(tmp, text.encode())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(path.parent)
 
 
@@ -76,49 +88,126 @@ def find_latest(out_dir: str | Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
+class _RecordingWriter:
+    """File wrapper that keeps the OSError of a failed write: torch.save reports a short write as
+    "inline_container.cc: unexpected pos", which hides that the disk was full."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f, self.error = f, None
+
+    def write(self, b: bytes) -> int:
+        try:
+            return self.f.write(b)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _disk_error(exc: BaseException, writer: _RecordingWriter | None) -> OSError | None:
+    """The OSError behind a failed checkpoint write, if any (the recorded one, or one in the chain)."""
+    if writer is not None and writer.error is not None:
+        return writer.error
+    seen = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _save_state(path: Path, state: dict[str, Any]) -> None:
+    writer = None
+    try:
+        with open(path, "wb") as f:
+            writer = _RecordingWriter(f)
+            torch.save(state, writer)
+            f.flush()
+            os.fsync(f.fileno())
+    except Exception as e:
+        cause = _disk_error(e, writer)
+        if cause is None:
+            raise
+        raise cause from e
+
+
 def begin_checkpoint(out_dir: str | Path, step: int) -> Path:
-    """A fresh hidden temp dir for checkpoint `step` (leftovers of crashed saves removed first)."""
+    """This process's fresh hidden temp dir for checkpoint `step` (`.tmp-step_XXXXXXX.<pid>`; other processes'
+    temp entries are left alone: stale ones are removed at start-up, experiments/rundir.py)."""
     root = ckpt_root(out_dir)
     root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(f"{_TMP_PREFIX}*"):  # leftovers of a crashed save
-        shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
-    tmp = root / f"{_TMP_PREFIX}step_{step:07d}.{os.getpid()}"
-    tmp.mkdir()
+    tmp = root / tmp_name(f"step_{step:07d}")
+    shutil.rmtree(tmp, ignore_errors=True)  # our own leftover of an earlier failed save of this step
+    try:
+        tmp.mkdir()
+    except OSError as e:
+        raise abort_checkpoint(e, out_dir, step, tmp) from e
     return tmp
 
 
 def write_state(tmp: Path, state: dict[str, Any]) -> None:
-    """state.pt (fsynced) into a checkpoint temp dir."""
-    with open(tmp / "state.pt", "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
+    """state.pt (fsynced) into a checkpoint temp dir; a failed write raises the OSError behind it."""
+    _save_state(tmp / "state.pt", state)
+
+
+def abort_checkpoint(e: OSError, out_dir: str | Path, step: int, tmp: Path) -> CheckpointWriteError:
+    """Remove the temp dir of a checkpoint whose write failed; the CheckpointWriteError to raise."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    return _write_error(e, ckpt_root(out_dir) / f"step_{step:07d}", out_dir)
 
 
 def commit_checkpoint(out_dir: str | Path, step: int, tmp: Path) -> Path:
     """Mark a fully written temp dir COMPLETE, move it into place atomically, point latest.json at it and
     keep the newest two; returns its final dir."""
     root = ckpt_root(out_dir)
-    for sub in [tmp, *(d for d in tmp.iterdir() if d.is_dir())]:  # DCP writes a subdir
-        _fsync_dir(sub)
-    _write_file(tmp / "COMPLETE", f"{step}\n".encode())
-    _fsync_dir(tmp)
     final = root / f"step_{step:07d}"
+    try:
+        for sub in [tmp, *(d for d in tmp.iterdir() if d.is_dir())]:  # DCP writes a subdir
+            _fsync_dir(sub)
+        _write_file(tmp / "COMPLETE", f"{step}\n".encode())
+        _fsync_dir(tmp)
+    except OSError as e:
+        raise abort_checkpoint(e, out_dir, step, tmp) from e
     if final.exists():  # re-saving the same step (e.g. final save right after a periodic one)
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(root)
     atomic_write_text(root / "latest.json", json.dumps({"dir": final.name, "step": step}))
-    for old in list_checkpoints(out_dir)[:-_KEEP]:
+    for old in list_checkpoints(out_dir)[:-KEEP]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
 def save_checkpoint(out_dir: str | Path, step: int, state: dict[str, Any]) -> Path:
-    """Atomically write `state` as checkpoint `step`; keep the newest two; return its dir."""
+    """Atomically write `state` as checkpoint `step`; keep the newest two; return its dir.
+
+    Raises CheckpointWriteError (the previous checkpoint intact, our temp dir removed) when the write fails
+    for an OS reason, e.g. ENOSPC."""
     tmp = begin_checkpoint(out_dir, step)
-    write_state(tmp, state)
+    try:
+        write_state(tmp, state)
+    except OSError as e:
+        raise abort_checkpoint(e, out_dir, step, tmp) from e
     return commit_checkpoint(out_dir, step, tmp)
+
+
+def _write_error(e: OSError, final: Path, out_dir: str | Path) -> CheckpointWriteError:
+    prev = find_latest(out_dir)
+    kept = (f"the previous checkpoint {prev.name} is intact, so `--resume` continues from it"
+            if prev is not None else "no earlier checkpoint exists, so `--resume` starts the run again")
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        free = shutil.disk_usage(final.parent).free
+        what = (f"no space left on device (errno {errno.errorcode[e.errno]}) writing checkpoint {final.name} in "
+                f"{final.parent} ({free / 2**20:.0f} MiB free now that its partial copy is removed)")
+        todo = "free disk space (or move out_dir) and rerun with --resume"
+    else:
+        what = f"writing checkpoint {final.name} in {final.parent} failed: {e}"
+        todo = "fix the cause and rerun with --resume"
+    return CheckpointWriteError(e.errno, f"{what}; {kept}: {todo}")
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", model: bool = True) -> dict[str, Any]:

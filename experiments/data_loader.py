@@ -4,15 +4,36 @@ Training batches are contiguous seq_len+1 windows that are a pure function of (s
 sampler state has to be carried, and a resumed run draws exactly the batches the uninterrupted run would
 have drawn. A step's global batch depends on (seed, step) only and every rank reads its own block of it,
 so the data order does not change with the number of ranks. Validation uses fixed sequential windows.
+
+Data are checked where they are used, and every failure is a DataError naming the file and the fix:
+- at open: meta.json parses and has its keys, every shard exists with exactly 2 bytes per recorded token;
+- `verify()` (training start and resume): each shard's checksum equals the one recorded in meta.json at
+  preparation, and no token id is >= vocab_size (one read of every shard);
+- every batch: its largest token id is < vocab_size (one max over the batch; catches a shard changed
+  while the run reads it).
 """
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from sfl.data.tokens import CHECKSUM, scan_shard
+
+
+class DataError(ValueError):
+    """Prepared data that are missing, malformed or changed; the message names the file and the fix."""
+
+
+def rebuild_hint(tokens_dir: Path) -> str:
+    """The command that rebuilds the token shards of this data dir."""
+    root = tokens_dir.parent
+    return (f"rebuild them with `python -m sfl.data.prepare --only tokens --data-dir {root}` "
+            "(add --force if the manifest still calls them up to date)")
 
 
 class TokenData:
@@ -20,14 +41,7 @@ class TokenData:
 
     def __init__(self, tokens_dir: str | Path, seq_len: int, order: str = "random", world: int = 1) -> None:
         self.dir = Path(tokens_dir)
-        meta_path = self.dir / "meta.json"
-        if not meta_path.is_file():
-            raise FileNotFoundError(
-                f"{meta_path} not found: prepare the data first (see data/README.md) or set data_dir / "
-                "$SFL_DATA_DIR to a prepared data dir")
-        self.meta: dict[str, Any] = json.loads(meta_path.read_text())
-        if self.meta.get("dtype", "uint16") != "uint16":
-            raise ValueError(f"{meta_path}: dtype {self.meta.get('dtype')!r} unsupported (expected uint16)")
+        self.meta: dict[str, Any] = self._read_meta()
         self.vocab_size = int(self.meta["vocab_size"])
         self.seq_len = seq_len
         self.train = self._open(self.meta["train"], "train")
@@ -35,7 +49,8 @@ class TokenData:
         # Valid window starts per train file; windows never cross file boundaries.
         self._starts = np.array([len(a) - seq_len for a in self.train], dtype=np.int64)
         if (self._starts <= 0).all():
-            raise ValueError(f"every train file in {self.dir} is shorter than seq_len+1={seq_len + 1} tokens")
+            raise DataError(f"every train file in {self.dir} is shorter than seq_len+1={seq_len + 1} tokens: "
+                            "lower seq_len, or prepare more train tokens (data/README.md)")
         self._starts = np.maximum(self._starts, 0)
         self._cum = np.cumsum(self._starts)
         self.n_val_windows = sum(max(0, (len(a) - 1) // seq_len) for a in self.val)
@@ -45,19 +60,84 @@ class TokenData:
         # order "disjoint": window i of a file starts at token i*seq_len (the val split's layout)
         self._win_cum = np.cumsum([max(0, (len(a) - 1) // seq_len) for a in self.train])
         self._perms: dict[tuple[int, int], np.ndarray] = {}
+        self._digests: dict[str, str] | None = None
+
+    # ------------------------------------------------------------------------------------- opening
+    def _read_meta(self) -> dict[str, Any]:
+        path = self.dir / "meta.json"
+        if not path.is_file():
+            raise DataError(f"{path} not found: prepare the data first (see data/README.md) or set data_dir / "
+                            "$SFL_DATA_DIR to a prepared data dir")
+        try:
+            meta = json.loads(path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise DataError(f"{path} is not valid JSON ({e}): it was cut short or edited; "
+                            f"{rebuild_hint(self.dir)}") from None
+        missing = [k for k in ("vocab_size", "train", "val") if not isinstance(meta, dict) or k not in meta]
+        if missing:
+            raise DataError(f"{path} lacks {', '.join(missing)}: not a meta.json of data.prepare; "
+                            f"{rebuild_hint(self.dir)}")
+        if meta.get("dtype", "uint16") != "uint16":
+            raise DataError(f"{path}: dtype {meta.get('dtype')!r} unsupported (expected uint16); "
+                            f"{rebuild_hint(self.dir)}")
+        return meta
 
     def _open(self, entries: list[dict[str, Any]], split: str) -> list[np.memmap]:
         arrays = []
         for e in entries:
             path = self.dir / e["file"]
-            arr = np.memmap(path, dtype=np.uint16, mode="r")
-            if "tokens" in e and int(e["tokens"]) != len(arr):
-                raise ValueError(f"{path}: meta.json says {e['tokens']} tokens, file has {len(arr)}")
-            arrays.append(arr)
+            if not path.is_file():
+                raise DataError(f"{path} (listed in meta.json) is missing; {rebuild_hint(self.dir)}")
+            size = path.stat().st_size
+            if "tokens" in e and size != 2 * int(e["tokens"]):
+                raise DataError(f"{path} has {size} bytes but meta.json records {e['tokens']} uint16 tokens "
+                                f"({2 * int(e['tokens'])} bytes): the file is truncated or was changed; "
+                                f"{rebuild_hint(self.dir)}")
+            if size % 2:
+                raise DataError(f"{path} has an odd number of bytes ({size}): not uint16 tokens, it is truncated "
+                                f"or corrupt; {rebuild_hint(self.dir)}")
+            arrays.append(np.memmap(path, dtype=np.uint16, mode="r") if size else np.zeros(0, np.uint16))
         if not arrays:
-            raise ValueError(f"{self.dir}/meta.json lists no {split} files")
+            raise DataError(f"{self.dir}/meta.json lists no {split} files; {rebuild_hint(self.dir)}")
         return arrays
 
+    # ------------------------------------------------------------------------------------- verification
+    def verify(self) -> dict[str, str]:
+        """Checksum and range-check every shard (one read of each); return {file: checksum}.
+
+        A checksum differing from the one meta.json recorded at preparation, or a token id >= vocab_size,
+        raises DataError naming the file. meta.json files written before checksums were recorded have none:
+        then only the range is checked (and the digests still guard a resume).
+        """
+        if self._digests is not None:
+            return self._digests
+        digests, unrecorded = {}, []
+        for e in self.meta["train"] + self.meta["val"]:
+            path = self.dir / e["file"]
+            digest, top, _ = scan_shard(path)
+            want = e.get(CHECKSUM)
+            if want is None:
+                unrecorded.append(e["file"])
+            elif digest != want:
+                raise DataError(f"{path} changed since it was prepared: its {CHECKSUM} is {digest}, meta.json "
+                                f"records {want}; {rebuild_hint(self.dir)}")
+            if top >= self.vocab_size:
+                raise DataError(f"{path} holds token id {top} >= vocab_size {self.vocab_size} of meta.json: the "
+                                f"shard is corrupt or from another tokenizer; {rebuild_hint(self.dir)}")
+            digests[e["file"]] = digest
+        if unrecorded:
+            print(f"note: {self.dir}/meta.json records no checksum for {len(unrecorded)} shard(s) (prepared by an "
+                  f"older data.prepare), so a change since preparation cannot be detected; "
+                  f"{rebuild_hint(self.dir)} to record them", file=sys.stderr)
+        self._digests = digests
+        return digests
+
+    def _check_ids(self, batch: np.ndarray, what: str) -> None:
+        if batch.size and int(batch.max()) >= self.vocab_size:
+            raise DataError(f"{what} holds token id {int(batch.max())} >= vocab_size {self.vocab_size}: a shard in "
+                            f"{self.dir} is corrupt or was changed during the run; {rebuild_hint(self.dir)}")
+
+    # ------------------------------------------------------------------------------------- windows
     def train_batch(self, seed: int, step: int, rank: int, n: int) -> torch.Tensor:
         """int64 [n, seq_len+1]: rank `rank`'s n windows of optimizer step `step` (deterministic).
 
@@ -82,8 +162,9 @@ class TokenData:
                 ids[sel] = self._epoch_perm(seed, int(epoch))[g[sel] % total]
             file_idx = np.searchsorted(self._win_cum, ids, side="right")
             offs = (ids - np.concatenate([[0], self._win_cum[:-1]])[file_idx]) * self.seq_len
-        rows = [self.train[f][o:o + self.seq_len + 1] for f, o in zip(file_idx, offs)]
-        return torch.from_numpy(np.stack(rows).astype(np.int64))
+        rows = np.stack([self.train[f][o:o + self.seq_len + 1] for f, o in zip(file_idx, offs)])
+        self._check_ids(rows, f"the train batch of step {step}")
+        return torch.from_numpy(rows.astype(np.int64))
 
     def _epoch_perm(self, seed: int, epoch: int) -> np.ndarray:
         """The order of the non-overlapping train windows in `epoch` (cached: a step reads one or two)."""
@@ -97,9 +178,14 @@ class TokenData:
     def val_windows(self, n: int) -> torch.Tensor:
         """int64 [n, seq_len+1]: the first n sequential, non-overlapping windows of the val split
         (window i starts at token i*seq_len, sharing one token with the next: all targets used)."""
-        if n > self.n_val_windows:
-            raise ValueError(f"val split has {self.n_val_windows} windows of seq_len+1={self.seq_len + 1} "
-                             f"tokens but {n} were requested: lower eval_batches or micro_batch_size")
+        if self.n_val_windows == 0:
+            files = ", ".join(str(self.dir / e["file"]) for e in self.meta["val"])
+            raise DataError(f"the val split ({files}) has {sum(len(a) for a in self.val)} tokens: not one window "
+                            f"of seq_len+1={self.seq_len + 1} tokens to evaluate on; lower seq_len, or prepare more "
+                            "val tokens (data/README.md)")
+        if n > self.n_val_windows or n < 1:
+            raise DataError(f"val split has {self.n_val_windows} windows of seq_len+1={self.seq_len + 1} "
+                            f"tokens but {n} were requested: lower eval_batches or micro_batch_size")
         rows: list[np.ndarray] = []
         for arr in self.val:
             k = (len(arr) - 1) // self.seq_len
@@ -107,9 +193,36 @@ class TokenData:
                 if len(rows) == n:
                     break
                 rows.append(arr[i * self.seq_len:i * self.seq_len + self.seq_len + 1])
-        return torch.from_numpy(np.stack(rows).astype(np.int64))
+        out = np.stack(rows)
+        self._check_ids(out, "the val windows")
+        return torch.from_numpy(out.astype(np.int64))
 
+    # ------------------------------------------------------------------------------------- resume
     def fingerprint(self) -> dict[str, Any]:
-        """What identifies the data a checkpoint was trained on (checked on resume)."""
-        return {"train": [(e["file"], int(e.get("tokens", 0))) for e in self.meta["train"]],
+        """What identifies the data a checkpoint was trained on (checked on resume): names, token counts
+        and content checksums of the train shards."""
+        digests = self.verify()
+        return {"train": [(e["file"], int(e.get("tokens", 0)), digests[e["file"]]) for e in self.meta["train"]],
                 "vocab_size": self.vocab_size}
+
+    def fingerprint_mismatch(self, saved: dict[str, Any]) -> str | None:
+        """None if `saved` (a checkpoint's fingerprint) matches these data, else a message naming what changed
+        and the fix. Fingerprints of older checkpoints (no checksums) are compared on names and counts."""
+        now = self.fingerprint()
+        if saved.get("vocab_size") != now["vocab_size"]:
+            return (f"vocab_size of {self.dir}/meta.json is {now['vocab_size']}, the checkpoint's data had "
+                    f"{saved.get('vocab_size')}")
+        old = {t[0]: tuple(t[1:]) for t in saved.get("train", [])}
+        new = {t[0]: tuple(t[1:]) for t in now["train"]}
+        for name in sorted(old.keys() | new.keys()):
+            if name not in new:
+                return f"train shard {self.dir / name} of the checkpoint's data is no longer in meta.json"
+            if name not in old:
+                return f"train shard {self.dir / name} is new since the checkpoint"
+            o, n = old[name], new[name][:len(old[name])]
+            if o[0] != n[0]:
+                return f"train shard {self.dir / name} has {n[0]} tokens, the checkpoint's had {o[0]}"
+            if o != n:
+                return (f"train shard {self.dir / name} changed since the checkpoint ({CHECKSUM} {n[1]}, was {o[1]}): "
+                        f"{rebuild_hint(self.dir)} as they were, or start a new out_dir")
+        return None

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from sfl.models.sparsity import dead_fraction, reinit_dead_rows
 
-from .checkpoint import begin_checkpoint, commit_checkpoint, write_state
+from .checkpoint import CheckpointWriteError, abort_checkpoint, begin_checkpoint, commit_checkpoint, write_state
 from .config import DEFAULTS, ConfigError
 
 DCP_SUBDIR = "dcp"  # <checkpoint>/dcp/: model + optimizer, written by torch.distributed.checkpoint
@@ -323,17 +323,65 @@ def save_checkpoint_dcp(out_dir: Path, step: int, model: torch.nn.Module, opt: t
     resharding on load), the rest (`state`: step, scheduler, RNG, counters, config) as state.pt by rank 0;
     COMPLETE and the atomic rename come last (checkpoint.py). Collective: every rank calls it."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    tmp = d.broadcast(begin_checkpoint(out_dir, step) if d.main else None)
+    def stop_on_error(err: Exception | None) -> None:  # every rank raises when one failed (none waits forever)
+        msg = d.broadcast(None if err is None or not d.main else str(err)) if d.world > 1 else None
+        if err is not None:
+            raise err
+        if msg is not None:
+            raise CheckpointWriteError(f"checkpoint {step} failed on rank 0: {msg}")
+
+    tmp, err = None, None
+    if d.main:
+        try:
+            tmp = begin_checkpoint(out_dir, step)
+        except CheckpointWriteError as e:
+            err = e
+    stop_on_error(err)
+    tmp = Path(d.broadcast(str(tmp) if d.main else None))
     msd, osd = get_state_dict(model, opt)
-    with _quiet_single_process():
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=Path(tmp) / DCP_SUBDIR, no_dist=d.world == 1)
+    try:
+        with _quiet_single_process():
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp / DCP_SUBDIR, no_dist=d.world == 1)
+    except (Exception, CheckpointException) as e:  # DCP gathers all ranks' failures: every rank raises here
+        cause = _dcp_os_error(e)
+        if cause is None:
+            raise
+        if d.main:
+            raise abort_checkpoint(cause, out_dir, step, tmp) from e
+        raise CheckpointWriteError(cause.errno, f"checkpoint {step}: {cause}") from e
     d.barrier()
     if d.main:
-        write_state(Path(tmp), state)
-        commit_checkpoint(out_dir, step, Path(tmp))
-    d.barrier()
+        try:
+            write_state(tmp, state)
+        except OSError as e:
+            err = abort_checkpoint(e, out_dir, step, tmp)
+        if err is None:
+            try:
+                commit_checkpoint(out_dir, step, tmp)
+            except CheckpointWriteError as e:
+                err = e
+    stop_on_error(err)
+
+
+def _dcp_os_error(exc: BaseException) -> OSError | None:
+    """The OSError behind a failed DCP save (in the exception chain, or among a CheckpointException's
+    per-rank failures), if any."""
+    todo, seen = [exc], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            return e
+        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
+        if isinstance(failures, dict):
+            todo.extend(f[0] if isinstance(f, tuple) else f for f in failures.values())
+        todo.extend([e.__cause__, e.__context__])
+    return None
 
 
 def load_checkpoint_dcp(ckpt_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:

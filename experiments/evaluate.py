@@ -3,7 +3,8 @@
     python -m sfl.experiments.evaluate --model .data/smollm2-135m --tasks all --limit 20 \
         --batch-size 16 --device cpu --out runs/eval_smollm2 [--mlp-impl dense|reference|cuda]
 
-Writes <out>/eval.json ({"provenance", "model", "limit", "tasks": {task: {"acc", "acc_norm", "n"}},
+Writes <out>/eval.json ({"provenance", "model", "limit", "tasks": {task: {"acc", "acc_norm", "n", "acc_stderr",
+"acc_norm_stderr"}} (lm-eval's standard errors),
 "nnz_per_token_mean", "nnz_per_token_per_layer", ...}) and prints a table. Mean non-zeros per token
 are recorded during the eval forwards: from each module exposing `last_nnz_per_token` (our sparse
 MLPs, with per-token recording switched on for the run; the CUDA inference path keeps totals only, so there the
@@ -276,6 +277,16 @@ def evaluate(model_dir: Path, tasks: list[str], limit: int | None, batch_size: i
     }
 
 
+# lm-eval's standard errors: for acc / acc_norm (mean aggregation) it uses the closed form
+# sample std / sqrt(n), so any value > 0 costs nothing; 0 would switch the standard errors off.
+STDERR_BOOTSTRAP_ITERS = 1000
+
+
+def _stderr(v: Any) -> float | None:
+    """lm-eval's stderr entry as a float (it writes the string "N/A" when there is none)."""
+    return float(v) if isinstance(v, (int, float)) else None
+
+
 def _run_lm_eval(lm: Any, tasks: list[str], limit: int | None, eval_dir: Path) -> dict[str, Any]:
     """simple_evaluate over the repo's task YAMLs (0-shot) -> {task: {"acc", "acc_norm", "n", "split"}}."""
     import lm_eval
@@ -287,13 +298,15 @@ def _run_lm_eval(lm: Any, tasks: list[str], limit: int | None, eval_dir: Path) -
         materialize(eval_dir, Path(td), tasks)
         tm = TaskManager(include_path=td, include_defaults=False)
         res = lm_eval.simple_evaluate(model=lm, tasks=[lm_eval_name(t) for t in tasks], task_manager=tm,
-                                      limit=limit, num_fewshot=0, bootstrap_iters=0, log_samples=False)
+                                      limit=limit, num_fewshot=0, bootstrap_iters=STDERR_BOOTSTRAP_ITERS,
+                                      log_samples=False)
     out: dict[str, Any] = {}
     for t in tasks:
         r = res["results"][lm_eval_name(t)]
         n = res["n-samples"][lm_eval_name(t)]["effective"]
         out[t] = {"acc": r.get("acc,none"), "acc_norm": r.get("acc_norm,none"), "n": int(n),
-                  "split": TASK_SPLITS[t]}
+                  "acc_stderr": _stderr(r.get("acc_stderr,none")),
+                  "acc_norm_stderr": _stderr(r.get("acc_norm_stderr,none")), "split": TASK_SPLITS[t]}
     return out
 
 
@@ -432,10 +445,12 @@ def replay(scores_path: Path, requests_path: Path, model_dir: Path | None, eval_
 
 
 def format_table(result: dict[str, Any]) -> str:
-    rows = [f"{'task':<16}{'split':<12}{'n':>6}{'acc':>9}{'acc_norm':>10}"]
+    rows = [f"{'task':<16}{'split':<12}{'n':>6}{'acc':>9}{'± se':>8}{'acc_norm':>10}{'± se':>8}"]
     for t, v in result["tasks"].items():
         an = "-" if v["acc_norm"] is None else f"{v['acc_norm']:.4f}"
-        rows.append(f"{t:<16}{v['split']:<12}{v['n']:>6}{v['acc']:>9.4f}{an:>10}")
+        se = "-" if v.get("acc_stderr") is None else f"{v['acc_stderr']:.4f}"
+        sen = "-" if v.get("acc_norm_stderr") is None else f"{v['acc_norm_stderr']:.4f}"
+        rows.append(f"{t:<16}{v['split']:<12}{v['n']:>6}{v['acc']:>9.4f}{se:>8}{an:>10}{sen:>8}")
     rows.append(f"{'mean acc':<34}{result['mean_acc']:>9.4f}")
     nnz = result["nnz_per_token_mean"]
     rows.append(f"mean non-zeros per token ({result['nnz_source']}): "
@@ -461,6 +476,13 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--requests goes with --replay")
     if a.model is None and a.replay is None:
         raise SystemExit("--model is required (except with --replay)")
+    if not a.score:  # every mode but --score reads the eval files: check them before loading a model
+        from sfl.data import DataNotPrepared
+        from sfl.data.lm_tasks import EvalDataError, check_eval_files
+        try:
+            check_eval_files(eval_dir.resolve(), tasks)
+        except (EvalDataError, DataNotPrepared, FileNotFoundError) as e:
+            raise SystemExit(f"error: {e}") from None
     if a.export_requests:
         meta = export_requests(resolve_model_dir(a.model), tasks, a.limit, eval_dir, Path(a.export_requests),
                                a.data_dir)

@@ -20,7 +20,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 for _k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_k, "1")
@@ -30,14 +30,17 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from .checkpoint import atomic_write_text, find_latest, load_checkpoint
+from .checkpoint import (CheckpointWriteError, atomic_write_text, ckpt_root, find_latest, list_checkpoints,
+                         load_checkpoint)
 from .config import ConfigError, l1_coeff_at, load_config, lr_at
-from .data_loader import TokenData
+from .data_loader import DataError, TokenData
 # several processes (torchrun): wrapping, cross-rank statistics, DCP checkpoints -- see experiments/distributed.py
 from .distributed import (Dist, accumulation_context, clip_grad_norm, eval_path, gather_trackers,
                           global_sparsity_stats, is_sharded, load_model_and_optimizer, local_dead_window, reinit_dead,
                           resolve_grad_accum, restore_trackers, resume_config_view, save_checkpoint_dcp,
                           unsharded_copy, wrap_model)
+from .preflight import check_disk_space, check_kernels
+from .rundir import RunDirBusy, RunLock, clean_stale_temps, tmp_name
 from sfl.models import SparseLlamaConfig, SparseLlamaForCausalLM
 
 # Keys that may change between a checkpoint and its resumption without breaking exactness.
@@ -125,6 +128,12 @@ def build_model(cfg: dict[str, Any], data_vocab: int, eos_id: int | None, dead_w
                               f"max_position_embeddings={model.config.max_position_embeddings}")
     if vocab < data_vocab:
         raise ConfigError(f"config key vocab_size={vocab} is smaller than the data's vocab_size={data_vocab}")
+    if any(k.startswith("SFL_KERNEL_") for k in os.environ):
+        # the kernels' settings (training op: train_width, train_dense_above, ...; kernels/config.py) as explicit
+        # overrides, read once here and saved with the model config (the kernels read no environment)
+        from sfl.kernels.config import KernelConfig
+
+        model.set_kernel_config(KernelConfig.from_env(model.config.get_kernel_config()))
     return model
 
 
@@ -139,16 +148,18 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
 
 # --------------------------------------------------------------------------------------- logging
 class JsonlLog:
-    """Append-only JSONL writer (rank 0 only)."""
+    """Append-only JSONL writer (rank 0 only). `lines` counts the lines in the file: a checkpoint records it,
+    and a resume keeps exactly that many (`truncate_log`)."""
 
-    def __init__(self, path: Path, enabled: bool) -> None:
-        self.path, self.enabled = path, enabled
+    def __init__(self, path: Path, enabled: bool, lines: int = 0) -> None:
+        self.path, self.enabled, self.lines = path, enabled, lines
         self._f = open(path, "a") if enabled else None
 
     def write(self, obj: dict[str, Any]) -> None:
         if self._f is not None:
             self._f.write(json.dumps(obj) + "\n")
             self._f.flush()
+            self.lines += 1
 
     def sync(self) -> None:
         if self._f is not None:
@@ -160,21 +171,44 @@ class JsonlLog:
             self._f = None
 
 
-def truncate_log(path: Path, step: int) -> None:
-    """Drop lines of an interrupted run that lie after the checkpoint being resumed (and any
-    'final' line), so the resumed run's lines are not duplicated."""
+def read_log(path: Path) -> list[dict[str, Any]]:
+    """The complete JSON lines of a run's log (a line torn by a kill is skipped)."""
+    rows = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def truncate_log(path: Path, step: int, keep_lines: int | None = None) -> int:
+    """Cut the log back to what it held when the checkpoint being resumed was written, so the resumed run
+    writes every later line (steps, evals, the final eval and 'final' line) exactly once. Returns the number
+    of lines kept.
+
+    `keep_lines` is the line count the checkpoint recorded (the log is fsynced before every save, so those
+    lines are complete). Checkpoints written before it was recorded fall back to dropping the lines whose
+    step is after `step`, and any 'final' line. Runs under the run lock, so no other process has the file open.
+    """
     if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line torn by the kill
-        if obj.get("type") == "final" or obj.get("step", -1) > step:
-            continue
-        kept.append(line)
+        return 0
+    lines = path.read_text().splitlines()
+    if keep_lines is not None:
+        kept = lines[:keep_lines]
+    else:
+        kept = []
+        for line in lines:
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line torn by the kill
+            if obj.get("type") == "final" or obj.get("step", -1) > step:
+                continue
+            kept.append(line)
     atomic_write_text(path, "".join(x + "\n" for x in kept))
+    return len(kept)
 
 
 def finite(x: float) -> bool:
@@ -219,17 +253,80 @@ def check_resume_config(saved: dict[str, Any], cfg: dict[str, Any]) -> None:
                           "change on resume (start a new out_dir otherwise)")
 
 
+def rank0_check(d: Dist, fn: Callable[[], Any]) -> Any:
+    """fn() on rank 0 only (a check that reads every shard or the disk once); its ConfigError or DataError
+    stops every rank (the others would wait in the next collective). Returns fn's result on rank 0."""
+    result, err = None, None
+    if d.main:
+        try:
+            result = fn()
+        except (ConfigError, DataError) as e:
+            err = e
+    if d.world > 1:
+        msg = d.broadcast(None if err is None else (isinstance(err, DataError), str(err)))
+        if msg is not None and err is None:
+            err = (DataError if msg[0] else ConfigError)(f"on rank 0: {msg[1]}")
+    if err is not None:
+        raise err
+    return result
+
+
+def finished_run(out_dir: Path, cfg: dict[str, Any], world: int = 1) -> dict[str, Any] | None:
+    """The log's 'final' line if the run in out_dir is finished at this config's max_steps (its newest
+    checkpoint is at that step and the final line was written after it), else None. A config that the run
+    could not be resumed with is refused (ConfigError) as on any resume."""
+    ckpt = find_latest(out_dir)
+    rows = read_log(out_dir / "train_log.jsonl")
+    final = next((r for r in reversed(rows) if r.get("type") == "final"), None)
+    if ckpt is None or final is None or not (checkpoint_step(ckpt) == final.get("step") == cfg["max_steps"]):
+        return None
+    saved = load_checkpoint(ckpt, model=False)
+    now = {**cfg, "grad_accum": resolve_grad_accum(cfg, world)}
+    check_resume_config(saved["config"], resume_config_view(saved["config"], saved.get("world_size", 1), now, world))
+    return final
+
+
+def checkpoint_step(ckpt_dir: Path) -> int:
+    return int(ckpt_dir.name.split("_")[1])
+
+
 def train(cfg: dict[str, Any], resume: bool = False) -> dict[str, Any]:
-    """Run (or resume) training; returns the final summary dict (also the log's final line)."""
+    """Run (or resume) training; returns the final summary dict (also the log's final line).
+
+    Rank 0 holds the run directory's lock for the whole run (a second writer is refused at once), and
+    everything knowable before step 1 is checked before it: device and kernels here, data and disk space
+    in `_train`. `--resume` of a finished run is a no-op that returns its final line."""
     t_start = time.time()
     d = Dist()
     device = pick_device(cfg, d)
+    check_kernels(cfg["mlp_impl"], device, str(cfg["device"]))
+    out_dir = Path(cfg["out_dir"])
+    lock = RunLock(out_dir) if d.main else None
+    if lock is not None:
+        lock.acquire()
+    try:
+        if resume:
+            final = finished_run(out_dir, cfg, d.world)
+            if final is not None:
+                if d.main:
+                    print(f"--resume: the run in {out_dir} already finished at step {final['step']} (its log has the "
+                          "final line); nothing to do. To train further, raise max_steps.", file=sys.stderr)
+                return final
+        return _train(cfg, resume, d, device, t_start)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg: dict[str, Any], resume: bool, d: Dist, device: torch.device, t_start: float) -> dict[str, Any]:
     d.init(device)
     out_dir = Path(cfg["out_dir"])
     log_path = out_dir / "train_log.jsonl"
 
     ckpt_dir = find_latest(out_dir) if resume else None
     if d.main:
+        for stale in clean_stale_temps(out_dir, ckpt_root(out_dir)):
+            print(f"removed {stale} (a temporary file of an interrupted process)", file=sys.stderr)
         if not resume and (log_path.exists() or find_latest(out_dir) is not None):
             raise ConfigError(f"out_dir={str(out_dir)!r} already holds a run; pass --resume to continue it "
                               "or choose another out_dir")
@@ -240,6 +337,7 @@ def train(cfg: dict[str, Any], resume: bool = False) -> dict[str, Any]:
     d.barrier()
 
     data = TokenData(Path(cfg["data_dir"]) / cfg["tokens_subdir"], cfg["seq_len"], cfg["data_order"], d.world)
+    data_fp = rank0_check(d, data.fingerprint)  # checksums + id range of every shard (one read)
     cfg = {**cfg, "grad_accum": resolve_grad_accum(cfg, d.world)}
     mbs, accum, seq = cfg["micro_batch_size"], cfg["grad_accum"], cfg["seq_len"]
     tokens_per_step_rank = mbs * accum * seq
@@ -249,37 +347,41 @@ def train(cfg: dict[str, Any], resume: bool = False) -> dict[str, Any]:
     if n_val > data.n_val_windows and d.main:
         print(f"note: val split has only {data.n_val_windows} windows of {seq + 1} tokens; evaluating on all of "
               f"them instead of eval_batches*micro_batch_size={n_val}", file=sys.stderr)
-    val_windows = data.val_windows(min(n_val, data.n_val_windows))
-    if len(val_windows) == 0:
-        raise ConfigError(f"val split of {data.dir} has no window of seq_len+1={seq + 1} tokens")
+    val_windows = data.val_windows(min(n_val, data.n_val_windows))  # DataError if the val split is too small
 
     seed_everything(cfg["seed"])
     model = build_model(cfg, data.vocab_size, data.meta.get("eos_id"), dead_window).to(device)
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
+    rank0_check(d, lambda: check_disk_space(out_dir, model, len(list_checkpoints(out_dir)), cfg["save_final"]))
     fwd_model = wrap_model(model, cfg, d, device)  # before the optimizer: FSDP2 replaces parameters by shards
     opt = torch.optim.AdamW(param_groups(model, cfg["weight_decay"]), lr=cfg["lr"], betas=tuple(cfg["betas"]),
                             eps=cfg["eps"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(cfg, s) / cfg["lr"])
 
-    step, wall_prev = 0, 0.0
+    step, wall_prev, n_reinit, log_lines = 0, 0.0, 0, 0
     if ckpt_dir is not None:
         # CPU: RNG states must stay CPU ByteTensors; load_state_dict moves weights/optimizer state to device.
         state = load_checkpoint(ckpt_dir, map_location="cpu", model=False)
         check_resume_config(state["config"], resume_config_view(state["config"], state["world_size"], cfg, d.world))
-        if state["data"] != data.fingerprint():
-            raise ConfigError(f"--resume: the train data in {data.dir} differs from the checkpoint's")
+        if state["step"] > cfg["max_steps"]:
+            raise ConfigError(f"--resume: the newest checkpoint in {out_dir} is at step {state['step']}, past "
+                              f"max_steps={cfg['max_steps']}; resume with max_steps >= {state['step']}")
+        mismatch = rank0_check(d, lambda: data.fingerprint_mismatch(state["data"]))
+        if mismatch is not None:
+            raise DataError(f"--resume: the train data differ from the checkpoint's: {mismatch}")
         load_model_and_optimizer(ckpt_dir, state, model, opt)  # any world size, DDP or FSDP2
         sched.load_state_dict(state["scheduler"])
         restore_trackers(model, state["trackers"], d)
         rngs = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]
         set_rng_state(rngs[d.rank % len(rngs)])  # another world size: nothing in training draws from these
         step, wall_prev = state["step"], state["wall_s"]
-        del state
+        n_reinit = state.get("counters", {}).get("reinit_neurons", 0)  # re-initialised since the last step line
         if d.main:
-            truncate_log(log_path, step)
+            log_lines = truncate_log(log_path, step, state.get("log_lines"))
+        del state
 
-    log = JsonlLog(log_path, d.main)
+    log = JsonlLog(log_path, d.main, lines=log_lines)
     from .provenance import collect
     if ckpt_dir is None:
         mc = model.config  # the built model's shape (with init_from the arch keys of cfg are not used)
@@ -302,8 +404,10 @@ def train(cfg: dict[str, Any], resume: bool = False) -> dict[str, Any]:
         return {"step": done, "scheduler": sched.state_dict(), "trackers": gather_trackers(model, d),
                 "rng": rngs, "sampler": {"kind": f"stateless(seed, step, rank), order {cfg['data_order']}",
                                          "seed": cfg["seed"], "next_step": done},
-                "data": data.fingerprint(), "world_size": d.world, "config": cfg,
-                "wall_s": wall_prev + time.time() - t_start}
+                "data": data_fp, "world_size": d.world, "config": cfg,
+                "wall_s": wall_prev + time.time() - t_start,
+                # what a resume needs to write the log an uninterrupted run writes
+                "log_lines": log.lines, "counters": {"reinit_neurons": n_reinit}}
 
     def save(done: int) -> None:
         state = checkpoint_state(done)
@@ -315,7 +419,7 @@ def train(cfg: dict[str, Any], resume: bool = False) -> dict[str, Any]:
     clip = cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf")
     bar = tqdm(total=cfg["max_steps"], initial=step, disable=not (cfg["progress"] and d.main), desc="train",
                dynamic_ncols=True)
-    t_log, tok_log, n_reinit = time.time(), 0, 0
+    t_log, tok_log = time.time(), 0
     last_saved = step if ckpt_dir is not None else -1
     while step < cfg["max_steps"]:
         coeff = l1_coeff_at(cfg, step)
@@ -368,10 +472,10 @@ def train(cfg: dict[str, Any], resume: bool = False) -> dict[str, Any]:
             last_saved = step
     bar.close()
 
+    if last_saved != step:
+        save(step)  # before the final evaluation: a failure there never loses the training
     val_ce, val_nnz = evaluate(model, val_windows, cfg, device, d, dead_window)
     log.write({"type": "eval", "step": step, "val_ce": val_ce, "val_nnz_mean": val_nnz})
-    if last_saved != step:
-        save(step)
     wall = wall_prev + time.time() - t_start
     final = {"type": "final", "step": step, "val_ce": val_ce, "wall_s": wall}
     if cfg["save_final"]:
@@ -389,7 +493,7 @@ def train(cfg: dict[str, Any], resume: bool = False) -> dict[str, Any]:
 
 def save_final(model: SparseLlamaForCausalLM, dest: Path, data_dir: Path) -> None:
     """save_pretrained (+ the data dir's tokenizer) into dest, via a temp dir + rename."""
-    tmp = dest.with_name(f".tmp-{dest.name}.{os.getpid()}")
+    tmp = dest.with_name(tmp_name(dest.name))
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tok_dir = data_dir / "tokenizer"
@@ -415,7 +519,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = load_config(args.config, args.set)
         final = train(cfg, resume=args.resume)
-    except ConfigError as e:
+    except (ConfigError, DataError, RunDirBusy, CheckpointWriteError) as e:
         sys.exit(f"error: {e}")
     except ValueError as e:  # SparseLlamaConfig field errors surface here
         if "SparseLlamaConfig." in str(e):

@@ -66,8 +66,9 @@ class KernelConfig:
         flagged_dense_above: eager auto runs dense when more than this fraction of rows was flagged last time.
         self_timing: eager auto times both paths per M bucket and leaves sparse where it measured slower.
         activity_hint: prior activity used until a layer's first measurement lands (0: none, first call dense).
-        measure_every: non-gated dense calls above the crossover re-measure activity every this many calls (the
-            measuring pass is ~8% slower than torch's relu there); gated calls measure every call for free.
+        measure_every: dense calls of a layer measured above its crossover re-measure activity only every this many
+            calls (the read-back costs a few small operations per call; non-gated, the measuring pass is also ~8%
+            slower than torch's relu); a fall in activity is then seen up to this many calls late.
         d2t: "fused" (sm_90: the gate GEMM's epilogue writes TwELL) or "cublas" (gate GEMM, then compaction).
         d2t_overlap_min_k: fused d2t: K at or above which compaction warps overlap the next tile's mainloop.
         d2t_max_ctas: > 0 caps the fused d2t's persistent grid (tests); 0 = one CTA per SM.
@@ -79,6 +80,8 @@ class KernelConfig:
         train_dense_above / train_backup_dense_above: auto runs dense above this activity / flagged-row fraction.
         train_sparse_min_m: auto runs dense below this many rows.
         train_chunk_rows, train_shrink, train_dw_nb, train_probe_rows, train_fused_dense: see kernels/train/README.md.
+        train_mode: the mode models train with: "auto" (measured dispatch), or "sparse" / "dense" to test or
+            benchmark one path inside a model (was SFL_TRAIN_FORCE_MODE).
     """
 
     mode: str = "auto"
@@ -105,6 +108,7 @@ class KernelConfig:
     train_dw_nb: int = 4
     train_probe_rows: int = 2048
     train_fused_dense: bool = True
+    train_mode: str = "auto"
     _parsed: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -113,6 +117,8 @@ class KernelConfig:
 
         if self.mode not in MODES:
             raise bad("mode", f"must be one of {MODES}")
+        if self.train_mode not in MODES:
+            raise bad("train_mode", f"must be one of {MODES}")
         if self.d2t not in D2T_VARIANTS:
             raise bad("d2t", f"must be one of {D2T_VARIANTS}")
         for name in ("slots", "decode_max_m", "measure_every", "d2t_overlap_min_k", "gate_scratch_mb",

@@ -97,11 +97,11 @@ def twell_d2t(x: Tensor, w_gate: Tensor, slots: int = 32, *, config: KernelConfi
 
 # ------------------------------------------------------------------------------------------------ modules
 class _TwELLBase(nn.Module):
-    def __init__(self, config: KernelConfig | None, track_stats: bool) -> None:
+    def __init__(self, config: KernelConfig | None, track_stats: bool, device=None) -> None:
         super().__init__()
         self.plan = ops.Plan(config or _DEFAULT)
         # non-zeros summed over tokens, the largest per-token count, tokens: accumulated on the device by the op
-        self.register_buffer("nnz_stats", torch.zeros(3, dtype=torch.int64), persistent=False)
+        self.register_buffer("nnz_stats", torch.zeros(3, dtype=torch.int64, device=device), persistent=False)
         self.track_stats = track_stats
 
     @property
@@ -126,7 +126,7 @@ class TwELLGatedMLP(_TwELLBase):
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, config: KernelConfig | None = None,
                  track_stats: bool = False, device=None, dtype=torch.bfloat16) -> None:
-        super().__init__(config, track_stats)
+        super().__init__(config, track_stats, device)
         kw = dict(bias=False, device=device, dtype=dtype)
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
@@ -152,7 +152,7 @@ class TwELLMLP(_TwELLBase):
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, config: KernelConfig | None = None,
                  track_stats: bool = False, device=None, dtype=torch.bfloat16) -> None:
-        super().__init__(config, track_stats)
+        super().__init__(config, track_stats, device)
         kw = dict(bias=False, device=device, dtype=dtype)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)

@@ -1,7 +1,10 @@
 """Pure-PyTorch reference of the sparse activation formats and the FFN ops built on them.
 
-This module *defines* the semantics that the CUDA kernels (kernels/ffn.py) must match; the
-spec in words is kernels/FORMAT.md. Everything here runs on CPU and GPU with stock PyTorch.
+This module *defines* the semantics that the CUDA kernels (kernels/ffn.py, kernels/train_ffn.py)
+must match; the spec in words is kernels/FORMAT.md. Everything here runs on CPU and GPU with
+stock PyTorch. Contents, in order: word packing; TwELL; Hybrid; the dense FFNs; which rows a
+sparse FFN computes densely (heavy rows and the non-finite rule); the inference FFNs through
+TwELL and Hybrid; the training op's forward and backward (its `torch` backend calls them).
 
 Shapes follow nn.Linear: x [M, K], w_gate / w_up [N, K], w_down [K, N]
 (K = hidden size, N = intermediate size). The activation is h = relu(x w_gate^T)
@@ -41,6 +44,13 @@ __all__ = [
     "gated_ffn_hybrid",
     "nongated_ffn_hybrid",
     "activation_stats",
+    "dense_rows_mask",
+    "dense_rows_forward",
+    "dense_rows_backward",
+    "TrainSaved",
+    "train_ffn_forward",
+    "train_ffn_backward",
+    "csr_by_neuron",
 ]
 
 MAX_TILE_N = 1 << 16  # the local column lives in the low 16 bits of a word
@@ -317,8 +327,10 @@ class Hybrid:
     ell_col: int32 [M, width] global columns; ell_val: [M, width] (h's dtype). For a row with
              nnz <= width, slots < nnz are meaningful; the rest are padding (reference: -1 / 0).
     nnz:     int32 [M] true number of active entries per row.
-    backup_rows: int64 [R] ascending, exactly the rows with nnz > width; their ELL slots are
-             ignored. backup: [R, N] dense values of those rows (h's dtype).
+    backup_rows: int64 [R] ascending: every row with nnz > width, plus the rows the producer chose
+             to keep dense (the FFN ops: rows with a non-finite gate pre-activation, see
+             dense_rows_mask); their ELL slots are ignored. backup: [R, N] dense values of those
+             rows (h's dtype).
     """
 
     ell_col: torch.Tensor
@@ -360,17 +372,23 @@ class Hybrid:
         return self.nnz.device
 
     def overflow_mask(self) -> torch.Tensor:
-        """Bool [M]: rows with nnz > width (stored in the dense backup)."""
+        """Bool [M]: rows with nnz > width (they must be in the dense backup)."""
         return self.nnz > self.width
 
     def overflow_rows(self) -> torch.Tensor:
         """int64 [R] ascending: the rows held in the backup."""
         return self.backup_rows
 
+    def backup_mask(self) -> torch.Tensor:
+        """Bool [M]: rows held in the dense backup (a superset of overflow_mask())."""
+        mask = torch.zeros(self.n_rows, dtype=torch.bool, device=self.device)
+        mask[self.backup_rows] = True
+        return mask
+
     def valid_mask(self) -> torch.Tensor:
-        """Bool [M, width]: ELL slots holding a meaningful (column, value) pair."""
+        """Bool [M, width]: ELL slots holding a meaningful (column, value) pair (light rows only)."""
         slot = torch.arange(self.width, device=self.device, dtype=torch.int32)
-        return (slot < self.nnz.unsqueeze(-1)) & ~self.overflow_mask().unsqueeze(-1)
+        return (slot < self.nnz.unsqueeze(-1)) & ~self.backup_mask().unsqueeze(-1)
 
     def to(self, device: torch.device | str) -> "Hybrid":
         return Hybrid(
@@ -379,11 +397,12 @@ class Hybrid:
         )
 
 
-def d2h(h: torch.Tensor, width: int = 128) -> Hybrid:
+def d2h(h: torch.Tensor, width: int = 128, keep_dense: torch.Tensor | None = None) -> Hybrid:
     """Dense [M, N] -> Hybrid (lossless; values keep h's dtype).
 
     Rows with nnz <= width keep their active entries in ascending column order in the ELL
-    part; rows with nnz > width go entirely (all N values) to the dense backup.
+    part; rows with nnz > width, and the rows marked in keep_dense (bool [M], optional), go
+    entirely (all N values) to the dense backup.
     """
     _check_matrix(h, "h")
     if not isinstance(width, int) or width <= 0:
@@ -392,6 +411,11 @@ def d2h(h: torch.Tensor, width: int = 128) -> Hybrid:
     active = h != 0
     nnz = active.sum(dim=1, dtype=torch.int32)
     heavy = nnz > width
+    if keep_dense is not None:
+        if keep_dense.dtype != torch.bool or tuple(keep_dense.shape) != (m,):
+            raise ValueError(f"keep_dense must be a bool [M={m}] row mask, got {keep_dense.dtype} "
+                             f"{tuple(keep_dense.shape)}")
+        heavy = heavy | keep_dense.to(h.device)
     rank = active.cumsum(dim=1, dtype=torch.int32) - 1
     keep = active & ~heavy.unsqueeze(1)  # rank < width holds automatically for light rows
     slot = torch.where(keep, rank, width).long()
@@ -410,12 +434,14 @@ def d2h(h: torch.Tensor, width: int = 128) -> Hybrid:
 def h2d(hy: Hybrid) -> torch.Tensor:
     """Hybrid -> dense [M, N] in ell_val's dtype; exactly reproduces the h given to d2h."""
     m, n = hy.n_rows, hy.n_cols
-    heavy = hy.overflow_mask()
-    expected = heavy.nonzero().flatten()
-    if not torch.equal(hy.backup_rows, expected):
+    br = hy.backup_rows
+    if br.numel() and (int(br.min()) < 0 or int(br.max()) >= m or not bool((br[1:] > br[:-1]).all())):
+        raise ValueError(f"Hybrid.backup_rows must be ascending row indices in [0, {m}) without repeats")
+    missing = hy.overflow_mask() & ~hy.backup_mask()
+    if bool(missing.any()):
         raise ValueError(
-            "Hybrid.backup_rows must be exactly the rows with nnz > width, ascending; got "
-            f"{hy.backup_rows.numel()} backup rows for {expected.numel()} heavy rows"
+            "Hybrid.backup_rows must hold every row with nnz > width; "
+            f"{int(missing.sum())} heavy row(s) missing, e.g. {missing.nonzero().flatten()[:8].tolist()}"
         )
     valid = hy.valid_mask()
     if bool((valid & ((hy.ell_col < 0) | (hy.ell_col >= n))).any()):
@@ -469,6 +495,36 @@ def nongated_ffn_dense(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
     """y = relu(x w_up^T) w_down^T, in x's dtype."""
     _check_ffn_args(x, [("w_up", w_up, "[N, K]"), ("w_down", w_down, "[K, N]")])
     return F.linear(F.relu(F.linear(x, w_up)), w_down)
+
+
+# ----------------------------------------------------------------------------------------
+# which rows the sparse FFNs compute with the dense FFN's own ops
+# ----------------------------------------------------------------------------------------
+def dense_rows_mask(g: torch.Tensor, w_up: torch.Tensor | None, w_down: torch.Tensor) -> torch.Tensor:
+    """Bool [M]: rows a sparse FFN must compute with the dense FFN's ops, besides its heavy rows.
+
+    Skipping an inactive neuron j is exact only where the dense FFN's terms for j are finite:
+    dense forms 0 * u_j (gated) and 0 * w_down[:, j] there, and 0 * Inf = NaN. Hence
+    (FORMAT.md, "Non-finite values"):
+      - a row whose gate pre-activation g (x w_gate^T; non-gated: x w_up^T) has a non-finite
+        entry. This covers a non-finite x (every entry of its g row is then non-finite) and a
+        non-finite w_gate entry (it reaches that neuron's g in every row);
+      - every row when w_up (gated) or w_down holds a non-finite value.
+    Rows outside this mask have finite x, g, u and weights, so their inactive neurons add exactly 0.
+    """
+    rows = ~torch.isfinite(g).all(dim=1)
+    weights = ([w_up] if w_up is not None else []) + [w_down]
+    if not all(bool(torch.isfinite(w).all()) for w in weights):
+        rows = torch.ones_like(rows)
+    return rows
+
+
+def dense_rows_forward(x_rows: torch.Tensor, a_rows: torch.Tensor, w_up: torch.Tensor | None,
+                       w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, y) of some rows by the dense FFN's ops, from a = relu(g) of those rows (w_up None: non-gated).
+    Also the CUDA backends' dense backup rows (kernels/train/ops.py)."""
+    h = a_rows * F.linear(x_rows, w_up) if w_up is not None else a_rows
+    return h, F.linear(h, w_down)
 
 
 # ----------------------------------------------------------------------------------------
@@ -577,9 +633,10 @@ def activation_stats(h: torch.Tensor, tile_n: int = 256, slots: int = 32) -> dic
 # ----------------------------------------------------------------------------------------
 # FFN through TwELL
 # ----------------------------------------------------------------------------------------
-def _twell_entries(tw: TwELL, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rows, global cols, activation values) of the valid entries of tw, sorted by (row, col)."""
-    valid = tw.valid_mask()
+def _twell_entries(tw: TwELL, h: torch.Tensor, dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows, global cols, activation values) of the valid entries of tw outside the dense rows,
+    sorted by (row, col)."""
+    valid = tw.valid_mask() & ~dense[:, None, None]
     values, local = unpack_words(tw.packed)
     r, t, s = valid.nonzero(as_tuple=True)
     cols = t.to(torch.int64) * tw.tile_n + local[r, t, s].to(torch.int64)
@@ -601,19 +658,18 @@ def _ffn_twell(x: torch.Tensor, w_gate: torch.Tensor | None, w_up: torch.Tensor,
     _check_tiling(n, tile_n, slots)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
-    h = F.relu(F.linear(x2, w_gate if gated else w_up))
+    g = F.linear(x2, w_gate if gated else w_up)
+    h = F.relu(g)
     tw = d2t(h, tile_n, slots)
+    # Overflowing rows (incomplete words) and the non-finite rule's rows take the dense ops (exact).
+    dense = tw.overflow_mask() | dense_rows_mask(g, w_up if gated else None, w_down)
     out = torch.zeros(x2.shape[0], k_out, dtype=_acc_dtype(x.dtype), device=x.device)
-    rows, cols, vals = _twell_entries(tw, h)
+    rows, cols, vals = _twell_entries(tw, h, dense)
     _sparse_rows_ffn(x2, rows, cols, vals, w_up if gated else None, w_down, out, method)
     y = out.to(x.dtype)
-    # Overflowing rows: the packed words are incomplete, so compute them densely (exact).
-    ovf = tw.overflow_rows()
-    if ovf.numel():
-        ho = h[ovf]
-        if gated:
-            ho = ho * F.linear(x2[ovf], w_up)
-        y[ovf] = F.linear(ho, w_down)
+    rd = dense.nonzero().flatten()
+    if rd.numel():
+        y[rd] = dense_rows_forward(x2[rd], h[rd], w_up if gated else None, w_down)[1]
     y = y.reshape(*lead, k_out)
     if not return_stats:
         return y
@@ -627,7 +683,8 @@ def gated_ffn_twell(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w
 
     gate GEMM -> relu -> d2t; for every non-overflowing row only its active neurons are used
     (u_j = x . w_up[j], h_j = g_j u_j, y = sum_j h_j w_down[:, j]); overflowing rows are
-    computed densely. x is [..., K]; returns [..., K_out] (and a stats dict if return_stats,
+    computed densely, and so are the rows of dense_rows_mask (non-finite values). x is [..., K];
+    returns [..., K_out] (and a stats dict if return_stats,
     see activation_stats). method: None (auto), "csr" or "gather" (sparse core backend).
     """
     return _ffn_twell(x, w_gate, w_up, w_down, tile_n, slots, return_stats, method)
@@ -643,6 +700,15 @@ def nongated_ffn_twell(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
 # ----------------------------------------------------------------------------------------
 # FFN through Hybrid
 # ----------------------------------------------------------------------------------------
+def _hybrid_entries(hy: Hybrid) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows, slots, global cols, values) of the light rows' ELL entries, sorted by (row, col)."""
+    rows, slot = hy.valid_mask().nonzero(as_tuple=True)
+    cols = hy.ell_col[rows, slot].to(torch.int64)
+    order = (rows * hy.n_cols + cols).argsort()  # producers may write a row's slots in any order
+    rows, slot, cols = rows[order], slot[order], cols[order]
+    return rows, slot, cols, hy.ell_val[rows, slot]
+
+
 def _ffn_hybrid(x: torch.Tensor, w_gate: torch.Tensor | None, w_up: torch.Tensor, w_down: torch.Tensor,
                 width: int, return_stats: bool, method: str | None):
     gated = w_gate is not None
@@ -650,22 +716,16 @@ def _ffn_hybrid(x: torch.Tensor, w_gate: torch.Tensor | None, w_up: torch.Tensor
     k, n, k_out = _check_ffn_args(x, named)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
-    h = F.relu(F.linear(x2, w_gate if gated else w_up))
-    hy = d2h(h, width)
-    valid = hy.valid_mask()
-    rows, slot = valid.nonzero(as_tuple=True)
-    cols = hy.ell_col[rows, slot].to(torch.int64)
-    order = (rows * n + cols).argsort()
-    rows, cols, vals = rows[order], cols[order], hy.ell_val[rows, slot][order]
+    g = F.linear(x2, w_gate if gated else w_up)
+    h = F.relu(g)
+    hy = d2h(h, width, keep_dense=dense_rows_mask(g, w_up if gated else None, w_down))
+    rows, _, cols, vals = _hybrid_entries(hy)
     out = torch.zeros(x2.shape[0], k_out, dtype=_acc_dtype(x.dtype), device=x.device)
     _sparse_rows_ffn(x2, rows, cols, vals, w_up if gated else None, w_down, out, method)
     y = out.to(x.dtype)
     br = hy.backup_rows
-    if br.numel():  # heavy rows: dense math on the backup block
-        hb = hy.backup
-        if gated:
-            hb = hb * F.linear(x2[br], w_up)
-        y[br] = F.linear(hb, w_down)
+    if br.numel():  # heavy rows and the non-finite rule's rows: dense math on the backup block
+        y[br] = dense_rows_forward(x2[br], hy.backup, w_up if gated else None, w_down)[1]
     y = y.reshape(*lead, k_out)
     if not return_stats:
         return y
@@ -684,3 +744,174 @@ def nongated_ffn_hybrid(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tenso
                         width: int = 128, *, return_stats: bool = False, method: str | None = None):
     """Non-gated FFN computed through the Hybrid format."""
     return _ffn_hybrid(x, None, w_up, w_down, width, return_stats, method)
+
+
+# ----------------------------------------------------------------------------------------
+# The training op (kernels/train, kernels/train_ffn.py): forward, saved state, backward
+# ----------------------------------------------------------------------------------------
+@dataclass
+class TrainSaved:
+    """What the training forward keeps for the backward of one call (besides x and the weights).
+
+    hy:    the Hybrid form of a = relu(g); its backup rows are the heavy rows plus dense_rows_mask's.
+    ell_u: [M, width] u_e = x_r . w_up[j] at every stored ELL entry (accumulation dtype; padding 0);
+           [0, 0] for the non-gated block.
+    Dense autograd keeps three [M, N] tensors instead (a, u, h).
+    """
+
+    hy: Hybrid
+    ell_u: torch.Tensor
+
+
+def _entry_chunks(n_entries: int, k: int):
+    """Slices of the entry list that bound the gathered [E, K] temporaries to ~4M elements."""
+    step = max(1, (1 << 22) // max(1, k))
+    for s in range(0, n_entries, step):
+        yield slice(s, min(n_entries, s + step))
+
+
+def _hybrid_rows(hy: Hybrid, rows: torch.Tensor) -> torch.Tensor:
+    """Dense [R, N] values of the given rows of hy (ELL rows decoded, backup rows copied)."""
+    n = hy.n_cols
+    valid = hy.valid_mask()[rows]
+    zero = torch.zeros((), dtype=hy.ell_val.dtype, device=hy.device)
+    out = torch.zeros(rows.numel(), n + 1, dtype=hy.ell_val.dtype, device=hy.device)
+    out.scatter_(1, torch.where(valid, hy.ell_col[rows], n).long(), torch.where(valid, hy.ell_val[rows], zero))
+    out = out[:, :n]
+    in_backup = hy.backup_mask()[rows]
+    out[in_backup] = hy.backup[torch.searchsorted(hy.backup_rows, rows[in_backup])]
+    return out
+
+
+def dense_rows_backward(x_rows: torch.Tensor, a_rows: torch.Tensor, dy_rows: torch.Tensor,
+                        w_gate: torch.Tensor | None, w_up: torch.Tensor, w_down: torch.Tensor, c: torch.Tensor):
+    """Dense autograd's backward of some rows, op for op: (dx_rows, dW_g part or None, dW_u part, dW_d part
+    TRANSPOSED, i.e. neuron-major [N, K]). Also the CUDA backend's backup rows (kernels/train/ops.py).
+
+    c = dL/dl1 * scale. abs's backward is grad * sgn(h) (torch: sgn(NaN) = 0); relu's is
+    threshold_backward(grad, a, 0): exactly 0 where a <= 0, even where grad is NaN or Inf, and grad
+    elsewhere (a NaN a passes it). A mask product (grad * (a > 0)) would turn 0 * Inf into NaN there.
+    """
+    gated = w_gate is not None
+    u = F.linear(x_rows, w_up) if gated else None
+    h = a_rows * u if gated else a_rows
+    dh = dy_rows @ w_down + c.to(h.dtype) * h.sgn()
+    da = dh * u if gated else dh
+    dg = torch.where(a_rows <= 0, torch.zeros_like(da), da)
+    dx = dg @ (w_gate if gated else w_up)
+    if gated:
+        du = dh * a_rows
+        dx = dx + du @ w_up
+        return dx, dg.t() @ x_rows, du.t() @ x_rows, h.t() @ dy_rows
+    return dx, None, dg.t() @ x_rows, h.t() @ dy_rows
+
+
+def train_ffn_forward(x: torch.Tensor, w_gate: torch.Tensor | None, w_up: torch.Tensor, w_down: torch.Tensor,
+                      width: int = 128, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, TrainSaved]:
+    """The training op's forward: (y, l1 = scale * sum |h|, saved state for train_ffn_backward).
+
+    x [M, K], weights in nn.Linear layouts; w_gate None = the non-gated block (h = relu(x w_up^T)).
+    a = relu(g) is kept as a Hybrid of `width` slots. Its backup rows (heavy rows, dense_rows_mask)
+    are computed by the dense FFN's ops. A light row touches only its active neurons:
+    u_e = x_r . w_up[j] (kept in ell_u), h_e = a_e u_e, y_r = sum_e h_e w_down[:, j]. u, h and the
+    sums stay in the accumulation dtype (fp32; fp64 for fp64 inputs), as in the CUDA kernels.
+    """
+    gated = w_gate is not None
+    w_up_gated = w_up if gated else None
+    m, k = x.shape
+    acc = _acc_dtype(x.dtype)
+    g = F.linear(x, w_gate if gated else w_up)
+    a = F.relu(g)
+    hy = d2h(a, width, keep_dense=dense_rows_mask(g, w_up_gated, w_down))
+    y = torch.zeros(m, w_down.shape[0], dtype=acc, device=x.device)
+    ell_u = torch.zeros(hy.ell_col.shape if gated else (0, 0), dtype=acc, device=x.device)
+    l1 = torch.zeros((), dtype=acc, device=x.device)
+    rows, slot, cols, a_e = _hybrid_entries(hy)
+    for e in _entry_chunks(rows.numel(), k):
+        r, j, h = rows[e], cols[e], a_e[e].to(acc)
+        if gated:
+            u = (x[r].to(acc) * w_up[j].to(acc)).sum(-1)
+            ell_u[r, slot[e]] = u
+            h = h * u
+        y.index_add_(0, r, w_down.t()[j].to(acc) * h.unsqueeze(1))
+        l1 = l1 + h.abs().sum()
+    y = y.to(x.dtype)
+    br = hy.backup_rows
+    if br.numel():
+        h_b, y_b = dense_rows_forward(x[br], hy.backup, w_up_gated, w_down)
+        y[br] = y_b
+        l1 = l1 + h_b.abs().sum(dtype=acc)
+    return y, l1 * scale, TrainSaved(hy, ell_u)
+
+
+def train_ffn_backward(dy: torch.Tensor, gl1: torch.Tensor, x: torch.Tensor, w_gate: torch.Tensor | None,
+                       w_up: torch.Tensor, w_down: torch.Tensor, saved: TrainSaved, scale: float = 1.0):
+    """Gradients of <dy, y> + gl1 * l1 for train_ffn_forward: (dx, dw_gate or None, dw_up, dw_down).
+
+    Weight gradients are in nn.Linear layouts. With c = gl1 * scale, a light row's stored entry e
+    (row r, neuron j) gives dh_e = dy_r . w_down[:, j] + c sgn(h_e); gated: dg_e = dh_e u_e and
+    du_e = dh_e a_e, non-gated: dg_e = dh_e; then dx_r += dg_e w_gate[j] + du_e w_up[j],
+    dW_g[j] += dg_e x_r, dW_u[j] += du_e x_r, dW_d[:, j] += h_e dy_r. Its inactive neurons add
+    exactly 0 as long as dy_r and c are finite. So these rows take dense autograd's ops instead:
+    the forward's backup rows, rows whose dy has a non-finite value, and every row when c is not
+    finite (FORMAT.md, "Non-finite values").
+    """
+    gated = w_gate is not None
+    hy = saved.hy
+    m, k = x.shape
+    n = w_up.shape[0]
+    acc = _acc_dtype(x.dtype)
+    dy = dy.to(x.dtype)
+    c = gl1.reshape(()).to(acc) * scale
+    dense = hy.backup_mask() | ~torch.isfinite(dy).all(dim=1)
+    if not bool(torch.isfinite(c)):
+        dense = torch.ones_like(dense)
+    dx = torch.zeros(m, k, dtype=acc, device=x.device)
+    dwg = torch.zeros(n if gated else 0, k, dtype=acc, device=x.device)
+    dwu = torch.zeros(n, k, dtype=acc, device=x.device)
+    dwd_t = torch.zeros(n, dy.shape[1], dtype=acc, device=x.device)  # neuron-major: row j = dW_d[:, j]
+    rows, slot, cols, a_e = _hybrid_entries(hy)
+    light = ~dense[rows]
+    rows, slot, cols, a_e = rows[light], slot[light], cols[light], a_e[light]
+    for e in _entry_chunks(rows.numel(), k):
+        r, j, a = rows[e], cols[e], a_e[e].to(acc)
+        dy_r, x_r = dy[r].to(acc), x[r].to(acc)
+        dh = (dy_r * w_down.t()[j].to(acc)).sum(-1)
+        if gated:
+            u = saved.ell_u[r, slot[e]]
+            h = a * u
+            dh = dh + c * h.sgn()
+            dg, du = dh * u, dh * a
+            dx.index_add_(0, r, w_gate[j].to(acc) * dg.unsqueeze(1) + w_up[j].to(acc) * du.unsqueeze(1))
+            dwg.index_add_(0, j, x_r * dg.unsqueeze(1))
+            dwu.index_add_(0, j, x_r * du.unsqueeze(1))
+        else:
+            h = a
+            dg = dh + c * h.sgn()
+            dx.index_add_(0, r, w_up[j].to(acc) * dg.unsqueeze(1))
+            dwu.index_add_(0, j, x_r * dg.unsqueeze(1))
+        dwd_t.index_add_(0, j, dy_r * h.unsqueeze(1))
+    rd = dense.nonzero().flatten()
+    if rd.numel():
+        a_rows = _hybrid_rows(hy, rd)  # exactly the forward's a (decoded from the ELL, or the backup)
+        dx_d, dwg_d, dwu_d, dwd_t_d = dense_rows_backward(x[rd], a_rows, dy[rd], w_gate, w_up, w_down, c)
+        dx[rd] = dx_d.to(acc)
+        if gated:
+            dwg += dwg_d.to(acc)
+        dwu += dwu_d.to(acc)
+        dwd_t += dwd_t_d.to(acc)
+    dt = x.dtype
+    return dx.to(dt), (dwg.to(dt) if gated else None), dwu.to(dt), dwd_t.t().contiguous().to(dt)
+
+
+def csr_by_neuron(hy: Hybrid) -> tuple[torch.Tensor, torch.Tensor]:
+    """Transpose of the light ELL entries, for per-neuron weight gradients: (perm, colptr).
+
+    perm: int64 [M * width], flat ELL indices (row * width + slot) sorted by neuron; the entries of
+    neuron j are perm[colptr[j]:colptr[j + 1]], rows ascending (a stable sort: deterministic sums).
+    colptr: int64 [N + 1]. Core ops only and no host sync (the CUDA backward uses it as is).
+    """
+    keys = torch.where(hy.valid_mask(), hy.ell_col, hy.n_cols).flatten()
+    sorted_keys, perm = torch.sort(keys, stable=True)
+    colptr = torch.searchsorted(sorted_keys, torch.arange(hy.n_cols + 1, device=keys.device, dtype=keys.dtype))
+    return perm, colptr

@@ -18,20 +18,23 @@ as F.linear would do, so fp32 master weights receive fp32 gradients.
 
 Dispatch (mode="auto"): a per-layer DispatchState remembers the activity measured in the previous calls
 (sync-free: device stats copied to pinned host memory and read once their event has completed) and picks the
-sparse path only where it was measured faster: activity <= SFL_TRAIN_DENSE_ABOVE and backup-row fraction <=
-SFL_TRAIN_BACKUP_DENSE_ABOVE. The first call of a layer goes dense (and measures). Knobs: kernels/train/README.md.
+sparse path only where it was measured faster: activity <= config.train_dense_above and backup-row fraction <=
+config.train_backup_dense_above (a KernelConfig, kernels/config.py). The first call of a layer goes dense (and
+measures). Settings: kernels/train/README.md.
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .reference import check_ffn_layouts
+from .config import KernelConfig
+from .reference import _acc_dtype, check_ffn_layouts
 from .train import ops as _ops
+
+_DEFAULT_CONFIG = KernelConfig()
 
 _L1_REDUCTIONS = ("mean", "sum")
 
@@ -42,22 +45,22 @@ def _in_backward() -> bool:
     return fn is not None and fn() != -1
 
 
-def knobs() -> dict[str, Any]:
-    """Knob values (environment variables, read at every call so benchmarks can sweep them)."""
-    e = os.environ.get
+def knobs(config: KernelConfig | None = None) -> dict[str, Any]:
+    """The training fields of a KernelConfig (default: the measured defaults) under the names the dispatch and
+    the kernels use. Nothing here reads the environment: KernelConfig.from_env() is the explicit override (read
+    once, by the caller that builds the config; SFL_KERNEL_TRAIN_WIDTH etc.)."""
+    c = config if config is not None else _DEFAULT_CONFIG
     return {
-        "width": int(e("SFL_TRAIN_WIDTH", 128)),
-        "dense_above": float(e("SFL_TRAIN_DENSE_ABOVE", 0.007)),
-        "backup_dense_above": float(e("SFL_TRAIN_BACKUP_DENSE_ABOVE", 0.015)),
-        "chunk_rows": int(e("SFL_TRAIN_CHUNK_ROWS", 16384)),
-        "shrink": e("SFL_TRAIN_SHRINK", "1") != "0",
-        "dw_nb": int(e("SFL_TRAIN_DW_NB", 4)),
-        "probe_rows": int(e("SFL_TRAIN_PROBE_ROWS", 2048)),
-        "sparse_min_m": int(e("SFL_TRAIN_SPARSE_MIN_M", 8192)),
-        # dense path: fused elementwise kernels (1) or plain torch autograd (0, the reference for comparisons)
-        "fused_dense": e("SFL_TRAIN_FUSED_DENSE", "1") != "0",
-        # replaces mode="auto" (what models pass) by "sparse"/"dense": to test or benchmark one path in a model
-        "force_mode": e("SFL_TRAIN_FORCE_MODE", "auto"),
+        "width": c.train_width,
+        "dense_above": c.train_dense_above,
+        "backup_dense_above": c.train_backup_dense_above,
+        "chunk_rows": c.train_chunk_rows,
+        "shrink": c.train_shrink,
+        "dw_nb": c.train_dw_nb,
+        "probe_rows": c.train_probe_rows,
+        "sparse_min_m": c.train_sparse_min_m,
+        # dense path: fused elementwise kernels (True) or plain torch autograd (False, the comparison reference)
+        "fused_dense": c.train_fused_dense,
     }
 
 
@@ -279,7 +282,7 @@ def _dense(x2, w_gate, w_up, w_down, scale, want_last_active, want_stats, st, kn
     a = F.relu(F.linear(x2, w_gate if w_gate is not None else w_up))
     h = a * F.linear(x2, w_up) if w_gate is not None else a
     y = F.linear(h, w_down)
-    l1 = h.abs().sum(dtype=_ops._acc(h.dtype)) * scale
+    l1 = h.abs().sum(dtype=_acc_dtype(h.dtype)) * scale
     with torch.no_grad():
         if want_stats:  # per-token counts (what models' dense MLP logs); NaN != 0 counts as active
             nnz = _count_rows(a)
@@ -300,9 +303,9 @@ def _last_active_dense(active: Tensor) -> Tensor:
     return torch.where(fired, last, torch.full_like(last, -1))
 
 
-def _last_active_sparse(ell_col, nnz, flag, backup_rows, backup, N) -> Tensor:
-    valid = _ops.light_valid(ell_col, nnz, flag)
-    r, s = valid.nonzero(as_tuple=True)
+def _last_active_sparse(ell_col, ell_a, nnz, backup_rows, backup, N) -> Tensor:
+    hy = _ops.saved_hybrid(ell_col, ell_a, nnz, backup_rows, backup, N)
+    r, s = hy.valid_mask().nonzero(as_tuple=True)
     last = torch.full((N,), -1, dtype=torch.int64, device=ell_col.device)
     last.scatter_reduce_(0, ell_col[r, s].long(), r, reduce="amax")
     if backup_rows.numel():
@@ -318,15 +321,13 @@ def update_tokens_since_fire_sparse(tokens_since_fire: Tensor, last_active_row: 
         tokens_since_fire.copy_(torch.where(last_active_row >= 0, since, tokens_since_fire + n_tokens))
 
 
-def _run(x, w_gate, w_up, w_down, l1_reduction, mode, state, width, backend, want_last_active, want_stats):
+def _run(x, w_gate, w_up, w_down, l1_reduction, mode, state, width, backend, want_last_active, want_stats, config):
     _check(x, w_gate, w_up, w_down, l1_reduction)
     if mode not in ("auto", "sparse", "dense"):
         raise ValueError(f"mode must be 'auto', 'sparse' or 'dense', got {mode!r}")
-    kn = knobs()
-    if mode == "auto" and kn["force_mode"] != "auto":
-        mode = kn["force_mode"]
-        if mode not in ("sparse", "dense"):
-            raise ValueError(f"SFL_TRAIN_FORCE_MODE must be auto, sparse or dense, got {mode!r}")
+    if config is not None and not isinstance(config, KernelConfig):
+        raise TypeError(f"config must be a KernelConfig (sfl.kernels.config), got {type(config).__name__}")
+    kn = knobs(config)
     width = int(width if width is not None else kn["width"])
     if width < 1:
         raise ValueError(f"width must be >= 1, got {width}")
@@ -374,7 +375,7 @@ def _run(x, w_gate, w_up, w_down, l1_reduction, mode, state, width, backend, wan
             stats = {"path": "sparse", "nnz_per_token": nnz, "backup_rows": int(backup_rows.numel()),
                      "width": int(ell_col.shape[1]), "kept_bytes": int(kept), "backend": backend}
             if want_last_active:
-                stats["last_active_row"] = _last_active_sparse(ell_col, nnz, flag, backup_rows, backup, N)
+                stats["last_active_row"] = _last_active_sparse(ell_col, ell_a, nnz, backup_rows, backup, N)
     return y.reshape(*lead, y.shape[-1]), l1, stats
 
 
@@ -382,27 +383,31 @@ def sparse_gated_ffn_train(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tens
                            l1_reduction: Literal["mean", "sum"] = "mean",
                            mode: Literal["auto", "sparse", "dense"] = "auto", state: DispatchState | None = None,
                            width: int | None = None, backend: Literal["cuda", "torch"] | None = None,
-                           want_last_active: bool = False, want_stats: bool = True
-                           ) -> tuple[Tensor, Tensor, dict[str, Any]]:
+                           want_last_active: bool = False, want_stats: bool = True,
+                           config: KernelConfig | None = None) -> tuple[Tensor, Tensor, dict[str, Any]]:
     """Gated ReLU FFN + its L1 term, differentiable, exact; sparse (hybrid format) where that is faster.
 
-    Returns (y [..., K], l1 0-dim fp32, stats). mode: "auto" (per-layer measured dispatch), "sparse", "dense".
-    state: the layer's DispatchState (default: one per w_up tensor). width: ELL width W (default
-    $SFL_TRAIN_WIDTH = 128). backend: "cuda" (kernels; bf16 CUDA) / "torch" (core ops, any device) / None.
-    want_stats=False: the dense path skips the per-token count (stats["nnz_per_token"] is None there) and
-    measures activity on $SFL_TRAIN_PROBE_ROWS rows only; the sparse path gets its counts for free.
+    Returns (y [..., K], l1 0-dim fp32, stats). mode: "auto" (per-layer measured dispatch), "sparse", "dense"
+    (models pass their KernelConfig's train_mode). state: the layer's DispatchState (default: one per w_up
+    tensor). config: a KernelConfig whose train_* fields set the dispatch thresholds and kernel settings
+    (default: KernelConfig()). width: ELL width W (default config.train_width = 128). backend: "cuda" (kernels;
+    bf16 CUDA) / "torch" (core ops, any device) / None. want_stats=False: the dense path skips the per-token count
+    (stats["nnz_per_token"] is None there) and measures activity on config.train_probe_rows rows only; the sparse
+    path gets its counts for free.
     """
-    return _run(x, w_gate, w_up, w_down, l1_reduction, mode, state, width, backend, want_last_active, want_stats)
+    return _run(x, w_gate, w_up, w_down, l1_reduction, mode, state, width, backend, want_last_active, want_stats,
+                config)
 
 
 def sparse_nongated_ffn_train(x: Tensor, w_up: Tensor, w_down: Tensor, *,
                               l1_reduction: Literal["mean", "sum"] = "mean",
                               mode: Literal["auto", "sparse", "dense"] = "auto", state: DispatchState | None = None,
                               width: int | None = None, backend: Literal["cuda", "torch"] | None = None,
-                              want_last_active: bool = False, want_stats: bool = True
-                           ) -> tuple[Tensor, Tensor, dict[str, Any]]:
+                              want_last_active: bool = False, want_stats: bool = True,
+                              config: KernelConfig | None = None) -> tuple[Tensor, Tensor, dict[str, Any]]:
     """Non-gated y = relu(x W_u^T) W_d^T + L1 of h = relu(x W_u^T); see sparse_gated_ffn_train."""
-    return _run(x, None, w_up, w_down, l1_reduction, mode, state, width, backend, want_last_active, want_stats)
+    return _run(x, None, w_up, w_down, l1_reduction, mode, state, width, backend, want_last_active, want_stats,
+                config)
 
 
 __all__ = ["sparse_gated_ffn_train", "sparse_nongated_ffn_train", "DispatchState", "knobs",

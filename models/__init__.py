@@ -19,6 +19,15 @@ else:
     AutoConfig.register(SparseLlamaConfig.model_type, SparseLlamaConfig, exist_ok=True)
     AutoModel.register(SparseLlamaConfig, SparseLlamaModel, exist_ok=True)
     AutoModelForCausalLM.register(SparseLlamaConfig, SparseLlamaForCausalLM, exist_ok=True)
+    # save_pretrained then writes `auto_map` and copies the modelling code into the checkpoint, so
+    # AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True) works in a process that never imported us
+    # (the copied code imports `sfl` only for the reference/cuda MLP paths: `pip install -e .` for those).
+    SparseLlamaConfig.register_for_auto_class()
+    SparseLlamaForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+    # lm-eval's HFLM picks its causal backend from this mapping (else it warns and guesses)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(SparseLlamaConfig.model_type, SparseLlamaForCausalLM.__name__)
 
     __all__ = [
         "SparseLlamaConfig",

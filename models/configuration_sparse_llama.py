@@ -31,7 +31,8 @@ class SparseLlamaConfig(LlamaConfig):
         kernel_config: the CUDA kernels' settings (sfl.kernels.config.KernelConfig fields, as a dict; None =
             defaults). twell_slots and twell_mode reach the kernels through it: `get_kernel_config()` fills
             `slots` and `mode` from them unless the dict sets them.
-        track_sparsity_stats: accumulate non-zeros per token on the device (read by sparsity_stats()).
+        track_sparsity_stats: accumulate non-zeros per token on the device (read by sparsity_stats()); a model
+            compiled with torch.compile keeps them on for mlp_impl="cuda" (see SparseLlamaMLP._forward_cuda).
         dead_window_tokens: a neuron counts as dead when it has not fired in this many most recent
             training tokens (paper: one optimiser step, ~2^20 tokens).
     hidden_act is "relu" (the sparse model) or "silu" (dense SiLU baseline of paper Table 3: same

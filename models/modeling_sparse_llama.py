@@ -219,7 +219,10 @@ class SparseLlamaMLP(nn.Module):
         if x.dtype != wu.dtype:  # the residual stream may be wider than the kernels' bf16 (autocast evaluation)
             x = x.to(wu.dtype)
         self.last_l1 = None
-        stats = self.nnz_stats if self.config.track_sparsity_stats else None
+        # Inductor cannot lower the op with its optional mutable argument left out (seen with torch 2.11: "getitem is
+        # not an OpOverload"), so a compiled model always passes the buffer: statistics stay on while compiled
+        track = self.config.track_sparsity_stats or torch.compiler.is_compiling()
+        stats = self.nnz_stats if track else None
         return ops.ffn(x, wg, wu, wd, self.plan, stats)
 
     def _inference_weights(self) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
@@ -250,7 +253,8 @@ class SparseLlamaMLP(nn.Module):
             self._train_state = train_ffn.DispatchState()  # this layer's measured-activity history
         wg, wu, wd = self._weights()
         recompute = _in_backward()  # activation checkpointing: statistics were taken in the first forward
-        kw = dict(l1_reduction=self.config.l1_reduction, state=self._train_state,
+        kc = self.plan.config  # config.get_kernel_config(), made once per plan (refresh_plan), not per call
+        kw = dict(l1_reduction=self.config.l1_reduction, state=self._train_state, mode=kc.train_mode, config=kc,
                   want_last_active=self.training and not recompute)
         if self.gated:
             y, l1, st = train_ffn.sparse_gated_ffn_train(x2, wg, wu, wd, **kw)

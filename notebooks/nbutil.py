@@ -4,6 +4,10 @@ Every notebook reads only results/ (ours) and results/published/ (the paper's nu
 their source tags) and writes figures/<name>.png and paper_tables/<name>.md + .csv. A missing log never
 raises: `missing()` writes an explicit "not reproduced yet" entry and a labelled placeholder figure.
 
+Logs are read only through results/MANIFEST.csv (`record_paths`, `record_file`): a file in results/ that the
+manifest does not list is never read, so a new run's output cannot silently change a table. A results dir
+without a manifest reads as "no logs yet".
+
 Directories can be redirected (tests and development use synthetic logs in a temp dir):
   SFL_RESULTS_DIR    our logs                     (default <repo>/results)
   SFL_PUBLISHED_DIR  published CSVs               (default <repo>/results/published)
@@ -13,6 +17,7 @@ Directories can be redirected (tests and development use synthetic logs in a tem
 from __future__ import annotations
 
 import csv
+import fnmatch
 import json
 import math
 import os
@@ -34,6 +39,16 @@ SCALE_NOTE = (
     "Scale: ours are small models (minutes of training on one GPU, or CPU smoke runs, on a ~18M-token (SmolLM2 tokenizer) local "
     "corpus); the paper trained 0.5-2B-parameter models on 10-42B tokens on 8x H100 PCIe. Compare trends, "
     "ratios and sparsity fractions, not absolute values."
+)
+# Outputs that are not about our small trained models say their own scale (save_table/save_figure `scale=`).
+KERNEL_SCALE_NOTE = (
+    "Scale: single FFN blocks at the paper's layer shape (K = 2048, N = 5632 unless noted; M tokens per call), bf16, "
+    "on one GPU, with synthetic activations set to each activity level; no trained model is involved."
+)
+PAPER_SHAPE_SCALE_NOTE = (
+    "Scale: 'paper-shape' rows are the paper's 0.5-2B layer shapes (hidden 2048, N 5632, 8-38 layers) with random weights "
+    "and gates calibrated to the paper's activity, on one GPU, not trained models; rows named after a run are our small "
+    "trained models (SmolLM2-135M fine-tunes, K 576, N 1536)."
 )
 NOT_REPRODUCED = "not reproduced yet"
 MISSING_MARK = "**NOT REPRODUCED YET**"
@@ -206,12 +221,58 @@ def load_train_log(path: Path | str) -> TrainLog:
                     config=header.get("config") or {})
 
 
-def find_runs(experiment: str, filename: str = "train_log.jsonl") -> list[Path]:
-    """Run directories results/<experiment>/<run>/ that contain `filename` (sorted by name)."""
-    base = results_dir() / experiment
-    if not base.is_dir():
+# ----------------------------------------------------------------------------- the manifest
+MANIFEST_NAME = "MANIFEST.csv"
+MANIFEST_COLUMNS = ["path", "experiment", "what", "used_by", "seed", "status", "pending"]
+
+
+def manifest_rows(results: Path | str | None = None) -> list[dict[str, str]]:
+    """Rows of <results>/MANIFEST.csv (schema: results/README.md); [] when the results dir has no manifest."""
+    path = Path(results or results_dir()) / MANIFEST_NAME
+    if not path.is_file():
         return []
-    return sorted(p.parent for p in base.glob(f"*/{filename}"))
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if rows and set(MANIFEST_COLUMNS) - set(rows[0]):
+        raise ValueError(f"{path}: columns {sorted(set(MANIFEST_COLUMNS) - set(rows[0]))} missing; see results/README.md")
+    return rows
+
+
+def _path_matches(rel_path: str, pattern: str) -> bool:
+    """fnmatch per path segment, so '*' never crosses a '/' ('l1_sweep/*/train_log.jsonl' skips deeper files)."""
+    a, b = rel_path.split("/"), pattern.split("/")
+    return len(a) == len(b) and all(fnmatch.fnmatchcase(x, y) for x, y in zip(a, b))
+
+
+def record_paths(pattern: str) -> list[Path]:
+    """The logs of record whose manifest path (relative to the results dir) matches `pattern`, sorted.
+    A listed file that is missing is an error: the manifest and results/ disagree."""
+    base = results_dir()
+    out = []
+    for row in manifest_rows(base):
+        if _path_matches(row["path"], pattern):
+            p = base / row["path"]
+            if not p.is_file():
+                raise FileNotFoundError(f"{MANIFEST_NAME} lists {row['path']} but {p} does not exist; "
+                                        "restore the file or remove its row")
+            out.append(p)
+    return sorted(out)
+
+
+def record_file(rel_path: str) -> Path | None:
+    """One log of record by its exact path relative to the results dir; None when the manifest does not list it."""
+    base = results_dir()
+    if not any(row["path"] == rel_path for row in manifest_rows(base)):
+        return None
+    p = base / rel_path
+    if not p.is_file():
+        raise FileNotFoundError(f"{MANIFEST_NAME} lists {rel_path} but {p} does not exist; restore the file or remove its row")
+    return p
+
+
+def find_runs(experiment: str, filename: str = "train_log.jsonl") -> list[Path]:
+    """Run directories results/<experiment>/<run>/ whose `filename` is in the manifest (sorted by name)."""
+    return sorted(p.parent for p in record_paths(f"{experiment}/*/{filename}"))
 
 
 def load_eval(path: Path | str) -> dict[str, Any]:
@@ -265,11 +326,15 @@ def mean_acc(ev: dict[str, Any], key: str = "acc") -> float:
 
 
 def load_jsonl_dir(directory: Path | str, pattern: str = "*.jsonl") -> pd.DataFrame:
-    """All rows of all JSONL files in a directory, nested 'provenance' flattened to prov_* columns,
-    plus 'source_file'. Empty DataFrame when nothing is there."""
-    directory = Path(directory)
+    """All rows of the manifest's JSONL files in a directory of the results dir, nested 'provenance' flattened
+    to prov_* columns, plus 'source_file'. Empty DataFrame when nothing is there."""
+    directory = Path(directory).resolve()
+    try:
+        rel_dir = directory.relative_to(results_dir()).as_posix()
+    except ValueError as e:
+        raise ValueError(f"{directory} is not under the results dir {results_dir()}: logs are read via its manifest") from e
     frames = []
-    for f in sorted(directory.glob(pattern)) if directory.is_dir() else []:
+    for f in record_paths(f"{rel_dir}/{pattern}" if rel_dir != "." else pattern):
         rows = []
         for r in read_jsonl(f):
             r = dict(r)
@@ -355,6 +420,29 @@ def run_key(run_dir: Path | str) -> str:
         return p.name
 
 
+PAPER_DEAD_WINDOW_TOKENS = 2**20  # the paper counts a neuron dead over one training step (~1M tokens)
+
+
+def dead_window_tokens(log: TrainLog) -> float:
+    """The window over which the run counted a neuron dead: the config's dead_window_tokens, else (as
+    experiments/train.py defaults) one step's tokens on one rank = micro_batch_size x seq_len x grad_accum."""
+    v = cfg_get(log.config, "dead_window_tokens")
+    if v:
+        return float(v)
+    mbs, seq = cfg_get(log.config, "micro_batch_size"), cfg_get(log.config, "seq_len")
+    return float(mbs * seq * (cfg_get(log.config, "grad_accum") or 1)) if mbs and seq else float("nan")
+
+
+def dead_window_note(logs: Sequence[TrainLog]) -> str:
+    """'ours: dead = not active within the last N tokens (Kx shorter than the paper's ~1M-token step)'."""
+    w = sorted({dead_window_tokens(lg) for lg in logs if not math.isnan(dead_window_tokens(lg))})
+    if not w:
+        return "ours: dead-neuron window not logged"
+    ratio = PAPER_DEAD_WINDOW_TOKENS / w[0]
+    return (f"ours: dead = not active within the last {', '.join(f'{x:,.0f}' for x in w)} tokens, "
+            f"{ratio:.0f}x shorter than the paper's ~1M-token step (a shorter window counts more neurons dead)")
+
+
 def l1_sum_equivalent(log: TrainLog) -> float:
     """The run's L1 coefficient in the official code's normalisation (sum over neurons, mean over tokens).
     Eq. 2 ('mean' reduction) divides by N as well, so its coefficient is N times weaker: coeff / N."""
@@ -382,7 +470,9 @@ def speed_rows() -> pd.DataFrame:
 
 
 def latest(df: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame:
-    """One row per key combination: the most recent by provenance time when logged, else the last in file order."""
+    """One row per key combination: the most recent by provenance time when logged, else the last in file order.
+    Only the manifest's logs of record reach here, so this picks a listed rerun (e.g. training_h100_r8 over
+    training_h100_r4's M = 16384 cells), never an unlisted new file."""
     if df.empty:
         return df
     df = df.copy()
@@ -554,13 +644,13 @@ def to_markdown(df: pd.DataFrame) -> str:
 
 # ----------------------------------------------------------------------------- writing outputs
 def save_table(name: str, df: pd.DataFrame, caption: str, *, title: str | None = None,
-               logs: Iterable[str] = (), extra: str = "") -> Path:
+               logs: Iterable[str] = (), extra: str = "", scale: str = SCALE_NOTE) -> Path:
     """Write paper_tables/<name>.md (title, caption + scale note, table, logs used) and <name>.csv."""
     out = tables_dir()
     out.mkdir(parents=True, exist_ok=True)
     df.to_csv(out / f"{name}.csv", index=False)
     logs = list(logs)
-    parts = [f"# {title or name}", "", caption.strip(), "", SCALE_NOTE, "", to_markdown(df), ""]
+    parts = [f"# {title or name}", "", caption.strip(), "", scale, "", to_markdown(df), ""]
     if extra:
         parts += [extra.strip(), ""]
     if logs:
@@ -572,11 +662,11 @@ def save_table(name: str, df: pd.DataFrame, caption: str, *, title: str | None =
     return path
 
 
-def save_figure(fig: plt.Figure, name: str, caption: str = "") -> Path:
+def save_figure(fig: plt.Figure, name: str, caption: str = "", *, scale: str = SCALE_NOTE) -> Path:
     """Write figures/<name>.png with the caption and scale note as a footer, then close the figure."""
     out = figures_dir()
     out.mkdir(parents=True, exist_ok=True)
-    footer = (caption.strip() + "\n" if caption else "") + SCALE_NOTE
+    footer = (caption.strip() + "\n" if caption else "") + scale
     width = int(fig.get_figwidth() * 17)  # characters per line at 6.5 pt
     # Placed below the axes; bbox_inches="tight" grows the image to include it (no overlap with labels).
     fig.text(0.01, -0.02, _wrap(footer, width), fontsize=6.5, va="top", ha="left", color="0.3")

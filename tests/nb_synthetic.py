@@ -5,6 +5,7 @@ find them in the generated tables.
 """
 from __future__ import annotations
 
+import csv
 import json
 import math
 from pathlib import Path
@@ -146,4 +147,14 @@ def make_synthetic_results(root: Path | str) -> Path:
         d = root / "ablations" / "dead_neurons" / name
         train_log(d / "train_log.jsonl", l1=l1, final_nnz=nnz, dead=dead)
         eval_json(d / "eval.json", base_acc, nnz=nnz)
+    write_manifest(root)
     return root
+
+
+def write_manifest(root: Path) -> None:
+    """List every synthetic file in root/MANIFEST.csv: the notebooks read only manifest-listed logs."""
+    files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and p.name != "MANIFEST.csv")
+    with open(root / "MANIFEST.csv", "w", newline="") as f:
+        w = csv.writer(f, lineterminator="\n")
+        w.writerow(["path", "experiment", "what", "used_by", "seed", "status", "pending"])
+        w.writerows([path, path.split("/")[0], "synthetic", "tests/test_notebooks.py", "", "record", ""] for path in files)

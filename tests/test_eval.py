@@ -114,6 +114,10 @@ def test_evaluate_end_to_end_tiny(tmp_path):
     for name, v in res["tasks"].items():
         assert v["n"] == limit and 0.0 <= v["acc"] <= 1.0
     assert 0.0 <= res["tasks"]["piqa"]["acc_norm"] <= 1.0 and res["tasks"]["winogrande"]["acc_norm"] is None
+    for name, v in res["tasks"].items():  # lm-eval's closed-form standard error of a mean of 0/1 scores
+        p = v["acc"]
+        assert abs(v["acc_stderr"] - (p * (1 - p) / (limit - 1)) ** 0.5) < 1e-9, name
+    assert res["tasks"]["piqa"]["acc_norm_stderr"] is not None and res["tasks"]["winogrande"]["acc_norm_stderr"] is None
     assert res["limit"] == limit and "git_commit" in res["provenance"]
     assert res["nnz_source"] == "act_fn_output" and len(res["nnz_per_token_per_layer"]) == 2
     assert 0 < res["nnz_per_token_mean"] < 128 and res["nnz_tokens_counted"] > 0
@@ -169,7 +173,7 @@ def test_split_eval_matches_direct_lm_eval(tmp_path):
     direct = json.loads((tmp_path / "direct" / "eval.json").read_text())
     rep = json.loads((tmp_path / "replayed" / "eval.json").read_text())
     for t in ("piqa", "winogrande"):
-        for k in ("acc", "acc_norm", "n"):
+        for k in ("acc", "acc_norm", "n", "acc_stderr", "acc_norm_stderr"):
             assert rep["tasks"][t][k] == direct["tasks"][t][k], (t, k)
     assert rep["nnz_tokens_counted"] > 0 and rep["split_eval"]["n_requests"] == len(reqs)
     # the scorer against HFLM's _loglikelihood_tokens on the exported token pairs

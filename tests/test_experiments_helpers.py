@@ -130,3 +130,31 @@ echo "failed=${{SFL_FAILED[*]}}"
     res = tmp_path / "res" / "exp" / "r1"
     assert sorted(p.name for p in res.iterdir()) == ["eval.scores.json", "eval.scores.npz", "eval_sparse.json"]
     assert "exists, skipped" in out and "failed=exp/missing:eval" in out
+
+
+def test_speed_bench_sparse_side_runs_the_layers_plans(monkeypatch) -> None:
+    """The speed benchmark's sparse side: use_kernel_config gives every layer a plan with SFL_KERNEL_* (passed in,
+    read once by main) and --sparse-mode applied; the swapped-in FFN calls the op with that layer's plan and no
+    statistics (checked with a stand-in for the CUDA op)."""
+    from sfl.experiments.speed.bench import _sparse_ffn, use_kernel_config
+    from sfl.kernels.twell import ops
+
+    model = small_paper_like_model(2, 64, 256, 4, 50, torch.device("cpu"))
+    monkeypatch.setenv("SFL_KERNEL_SLOTS", "8")   # not read here: the environment comes from main's snapshot
+    cfg = use_kernel_config(model, "sparse", {"SFL_KERNEL_SLOTS": "16", "SFL_KERNEL_SELF_TIMING": "0"})
+    assert (cfg.mode, cfg.slots, cfg.self_timing) == ("sparse", 16, False)
+    assert all(m.plan.config == cfg for m in model.sparse_mlps())
+    assert model.config.get_kernel_config() == cfg   # saved with the model config
+    calls = []
+
+    def fake(x, w_gate, w_up, w_down, plan, stats=None):
+        calls.append((plan, stats))
+        return (torch.relu(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T
+
+    monkeypatch.setattr(ops, "ffn", fake)
+    monkeypatch.setattr(ops, "ensure_loaded", lambda: None)
+    mlp = model.sparse_mlps()[1]
+    x = torch.randn(3, 5, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(_sparse_ffn(mlp, x), mlp(x), rtol=1e-5, atol=1e-6)
+    assert calls == [(mlp.plan, None)]

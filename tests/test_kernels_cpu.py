@@ -27,8 +27,29 @@ def test_loader_without_gpu_says_what_to_do():
         load_twell()
 
 
-def test_source_hash_is_stable_and_covers_sources():
-    assert source_hash() == source_hash() and len(source_hash()) == 12
+def test_source_hash_is_stable_and_covers_sources(tmp_path):
+    """The hash is a function of the sources' names and bytes: equal for identical copies, different after an
+    edit of any source or an added one (else a stale build of edited kernels would load). Temp copies only."""
+    import shutil
+
+    from sfl.kernels.loader import TWELL_SOURCES
+
+    h = source_hash()
+    assert len(h) == 12 and all(c in "0123456789abcdef" for c in h)
+    copies = []
+    for src in TWELL_SOURCES:
+        copies.append(tmp_path / src.name)
+        shutil.copy(src, copies[-1])
+    assert source_hash(copies) == h  # same names and bytes, another place: same hash
+    for i, c in enumerate(copies):
+        text = c.read_bytes()
+        c.write_bytes(text + b"\n// edited\n")
+        assert source_hash(copies) != h, f"an edit of {c.name} does not change the hash"
+        c.write_bytes(text)
+    assert source_hash(copies) == h
+    extra = tmp_path / "extra.cu"
+    extra.write_text("// a new source\n")
+    assert source_hash(copies + [extra]) != h
 
 
 def test_module_rejects_bias():

@@ -231,14 +231,15 @@ def test_reference_impl_matches_dense(gated: bool) -> None:
 def test_cuda_impl_trains_through_hybrid_op_like_dense(monkeypatch) -> None:
     """mlp_impl='cuda' with grad goes through kernels/train_ffn.py (its exact torch backend on CPU):
     loss, L1 and every gradient equal the dense model's; statistics and dead trackers are kept.
-    A knob forces the sparse path (auto picks dense on CPU), with an ELL narrow enough that some rows
-    take the dense backup."""
+    The KernelConfig forces the sparse path (train_mode; auto picks dense on CPU), with an ELL narrow enough
+    that some rows take the dense backup (train_width); the environment is not read."""
     pytest.importorskip("sfl.kernels.train_ffn")
-    monkeypatch.setenv("SFL_TRAIN_FORCE_MODE", "sparse")
-    monkeypatch.setenv("SFL_TRAIN_WIDTH", "96")
+    monkeypatch.setenv("SFL_TRAIN_FORCE_MODE", "dense")   # the old knobs: ignored now
+    monkeypatch.setenv("SFL_TRAIN_WIDTH", "200")
     torch.manual_seed(0)
     dense = tiny_model(intermediate_size=256, l1_coeff=1e-2).train()
-    sparse = tiny_model(intermediate_size=256, l1_coeff=1e-2, mlp_impl="cuda").train()
+    sparse = tiny_model(intermediate_size=256, l1_coeff=1e-2, mlp_impl="cuda",
+                        kernel_config={"train_mode": "sparse", "train_width": 96}).train()
     sparse.load_state_dict(dense.state_dict())
     dense.record_nnz_per_token(True)
     sparse.record_nnz_per_token(True)

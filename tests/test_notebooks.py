@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-from nb_synthetic import make_synthetic_results  # noqa: E402
+from nb_synthetic import make_synthetic_results, write_manifest  # noqa: E402
 from sfl.notebooks import nbutil  # noqa: E402
 
 pytest.importorskip("nbclient")
@@ -42,18 +43,29 @@ SOURCE = {"quickstart_eval": "quickstart/eval.json", "quickstart_loss_nnz": "qui
           "table4_gated_vs_nongated": "ablations/gating", "table5_dead_neuron_mitigation": "ablations/dead_neurons"}
 
 
-def _has_logs(rel: str) -> bool:
-    p = REPO / "results" / rel
+# Logs removed from a copy of the synthetic results for the "partial" run: its tables must say "not reproduced yet"
+# (with the real results/, which holds every log, that branch of test_real_results_dir never ran).
+PARTIAL_REMOVED = ("speed", "ablations/dead_neurons")
+
+
+def _has_logs(rel: str, results: Path = REPO / "results") -> bool:
+    p = results / rel
     return p.is_file() or (p.is_dir() and any(f.suffix in (".jsonl", ".json") for f in p.rglob("*")))
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Run all notebooks twice in parallel: real results/ and synthetic logs; outputs in temp dirs."""
+    """Run all notebooks three times in parallel: real results/, synthetic logs, and synthetic logs with some
+    removed; outputs in temp dirs."""
     tmp = tmp_path_factory.mktemp("nb")
     synth = make_synthetic_results(tmp / "synthetic_results")
-    procs = {}
-    for name, results in (("real", None), ("synthetic", synth)):
+    partial = tmp / "partial_results"
+    shutil.copytree(synth, partial)
+    for rel in PARTIAL_REMOVED:
+        shutil.rmtree(partial / rel)
+    write_manifest(partial)  # the removed logs leave the manifest too (a listed missing file is an error)
+    procs, dirs = {}, {"real": None, "synthetic": synth, "partial": partial}
+    for name, results in dirs.items():
         env = dict(os.environ, SFL_FIGURES_DIR=str(tmp / name / "figures"), SFL_TABLES_DIR=str(tmp / name / "tables"),
                    MPLBACKEND="Agg")
         env.pop("SFL_RESULTS_DIR", None)
@@ -64,7 +76,8 @@ def runs(tmp_path_factory):
     out = {}
     for name, p in procs.items():
         log, _ = p.communicate(timeout=300)
-        out[name] = dict(rc=p.returncode, log=log, figures=tmp / name / "figures", tables=tmp / name / "tables")
+        out[name] = dict(rc=p.returncode, log=log, figures=tmp / name / "figures", tables=tmp / name / "tables",
+                         results=dirs[name] or REPO / "results")
     return out
 
 
@@ -77,24 +90,43 @@ def _num(v: str) -> float:
     return float(v) if v not in ("", None) else float("nan")
 
 
-def test_real_results_dir(runs):
-    r = runs["real"]
+def _check_tables_against_logs(r: dict) -> None:
+    """A table whose logs exist carries our numbers; one whose logs are missing says "not reproduced yet", names
+    the experiment to run and keeps the published numbers beside (e.g. Table 1's 2B +20.5%)."""
     assert r["rc"] == 0, r["log"][-3000:]
     for t in TABLES:
         md = r["tables"] / f"{t}.md"
         assert md.is_file() and (r["tables"] / f"{t}.csv").is_file(), f"{t} not written"
-        if not _has_logs(SOURCE[t]):
+        if not _has_logs(SOURCE[t], r["results"]):
             text = md.read_text()
             assert nbutil.is_missing_table(md) or "not reproduced yet" in text, f"{t}: no not-reproduced entry"
             assert "experiments/" in text, f"{t}: entry does not say which experiment to run"
+        else:
+            assert not nbutil.is_missing_table(md), f"{t} says not reproduced although its logs exist"
     for f in FIGURES:
         assert (r["figures"] / f"{f}.png").stat().st_size > 5000, f"figure {f} missing or empty"
-    # The not-reproduced tables keep the published numbers beside (e.g. Table 1's 2B +20.5%).
-    if not _has_logs("speed"):
-        rows = _rows(r["tables"] / "table1_speed.csv")
+    rows = _rows(r["tables"] / "table1_speed.csv")
+    if not _has_logs("speed", r["results"]):
         hit = [x for x in rows if x["model"] == "2B" and x["metric"] == "fwd_speedup_pct"]
         assert hit and _num(hit[0]["published"]) == 20.5 and hit[0]["ours"] == "not reproduced yet"
+    else:
+        hit = [x for x in rows if x["scale"] == "2B"]
+        assert hit and _num(hit[0]["published fwd speed-up (%)"]) == 20.5
+        assert -100 < _num(hit[0]["ours fwd speed-up (%)"]) < 1000  # a number of ours, not a placeholder
     assert (r["tables"] / "INDEX.md").is_file()
+
+
+def test_real_results_dir(runs):
+    _check_tables_against_logs(runs["real"])
+
+
+def test_partial_results_dir(runs):
+    """Some logs missing: both branches of the check run (the removed ones must be reported as not reproduced)."""
+    r = runs["partial"]
+    assert not _has_logs("speed", r["results"]) and _has_logs("l1_sweep", r["results"])
+    _check_tables_against_logs(r)
+    assert nbutil.is_missing_table(r["tables"] / "table5_dead_neuron_mitigation.md") or \
+        "not reproduced yet" in (r["tables"] / "table5_dead_neuron_mitigation.md").read_text()
 
 
 def test_synthetic_results_dir(runs):

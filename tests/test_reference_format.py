@@ -448,3 +448,91 @@ def test_ffn_through_format_gradients_match_dense(fmt, gated, dtype):
             tol = 1e-5 if dtype == torch.float32 else 2e-2
             rel = (a.float() - b.float()).norm() / b.float().norm()
             assert rel <= tol, f"relative gradient error {float(rel):.2e} ({patterns})"
+
+
+# ----------------------------------------------------------------------------------------
+# non-finite values: NaN and +-Inf exactly where the dense FFN puts them (FORMAT.md)
+# ----------------------------------------------------------------------------------------
+_NONFINITE = {"+inf": float("inf"), "-inf": float("-inf"), "nan": float("nan")}
+
+
+def _assert_same_nonfinite(a: torch.Tensor, b: torch.Tensor, what: str, rtol: float) -> None:
+    a, b = a.detach().double(), b.detach().double()
+    for test in (torch.isnan, torch.isposinf, torch.isneginf):
+        got, want = test(a), test(b)
+        assert torch.equal(got, want), f"{what}: {test.__name__} at {int(got.sum())} entries, dense {int(want.sum())}"
+    ok = torch.isfinite(b)
+    assert (a[ok] - b[ok]).norm() <= rtol * b[ok].norm() + 1e-12, what
+
+
+def _inject(x, wg, wu, wd, where: str, value: float) -> None:
+    if where == "x":
+        x[3, 5] = value
+        x[9, 2] = value
+    elif where == "w_gate":
+        wg[6, 5] = value  # reaches neuron 6's pre-activation in every row
+    elif where == "w_up":
+        wu[6, 5] = value
+    elif where == "w_down":
+        wd[5, 6] = value
+
+
+@pytest.mark.parametrize("fmt", ["twell", "hybrid"])
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("where", ["x", "w_gate", "w_up", "w_down"])
+@pytest.mark.parametrize("value", list(_NONFINITE))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_ffn_nonfinite_like_dense(fmt, gated, where, value, dtype):
+    """Forward through each format, and autograd through it, put NaN/+-Inf where the dense FFN does. Two layouts:
+    lossless (slots = tile_n, width >= N: only the non-finite rule sends rows dense) and tight (slots 2, width 4)."""
+    if where == "w_gate" and not gated:
+        pytest.skip("the non-gated FFN has no w_gate")
+    g = torch.Generator().manual_seed(7)
+    for slots, width in ((16, 64), (2, 4)):
+        x, wg, wu, wd = _ffn_problem(g, 16, 8, 64, torch.float64, {"heavy"})
+        _inject(x, wg, wu, wd, where, _NONFINITE[value])
+        ins = [t.to(dtype).requires_grad_() for t in (x, wg, wu, wd)]
+        used = ins if gated else [ins[0], ins[2], ins[3]]
+        y = _run(fmt, gated, *ins, 16, slots, width, None)
+        y_dense = _dense(gated, *ins)
+        rtol = 1e-10 if dtype == torch.float64 else 3e-2
+        _assert_same_nonfinite(y, y_dense, f"y (slots {slots}, width {width})", rtol)
+        cot = torch.randn(16, 8, generator=g).to(dtype)
+        grads = torch.autograd.grad(y, used, cot)
+        grads_dense = torch.autograd.grad(y_dense, used, cot)
+        for i, (a, b) in enumerate(zip(grads, grads_dense)):
+            _assert_same_nonfinite(a, b, f"grad {i} (slots {slots}, width {width})", rtol)
+
+
+def test_dense_rows_mask_rule():
+    """The rule itself: rows with a non-finite pre-activation; every row when w_up or w_down is not finite."""
+    g = torch.zeros(4, 8)
+    g[1, 2] = float("inf")
+    g[3, 0] = float("nan")
+    w_up, w_down = torch.ones(8, 3), torch.ones(3, 8)
+    assert ref.dense_rows_mask(g, w_up, w_down).tolist() == [False, True, False, True]
+    g[2, 5] = float("-inf")  # -Inf is inactive after relu, but dense forms 0 * u there too
+    assert ref.dense_rows_mask(g, None, w_down).tolist() == [False, True, True, True]
+    w_down[1, 7] = float("nan")
+    assert ref.dense_rows_mask(g, w_up, w_down).all()
+    w_down[1, 7] = 1.0
+    w_up[0, 0] = float("-inf")
+    assert ref.dense_rows_mask(g, w_up, w_down).all()
+    assert ref.dense_rows_mask(g, None, w_down).tolist() == [False, True, True, True]  # non-gated: w_up is g's
+
+
+def test_hybrid_extra_dense_rows_round_trip():
+    """d2h(keep_dense=...) puts extra rows in the backup; h2d still reproduces h; a missing heavy row is refused."""
+    h = torch.zeros(4, 8)
+    h[0, 1] = 2.0
+    h[1, :5] = 1.0  # heavy at width 3
+    h[2, 3] = float("inf")
+    hy = d2h(h, 3, keep_dense=torch.tensor([False, False, True, False]))
+    assert hy.backup_rows.tolist() == [1, 2] and hy.backup_mask().tolist() == [False, True, True, False]
+    assert not hy.valid_mask()[2].any()
+    _assert_same(h2d(hy), h)
+    with pytest.raises(ValueError, match="keep_dense"):
+        d2h(h, 3, keep_dense=torch.tensor([1, 0, 0, 0]))
+    bad = Hybrid(hy.ell_col, hy.ell_val, hy.nnz, torch.tensor([2]), hy.backup[1:], 8, 3)
+    with pytest.raises(ValueError, match="heavy row"):
+        h2d(bad)

@@ -111,13 +111,15 @@ def test_saved_hybrid_format_and_transpose():
     from sfl.kernels import reference as ref
 
     hy = ref.d2h(a, 10)
-    valid = ops.light_valid(ell_col, nnz, flag)
+    saved = ops.saved_hybrid(ell_col, ell_a, nnz, brow, backup, 64)
+    assert torch.equal(saved.backup_mask(), flag.bool())
+    valid = saved.valid_mask()
     assert torch.equal(torch.where(valid, ell_col, -1)[flag == 0], torch.where(valid, hy.ell_col, -1)[flag == 0])
     assert torch.equal(torch.where(valid, ell_a, 0.0)[flag == 0], torch.where(valid, hy.ell_val, 0.0)[flag == 0])
     u = F.linear(x, wu)
     assert torch.allclose(ell_u[valid], torch.gather(u, 1, ell_col.clamp(min=0).long())[valid])
     # CSR by neuron: every light entry exactly once, grouped by neuron, rows ascending
-    perm, colptr = ops.csr_by_neuron(ell_col, nnz, flag, 64)
+    perm, colptr = ref.csr_by_neuron(saved)
     assert int(colptr[-1]) == int(valid.sum())
     W = ell_col.shape[1]
     for j in range(64):
@@ -166,6 +168,33 @@ def test_dispatch_state():
     assert st3.choose(kn, 1000) == "dense" and st3.backup_frac == 0.25
     assert st3.activity == 3 / 3000  # activity is measured on the light rows
     assert st2.choose(kn, 10) == "dense"  # below sparse_min_m
+
+
+def test_settings_come_from_the_kernel_config_not_the_environment(monkeypatch):
+    """knobs(config) maps the train_* fields; the default width and the dispatch thresholds are the config's; the
+    old SFL_TRAIN_* variables are not read per call (KernelConfig.from_env is the explicit, read-once override)."""
+    from sfl.kernels.config import KernelConfig
+    from sfl.kernels.train_ffn import knobs
+
+    cfg = KernelConfig(train_width=4, train_dense_above=0.5, train_backup_dense_above=0.75, train_chunk_rows=64,
+                       train_shrink=False, train_dw_nb=2, train_probe_rows=16, train_sparse_min_m=0,
+                       train_fused_dense=False)
+    assert knobs(cfg) == {"width": 4, "dense_above": 0.5, "backup_dense_above": 0.75, "chunk_rows": 64,
+                          "shrink": False, "dw_nb": 2, "probe_rows": 16, "sparse_min_m": 0, "fused_dense": False}
+    assert knobs() == knobs(KernelConfig()) and knobs()["width"] == 128
+    monkeypatch.setenv("SFL_TRAIN_WIDTH", "4")
+    monkeypatch.setenv("SFL_TRAIN_FORCE_MODE", "dense")
+    assert knobs()["width"] == 128
+    x, wg, wu, wd = problem(9, 16, 32, -1.0, 2)   # most neurons active: every row is heavy at W=4, none at W=128
+    _, _, st = sparse_gated_ffn_train(x, wg, wu, wd, mode="sparse", backend="torch", config=cfg)
+    assert st["path"] == "sparse" and st["backup_rows"] == 9 and st["width"] == 4   # config width, no shrink
+    _, _, st = sparse_gated_ffn_train(x, wg, wu, wd, mode="sparse", backend="torch")
+    assert st["path"] == "sparse" and st["backup_rows"] == 0   # the env width (4) was not read
+    assert KernelConfig.from_env(environ={"SFL_KERNEL_TRAIN_MODE": "sparse"}).train_mode == "sparse"
+    with pytest.raises(ValueError, match="KernelConfig.train_mode"):
+        KernelConfig(train_mode="forced")
+    with pytest.raises(TypeError, match="KernelConfig"):
+        sparse_gated_ffn_train(x, wg, wu, wd, config={"train_width": 4})
 
 
 def test_auto_mode_on_cpu_is_dense_and_exact():
@@ -245,3 +274,78 @@ def test_recompute_in_backward_reuses_forward_path():
     h.register_hook(hook)
     h.sum().backward()
     assert seen["path"] == "sparse"
+
+
+# ----------------------------------------------------------------------------------------------- non-finite values
+NONFINITE = {"+inf": float("inf"), "-inf": float("-inf"), "nan": float("nan")}
+
+
+def assert_same_nonfinite(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """NaN, +Inf and -Inf at exactly the same entries as b (dense autograd), the finite rest close."""
+    a, b = a.detach().double(), b.detach().double()
+    for test in (torch.isnan, torch.isposinf, torch.isneginf):
+        got, want = test(a), test(b)
+        assert torch.equal(got, want), f"{what}: {test.__name__} at {int(got.sum())} entries, dense {int(want.sum())}"
+    ok = torch.isfinite(b)
+    assert (a[ok] - b[ok]).norm() <= 1e-7 * b[ok].norm() + 1e-12, what
+
+
+def inject(tensors: dict[str, torch.Tensor], where: str, value: float) -> None:
+    """One non-finite value in x (two rows), in one weight entry, or in the upstream gradient dy (one row)."""
+    if where == "x":
+        tensors["x"][2, 3] = value
+        tensors["x"][5, 7] = value
+    elif where == "w_gate":
+        tensors["w_gate"][4, 3] = value   # reaches neuron 4's pre-activation in every row
+    elif where == "w_up":
+        tensors["w_up"][4, 3] = value
+    elif where == "w_down":
+        tensors["w_down"][3, 4] = value
+    elif where == "dy":
+        tensors["dy"][2, 3] = value
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("where", ["x", "w_gate", "w_up", "w_down", "dy", "dl1"])
+@pytest.mark.parametrize("value", list(NONFINITE))
+@pytest.mark.parametrize("width", [6, 96])  # 96 >= N: no heavy row, only the non-finite rule sends rows dense
+def test_nonfinite_like_dense_autograd(gated, where, value, width):
+    """The torch backend (the reference) puts NaN and +-Inf where dense autograd does: y, l1 and every gradient."""
+    if where == "w_gate" and not gated:
+        pytest.skip("the non-gated block has no w_gate")
+    x, wg, wu, wd = problem(12, 16, 96, 1.5, 11, heavy_rows=(1,))
+    gy = torch.randn(12, 16, dtype=DT, generator=torch.Generator().manual_seed(12))
+    t = {"x": x, "w_gate": wg, "w_up": wu, "w_down": wd, "dy": gy}
+    inject(t, where, NONFINITE[value])
+    coef = NONFINITE[value] if where == "dl1" else 0.7   # the L1 term's gradient itself non-finite
+    (y, l1, g, st), (yd, l1d, gd, _) = run_both_with(x, wg if gated else None, wu, wd, gy, "mean", width, coef)
+    assert st["path"] == "sparse" and st["backend"] == "torch"
+    assert_same_nonfinite(y, yd, "y")
+    assert_same_nonfinite(l1, l1d, "l1")
+    names = ["dx", "dw_gate", "dw_up", "dw_down"] if gated else ["dx", "dw_up", "dw_down"]
+    for name, a, b in zip(names, g, gd):
+        assert_same_nonfinite(a, b, name)
+
+
+def run_both_with(x, wg, wu, wd, gy, reduction, width, coef):
+    """run_both with a given upstream gradient gy (which may hold non-finite values)."""
+    gated = wg is not None
+    ins = [t.clone().requires_grad_(True) for t in ((x, wg, wu, wd) if gated else (x, wu, wd))]
+    fn = sparse_gated_ffn_train if gated else sparse_nongated_ffn_train
+    y, l1, st = fn(*ins, l1_reduction=reduction, mode="sparse", width=width, backend="torch")
+    g = torch.autograd.grad([y, l1], ins, [gy, torch.tensor(coef, dtype=l1.dtype)])
+    dins = [t.clone().requires_grad_(True) for t in ins]
+    yd, l1d, nnz = dense_ref(dins[0], dins[1] if gated else None, dins[-2], dins[-1], reduction)
+    gd = torch.autograd.grad([yd, l1d], dins, [gy, torch.tensor(coef, dtype=l1d.dtype)])
+    return (y, l1, g, st), (yd, l1d, gd, nnz)
+
+
+def test_nonfinite_x_gate_gradient_counts_match_dense():
+    """Issue 15's case: +Inf in x. The torch backend gave far more NaNs in dW_gate than autograd (a mask product,
+    0 * Inf, where relu's backward selects); now the counts are equal entry for entry."""
+    x, wg, wu, wd = problem(40, 16, 96, 1.5, 13)
+    x[7, 5] = float("inf")
+    gy = torch.randn(40, 16, dtype=DT, generator=torch.Generator().manual_seed(14))
+    (_, _, g, _), (_, _, gd, _) = run_both_with(x, wg, wu, wd, gy, "mean", 128, 0.7)
+    assert int(g[1].isnan().sum()) == int(gd[1].isnan().sum()) > 0
+    assert_same_nonfinite(g[1], gd[1], "dw_gate")

@@ -80,7 +80,7 @@ def grads(fn, inputs, gy, coef):
 
 
 def check_case(M, K, N, p, seed, gated=True, heavy_frac=0.0, reduction="sum", coef=1.0, gy_zero=False,
-               mode="sparse", width=None, adversarial=True):
+               mode="sparse", width=None, adversarial=True, config=None):
     from sfl.kernels.train_ffn import sparse_gated_ffn_train, sparse_nongated_ffn_train
 
     x, wg, wu, wd = make_problem(M, K, N, p, seed, gated, heavy_frac, adversarial)
@@ -96,8 +96,8 @@ def check_case(M, K, N, p, seed, gated=True, heavy_frac=0.0, reduction="sum", co
 
     def ours_fn(*t):
         if gated:
-            return sparse_gated_ffn_train(*t, l1_reduction=reduction, mode=mode, width=width)
-        return sparse_nongated_ffn_train(*t, l1_reduction=reduction, mode=mode, width=width)
+            return sparse_gated_ffn_train(*t, l1_reduction=reduction, mode=mode, width=width, config=config)
+        return sparse_nongated_ffn_train(*t, l1_reduction=reduction, mode=mode, width=width, config=config)
 
     poison()
     y, l1, gs = grads(ours_fn, ins, gy, coef)
@@ -149,15 +149,20 @@ def test_small_width_many_backup_rows():
     assert st["backup_rows"] > 500 and st["width"] <= 16
 
 
-def test_chunked_gate(monkeypatch):
-    monkeypatch.setenv("SFL_TRAIN_CHUNK_ROWS", "300")
-    check_case(1000, 1024, 2048, 0.01, seed=9)
+def test_chunked_gate():
+    from sfl.kernels.config import KernelConfig
+
+    check_case(1000, 1024, 2048, 0.01, seed=9, config=KernelConfig(train_chunk_rows=300))
 
 
-def test_auto_dispatch_and_history(monkeypatch):
-    from sfl.kernels.train_ffn import DispatchState, sparse_gated_ffn_train
+def test_auto_dispatch_and_history():
+    from sfl.kernels.config import KernelConfig
+    from sfl.kernels.train_ffn import DispatchState, sparse_gated_ffn_train as _train
 
-    monkeypatch.setenv("SFL_TRAIN_SPARSE_MIN_M", "0")
+    cfg = KernelConfig(train_sparse_min_m=0)
+
+    def sparse_gated_ffn_train(*a, **kw):
+        return _train(*a, config=cfg, **kw)
 
     x, wg, wu, wd = make_problem(2048, 1024, 2048, 0.003, 1)
     st = DispatchState()
@@ -205,14 +210,18 @@ def test_saved_format_matches_reference():
     x, wg, wu, wd = make_problem(3000, 1024, 2048, 0.01, 6)
     out = ops.ffn_fwd(x, wg, wu, wd, 128, 1.0, 1 << 20, False, "cuda")
     y, l1, ell_col, ell_a, ell_u, nnz, flag, brow, backup = out
+    from sfl.kernels import reference as ref
+
     a = F.relu(F.linear(x, wg))
-    col_r, val_r, nnz_r = ops.ell_from_dense(a, 128)
-    assert torch.equal(nnz, nnz_r)
-    assert torch.equal(brow, (nnz_r > 128).nonzero().squeeze(1))
+    hy_r = ref.d2h(a, 128)   # finite inputs: the backup rows are exactly the heavy rows
+    assert torch.equal(nnz, hy_r.nnz)
+    assert torch.equal(brow, hy_r.backup_rows)
+    assert torch.equal(flag.bool(), hy_r.backup_mask())
     light = flag == 0
-    valid = ops.light_valid(ell_col, nnz, flag)
-    assert torch.equal(torch.where(valid, ell_col, -1)[light], torch.where(valid, col_r, -1)[light])
-    assert torch.equal(torch.where(valid, ell_a.float(), 0.0)[light], torch.where(valid, val_r.float(), 0.0)[light])
+    valid = ops.saved_hybrid(ell_col, ell_a, nnz, brow, backup, a.shape[1]).valid_mask()
+    assert torch.equal(torch.where(valid, ell_col, -1)[light], torch.where(valid, hy_r.ell_col, -1)[light])
+    assert torch.equal(torch.where(valid, ell_a.float(), 0.0)[light],
+                       torch.where(valid, hy_r.ell_val.float(), 0.0)[light])
     assert torch.equal(backup, a[brow])
     u = F.linear(x.float(), wu.float())
     ue = torch.gather(u, 1, ell_col.clamp(min=0).long())
@@ -246,26 +255,27 @@ def test_fused_dense_path_vs_fp32(M, K, N, p, gated):
     from sfl.kernels import train_ffn
 
     x = torch.zeros(M, K, device=DEV, dtype=BF)
-    assert train_ffn._fused_dense_ok(x, "cuda", train_ffn.knobs(), N)
+    assert train_ffn._fused_dense_ok(x, "cuda", train_ffn.knobs(), N)   # the default KernelConfig
     st, _ = check_case(M, K, N, p, seed=M + 3, gated=gated, mode="dense", adversarial=M >= 12)
     assert st["path"] == "dense"
 
 
 @pytest.mark.parametrize("gated", [True, False])
-def test_fused_dense_equals_plain_dense(monkeypatch, gated):
-    """Fused and plain (SFL_TRAIN_FUSED_DENSE=0) dense paths: the same y bits (same GEMMs, same rounding of
+def test_fused_dense_equals_plain_dense(gated):
+    """Fused and plain (KernelConfig(train_fused_dense=False)) dense paths: the same y bits (same GEMMs, same rounding of
     relu*mul), the same per-token counts, last-active rows and dispatch measurement; gradients agree to bf16."""
+    from sfl.kernels.config import KernelConfig
     from sfl.kernels.train_ffn import DispatchState, sparse_gated_ffn_train, sparse_nongated_ffn_train
 
     x, wg, wu, wd = make_problem(3000, 1024, 2048, 0.02, seed=21, gated=gated)
     gy = torch.randn(3000, 1024, device=DEV, generator=torch.Generator(device=DEV).manual_seed(5)).to(BF)
     res = {}
     for fused in ("1", "0"):
-        monkeypatch.setenv("SFL_TRAIN_FUSED_DENSE", fused)
+        cfg = KernelConfig(train_fused_dense=fused == "1")
         ins = [t.clone().requires_grad_(True) for t in ((x, wg, wu, wd) if gated else (x, wu, wd))]
         state = DispatchState()
         fn = sparse_gated_ffn_train if gated else sparse_nongated_ffn_train
-        y, l1, st = fn(*ins, mode="dense", state=state, want_last_active=True)
+        y, l1, st = fn(*ins, mode="dense", state=state, want_last_active=True, config=cfg)
         torch.autograd.backward([y, l1], [gy, torch.tensor(3.0, device=DEV)])
         torch.cuda.synchronize()
         state._poll()
@@ -282,3 +292,105 @@ def test_fused_dense_equals_plain_dense(monkeypatch, gated):
         ok = torch.isfinite(b)
         assert torch.equal(torch.isfinite(a), ok)
         assert rel(a[ok], b[ok]) < 2e-2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Non-finite values (kernels/FORMAT.md, "Non-finite values", CUDA table). Public API only, small shapes (K 128,
+# N 512, M 64, ~1% active), one value injected into x or one weight entry; bf16 dense autograd is the reference.
+_NONFINITE = {"+inf": float("inf"), "-inf": float("-inf"), "nan": float("nan")}
+_NF_NEURON, _NF_FEATURE = 6, 5   # the poisoned weight entry: neuron 6, feature 5 (features 0..2 steer activity)
+
+
+def _nf_problem(gated: bool, where: str, value: float, seed: int):
+    x, wg, wu, wd = make_problem(64, 128, 512, 0.01, seed, gated, adversarial=False)
+    j, k = _NF_NEURON, _NF_FEATURE
+    if where == "x":
+        # feature k reaches one neuron positively: with x[1, k] = +Inf only neuron j is active in row 1, and
+        # gated dense forms 0 * Inf = NaN at all the others (a path that skipped them would give +-Inf there)
+        first = wg if gated else wu
+        first[:, k] = -first[:, k].abs()
+        first[j, k] = first[j, k].abs()
+        x[1, k] = value
+        x[63, k + 3] = value
+    elif where == "w_gate":
+        wg[j, k] = value
+    elif where in ("w_up", "w_down"):
+        (wg if gated else wu)[j, 0] = 0.0   # neuron j active in about half the rows: both cases occur
+        if where == "w_up":
+            wu[j, k] = value
+        else:
+            wd[k, j] = value
+    return x, wg, wu, wd
+
+
+def _assert_like_dense(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """NaN, +Inf and -Inf exactly where dense autograd has them, the finite rest close (bf16 vs bf16)."""
+    for test in (torch.isnan, torch.isposinf, torch.isneginf):
+        got, want = test(a), test(b)
+        assert torch.equal(got, want), f"{what}: {test.__name__} at {int(got.sum())} entries, dense {int(want.sum())}"
+    fin = torch.isfinite(b)
+    if fin.any():
+        assert rel(a[fin], b[fin]) < 3e-2, f"{what}: finite entries differ"
+
+
+def _nf_run(gated: bool, ins, gy, mode: str):
+    from sfl.kernels.train_ffn import sparse_gated_ffn_train, sparse_nongated_ffn_train
+
+    def ours(*t):
+        if gated:
+            return sparse_gated_ffn_train(*t, l1_reduction="sum", mode=mode)
+        return sparse_nongated_ffn_train(*t, l1_reduction="sum", mode=mode)
+
+    def d(*t):
+        return dense_fn(t[0], t[1] if gated else None, t[2] if gated else t[1], t[-1], "sum")
+
+    poison()
+    return grads(ours, ins, gy, 0.5), grads(d, ins, gy, 0.5)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("where", ["x", "w_gate", "w_up", "w_down"])
+@pytest.mark.parametrize("value", list(_NONFINITE))
+@pytest.mark.parametrize("mode", ["sparse", "dense"])
+def test_nonfinite_like_dense_autograd(gated, where, value, mode):
+    """y, l1 and every gradient put NaN/+-Inf where bf16 dense autograd does: mode="dense" (the fused dense path)
+    for every injection; mode="sparse" where the spec says the CUDA path is exact (a non-finite x, or a non-finite
+    entry of the first weight: every such row goes through the dense backup, forward and backward)."""
+    if where == "w_gate" and not gated:
+        pytest.skip("the non-gated block has no w_gate")
+    if mode == "sparse" and (where == "w_down" or (where == "w_up" and gated)):
+        pytest.skip("spec: a non-finite w_up / w_down is not reproduced at inactive neurons on the sparse path "
+                    "(test_nonfinite_sparse_poisoned_neuron_forward)")
+    x, wg, wu, wd = _nf_problem(gated, where, _NONFINITE[value], seed=3)
+    ins = [x, wg, wu, wd] if gated else [x, wu, wd]
+    gy = torch.randn(64, 128, device=DEV, generator=torch.Generator(device=DEV).manual_seed(4))
+    (y, l1, gs), (yd, l1d, gds) = _nf_run(gated, ins, gy, mode)
+    _assert_like_dense(y, yd, "y")
+    _assert_like_dense(l1, l1d, "l1")
+    names = ["dx", "dw_gate", "dw_up", "dw_down"] if gated else ["dx", "dw_up", "dw_down"]
+    for name, a, b in zip(names, gs, gds):
+        _assert_like_dense(a, b, name)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("where", ["w_up", "w_down"])
+@pytest.mark.parametrize("value", list(_NONFINITE))
+def test_nonfinite_sparse_poisoned_neuron_forward(gated, where, value):
+    """Spec (CUDA sparse path): a non-finite w_up row j (gated) or w_down column j is used only where neuron j is
+    active. Rows where j is active match dense; rows where it is inactive are finite (dense: NaN, 0 * Inf)."""
+    from sfl.kernels.train_ffn import sparse_gated_ffn_train, sparse_nongated_ffn_train
+
+    if where == "w_up" and not gated:
+        pytest.skip("non-gated: w_up is the first weight (every row goes through the dense backup)")
+    x, wg, wu, wd = _nf_problem(gated, where, _NONFINITE[value], seed=5)
+    poison()
+    with torch.no_grad():
+        if gated:
+            y, _, _ = sparse_gated_ffn_train(x, wg, wu, wd, mode="sparse")
+        else:
+            y, _, _ = sparse_nongated_ffn_train(x, wu, wd, mode="sparse")
+        yd, _ = dense_fn(x, wg if gated else None, wu, wd, "sum")
+        active = F.relu(F.linear(x, wg if gated else wu))[:, _NF_NEURON] != 0
+    assert active.any() and (~active).any()
+    _assert_like_dense(y[active], yd[active], "rows where the poisoned neuron is active")
+    assert torch.isfinite(y[~active]).all(), "rows where the poisoned neuron is inactive"

@@ -7,13 +7,19 @@ One JSONL row per configuration (with provenance) goes to --out; a table is prin
     python -m sfl.experiments.kernel_bench.bench_inference --out results/kernel_bench/bench.jsonl [--quick]
     python -m sfl.experiments.kernel_bench.bench_inference --calib --out results/kernel_bench/calib.jsonl
 
---calib times dense against the forced sparse path over a grid of M and activity (the data behind the
-TWELL_CROSSOVER table of kernels/README.md) and prints the largest activity at which sparse wins per M.
+--calib times dense against the forced sparse path over a grid of M and activity (the data behind
+KernelConfig.crossover / crossover_nongated, kernels/config.py) and prints the largest activity at which sparse wins
+per M.
+
+Settings: every run uses KernelConfig.from_env() (SFL_KERNEL_<FIELD> overrides, read once at start) as its base
+config, logged with each row (`kernel_config`); variants are that config with fields replaced. Each timed function
+has its own ops.Plan (the layer's dispatch history and W_d^T cache), as a model layer would. The variants the C++
+runtime dropped (compaction v1, the up/down grid cap, the unfused decode path, TWELL_CHUNK_ROWS on the d2t alone)
+are no longer timed: the cuBLAS d2t now chunks by gate_scratch_mb, timed through the forced-sparse op.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -34,19 +40,33 @@ def shift_for(p: torch.Tensor) -> torch.Tensor:
     return torch.distributions.Normal(0.0, 1.0).icdf(1.0 - p.clamp(1e-6, 0.5))
 
 
-@contextlib.contextmanager
-def _env(env: dict):
-    """Set knob env vars for a block (the ops read them at every call), restoring the old values after."""
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def base_config():
+    """The run's KernelConfig: the defaults with SFL_KERNEL_* applied, read once (the kernels read no environment)."""
+    from sfl.kernels.config import KernelConfig
+
+    return KernelConfig.from_env()
+
+
+def ffn_call(x, w_gate, w_up, w_down, cfg, stats=None):
+    """(fn, plan): fn() runs one FFN call through the op with its own plan (w_gate None: non-gated block)."""
+    from sfl.kernels.ffn import sparse_gated_ffn, sparse_nongated_ffn
+    from sfl.kernels.twell import ops
+
+    plan = ops.Plan(cfg)
+    if w_gate is not None:
+        return (lambda: sparse_gated_ffn(x, w_gate, w_up, w_down, plan=plan, stats=stats)), plan
+    return (lambda: sparse_nongated_ffn(x, w_up, w_down, plan=plan, stats=stats)), plan
+
+
+def fused_d2t_supported() -> bool:
+    from sfl.kernels.twell import ops
+
+    return bool(ops.load().d2t_gemm_supported(torch.cuda.current_device()))
+
+
+def gate_scratch_mb_for(rows: int, N: int) -> int:
+    """gate_scratch_mb at which the cuBLAS d2t chunks `rows` rows at a time (runtime.cpp: chunk = MB << 20 / 2N)."""
+    return max(1, (rows * 2 * N) >> 20)
 
 
 def make_weights(K: int, N: int, seed: int = 0):
@@ -149,7 +169,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def crossover_spec(rows: list[dict], threshold: float = 0.98) -> str:
-    """TWELL_CROSSOVER from calibration rows: per M, the activity where our dense / forced sparse time falls
+    """KernelConfig.crossover ("m:p,...") from calibration rows: per M, the activity where our dense / forced sparse time falls
     below `threshold` (linear interpolation between measured points), the minimum over the profiles, rounded
     down to 0.0001. A profile that loses already at its lowest measured activity (the paper profile's hot
     neurons keep it above ~0.27%) limits the table to just below that activity. 0.98 rather than 1: our dense path runs ~4% ahead of HF's dense, so sparse within 2% of it
@@ -178,22 +198,24 @@ def crossover_spec(rows: list[dict], threshold: float = 0.98) -> str:
     return ",".join(out)
 
 
-def calibrate(out: str, kind: str = "gated") -> int:
+def calibrate(out: str, kind: str = "gated", cfg=None) -> int:
     """Our dense path vs forced sparse over M x activity (uniform and paper profiles): the crossover table.
     Dispatch chooses between these two paths, so they are what the table compares (HF's dense is slower
-    than our dense path; the benchmark compares against HF). kind: gated (K 2048, N 5632 -> TWELL_CROSSOVER) or
-    nongated (K 2048, N 8192 -> TWELL_CROSSOVER_NONGATED)."""
+    than our dense path; the benchmark compares against HF). kind: gated (K 2048, N 5632 -> KernelConfig.crossover)
+    or nongated (K 2048, N 8192 -> KernelConfig.crossover_nongated)."""
     from ..provenance import collect
-    from sfl.kernels.ffn import sparse_gated_ffn, sparse_nongated_ffn, transposed_down
-    from sfl.kernels.twell import ops as twops
+    from sfl.kernels.ffn import sparse_gated_ffn, sparse_nongated_ffn
+    from sfl.kernels.twell import ops
 
-    prov = collect({"knobs": twops.knobs(), "calibration": True})
+    cfg = cfg or base_config()
+    prov = collect({"kernel_config": cfg.to_dict(), "calibration": True})
     timer = Timer()
     gated = kind == "gated"
     K, N = (2048, 5632) if gated else (2048, 8192)
     wg32, wu32, wd32 = make_weights(K, N) if gated else make_weights(K, N, seed=1)
     wu, wd = wu32.to(BF), wd32.to(BF)
-    wdt = transposed_down(wd)
+    # one plan per forced mode for the whole grid (forced modes keep no history; one W_d^T copy each)
+    plan_d, plan_s = ops.Plan(cfg.replace(mode="dense")), ops.Plan(cfg.replace(mode="sparse"))
     Ms = [1, 4, 8, 16, 32, 64, 256, 1024, 4096, 8192, 16384, 32768, 65536]
     acts = [0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02]
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
@@ -207,11 +229,11 @@ def calibrate(out: str, kind: str = "gated") -> int:
             for p in acts:
                 x, wg = make_case(wg32, M, K, N, pattern, p, 0.0, seed=int(p * 1e5) + M)
                 if gated:
-                    d = lambda: sparse_gated_ffn(x, wg, wu, wd, w_down_t=wdt, mode="dense")  # noqa: E731
-                    sp = lambda: sparse_gated_ffn(x, wg, wu, wd, w_down_t=wdt, mode="sparse")  # noqa: E731
+                    d = lambda: sparse_gated_ffn(x, wg, wu, wd, plan=plan_d)  # noqa: E731
+                    sp = lambda: sparse_gated_ffn(x, wg, wu, wd, plan=plan_s)  # noqa: E731
                 else:   # the first weight of make_case is the non-gated block's up projection
-                    d = lambda: sparse_nongated_ffn(x, wg, wd, w_down_t=wdt, mode="dense")  # noqa: E731
-                    sp = lambda: sparse_nongated_ffn(x, wg, wd, w_down_t=wdt, mode="sparse")  # noqa: E731
+                    d = lambda: sparse_nongated_ffn(x, wg, wd, plan=plan_d)  # noqa: E731
+                    sp = lambda: sparse_nongated_ffn(x, wg, wd, plan=plan_s)  # noqa: E731
                 y_s = sp()
                 err = rel_err(y_s, d())
                 if M <= 64:
@@ -239,22 +261,21 @@ def calibrate(out: str, kind: str = "gated") -> int:
     print("\nlargest measured activity at which sparse beat dense (0 = never):")
     for M in Ms:
         print(f"  M={M}: uniform {best.get((M, 'uniform'), 0):.4f}  paper {best.get((M, 'paper'), 0):.4f}")
-    print(f"TWELL_CROSSOVER{'' if gated else '_NONGATED'}={crossover_spec(rows)}")
+    print(f"SFL_KERNEL_CROSSOVER{'' if gated else '_NONGATED'}={crossover_spec(rows)}")
     return 0
 
 
-def overhead() -> int:
+def overhead(cfg=None) -> int:
     """Host-side cost per call (GPU kept busy so the host never waits) and a profiler table of API calls."""
-    from sfl.kernels.ffn import sparse_gated_ffn, transposed_down
-
+    cfg = cfg or base_config()
     K, N = 2048, 5632
     wg32, wu32, wd32 = make_weights(K, N)
     wu, wd = wu32.to(BF), wd32.to(BF)
-    wdt = transposed_down(wd)
+    print(f"[overhead] kernel_config {json.dumps(cfg.to_dict())}")
     for M, p, mode in ((4096, 0.02, "auto"), (4096, 0.001, "sparse"), (65536, 0.0025, "sparse")):
         x, wg = make_case(wg32, M, K, N, "uniform", p, 0.0, seed=7)
-        fns = {"dense": lambda: dense_gated(x, wg, wu, wd),
-               f"ours_{mode}": lambda: sparse_gated_ffn(x, wg, wu, wd, w_down_t=wdt, mode=mode)}
+        ours, _ = ffn_call(x, wg, wu, wd, cfg.replace(mode=mode))
+        fns = {"dense": lambda: dense_gated(x, wg, wu, wd), f"ours_{mode}": ours}
         for _ in range(4):
             fns[f"ours_{mode}"]()
         torch.cuda.synchronize()
@@ -276,100 +297,106 @@ def overhead() -> int:
     return 0
 
 
-def explore() -> int:
-    """Variant timings for the round-3 decisions (one line each): compaction v1 vs v2, up/down grid caps at
-    M = 65536, fused vs unfused decode (CUDA-graph replays)."""
-    from sfl.kernels.ffn import sparse_gated_ffn, transposed_down, twell_d2t
+def explore(cfg=None) -> int:
+    """Timings of the variants a KernelConfig still selects (one line each): at M = 65536 the fused vs cuBLAS d2t,
+    the cuBLAS d2t chunked by gate_scratch_mb, and down_nb; at decode sizes (CUDA-graph replays) the sync-free
+    path's decode_tiles_per_warp. (Compaction v1, the up/down grid cap and the unfused decode path left the
+    runtime: the round-3 comparisons that chose against them are in results/kernel_bench.)"""
+    from sfl.kernels.ffn import twell_d2t
 
+    cfg = cfg or base_config()
     timer = Timer()
     K, N = 2048, 5632
     wg32, wu32, wd32 = make_weights(K, N)
     wu, wd = wu32.to(BF), wd32.to(BF)
-    wdt = transposed_down(wd)
-
-    def with_env(env: dict, fn):
-        with _env(env):
-            return fn()
-
+    sparse = cfg.replace(mode="sparse")
+    print(f"[explore] kernel_config {json.dumps(cfg.to_dict())}", flush=True)
     for pattern, p in (("uniform", 0.005), ("paper", 0.0025), ("paper", 0.005)):
         M = 65536
         x, wg = make_case(wg32, M, K, N, pattern, p, 0.0, seed=5)
         d = lambda: dense_gated(x, wg, wu, wd)  # noqa: E731
-        sp = lambda: sparse_gated_ffn(x, wg, wu, wd, w_down_t=wdt, mode="sparse")  # noqa: E731
         res = {"dense": timer.time(d, 10), "gate": timer.time(lambda: torch.mm(x, wg.t()), 10)}
-        for v in ("1", "2"):
-            res[f"d2t_v{v}"] = with_env({"TWELL_COMPACT": v}, lambda: timer.time(lambda: twell_d2t(x, wg, 32), 10))
-        for cap in ("0", "2", "3", "5"):
-            res[f"sparse_cap{cap}"] = with_env({"TWELL_UPDOWN_BLOCKS_PER_SM": cap}, lambda: timer.time(sp, 10))
-        res["sparse_v1_cap0"] = with_env({"TWELL_COMPACT": "1"}, lambda: timer.time(sp, 10))
+        for v in ("fused", "cublas"):
+            c = cfg.replace(d2t=v)
+            res[f"d2t_{v}"] = timer.time(lambda: twell_d2t(x, wg, cfg.slots, config=c), 10)
+            fn, _ = ffn_call(x, wg, wu, wd, sparse.replace(d2t=v))
+            res[f"sparse_{v}"] = timer.time(fn, 10)
+        for rows in (4096, 16384):
+            fn, _ = ffn_call(x, wg, wu, wd, sparse.replace(d2t="cublas", gate_scratch_mb=gate_scratch_mb_for(rows, N)))
+            res[f"sparse_cublas_chunk{rows}"] = timer.time(fn, 10)
+        for nb in (1, 2, 4, 8):
+            fn, _ = ffn_call(x, wg, wu, wd, sparse.replace(down_nb=nb))
+            res[f"sparse_down_nb{nb}"] = timer.time(fn, 10)
         print(f"[explore] M={M} {pattern} p={p} " + " ".join(f"{k}={v:.3f}" for k, v in res.items()), flush=True)
         del x, wg
         torch.cuda.empty_cache()
-    for M in (1, 4, 8):
+    for M in (16, 32, 64):
         for pattern, p in (("uniform", 0.005), ("paper", 0.005), ("uniform", 0.02)):
             x, wg = make_case(wg32, M, K, N, pattern, p, 0.0, seed=6)
-            d = lambda: dense_gated(x, wg, wu, wd)  # noqa: E731
-            sp = lambda: sparse_gated_ffn(x, wg, wu, wd, w_down_t=wdt, mode="sparse")  # noqa: E731
-            rd, _ = graphed(d)
-            rf, _ = graphed(sp)
-            ru, _ = with_env({"TWELL_FUSED_DECODE_MAX_M": "0"}, lambda: graphed(sp))
-            res = {"dense": timer.time(rd, 50), "fused": timer.time(rf, 50), "unfused": timer.time(ru, 50)}
-            print(f"[explore] M={M} {pattern} p={p} " + " ".join(f"{k}={v * 1000:.1f}us" for k, v in res.items())
-                  + f" fused_x{res['dense'] / res['fused']:.2f} unfused_x{res['dense'] / res['unfused']:.2f}",
+            rd, _ = graphed(lambda: dense_gated(x, wg, wu, wd))
+            res = {"dense": timer.time(rd, 50)}
+            for tpw in (1, 2, 4, 8):
+                fn, _ = ffn_call(x, wg, wu, wd, sparse.replace(decode_tiles_per_warp=tpw))
+                rs, _ = graphed(fn)
+                res[f"tpw{tpw}"] = timer.time(rs, 50)
+            print(f"[explore] M={M} {pattern} p={p} " + " ".join(f"{k}={v * 1000:.1f}us" for k, v in res.items()),
                   flush=True)
     return 0
 
 
-def d2t_compare(out: str) -> int:
+def d2t_compare(out: str, cfg=None) -> int:
     """The two d2t variants side by side (fused tensor-core GEMM with the TwELL epilogue vs cuBLAS gate GEMM +
     compaction), the cuBLAS gate GEMM alone, and the whole forced-sparse block with each, against dense; JSONL."""
     from ..provenance import collect
-    from sfl.kernels.ffn import sparse_gated_ffn, transposed_down, twell_d2t
-    from sfl.kernels.twell import ops as twops
+    from sfl.kernels.ffn import sparse_gated_ffn, twell_d2t
+    from sfl.kernels.twell import ops
 
-    prov = collect({"knobs": twops.knobs(), "mode": "d2t_compare"})
+    cfg = cfg or base_config()
+    prov = collect({"kernel_config": cfg.to_dict(), "mode": "d2t_compare"})
     timer = Timer()
     shapes = [(2048, 5632), (576, 1536), (4096, 11008)]
+    fused_cfg, cublas_cfg = cfg.replace(d2t="fused"), cfg.replace(d2t="cublas")
+    S = cfg.slots
     with open(out, "w") as f:
         for K, N in shapes:
             wg32, wu32, wd32 = make_weights(K, N)
             wu, wd = wu32.to(BF), wd32.to(BF)
-            wdt = transposed_down(wd)
+            # forced-sparse plans per d2t variant, for this shape's weights (each keeps one W_d^T copy)
+            plans = {v: ops.Plan(c.replace(mode="sparse")) for v, c in (("fused", fused_cfg), ("cublas", cublas_cfg))}
             for M in (4096, 16384, 65536):
                 for p in (0.005, 0.02):
                     x, wg = make_case(wg32, M, K, N, "paper", p, 0.0, seed=M + N)
                     reps = 10 if M >= 16384 else 20
                     row = {**prov, "K": K, "N": N, "M": M, "pattern": "paper", "activity": p}
-                    ok = twops.fused_d2t_available(x, wg)
+                    ok = fused_d2t_supported()   # x and wg are fresh (16-byte aligned) allocations
                     row["fused_available"] = ok
                     row["gate_gemm_ms"] = timer.time(lambda: torch.mm(x, wg.t()), reps)
-                    with _env({"TWELL_D2T": "cublas"}):
-                        row["d2t_cublas_ms"] = timer.time(lambda: twell_d2t(x, wg, 32), reps)
-                        row["sparse_cublas_d2t_ms"] = timer.time(
-                            lambda: sparse_gated_ffn(x, wg, wu, wd, w_down_t=wdt, mode="sparse"), reps)
+                    row["d2t_cublas_ms"] = timer.time(lambda: twell_d2t(x, wg, S, config=cublas_cfg), reps)
+                    row["sparse_cublas_d2t_ms"] = timer.time(
+                        lambda: sparse_gated_ffn(x, wg, wu, wd, plan=plans["cublas"]), reps)
                     if ok:
-                        row["d2t_fused_ms"] = timer.time(lambda: twell_d2t(x, wg, 32), reps)
+                        row["d2t_fused_ms"] = timer.time(lambda: twell_d2t(x, wg, S, config=fused_cfg), reps)
                         row["d2t_fused_tflops"] = 2 * M * K * N / row["d2t_fused_ms"] / 1e9
-                        ov = K >= twops.knobs()["d2t_overlap_min_k"]
-                        with _env({"TWELL_D2T_OVERLAP_MIN_K": str(1 << 30 if ov else 0)}):   # the other epilogue
-                            row["d2t_fused_other_epilogue_ms"] = timer.time(lambda: twell_d2t(x, wg, 32), reps)
+                        ov = K >= cfg.d2t_overlap_min_k
+                        other = fused_cfg.replace(d2t_overlap_min_k=1 << 30 if ov else 1)   # the other epilogue
+                        row["d2t_fused_other_epilogue_ms"] = timer.time(lambda: twell_d2t(x, wg, S, config=other),
+                                                                        reps)
                         row["d2t_overlapped_epilogue"] = ov
                         row["dense_ms"], row["sparse_fused_d2t_ms"] = timer.time_pair(
                             lambda: dense_gated(x, wg, wu, wd),
-                            lambda: sparse_gated_ffn(x, wg, wu, wd, w_down_t=wdt, mode="sparse"), reps)
-                        # extra device memory of one forced-sparse call over its inputs, per d2t variant
-                        for key, env in (("fused", {}), ("cublas", {"TWELL_D2T": "cublas"})):
-                            with _env(env):
-                                torch.cuda.synchronize()
-                                base = torch.cuda.memory_allocated()
-                                torch.cuda.reset_peak_memory_stats()
-                                sparse_gated_ffn(x, wg, wu, wd, w_down_t=wdt, mode="sparse")
-                                torch.cuda.synchronize()
-                                row[f"sparse_peak_extra_mb_{key}_d2t"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+                            lambda: sparse_gated_ffn(x, wg, wu, wd, plan=plans["fused"]), reps)
+                        # extra device memory of one forced-sparse call over its inputs, per d2t variant (the plans
+                        # are warm: their W_d^T copies already count in the base)
+                        for key in ("fused", "cublas"):
+                            torch.cuda.synchronize()
+                            base = torch.cuda.memory_allocated()
+                            torch.cuda.reset_peak_memory_stats()
+                            sparse_gated_ffn(x, wg, wu, wd, plan=plans[key])
+                            torch.cuda.synchronize()
+                            row[f"sparse_peak_extra_mb_{key}_d2t"] = (torch.cuda.max_memory_allocated() - base) / 2**20
                         # the packed entries of both variants agree up to values within rounding of zero
-                        a, b = twell_d2t(x, wg, 32), None
-                        with _env({"TWELL_D2T": "cublas"}):
-                            b = twell_d2t(x, wg, 32)
+                        a = twell_d2t(x, wg, S, config=fused_cfg)
+                        b = twell_d2t(x, wg, S, config=cublas_cfg)
                         row["counts_differ_frac"] = (a[1] != b[1]).float().mean().item()
                         row["flag_differ_rows"] = int((a[2] != b[2]).sum().item())
                         row["nnz_mean"] = a[1].sum(1).float().mean().item()
@@ -393,23 +420,25 @@ def d2t_compare(out: str) -> int:
     return 0
 
 
-def overlap_probe(out: str) -> int:
+def overlap_probe(out: str, cfg=None) -> int:
     """Can the sparse up/down of one row chunk run beside the fused d2t of the next? The d2t kernel takes whole SMs
     (one CTA each), so it is capped at `ctas` CTAs and the rest of the SMs are left to the up/down kernels of the
     previous chunk, issued on a second stream. Forced-sparse composition of the same kernels as the op (uniform
     profile, no flagged rows, checked against the op's output), gated, K 2048, N 5632, M 65536; JSONL."""
     from ..provenance import collect
-    from sfl.kernels.ffn import sparse_gated_ffn, transposed_down
-    from sfl.kernels.twell import ops as twops
+    from sfl.kernels.ffn import sparse_gated_ffn
+    from sfl.kernels.twell import ops
 
-    prov = collect({"knobs": twops.knobs(), "mode": "overlap_probe"})
-    ext = twops._ext()
+    cfg = (cfg or base_config()).replace(mode="sparse", slots=32)   # the probe's buffers hold 32 slots
+    prov = collect({"kernel_config": cfg.to_dict(), "mode": "overlap_probe"})
+    ext = ops.load()
     timer = Timer()
     K, N, M = 2048, 5632, 65536
     T, S = N // 256, 32
     wg32, wu32, wd32 = make_weights(K, N)
     wu, wd = wu32.to(BF), wd32.to(BF)
-    wdt = transposed_down(wd)
+    wdt = wd.t().contiguous()   # neuron-major W_d [N, K], what the down kernel reads (the op caches its own)
+    plan = ops.Plan(cfg)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     side = torch.cuda.Stream()
     with open(out, "w") as f:
@@ -438,10 +467,10 @@ def overlap_probe(out: str) -> int:
                         ext.down(wdt, packed[c0:c1], counts[c0:c1], flag[c0:c1], hval[c0:c1], y[c0:c1], empty, 4, T, 0)
                 main.wait_stream(side)
 
-            ref = sparse_gated_ffn(x, wg, wu, wd, w_down_t=wdt, mode="sparse")
-            assert twops.LAST_PATH["flagged_rows"] == 0, "the probe has no dense backup: pick a profile without flags"
+            ref = sparse_gated_ffn(x, wg, wu, wd, plan=plan)
+            assert plan.info()["flagged_rows"] == 0, "the probe has no dense backup: pick a profile without flags"
             dense_ms = timer.time(lambda: dense_gated(x, wg, wu, wd), 10)
-            op_ms = timer.time(lambda: sparse_gated_ffn(x, wg, wu, wd, w_down_t=wdt, mode="sparse"), 10)
+            op_ms = timer.time(lambda: sparse_gated_ffn(x, wg, wu, wd, plan=plan), 10)
             for chunks in (1, 2, 4, 8):
                 for ctas in (sms, sms - 16, sms - 32, sms - 48):
                     if chunks == 1 and ctas != sms:
@@ -461,37 +490,36 @@ def overlap_probe(out: str) -> int:
     return 0
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="results/kernel_bench/bench.jsonl")
     ap.add_argument("--quick", action="store_true", help="fewer configurations (smoke run)")
     ap.add_argument("--calib", action="store_true", help="dense vs forced sparse over an M x activity grid")
     ap.add_argument("--kind", choices=["gated", "nongated"], default="gated", help="block calibrated by --calib")
     ap.add_argument("--overhead", action="store_true", help="host cost per call and a profiler table")
-    ap.add_argument("--explore", action="store_true", help="variant timings (compaction, grid cap, fused decode)")
+    ap.add_argument("--explore", action="store_true",
+                    help="variant timings (d2t variant, cuBLAS d2t chunking, down_nb, decode tiles per warp)")
     ap.add_argument("--d2t", action="store_true", help="fused vs cuBLAS d2t, and the sparse block with each")
     ap.add_argument("--overlap-probe", action="store_true", help="chunked d2t beside the previous chunk's up/down")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    cfg = base_config()   # SFL_KERNEL_* read here, once
     if args.d2t:
-        return d2t_compare(args.out)
+        return d2t_compare(args.out, cfg)
     if args.overlap_probe:
-        return overlap_probe(args.out)
+        return overlap_probe(args.out, cfg)
     if args.explore:
-        return explore()
+        return explore(cfg)
     if args.calib:
-        return calibrate(args.out, args.kind)
+        return calibrate(args.out, args.kind, cfg)
     if args.overhead:
-        return overhead()
+        return overhead(cfg)
     from ..provenance import collect
-    from sfl.kernels.ffn import sparse_gated_ffn, sparse_nongated_ffn, transposed_down
-    from sfl.kernels.twell import ops as twops
 
-    prov = collect({"knobs": twops.knobs()})
+    prov = collect({"kernel_config": cfg.to_dict()})
     timer = Timer()
     K, N = 2048, 5632
     wg32, wu32, wd32 = make_weights(K, N)
     wu, wd = wu32.to(BF), wd32.to(BF)
-    wdt = transposed_down(wd)
     acts = [0.0025, 0.005, 0.01, 0.02, 0.05, 0.10]
     large = [(65536, 15), (16384, 30), (4096, 40)]
     decode = [1, 8, 16, 64]
@@ -513,35 +541,41 @@ def main() -> int:
             cases.append(("nongated", M, 10, "uniform", p, 0.0))
 
     wu_ng32 = make_weights(K, 8192, seed=1)
+    wdn = wu_ng32[2].to(BF)   # hoisted: one W_d per block kind, so the plans' W_d^T caches stay valid across cases
     rows_out = []
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     f = open(args.out, "a")
     t_start = time.time()
     for i, (kind, M, reps, pattern, p, heavy) in enumerate(cases):
         torch.manual_seed(i)
+        stats = torch.zeros(3, device=DEV, dtype=torch.int64)   # the op's device counters: sum, max, tokens
         if kind == "gated":
             x, wg = make_case(wg32, M, K, N, pattern, p, heavy, seed=1000 + i)
             dense_fn = lambda: dense_gated(x, wg, wu, wd)  # noqa: E731
-            ours_fn = lambda mode="auto": sparse_gated_ffn(x, wg, wu, wd, w_down_t=wdt, mode=mode)  # noqa: E731
-            ours_stats = lambda: sparse_gated_ffn(x, wg, wu, wd, w_down_t=wdt, return_stats=True)  # noqa: E731
+            blk = (x, wg, wu, wd)
             NN = N
         else:
             x, wun = make_case(wu_ng32[0], M, K, 8192, pattern, p, heavy, seed=2000 + i)
-            wdn = wu_ng32[2].to(BF)
-            wdtn = transposed_down(wdn)
             dense_fn = lambda: dense_nongated(x, wun, wdn)  # noqa: E731
-            ours_fn = lambda mode="auto": sparse_nongated_ffn(x, wun, wdn, w_down_t=wdtn, mode=mode)  # noqa: E731
-            ours_stats = lambda: sparse_nongated_ffn(x, wun, wdn, w_down_t=wdtn, return_stats=True)  # noqa: E731
+            blk = (x, None, wun, wdn)
             NN = 8192
+        # a fresh layer per case: auto's plan learns this case's activity; forced sparse has its own plan
+        auto_fn, plan = ffn_call(*blk, cfg)
+        stats_fn, _ = ffn_call(*blk, cfg, stats=stats)   # the same calls on another plan, counting non-zeros
+        sparse_fn, _ = ffn_call(*blk, cfg.replace(mode="sparse"))
+        ours_fn = lambda mode="auto": auto_fn() if mode == "auto" else sparse_fn()  # noqa: E731
         y_ref = dense_fn()
         for _ in range(3):  # auto dispatch learns this layer's activity (first call: dense + measurement)
             ours_fn()
+            stats_fn()
         torch.cuda.synchronize()
-        y_ours, st = ours_stats()
-        path = twops.LAST_PATH["path"]
-        flagged = twops.LAST_PATH["flagged_rows"]
-        p_est = twops.LAST_PATH["p_est"]
-        nnz = st["nnz_per_token"].float()
+        stats.zero_()
+        stats_fn()
+        y_ours = ours_fn()
+        info = plan.info()   # this call's path and flagged rows, the activity the layer measured
+        path, flagged, p_est = info.get("path"), info.get("flagged_rows"), info.get("p")
+        nnz_sum, nnz_max, tokens = (int(v) for v in stats.tolist())
+        nnz_mean = nnz_sum / max(1, tokens)
         err = rel_err(y_ours, y_ref)
         # bf16-vs-fp32 error of dense on a row sample, for scale
         sample = slice(0, min(M, 256))
@@ -551,26 +585,19 @@ def main() -> int:
             ref32 = dense_nongated(x[sample].float(), wun.float(), wdn.float())
         err_ours32, err_dense32 = rel_err(y_ours[sample], ref32), rel_err(y_ref[sample], ref32)
         row = {"provenance": prov, "kind": kind, "M": M, "K": K, "N": NN, "pattern": pattern, "activity": p,
-               "heavy_frac": heavy, "nnz_mean": nnz.mean().item(), "nnz_max": nnz.max().item(), "p_est": p_est,
+               "heavy_frac": heavy, "nnz_mean": nnz_mean, "nnz_max": nnz_max, "p_est": p_est,
                "overflow_rows": flagged, "path": path, "rel_err_vs_dense_bf16": err,
                "rel_err_vs_fp32_sample": err_ours32, "dense_bf16_err_vs_fp32_sample": err_dense32}
         if M <= 64:
             rep_d, _ = graphed(dense_fn)
             rep_o, y_g = graphed(ours_fn)
-            row["path"] = path = twops.LAST_PATH["path"]  # the path captured in the graph
+            row["path"] = path = plan.info().get("path")  # the path captured in the graph
             rep_o()
             torch.cuda.synchronize()
             row["graph_rel_err"] = rel_err(y_g, y_ref)
             row["dense_ms"], row["ours_ms"] = timer.time_pair(rep_d, rep_o, reps)
             rep_s, y_s = graphed(lambda: ours_fn("sparse"))
             row["ours_sparse_forced_ms"] = timer.time(rep_s, reps)
-            if M <= 8:   # the older (unfused) sync-free decode path, for comparison
-                os.environ["TWELL_FUSED_DECODE_MAX_M"] = "0"
-                try:
-                    rep_u, _ = graphed(lambda: ours_fn("sparse"))
-                finally:
-                    del os.environ["TWELL_FUSED_DECODE_MAX_M"]
-                row["ours_unfused_decode_ms"] = timer.time(rep_u, reps)
             row["timing"] = "cuda_graph_replay"
         else:
             row["dense_ms"], row["ours_ms"] = timer.time_pair(dense_fn, ours_fn, reps)
@@ -582,20 +609,19 @@ def main() -> int:
             row["ours_sparse_forced_ms"] = timer.time(lambda: ours_fn("sparse"), reps)
             if M == 65536 and kind == "gated":
                 # breakdown: cuBLAS gate GEMM alone; d2t fused (default on sm_90: tensor-core GEMM with the TwELL
-                # epilogue) and cuBLAS + compaction (v2, v1, chunked); forced sparse with the cuBLAS d2t
+                # epilogue) and cuBLAS + compaction; forced sparse with the cuBLAS d2t, whole and chunked by
+                # gate_scratch_mb (compaction v1 and the d2t-alone chunking knob are gone)
                 from sfl.kernels.ffn import twell_d2t
 
+                cublas = cfg.replace(d2t="cublas")
                 row["gate_gemm_ms"] = timer.time(lambda: torch.mm(x, wg.t()), reps)
-                row["d2t_ms"] = timer.time(lambda: twell_d2t(x, wg, 32), reps)
-                variants = {"d2t_cublas_ms": {"TWELL_D2T": "cublas"},
-                            "d2t_compact_v1_ms": {"TWELL_D2T": "cublas", "TWELL_COMPACT": "1"},
-                            "d2t_chunk4096_ms": {"TWELL_D2T": "cublas", "TWELL_CHUNK_ROWS": "4096"},
-                            "d2t_chunk16384_ms": {"TWELL_D2T": "cublas", "TWELL_CHUNK_ROWS": "16384"}}
-                for key, env in variants.items():
-                    with _env(env):
-                        row[key] = timer.time(lambda: twell_d2t(x, wg, 32), reps)
-                with _env({"TWELL_D2T": "cublas"}):
-                    row["ours_sparse_forced_cublas_d2t_ms"] = timer.time(lambda: ours_fn("sparse"), reps)
+                row["d2t_ms"] = timer.time(lambda: twell_d2t(x, wg, cfg.slots, config=cfg), reps)
+                row["d2t_cublas_ms"] = timer.time(lambda: twell_d2t(x, wg, cfg.slots, config=cublas), reps)
+                fn, _ = ffn_call(*blk, cublas.replace(mode="sparse"))
+                row["ours_sparse_forced_cublas_d2t_ms"] = timer.time(fn, reps)
+                for rows in (4096, 16384):
+                    fn, _ = ffn_call(*blk, cublas.replace(mode="sparse", gate_scratch_mb=gate_scratch_mb_for(rows, N)))
+                    row[f"ours_sparse_forced_cublas_d2t_chunk{rows}_ms"] = timer.time(fn, reps)
             row["timing"] = "eager"
         row["speedup"] = row["dense_ms"] / row["ours_ms"]
         rows_out.append(row)
@@ -607,11 +633,10 @@ def main() -> int:
               + (f" steady x{row['speedup_steady']:.2f}" if "speedup_steady" in row else "") + f" err={err:.2e}"
               + f" sparse_forced={row['ours_sparse_forced_ms']:.3f} p_est={p_est}"
               + (f" AA={row['dense_vs_dense_ratio']:.3f}" if "dense_vs_dense_ratio" in row else "")
-              + (f" unfused={row['ours_unfused_decode_ms']:.4f}" if "ours_unfused_decode_ms" in row else "")
               + (f" gate={row['gate_gemm_ms']:.3f} d2t={row['d2t_ms']:.3f} d2t_cublas={row['d2t_cublas_ms']:.3f}"
-                 f" d2t_v1={row['d2t_compact_v1_ms']:.3f} d2t_chunk4096={row['d2t_chunk4096_ms']:.3f}"
-                 f" d2t_chunk16384={row['d2t_chunk16384_ms']:.3f}"
                  f" sparse_forced_cublas_d2t={row['ours_sparse_forced_cublas_d2t_ms']:.3f}"
+                 f" chunk4096={row['ours_sparse_forced_cublas_d2t_chunk4096_ms']:.3f}"
+                 f" chunk16384={row['ours_sparse_forced_cublas_d2t_chunk16384_ms']:.3f}"
                  if "gate_gemm_ms" in row else ""),
               flush=True)
         del x, y_ref, y_ours

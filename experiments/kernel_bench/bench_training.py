@@ -59,7 +59,7 @@ def rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def run_config(M, K, N, p, heavy, reps, timer, check_fp32):
+def run_config(M, K, N, p, heavy, reps, timer, check_fp32, cfg=None):
     from sfl.kernels.train_ffn import DispatchState, sparse_gated_ffn_train
 
     x, (wg, wu, wd), gy = make_case(M, K, N, p, heavy, seed=int(p * 1e5) + M + int(heavy * 1e4))
@@ -77,7 +77,8 @@ def run_config(M, K, N, p, heavy, reps, timer, check_fp32):
     def ours_step(mode, want_stats=False):
         for t in params:
             t.grad = None
-        y, l, stats = sparse_gated_ffn_train(*params, mode=mode, state=st_auto if mode == "auto" else None,
+        y, l, stats = sparse_gated_ffn_train(*params, config=cfg, mode=mode,
+                                             state=st_auto if mode == "auto" else None,
                                              want_stats=want_stats)
         torch.autograd.backward([y, l], [gy, gl1])
         return stats
@@ -94,7 +95,7 @@ def run_config(M, K, N, p, heavy, reps, timer, check_fp32):
     st_sp = {}
 
     def sp():
-        y, l, s = sparse_gated_ffn_train(*params, mode="sparse")
+        y, l, s = sparse_gated_ffn_train(*params, config=cfg, mode="sparse")
         st_sp.update(s)
         return y, l
 
@@ -130,7 +131,7 @@ def run_config(M, K, N, p, heavy, reps, timer, check_fp32):
         return kept, peak
 
     kept_d, peak_d = mem(lambda: dense_block(*params))
-    kept_s, peak_s = mem(lambda: sparse_gated_ffn_train(*params, mode="sparse")[:2])
+    kept_s, peak_s = mem(lambda: sparse_gated_ffn_train(*params, config=cfg, mode="sparse")[:2])
 
     # --- time
     t_dense = timer.time(dense_step, reps)
@@ -146,7 +147,7 @@ def run_config(M, K, N, p, heavy, reps, timer, check_fp32):
 
     def fwd_only():
         with torch.no_grad():
-            sparse_gated_ffn_train(*params, mode="sparse")
+            sparse_gated_ffn_train(*params, config=cfg, mode="sparse")
     t_fwd = timer.time(fwd_only, reps)
     return {
         "M": M, "K": K, "N": N, "p": p, "heavy_frac": heavy,
@@ -167,6 +168,7 @@ def run_config(M, K, N, p, heavy, reps, timer, check_fp32):
 
 def profile_phases(M, K, N, p, reps, timer):
     """Per-kernel times of the sparse path (CUDA events), with the bytes each must move, for the README."""
+    from sfl.kernels import reference as ref
     from sfl.kernels.train import ops
 
     ext = ops.load_ext()
@@ -187,7 +189,8 @@ def profile_phases(M, K, N, p, reps, timer):
     cg = torch.empty(M, W, device=DEV)
     cu = torch.empty(M, W, device=DEV)
     dx = torch.empty(M, K, device=DEV, dtype=BF)
-    perm, colptr = ops.csr_by_neuron(ell_col, nnz, flag, N)
+    hy = ops.saved_hybrid(ell_col, ell_a, nnz, brow, backup, N)
+    perm, colptr = ref.csr_by_neuron(hy)
     dwg, dwu, dwd = (torch.empty(N, K, device=DEV, dtype=BF) for _ in range(3))
     kb = K * 2
     res = {"M": M, "p": p, "pairs": E, "ell_width": W}
@@ -198,7 +201,7 @@ def profile_phases(M, K, N, p, reps, timer):
                      E * 2 * kb / 1e9, "GB"),
         "bwd_rows": (lambda: ext.bwd_rows(True, gy, wg, wu, wdt, ell_col, ell_a, ell_u, nnz, flag, l1c, cg, cu,
                                           dx), E * 3 * kb / 1e9, "GB"),
-        "csr_by_neuron": (lambda: ops.csr_by_neuron(ell_col, nnz, flag, N), 0.0, "-"),
+        "csr_by_neuron": (lambda: ref.csr_by_neuron(hy), 0.0, "-"),
         "dense_gemm_same_shape": (lambda: torch.mm(x, wu.t(), out=g), 2 * M * K * N / 1e12, "TFLOP"),
     }
     a = torch.relu(g)
@@ -228,9 +231,12 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--ms", type=str, default="4096,16384,65536")
     args = ap.parse_args(argv)
+    from sfl.kernels.config import KernelConfig
+
     from ..provenance import collect
 
-    prov = collect()
+    cfg = KernelConfig.from_env()  # SFL_KERNEL_TRAIN_* overrides, read once (the op reads no environment)
+    prov = collect({"kernel_config": cfg.to_dict()})
     K, N = 2048, 5632
     Ms = [int(m) for m in args.ms.split(",")]
     cases = [(0.005, 0.0), (0.01, 0.0), (0.02, 0.0), (0.05, 0.0), (0.005, 0.01), (0.01, 0.01)]
@@ -249,7 +255,7 @@ def main(argv=None):
         for M in Ms:
             for p, heavy in cases:
                 t0 = time.time()
-                r = run_config(M, K, N, p, heavy, args.reps, timer, check_fp32=M <= 16384)
+                r = run_config(M, K, N, p, heavy, args.reps, timer, check_fp32=M <= 16384, cfg=cfg)
                 r["kind"] = "fwd_bwd"
                 r["provenance"] = prov
                 r["wall_s"] = time.time() - t0

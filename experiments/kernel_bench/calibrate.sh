@@ -3,7 +3,9 @@
 # their elementwise minimum, so one noisy point cannot raise it) and one non-gated run. Usage:
 #   bash experiments/kernel_bench/calibrate.sh OUT_DIR [TAG]
 # Writes OUT_DIR/calib_<TAG>{a,b}.jsonl, OUT_DIR/calib_nongated_<TAG>.jsonl and OUT_DIR/crossover_<TAG>.env, a file
-# to `source` (TWELL_CROSSOVER=..., TWELL_CROSSOVER_NONGATED=...) or to copy into kernels/twell/ops.py's defaults.
+# to `set -a; source` before a run (SFL_KERNEL_CROSSOVER=..., SFL_KERNEL_CROSSOVER_NONGATED=...: scripts apply them
+# through KernelConfig.from_env(), read once) or to copy into kernels/config.py's DEFAULT_CROSSOVER(_NONGATED).
+# The calibration runs themselves use KernelConfig.from_env() too (forced modes: the tables do not matter there).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out="${1:?usage: calibrate.sh OUT_DIR [TAG]}"; tag="${2:-$(date -u +%Y%m%dT%H%M%SZ)}"
@@ -22,7 +24,9 @@ rows = lambda p: [json.loads(l) for l in open(p)]
 specs = [dict(kv.split(":") for kv in crossover_spec(rows(f"{out}/calib_{tag}{r}.jsonl")).split(",")) for r in "ab"]
 gated = ",".join(f"{m}:{min(float(specs[0][m]), float(specs[1][m])):g}" for m in specs[0])
 nongated = crossover_spec(rows(f"{out}/calib_nongated_{tag}.jsonl"))
+from sfl.kernels.config import KernelConfig
+KernelConfig(crossover=gated, crossover_nongated=nongated)  # refuses a table the kernels cannot use, naming it
 with open(f"{out}/crossover_{tag}.env", "w") as f:
-    f.write(f"TWELL_CROSSOVER={gated}\nTWELL_CROSSOVER_NONGATED={nongated}\n")
-print(f"TWELL_CROSSOVER={gated}\nTWELL_CROSSOVER_NONGATED={nongated}")
+    f.write(f"SFL_KERNEL_CROSSOVER={gated}\nSFL_KERNEL_CROSSOVER_NONGATED={nongated}\n")
+print(f"SFL_KERNEL_CROSSOVER={gated}\nSFL_KERNEL_CROSSOVER_NONGATED={nongated}")
 PY

@@ -1,17 +1,21 @@
 """GPU diagnostics behind two open questions of issue #3/#4 (not a benchmark of record; logs go to results/kernel_bench/diag/).
 
-    python -m sfl.experiments.kernel_bench.diagnose compact --out DIR    # v1/v2 compaction vs reference.d2t, many seeds
+    python -m sfl.experiments.kernel_bench.diagnose compact --out DIR    # compaction vs reference.d2t, many seeds
     python -m sfl.experiments.kernel_bench.diagnose gap --out DIR        # where a dense-dispatched call loses time
     python -m sfl.experiments.kernel_bench.diagnose sparse --out DIR     # the sparse op vs its bare kernel sequence
 
-compact: the intermittent `test_compact_v2_equals_v1_and_reference` failure. Runs the test's inputs over many
-seeds (and each seed several times) and logs every mismatching slot with the gate value behind it.
+compact: the intermittent compaction mismatch once seen in the GPU tests. Runs the test's inputs over many seeds
+(and each seed several times) through the compaction kernel (the one variant left: v1 is gone from the runtime) and
+logs every mismatching slot with the gate value behind it.
 gap: times HF's dense block against our dense path and auto dispatch at several M, (a) one call between CUDA
 events after an L2 flush (what the benchmarks report) and (b) 8 calls back to back (host latency hidden), plus
 the host time per call while the GPU is busy, and a profiler table of GPU kernel times for one call of each.
 sparse: the forced-sparse op at M = 65536 against the bare sequence of its kernels (fused d2t, gated_up, down; no
 measurement, no host wait), timed alike, with profiler tables of both (bench_inference --overlap-probe found the
 bare sequence 0.3-0.4 ms faster at 0.5-1% activity and equal at 0.25%).
+
+Settings: KernelConfig.from_env() (SFL_KERNEL_* read once at start), logged in every row's provenance; each timed
+function runs the op with its own ops.Plan.
 """
 from __future__ import annotations
 
@@ -26,10 +30,10 @@ import torch.nn.functional as F
 DEV, BF = "cuda", torch.bfloat16
 
 
-def _write(out_dir: str, name: str, rows: list[dict]) -> None:
+def _write(out_dir: str, name: str, rows: list[dict], cfg=None) -> None:
     from ..provenance import collect
 
-    prov = collect({})
+    prov = collect({"kernel_config": cfg.to_dict()} if cfg is not None else {})
     with open(os.path.join(out_dir, name), "a") as f:
         for r in rows:
             f.write(json.dumps({"provenance": prov, **r}) + "\n")
@@ -56,32 +60,31 @@ def compact(out_dir: str, seeds: int, max_rows: int) -> None:
             view = g[:, :N]
             ref = reference.d2t(torch.where((view > 0) | torch.isnan(view), view, torch.zeros_like(view)), 256, 32)
             valid = ref.valid_mask()
-            for version in (1, 2):
-                for rep in range(2):
-                    packed = torch.full((rows, N // 256, 32), -7, device=DEV, dtype=torch.int32)
-                    counts = torch.full((rows, N // 256), -7, device=DEV, dtype=torch.int32)
-                    flag = torch.zeros(rows, device=DEV, dtype=torch.int32)
-                    ext.compact(view, N, packed, counts, flag, version)
-                    bad = (packed != ref.packed) & valid
-                    nb = int(bad.sum())
-                    rec = {"kind": "compact_stress", "seed": seed, "rows": rows, "N": N, "version": version,
-                           "rep": rep, "bad_slots": nb, "counts_equal": bool(torch.equal(counts, ref.counts))}
-                    if nb:
-                        idx = bad.nonzero()[:16]
-                        r_, t_, s_ = idx.unbind(1)
-                        ours, want = packed[r_, t_, s_], ref.packed[r_, t_, s_]
-                        col = (want & 0xFFFF) + t_ * 256
-                        rec["first"] = [{"row": int(a), "tile": int(b), "slot": int(c), "ours": hex(int(o) & 0xFFFFFFFF),
-                                         "ref": hex(int(w) & 0xFFFFFFFF), "g": float(view[a, cc].float())}
-                                        for a, b, c, o, w, cc in zip(r_, t_, s_, ours, want, col)]
-                        print(json.dumps(rec), flush=True)
-                    rows_out.append(rec)
+            for rep in range(4):
+                packed = torch.full((rows, N // 256, 32), -7, device=DEV, dtype=torch.int32)
+                counts = torch.full((rows, N // 256), -7, device=DEV, dtype=torch.int32)
+                flag = torch.zeros(rows, device=DEV, dtype=torch.int32)
+                ext.compact(view, N, packed, counts, flag)
+                bad = (packed != ref.packed) & valid
+                nb = int(bad.sum())
+                rec = {"kind": "compact_stress", "seed": seed, "rows": rows, "N": N, "rep": rep, "bad_slots": nb,
+                       "counts_equal": bool(torch.equal(counts, ref.counts))}
+                if nb:
+                    idx = bad.nonzero()[:16]
+                    r_, t_, s_ = idx.unbind(1)
+                    ours, want = packed[r_, t_, s_], ref.packed[r_, t_, s_]
+                    col = (want & 0xFFFF) + t_ * 256
+                    rec["first"] = [{"row": int(a), "tile": int(b), "slot": int(c), "ours": hex(int(o) & 0xFFFFFFFF),
+                                     "ref": hex(int(w) & 0xFFFFFFFF), "g": float(view[a, cc].float())}
+                                    for a, b, c, o, w, cc in zip(r_, t_, s_, ours, want, col)]
+                    print(json.dumps(rec), flush=True)
+                rows_out.append(rec)
         if seed % 10 == 0:
             print(f"[compact] seed {seed}: {sum(r['bad_slots'] > 0 for r in rows_out)} failing of {len(rows_out)} "
                   f"({time.time() - t0:.0f}s)", flush=True)
     fails = [r for r in rows_out if r["bad_slots"] or not r["counts_equal"]]
     print(f"[compact] {len(fails)} failing runs of {len(rows_out)}", flush=True)
-    _write(out_dir, "compact_stress.jsonl", rows_out)
+    _write(out_dir, "compact_stress.jsonl", rows_out)   # no KernelConfig involved: the kernel alone
 
 
 def host_us(fn, n: int = 20) -> float:
@@ -113,25 +116,23 @@ def kernel_table(fn) -> list[dict]:
     return sorted(out, key=lambda r: -r["device_us"])
 
 
-def gap(out_dir: str) -> None:
-    from .bench_inference import Timer, dense_gated, make_case, make_weights
+def gap(out_dir: str, cfg) -> None:
+    from .bench_inference import Timer, dense_gated, ffn_call, make_case, make_weights
     from .bench_training import dense_block
     from .bench_training import make_case as make_train_case
-    from sfl.kernels.ffn import sparse_gated_ffn, transposed_down
     from sfl.kernels.train_ffn import DispatchState, sparse_gated_ffn_train
 
     timer = Timer()
     K, N = 2048, 5632
     wg32, wu32, wd32 = make_weights(K, N)
     wu, wd = wu32.to(BF), wd32.to(BF)
-    wdt = transposed_down(wd)
     rows = []
     with torch.no_grad():
         for M, reps in ((4096, 40), (16384, 30), (65536, 12)):
             x, wg = make_case(wg32, M, K, N, "uniform", 0.02, 0.0, seed=5)
             hf = lambda: dense_gated(x, wg, wu, wd)  # noqa: E731
-            ours_dense = lambda: sparse_gated_ffn(x, wg, wu, wd, w_down_t=wdt, mode="dense")  # noqa: E731
-            ours_auto = lambda: sparse_gated_ffn(x, wg, wu, wd, w_down_t=wdt)  # noqa: E731
+            ours_dense, _ = ffn_call(x, wg, wu, wd, cfg.replace(mode="dense"))
+            ours_auto, _ = ffn_call(x, wg, wu, wd, cfg)   # a fresh layer: auto learns this activity below
             for _ in range(3):
                 ours_auto()
             torch.cuda.synchronize()
@@ -151,14 +152,13 @@ def gap(out_dir: str) -> None:
             rows.append(rec)
     with torch.no_grad():   # non-gated (N = 8192): HF's linear-relu-linear against our dense path, kernel by kernel
         from .bench_inference import dense_nongated
-        from sfl.kernels.ffn import sparse_nongated_ffn
 
         wn32 = make_weights(K, 8192, seed=1)
         wdn = wn32[2].to(BF)
         for M, reps in ((16384, 30), (65536, 10)):
             x, wun = make_case(wn32[0], M, K, 8192, "uniform", 0.01, 0.0, seed=9)
             hf = lambda: dense_nongated(x, wun, wdn)  # noqa: E731
-            ours_dense = lambda: sparse_nongated_ffn(x, wun, wdn, mode="dense")  # noqa: E731
+            ours_dense, _ = ffn_call(x, None, wun, wdn, cfg.replace(mode="dense"))
             g = torch.mm(x, wun.t())
             relu_torch = lambda: torch.relu(g)  # noqa: E731
             from sfl.kernels.loader import load_twell
@@ -195,7 +195,8 @@ def gap(out_dir: str) -> None:
             def step():
                 for t in params:
                     t.grad = None
-                y, l, _ = sparse_gated_ffn_train(*params, mode=mode, state=st if mode == "auto" else None)
+                y, l, _ = sparse_gated_ffn_train(*params, mode=mode, state=st if mode == "auto" else None,
+                                                 config=cfg)
                 torch.autograd.backward([y, l], [gy, gl1])
             return step
 
@@ -214,21 +215,22 @@ def gap(out_dir: str) -> None:
         for k in ("kernels_dense", "kernels_ours_auto"):
             print(k, json.dumps(rec[k][:10]), flush=True)
         rows.append(rec)
-    _write(out_dir, "dense_gap.jsonl", rows)
+    _write(out_dir, "dense_gap.jsonl", rows, cfg)
 
 
-def sparse(out_dir: str) -> None:
-    from .bench_inference import Timer, make_case, make_weights
-    from sfl.kernels.ffn import sparse_gated_ffn, transposed_down
-    from sfl.kernels.twell import ops as twops
+def sparse(out_dir: str, cfg) -> None:
+    from .bench_inference import Timer, ffn_call, make_case, make_weights
+    from sfl.kernels.twell import ops
 
-    ext = twops._ext()
+    ext = ops.load()
     timer = Timer()
     K, N, M, S = 2048, 5632, 65536, 32
     T = N // 256
     wg32, wu32, wd32 = make_weights(K, N)
     wu, wd = wu32.to(BF), wd32.to(BF)
-    wdt = transposed_down(wd)
+    wdt = wd.t().contiguous()   # neuron-major W_d [N, K] for the bare down kernel (the op caches its own)
+    # the op as the bare sequence runs it: forced sparse, 32 slots, down_nb 4, the non-overlapped fused epilogue
+    op_cfg = cfg.replace(mode="sparse", slots=S, down_nb=4, d2t="fused", d2t_overlap_min_k=max(K + 1, 4096))
     rows = []
     for p in (0.0025, 0.005, 0.01):
         x, wg = make_case(wg32, M, K, N, "uniform", p, 0.0, seed=7)
@@ -244,7 +246,7 @@ def sparse(out_dir: str) -> None:
             ext.down(wdt, packed, counts, flag, hval, y, torch.empty(0, device=DEV), 4, T, 0)
             return y
 
-        op = lambda: sparse_gated_ffn(x, wg, wu, wd, w_down_t=wdt, mode="sparse")  # noqa: E731
+        op, _ = ffn_call(x, wg, wu, wd, op_cfg)
         same = bool(torch.equal(bare(), op()))
         t_op, t_bare = timer.time_pair(op, bare, 10)
         rows.append({"kind": "sparse_gap", "M": M, "K": K, "N": N, "activity": p, "same_output": same,
@@ -255,23 +257,26 @@ def sparse(out_dir: str) -> None:
             print("  ", k, [(r["name"][:40], r["count"], r["device_us"]) for r in rows[-1][k][:8]], flush=True)
         del x, wg
         torch.cuda.empty_cache()
-    _write(out_dir, "sparse_gap_h100.jsonl", rows)
+    _write(out_dir, "sparse_gap_h100.jsonl", rows, cfg)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("what", choices=["compact", "gap", "sparse"])
     ap.add_argument("--out", default="results/kernel_bench/diag")
     ap.add_argument("--seeds", type=int, default=40)
     ap.add_argument("--max-rows", type=int, default=65536)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
+    from sfl.kernels.config import KernelConfig
+
+    cfg = KernelConfig.from_env()   # SFL_KERNEL_* overrides, read once
     os.makedirs(a.out, exist_ok=True)
     if a.what == "compact":
         compact(a.out, a.seeds, a.max_rows)
     elif a.what == "sparse":
-        sparse(a.out)
+        sparse(a.out, cfg)
     else:
-        gap(a.out)
+        gap(a.out, cfg)
     return 0
 
 

@@ -2,7 +2,8 @@
 # GPU: build the sparse training kernels, run their GPU tests, then the training benchmark (one call). Usage:
 #   bash experiments/kernel_bench/run_training.sh [--quick] [--ms 4096,16384,65536]
 # Writes results/kernel_bench/training_<time>.jsonl (BENCH_OUT overrides) and, under $LOG_DIR (default
-# results/kernel_tests), training_tests_<time>.txt. Knobs: SFL_TRAIN_* (kernels/train/README.md).
+# results/kernel_tests), training_tests_<time>.txt. Settings: KernelConfig's train_* fields,
+# overridable as SFL_KERNEL_TRAIN_* (read once by the benchmark; kernels/config.py, kernels/train/README.md).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1

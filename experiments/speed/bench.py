@@ -13,9 +13,12 @@ batch_tokens, nnz_mean (+ per-layer profile), provenance, and what was timed.
 
 What is timed
 - inference: the decoder core `model.model` (no lm_head, as the official benchmark), bf16 weights, under
-  inference_mode; "dense" = three cuBLAS GEMMs per FFN (relu(x Wg^T) * (x Wu^T)) Wd^T, "sparse" = kernels.ffn
-  (TwELL, mode --sparse-mode). Both FFNs are plain functions swapped in for timing, so neither pays for the
-  model's sparsity statistics; non-zeros are measured in a separate untimed pass.
+  inference_mode; "dense" = three cuBLAS GEMMs per FFN (relu(x Wg^T) * (x Wu^T)) Wd^T, "sparse" = the TwELL op
+  (sfl.kernels.twell.ops.ffn) with each layer's own plan, i.e. the model's KernelConfig (SFL_KERNEL_* overrides
+  applied once at start; mode --sparse-mode), logged as kernel_config. Both FFNs are plain functions swapped in for
+  timing, so neither pays for the model's sparsity statistics; non-zeros are measured in a separate untimed pass.
+  The layers' plans keep their W_d^T copies between blocks (their dispatch history lives there too): the bytes
+  they hold after the sparse warm-up (sparse_resident_bytes) are left out of the dense side's peak.
 - both modes: after a warm-up of both sides, dense and sparse run in interleaved blocks (ABBA ABBA ..., --blocks per
   side, >= --min-seconds per side); tokens/s from the median block; per-block times, their spread and the
   sparse/dense ratio of each adjacent block pair go in the row (an ordering bias of a few % was seen otherwise).
@@ -127,38 +130,24 @@ def _dense_ffn(mlp, x: torch.Tensor) -> torch.Tensor:
     return F.linear(F.relu(F.linear(x, mlp.up_proj.weight)), mlp.down_proj.weight)
 
 
-def _sparse_ffn_factory(mode: str) -> Callable:
-    """sfl.kernels.ffn forward; uses mlp._bench_wdt (W_d^T) when sparse_side() set it, else the kernels' small cache."""
-    from sfl.kernels import ffn
+def _sparse_ffn(mlp, x: torch.Tensor) -> torch.Tensor:
+    """The model's CUDA inference call without its statistics: one op call with the layer's plan (its KernelConfig,
+    dispatch history and W_d^T cache)."""
+    from sfl.kernels.twell import ops
 
-    def fwd(mlp, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).contiguous()
-        wdt = getattr(mlp, "_bench_wdt", None)
-        if mlp.gated:
-            y = ffn.sparse_gated_ffn(x2, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, mode=mode,
-                                     w_down_t=wdt)
-        else:
-            y = ffn.sparse_nongated_ffn(x2, mlp.up_proj.weight, mlp.down_proj.weight, mode=mode, w_down_t=wdt)
-        return y.reshape(shape)
-    return fwd
+    ops.ensure_loaded()   # registers the op's CUDA kernels (one dict lookup once loaded)
+    wg = mlp.gate_proj.weight if mlp.gated else None
+    return ops.ffn(x, wg, mlp.up_proj.weight, mlp.down_proj.weight, mlp.plan)
 
 
-@contextlib.contextmanager
-def transposed_downs(model) -> Iterator[None]:
-    """Hold every layer's W_d^T for the duration (built on entry, outside any timing; freed on exit).
+def use_kernel_config(model, sparse_mode: str, environ: dict[str, str] | None = None):
+    """Give every layer a fresh plan from the model's KernelConfig with SFL_KERNEL_* (`environ`, read once by main)
+    applied and mode = sparse_mode; returns that config."""
+    from sfl.kernels.config import KernelConfig
 
-    Why: kernels.ffn caches only 16 transposes, so a deeper model would re-transpose every layer on every call;
-    and freeing them on exit keeps the sparse side's extra memory out of the dense side's peak."""
-    mlps = model.sparse_mlps()
-    with torch.inference_mode():
-        for m in mlps:
-            m._bench_wdt = m.down_proj.weight.t().contiguous()
-    try:
-        yield
-    finally:
-        for m in mlps:
-            del m._bench_wdt
+    cfg = KernelConfig.from_env(model.config.get_kernel_config(), environ=environ or {}).replace(mode=sparse_mode)
+    model.set_kernel_config(cfg)
+    return cfg
 
 
 @contextlib.contextmanager
@@ -267,16 +256,15 @@ def paired_ratios(res: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def _layer_paths(model) -> list[dict[str, Any]] | None:
-    """Per layer, the sparse side's dispatch counters so far (kernels.twell.ops history), or None if unavailable."""
-    try:
-        from sfl.kernels.twell.ops import history_for
-    except Exception:  # noqa: BLE001 - no kernels package build: the row just lacks the field
-        return None
+    """Per layer, the sparse side's dispatch counters so far (each layer's plan.info()), or None if unavailable."""
     out = []
     for m in model.sparse_mlps():
-        h = history_for((m.gate_proj if m.gated else m.up_proj).weight)
-        out.append({"sparse_calls": getattr(h, "sparse_calls", None), "dense_calls": getattr(h, "dense_calls", None),
-                    "p_est": getattr(h, "p", None), "flagged_frac": getattr(h, "f", None)})
+        try:
+            h = m.plan.info()
+        except Exception:  # noqa: BLE001 - no kernels build here: the row just lacks the field
+            return None
+        out.append({"sparse_calls": h.get("sparse_calls", 0), "dense_calls": h.get("dense_calls", 0),
+                    "p_est": h.get("p"), "flagged_frac": h.get("f")})
     return out
 
 
@@ -285,13 +273,15 @@ def measure_inference(model, ids: torch.Tensor, sparse_mode: str, min_seconds: f
     """Decoder-core forward tokens/s, J/token and peak memory, dense vs sparse in interleaved blocks; plus the
     path each layer took on the sparse side and a correctness check."""
     n_tok = ids.numel()
-    sparse_fn = _sparse_ffn_factory(sparse_mode)
+    sparse_fn = _sparse_ffn
+    modes = {m.plan.config.mode for m in model.sparse_mlps()}
+    if modes != {sparse_mode}:
+        raise ValueError(f"the layers' plans run mode {sorted(modes)}, not --sparse-mode {sparse_mode!r}: "
+                         "call use_kernel_config(model, sparse_mode) first")
 
     @contextlib.contextmanager
     def side(fn: Callable) -> Iterator[None]:
         with contextlib.ExitStack() as st:
-            if fn is sparse_fn:
-                st.enter_context(transposed_downs(model))
             st.enter_context(plain_ffns(model, fn))
             st.enter_context(torch.inference_mode())
             yield
@@ -300,10 +290,26 @@ def measure_inference(model, ids: torch.Tensor, sparse_mode: str, min_seconds: f
         model.model(input_ids=ids)
 
     before = _layer_paths(model)
+    # the plans' persistent allocations (W_d^T copies) appear with the sparse side's first calls and stay: measured
+    # here, after a warm-up of the sparse side, and kept out of the dense side's peak below
+    resident = None
+    try:
+        torch.cuda.synchronize()
+        m0 = torch.cuda.memory_allocated()
+        with side(sparse_fn):
+            for _ in range(max(1, warmup)):
+                step()
+        torch.cuda.synchronize()
+        resident = max(0, torch.cuda.memory_allocated() - m0)
+    except (NotImplementedError, ValueError, RuntimeError, ImportError):
+        pass  # the loop below records why the sparse side cannot run
     res = interleaved_loop([("dense", lambda: side(_dense_ffn), step), ("sparse", lambda: side(sparse_fn), step)],
                            min_seconds, warmup, blocks, meter)
     after = _layer_paths(model)
-    out: dict[str, Any] = {"blocks_per_side": blocks, "block_order": "ABBA (A = dense)", "warmup_calls": warmup}
+    out: dict[str, Any] = {"blocks_per_side": blocks, "block_order": "ABBA (A = dense)", "warmup_calls": warmup,
+                           "sparse_resident_bytes": resident}
+    if resident and "peak_bytes" in res.get("dense", {}):
+        res["dense"]["peak_bytes"] -= resident
     for name in ("dense", "sparse"):
         out.update(side_fields(name, res[name], n_tok))
         if f"{name}_ms_per_call" in out:
@@ -621,11 +627,13 @@ def measure_all(model, ids: torch.Tensor, a: argparse.Namespace, dev: torch.devi
     from ..provenance import collect
 
     meter = EnergyMeter(dev.index if dev.index is not None else torch.cuda.current_device())
+    kcfg = use_kernel_config(model, a.sparse_mode, getattr(a, "kernel_env", None))
     act = activity(model, ids[:, :-1])
     common = {"model": name, "paper_scale": paper_scale, "l1_coeff": l1, "batch_size": a.batch, "seq_len": a.seq_len,
               "hidden_size": model.config.hidden_size, "intermediate_size": model.config.intermediate_size,
               "num_hidden_layers": model.config.num_hidden_layers, "gated_mlp": model.config.gated_mlp,
-              "sparse_mode": a.sparse_mode, "energy_method": meter.method, "energy_note": meter.note, **act, **extra}
+              "sparse_mode": a.sparse_mode, "kernel_config": kcfg.to_dict(), "energy_method": meter.method,
+              "energy_note": meter.note, **act, **extra}
     print(f"[{name}] non-zeros per token: mean {act['nnz_mean']:.1f}, max {act['nnz_max']:.0f} "
           f"(of {model.config.intermediate_size})", flush=True)
     rows = []
@@ -651,7 +659,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--batch", type=int, default=None, help="sequences per forward (trained 64, paper 32)")
         p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (trained 512, paper 2048)")
         p.add_argument("--sparse-mode", default="auto", choices=["auto", "sparse"],
-                       help="sfl.kernels.ffn mode: auto may run dense where sparsity does not pay; sparse forces TwELL")
+                       help="KernelConfig.mode of the sparse side: auto may run dense where sparsity does not pay; "
+                            "sparse forces TwELL")
         p.add_argument("--train-impl", default="cuda", help="mlp_impl for the sparse training side")
         p.add_argument("--train-micro-batch", type=int, default=8)
         p.add_argument("--train-steps", type=int, default=10, help="unused (steps follow from --min-seconds)")
@@ -678,6 +687,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heavy-scale", type=float, default=0.5, help="bias scale of heavy tokens (< 1: more active)")
     p.add_argument("--dead-frac", type=float, default=0.3, help="fraction of never-firing neurons (paper: >30%%)")
     a = ap.parse_args(argv)
+    a.kernel_env = {k: v for k, v in os.environ.items() if k.startswith("SFL_KERNEL_")}   # read once
     if a.blocks < 1:
         ap.error("--blocks must be >= 1 (timed blocks per side)")
     a.batch = a.batch or (64 if a.what == "trained" else 32)

@@ -119,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--no-static", action="store_true", help="skip the static-cache (compiled) generate rows")
+    ap.add_argument("--parts", default="prefill,eager,static", help="comma list of prefill, eager, static")
+    ap.add_argument("--no-stats", action="store_true", help="our model without its device statistics "
+                    "(config.track_sparsity_stats=False)")
     ap.add_argument("--heavy-frac", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("results/speed/real_path.jsonl"))
@@ -134,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     achieved = calibrate_paper_model(ours, targets, calib, heavy_ids=heavy)
     hf = dense_twin(ours)
     ours.set_mlp_impl("cuda")
+    parts = set(a.parts.split(","))
     with torch.inference_mode():
         ours.reset_sparsity_stats()
         ours.model(input_ids=calib[:4])
@@ -150,9 +153,13 @@ def main(argv: list[str] | None = None) -> int:
             for r in rows:
                 f.write(json.dumps({**base, **r}) + "\n")
 
-    log(prefill_rows(hf, ours, vocab, a.prefill_batches, a.seq_len, a.blocks, a.reps))
-    log(generate_rows(hf, ours, vocab, a.generate_batches, 128, 64, False, a.blocks))
-    if not a.no_static:
+    ours.config.track_sparsity_stats = not a.no_stats
+    base["track_sparsity_stats"] = not a.no_stats
+    if "prefill" in parts:
+        log(prefill_rows(hf, ours, vocab, a.prefill_batches, a.seq_len, a.blocks, a.reps))
+    if "eager" in parts:
+        log(generate_rows(hf, ours, vocab, a.generate_batches, 128, 64, False, a.blocks))
+    if "static" in parts:
         try:
             log(generate_rows(hf, ours, vocab, a.generate_batches, 128, 64, True, a.blocks))
         except Exception as e:  # recorded, not hidden: the static-cache path is a target of its own

@@ -382,7 +382,7 @@ __global__ void __launch_bounds__(256) dense_bwd_kernel(__nv_bfloat16* dh, const
       const float d = hi ? bf16hi(dw[q]) : bf16lo(dw[q]);
       const float gg = hi ? bf16hi(gw[q]) : bf16lo(gw[q]);
       const float hh = hi ? bf16hi(hw[q]) : bf16lo(hw[q]);
-      const float sg = (hh > 0.f) ? 1.f : (hh < 0.f) ? -1.f : (hh == 0.f) ? 0.f : hh;  // NaN stays NaN
+      const float sg = (hh > 0.f) ? 1.f : (hh < 0.f) ? -1.f : 0.f;  // sgn(NaN) = 0, as dense autograd's abs backward
       const float t = d + c * sg;
       const bool pass = gg > 0.f || gg != gg;                   // relu(g) > 0, or NaN
       const float a = pass ? gg : 0.f;                          // relu(g)

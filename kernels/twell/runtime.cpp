@@ -92,8 +92,10 @@ struct Plan {
   // measured activity (the dispatch history)
   double p = -1.0, f = 0.0;
   int64_t measurements = 0, sparse_calls = 0, dense_calls = 0;
-  at::Tensor host_async, host_sync;     // pinned int64 [2] each
+  int64_t* host_async = nullptr;        // pinned int64 [2] each (cudaHostAlloc: a pageable target would make the
+  int64_t* host_sync = nullptr;         // "asynchronous" copy synchronous)
   cudaEvent_t ev_async = nullptr, ev_sync = nullptr;
+  at::Tensor dev_stats;                 // int64 [4] on the device: the two measurement slots, zeroed per use
   bool pending = false;
   int64_t pending_rows = 0, pending_n = 0;
   // self-timing
@@ -117,6 +119,7 @@ struct Plan {
     cudaSetDevice(device);
     if (ev_async) cudaEventDestroy(ev_async);
     if (ev_sync) cudaEventDestroy(ev_sync);
+    if (host_async) cudaFreeHost(host_async);
     for (auto& t : timed_pending) { cudaEventDestroy(t.start); cudaEventDestroy(t.end); }
     for (auto& e : free_events) { cudaEventDestroy(e.first); cudaEventDestroy(e.second); }
     cudaSetDevice(prev);
@@ -131,8 +134,7 @@ struct Plan {
   void poll() {
     if (!pending || cudaEventQuery(ev_async) != cudaSuccess) return;
     pending = false;
-    const int64_t* h = host_async.data_ptr<int64_t>();
-    update(h[0], h[1], pending_rows, pending_n);
+    update(host_async[0], host_async[1], pending_rows, pending_n);
   }
 
   double crossover(int64_t M) const {
@@ -193,20 +195,31 @@ struct Plan {
 
   void ensure_device(int dev) {
     if (device == dev) return;
-    TORCH_CHECK(device < 0, "sfl_twell::ffn: a plan serves one device; this layer's plan was made on cuda:", device,
-                " and is now called on cuda:", dev, " (make a new module/plan per device)");
+    TORCH_CHECK(device < 0, "sfl_twell::ffn: a plan serves one device; this layer's plan was made on cuda:",
+                std::to_string(device), " and is now called on cuda:", std::to_string(dev),
+                " (make a new module/plan per device)");
     device = dev;
-    const auto pinned = at::TensorOptions().dtype(at::kLong).pinned_memory(true);
-    host_async = at::zeros({2}, pinned);
-    host_sync = at::zeros({2}, pinned);
+    void* h = nullptr;
+    check(cudaHostAlloc(&h, 4 * sizeof(int64_t), cudaHostAllocDefault), "pinned host slots");
+    host_async = static_cast<int64_t*>(h);
+    host_sync = host_async + 2;
+    dev_stats = at::empty({4}, at::TensorOptions().dtype(at::kLong).device(at::kCUDA, dev));
     check(cudaEventCreateWithFlags(&ev_async, cudaEventDisableTiming), "event");
     check(cudaEventCreateWithFlags(&ev_sync, cudaEventDisableTiming), "event");
   }
 
+  // a zeroed device int64 [2] for this call's measurement (slot 0: read back asynchronously, 1: waited on); stream
+  // order keeps it from being reused before its copy to the host is done
+  at::Tensor measurement_slot(bool async, cudaStream_t stream) {
+    at::Tensor t = dev_stats.narrow(0, async ? 0 : 2, 2);
+    check(cudaMemsetAsync(t.data_ptr(), 0, 2 * sizeof(int64_t), stream), "memset");
+    return t;
+  }
+
   // copy the device int64 [2] measurement to pinned memory and record an event (async slot or waited-on slot)
   cudaEvent_t to_host(const at::Tensor& dev_stats, bool async, cudaStream_t stream) {
-    at::Tensor& h = async ? host_async : host_sync;
-    check(cudaMemcpyAsync(h.data_ptr(), dev_stats.data_ptr(), 2 * sizeof(int64_t), cudaMemcpyDeviceToHost, stream),
+    int64_t* h = async ? host_async : host_sync;
+    check(cudaMemcpyAsync(h, dev_stats.data_ptr(), 2 * sizeof(int64_t), cudaMemcpyDeviceToHost, stream),
           "stats copy");
     cudaEvent_t ev = async ? ev_async : ev_sync;
     check(cudaEventRecord(ev, stream), "event record");
@@ -241,7 +254,7 @@ Plan& plan_for(int64_t id, at::IntArrayRef ic, at::ArrayRef<double> fc, bool gat
     slot->cfg = parse_config(ic, fc);
     slot->gated = gated;
   }
-  TORCH_CHECK(slot->gated == gated, "sfl_twell::ffn: plan ", id, " was made for a ", slot->gated ? "gated" : "non-gated",
+  TORCH_CHECK(slot->gated == gated, "sfl_twell::ffn: plan ", std::to_string(id), " was made for a ", slot->gated ? "gated" : "non-gated",
               " block; give each layer its own plan");
   return *slot;
 }
@@ -264,14 +277,24 @@ at::Tensor readable(const at::Tensor& t) {
   return t.contiguous().data_ptr() == t.data_ptr() ? t.clone() : t.contiguous();
 }
 
+// Numbers in error messages go through std::to_string: streaming an integer into TORCH_CHECK's message crashed
+// inside this extension on the GPU machine (std::num_put, seen 2026-11-25), so no message streams one.
+std::string str(int64_t v) { return std::to_string(v); }
+std::string dims(const at::Tensor& t) {
+  std::string s = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
+  return s + "]";
+}
+std::string dev(const at::Device& d) { return d.str(); }
+
 void check_inputs(const at::Tensor& x, const c10::optional<at::Tensor>& wg, const at::Tensor& wu,
                   const at::Tensor& wd, const c10::optional<at::Tensor>& stats) {
   auto need = [&](const at::Tensor& t, const char* name) {
-    TORCH_CHECK(t.is_cuda(), name, " is on ", t.device(), ": the TwELL kernels run on CUDA tensors; move the inputs "
+    TORCH_CHECK(t.is_cuda(), name, " is on ", dev(t.device()), ": the TwELL kernels run on CUDA tensors; move the inputs "
                 "with .cuda(), or use kernels.reference / mlp_impl='reference' or 'dense' on other devices");
-    TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " has dtype ", t.scalar_type(),
+    TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " has dtype ", std::string(c10::toString(t.scalar_type())),
                 ": the TwELL kernels take torch.bfloat16; cast with .to(torch.bfloat16)");
-    TORCH_CHECK(t.device() == x.device(), name, " is on ", t.device(), " but x is on ", x.device(),
+    TORCH_CHECK(t.device() == x.device(), name, " is on ", dev(t.device()), " but x is on ", dev(x.device()),
                 ": put x and every weight on one device");
   };
   need(x, "x");
@@ -279,16 +302,16 @@ void check_inputs(const at::Tensor& x, const c10::optional<at::Tensor>& wg, cons
   need(wd, "w_down");
   const int64_t K = x.size(-1), N = wu.size(0);
   TORCH_CHECK(wu.dim() == 2 && wu.size(1) == K, "w_up must be [N, K] = [intermediate, hidden] (nn.Linear layout) "
-              "with K = x.size(-1) = ", K, ", got ", wu.sizes());
-  TORCH_CHECK(wd.dim() == 2 && wd.size(0) == K && wd.size(1) == N, "w_down must be [K, N] = [", K, ", ", N,
-              "] (nn.Linear layout of down_proj), got ", wd.sizes(), "; pass down_proj.weight, not its transpose");
+              "with K = x.size(-1) = ", str(K), ", got ", dims(wu));
+  TORCH_CHECK(wd.dim() == 2 && wd.size(0) == K && wd.size(1) == N, "w_down must be [K, N] = [", str(K), ", ",
+              str(N), "] (nn.Linear layout of down_proj), got ", dims(wd), "; pass down_proj.weight, not its transpose");
   if (wg.has_value()) {
     need(*wg, "w_gate");
-    TORCH_CHECK(wg->sizes() == wu.sizes(), "w_gate must have w_up's shape [N, K], got ", wg->sizes());
+    TORCH_CHECK(wg->sizes() == wu.sizes(), "w_gate must have w_up's shape [N, K], got ", dims(*wg));
   }
-  TORCH_CHECK(K % 64 == 0 && K <= 4096, "hidden size K=", K, " unsupported: the TwELL kernels need K % 64 == 0 and "
+  TORCH_CHECK(K % 64 == 0 && K <= 4096, "hidden size K=", str(K), " unsupported: the TwELL kernels need K % 64 == 0 and "
               "K <= 4096; use kernels.reference or mlp_impl='dense'");
-  TORCH_CHECK(N % kTileN == 0 && N > 0, "intermediate size N=", N, " unsupported: the TwELL kernels need "
+  TORCH_CHECK(N % kTileN == 0 && N > 0, "intermediate size N=", str(N), " unsupported: the TwELL kernels need "
               "N % 256 == 0; use kernels.reference or mlp_impl='dense'");
   if (stats.has_value()) {
     TORCH_CHECK(stats->is_cuda() && stats->scalar_type() == at::kLong && stats->numel() == 3 &&
@@ -320,25 +343,30 @@ at::Tensor dense_ffn(const at::Tensor& x, const at::Tensor* wg, const at::Tensor
 at::Tensor dense_path(Call& c, bool table_dense) {
   Plan& P = c.P;
   // GEMMs first: the GPU works while the host sets up the rest
-  at::Tensor g = at::linear(c.x, c.gate_w());
-  at::Tensor u = c.wg ? at::linear(c.x, c.wu) : at::Tensor();
+  // at::mm with the transposed weight is the GEMM F.linear runs for a 2-D input (same cuBLAS call, same bits),
+  // without linear/matmul's dispatcher hops
+  at::Tensor g = at::mm(c.x, c.gate_w().t());
+  at::Tensor u = c.wg ? at::mm(c.x, c.wu.t()) : at::Tensor();
   bool measure = P.cfg.mode == kAuto && !c.capture && !P.pending;
-  if (measure && !c.wg && table_dense && P.cfg.measure_every > 1 && P.dense_calls % P.cfg.measure_every) {
-    measure = false;  // non-gated above the crossover: the measuring pass is slower than torch's relu
+  if (measure && table_dense && P.cfg.measure_every > 1 && P.dense_calls % P.cfg.measure_every) {
+    // a layer measured above its crossover re-measures only every measure_every dense calls: the read-back (memset,
+    // copy, event) costs ~3 small operations, comparable to the whole call at decode sizes; a fall in activity is
+    // seen up to measure_every calls late (those calls stay dense: exact)
+    measure = false;
   }
   ++P.dense_calls;
   P.last_path = "dense";
   P.last_d2t = "";
   P.last_flagged = -1;
-  if (!measure && !c.wg && c.acc == nullptr) return at::linear(at::relu_(g), c.wd);
-  at::Tensor st = measure ? at::zeros({2}, c.x.options().dtype(at::kLong)) : at::Tensor();
+  if (!measure && !c.wg && c.acc == nullptr) return at::mm(at::relu_(g), c.wd.t());
+  at::Tensor st = measure ? P.measurement_slot(true, c.stream) : at::Tensor();
   at::Tensor h = c.wg ? u : g;  // in place
   check(twell_relu_mul_stats_launch(g.data_ptr(), g.stride(0), c.wg ? u.data_ptr() : nullptr, c.wg ? u.stride(0) : 0,
                                     h.data_ptr(), h.stride(0), (int)c.M, (int)c.N, P.cfg.slots, (int)c.N, nullptr,
                                     measure ? reinterpret_cast<unsigned long long*>(i64(st)) : nullptr, nullptr,
                                     c.acc, c.stream),
         "relu_mul_stats");
-  at::Tensor y = at::linear(h, c.wd);
+  at::Tensor y = at::mm(h, c.wd.t());
   if (measure) {
     P.to_host(st, true, c.stream);
     P.pending = true;
@@ -385,7 +413,7 @@ at::Tensor fused_decode(Call& c, const at::Tensor& wdt, bool measure) {
                                   c.stream),
         "decode_fused");
   if (measure || c.acc) {  // one "tile" per row holding the row's count
-    at::Tensor st = measure ? at::zeros({2}, c.x.options().dtype(at::kLong)) : at::Tensor();
+    at::Tensor st = measure ? P.measurement_slot(true, c.stream) : at::Tensor();
     check(twell_row_stats_launch(i32(nnz), i32(flag), (int)M, kTileN,
                                  measure ? reinterpret_cast<unsigned long long*>(i64(st)) : nullptr, c.acc, c.stream),
           "row_stats");
@@ -409,7 +437,9 @@ at::Tensor sparse_path(Call& c, bool sync_free) {
   const int64_t M = c.M, K = c.K, N = c.N, T = N / kTileN;
   ++P.sparse_calls;
   const at::Tensor& wdt = P.down_t(c.wd);
-  const bool measure = !c.capture && (!sync_free || !P.pending);
+  // the eager path always measures (it needs the flagged-row count); sync-free calls every measure_every-th call
+  // (the read-back is a few small operations, comparable to a decode-size call)
+  const bool measure = !c.capture && (!sync_free || (!P.pending && P.sparse_calls % P.cfg.measure_every == 1 % P.cfg.measure_every));
   if (sync_free && M <= kFusedDecodeMaxM) return fused_decode(c, wdt, measure);
   const int S = sync_free ? kTileN : P.cfg.slots;
   const auto i32o = c.x.options().dtype(at::kInt);
@@ -420,7 +450,7 @@ at::Tensor sparse_path(Call& c, bool sync_free) {
   d2t_into(c.x, c.gate_w(), packed, counts, flag, P.cfg, c.stream, &P.last_d2t);
   cudaEvent_t ev = nullptr;
   if (measure || c.acc) {
-    at::Tensor st = measure ? at::zeros({2}, c.x.options().dtype(at::kLong)) : at::Tensor();
+    at::Tensor st = measure ? P.measurement_slot(sync_free, c.stream) : at::Tensor();
     check(twell_row_stats_launch(i32(counts), i32(flag), (int)M, (int)N,
                                  measure ? reinterpret_cast<unsigned long long*>(i64(st)) : nullptr, c.acc, c.stream),
           "row_stats");
@@ -462,7 +492,7 @@ at::Tensor sparse_path(Call& c, bool sync_free) {
         "down");
   // up/down are queued; now wait for the (earlier) flagged-row count
   check(cudaEventSynchronize(ev), "event wait");
-  const int64_t nnz_ok = i64(P.host_sync)[0], R = i64(P.host_sync)[1];
+  const int64_t nnz_ok = P.host_sync[0], R = P.host_sync[1];
   P.update(nnz_ok, R, M, N);
   if (R > 0) {  // exact dense backup of every flagged row, however many
     at::Tensor rows = at::nonzero_static(flag, R).squeeze(1);
@@ -533,9 +563,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> d2t_cuda(const at::Tensor& x_in, 
               "d2t: x and w_gate must be torch.bfloat16; cast with .to(torch.bfloat16)");
   TORCH_CHECK(w_gate.dim() == 2 && w_gate.size(1) == x_in.size(-1) && x_in.size(-1) % 64 == 0 &&
                   w_gate.size(0) % kTileN == 0,
-              "d2t: w_gate must be [N, K] with K = x.size(-1), K % 64 == 0 and N % 256 == 0, got x ", x_in.sizes(),
-              " and w_gate ", w_gate.sizes());
-  TORCH_CHECK(slots >= 1 && slots <= kTileN, "slots must be in 1..256, got ", slots);
+              "d2t: w_gate must be [N, K] with K = x.size(-1), K % 64 == 0 and N % 256 == 0, got x ", dims(x_in),
+              " and w_gate ", dims(w_gate));
+  TORCH_CHECK(slots >= 1 && slots <= kTileN, "slots must be in 1..256, got ", std::to_string(slots));
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = readable(x_in.reshape({-1, x_in.size(-1)})), w = readable(w_gate);
   const int64_t M = x.size(0), T = w.size(0) / kTileN;

@@ -1,0 +1,152 @@
+"""results/ holds logs of record only, each listed in results/MANIFEST.csv, and every results/ path that a README,
+a notebook or a generated table cites is in that manifest.
+
+Fails when: a manifest row points to a missing file; a file in results/ has no manifest row; a row is malformed;
+or a document cites a results/ file (or glob) that the manifest does not list."""
+from __future__ import annotations
+
+import csv
+import re
+from pathlib import Path
+
+import pytest
+
+from sfl.notebooks import nbutil
+
+REPO = Path(__file__).resolve().parents[1]
+
+RESULTS = REPO / "results"
+STATUSES = {"record"}
+# Documents whose results/ citations must resolve to manifest rows (lab/ cites lab/results/, not results/).
+CITING = ["README.md", "results/**/*.md", "experiments/**/README.md", "kernels/**/README.md", "notebooks/README.md",
+          "notebooks/*.ipynb", "notebooks/*.py", "paper_tables/*.md", "paper_tables/*.csv"]
+# "results/..." not preceded by a word character or '/' (so lab/results/... and SFL_RESULTS_DIR are not citations).
+CITATION = re.compile(r"(?<![\w/.])results/[\w.*/<>{},+-]*[\w*>}]")
+
+
+def _manifest() -> list[dict[str, str]]:
+    rows = nbutil.manifest_rows(RESULTS)
+    assert rows, "results/MANIFEST.csv is missing or empty"
+    return rows
+
+
+def _citation_to_pattern(cited: str) -> list[str]:
+    """A cited path as manifest globs: <run>/<time> placeholders and {a,b} alternatives become wildcards."""
+    rel = cited[len("results/"):]
+    alts = [rel]
+    m = re.search(r"\{([^{}]*)\}", rel)
+    if m:
+        alts = [rel[:m.start()] + a + rel[m.end():] for a in m.group(1).split(",")]
+    return [re.sub(r"<[^<>]*>", "*", a) for a in alts]
+
+
+def _resolves(cited: str, paths: list[str]) -> bool:
+    for pat in _citation_to_pattern(cited):
+        pat = pat.rstrip("/")
+        if any(nbutil._path_matches(p, pat) for p in paths):
+            return True
+        # a folder (or folder glob) resolves when the manifest lists a file under it
+        if any(nbutil._path_matches("/".join(p.split("/")[:pat.count("/") + 1]), pat) for p in paths if "/" in p):
+            return True
+        # 'bench_h100_r14.*' style: stem with any suffix
+        if pat.endswith(".*") and any(nbutil._path_matches(p, pat[:-2] + ".*") for p in paths):
+            return True
+    return False
+
+
+def test_manifest_rows_are_well_formed():
+    rows = _manifest()
+    seen = set()
+    for r in rows:
+        assert set(nbutil.MANIFEST_COLUMNS) <= set(r), f"row {r} lacks columns"
+        assert r["path"] not in seen, f"{r['path']} listed twice"
+        seen.add(r["path"])
+        assert r["status"] in STATUSES, f"{r['path']}: status {r['status']!r} not in {sorted(STATUSES)}"
+        assert r["what"].strip() and r["used_by"].strip(), f"{r['path']}: say what it is and what uses it ('-' if nothing)"
+
+
+def test_every_manifest_entry_exists():
+    missing = [r["path"] for r in _manifest() if not (RESULTS / r["path"]).is_file()]
+    assert not missing, f"MANIFEST.csv lists files that are not in results/: {missing}"
+
+
+def test_every_results_file_is_in_the_manifest():
+    listed = {r["path"] for r in _manifest()}
+    on_disk = {p.relative_to(RESULTS).as_posix() for p in RESULTS.rglob("*")
+               if p.is_file() and p.name != nbutil.MANIFEST_NAME and "__pycache__" not in p.parts}
+    extra = sorted(on_disk - listed)
+    assert not extra, (f"files in results/ without a MANIFEST.csv row: {extra}. results/ holds logs of record only: "
+                       "add a row, or move trials/diagnostics to lab/results/")
+
+
+def _citations() -> list[tuple[str, str]]:
+    out = []
+    for pattern in CITING:
+        for doc in sorted(REPO.glob(pattern)):
+            if ".venv" in doc.parts or not doc.is_file():
+                continue
+            for cited in CITATION.findall(doc.read_text(errors="replace")):
+                # a comma ends a path unless it separates {a,b} alternatives (CSV cells follow a path)
+                cut = re.match(r"(?:[^,{]|\{[^{}]*\})*", cited).group(0)
+                out.append((doc.relative_to(REPO).as_posix(), cut.rstrip(".")))
+    return out
+
+
+def test_every_cited_results_path_is_in_the_manifest():
+    paths = [r["path"] for r in _manifest()]
+    cites = _citations()
+    assert len(cites) > 50, "the citation scan found almost nothing: is CITATION still matching?"
+    bad = sorted({f"{doc}: {cited}" for doc, cited in cites
+                  if cited.rstrip("/") not in ("results", "results/" + nbutil.MANIFEST_NAME)
+                  and not _resolves(cited, paths)})
+    assert not bad, "cited results/ paths with no manifest row (fix the path or the manifest):\n" + "\n".join(bad)
+
+
+def test_citation_check_catches_a_missing_file():
+    paths = ["kernel_bench/bench_h100_r14.jsonl", "l1_sweep/relu_l1_0/train_log.jsonl"]
+    assert _resolves("results/kernel_bench/bench_h100_r14.jsonl", paths)
+    assert _resolves("results/kernel_bench/bench_h100_r14.*", paths)
+    assert _resolves("results/l1_sweep/<run>/train_log.jsonl", paths)
+    assert _resolves("results/l1_sweep/", paths)
+    assert not _resolves("results/kernel_bench/bench_h100_final.jsonl", paths)
+    assert not _resolves("results/speed/paper_shapes.jsonl", paths)
+
+
+def test_notebook_readers_see_only_listed_files(tmp_path, monkeypatch):
+    """A log in the results dir that the manifest does not list is never read (no glob-and-keep-newest)."""
+    (tmp_path / "speed").mkdir()
+    (tmp_path / "speed" / "listed.jsonl").write_text('{"model": "m", "mode": "inference"}\n')
+    (tmp_path / "speed" / "new_run.jsonl").write_text('{"model": "m", "mode": "training"}\n')
+    with open(tmp_path / nbutil.MANIFEST_NAME, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=nbutil.MANIFEST_COLUMNS)
+        w.writeheader()
+        w.writerow(dict(path="speed/listed.jsonl", experiment="speed", what="x", used_by="-", seed="", status="record",
+                        pending=""))
+    monkeypatch.setenv("SFL_RESULTS_DIR", str(tmp_path))
+    df = nbutil.load_jsonl_dir(tmp_path / "speed")
+    assert list(df["mode"]) == ["inference"]
+    (tmp_path / "speed" / "listed.jsonl").unlink()
+    with pytest.raises(FileNotFoundError, match="MANIFEST.csv lists speed/listed.jsonl"):
+        nbutil.record_paths("speed/*.jsonl")
+
+
+def _used_by_outputs(rows: list[dict[str, str]]) -> set[str]:
+    """'paper_tables/<name>' and 'figures/<name>' entries named in the used_by column."""
+    out = set()
+    for r in rows:
+        for item in r["used_by"].split(";"):
+            m = re.match(r"\s*((?:paper_tables|figures)/[\w.-]+)", item)
+            if m:
+                out.add(m.group(1))
+    return out
+
+
+def test_used_by_names_real_outputs_and_every_output_has_a_log():
+    """Each table and figure maps to manifest rows, and every table/figure a row names exists."""
+    named = _used_by_outputs(_manifest())
+    missing = sorted(n for n in named if not ((REPO / f"{n}.md").is_file() or (REPO / f"{n}.png").is_file()))
+    assert not missing, f"MANIFEST.csv used_by names outputs that do not exist: {missing}"
+    outputs = {f"paper_tables/{p.stem}" for p in (REPO / "paper_tables").glob("*.md") if p.stem != "INDEX"}
+    outputs |= {f"figures/{p.stem}" for p in (REPO / "figures").glob("*.png")}
+    orphans = sorted(outputs - named)
+    assert not orphans, f"tables/figures that no MANIFEST.csv row names in used_by (which logs feed them?): {orphans}"
