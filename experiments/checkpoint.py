@@ -1,4 +1,7 @@
-"""Crash-safe training checkpoints: <out_dir>/checkpoints/step_XXXXXXX/{state.pt, COMPLETE}.
+"""Crash-safe training checkpoints: <out_dir>/checkpoints/step_XXXXXXX/{state.pt, dcp/, COMPLETE}.
+
+state.pt holds step, scheduler, RNG, counters and config; dcp/ the model and optimizer, written by every rank
+through torch.distributed.checkpoint (experiments/distributed.py).
 
 A checkpoint is written into a hidden temp dir owned by this process (`.tmp-step_XXXXXXX.<pid>`), every
 file fsynced, the COMPLETE marker written last, then the dir is renamed into place (os.replace is atomic on
@@ -13,6 +16,7 @@ import errno
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -131,24 +135,43 @@ def _save_state(path: Path, state: dict[str, Any]) -> None:
         raise cause from e
 
 
-def save_checkpoint(out_dir: str | Path, step: int, state: dict[str, Any]) -> Path:
-    """Atomically write `state` as checkpoint `step`; keep the newest two; return its dir.
-
-    Raises CheckpointWriteError (the previous checkpoint intact, our temp dir removed) when the write fails
-    for an OS reason, e.g. ENOSPC."""
+def begin_checkpoint(out_dir: str | Path, step: int) -> Path:
+    """This process's fresh hidden temp dir for checkpoint `step` (`.tmp-step_XXXXXXX.<pid>`; other processes'
+    temp entries are left alone: stale ones are removed at start-up, experiments/rundir.py)."""
     root = ckpt_root(out_dir)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:07d}"
-    tmp = root / tmp_name(final.name)
+    tmp = root / tmp_name(f"step_{step:07d}")
     shutil.rmtree(tmp, ignore_errors=True)  # our own leftover of an earlier failed save of this step
     try:
         tmp.mkdir()
-        _save_state(tmp / "state.pt", state)
+    except OSError as e:
+        raise abort_checkpoint(e, out_dir, step, tmp) from e
+    return tmp
+
+
+def write_state(tmp: Path, state: dict[str, Any]) -> None:
+    """state.pt (fsynced) into a checkpoint temp dir; a failed write raises the OSError behind it."""
+    _save_state(tmp / "state.pt", state)
+
+
+def abort_checkpoint(e: OSError, out_dir: str | Path, step: int, tmp: Path) -> CheckpointWriteError:
+    """Remove the temp dir of a checkpoint whose write failed; the CheckpointWriteError to raise."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    return _write_error(e, ckpt_root(out_dir) / f"step_{step:07d}", out_dir)
+
+
+def commit_checkpoint(out_dir: str | Path, step: int, tmp: Path) -> Path:
+    """Mark a fully written temp dir COMPLETE, move it into place atomically, point latest.json at it and
+    keep the newest two; returns its final dir."""
+    root = ckpt_root(out_dir)
+    final = root / f"step_{step:07d}"
+    try:
+        for sub in [tmp, *(d for d in tmp.iterdir() if d.is_dir())]:  # DCP writes a subdir
+            _fsync_dir(sub)
         _write_file(tmp / "COMPLETE", f"{step}\n".encode())
         _fsync_dir(tmp)
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise _write_error(e, final, out_dir) from e
+        raise abort_checkpoint(e, out_dir, step, tmp) from e
     if final.exists():  # re-saving the same step (e.g. final save right after a periodic one)
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -157,6 +180,19 @@ def save_checkpoint(out_dir: str | Path, step: int, state: dict[str, Any]) -> Pa
     for old in list_checkpoints(out_dir)[:-KEEP]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def save_checkpoint(out_dir: str | Path, step: int, state: dict[str, Any]) -> Path:
+    """Atomically write `state` as checkpoint `step`; keep the newest two; return its dir.
+
+    Raises CheckpointWriteError (the previous checkpoint intact, our temp dir removed) when the write fails
+    for an OS reason, e.g. ENOSPC."""
+    tmp = begin_checkpoint(out_dir, step)
+    try:
+        write_state(tmp, state)
+    except OSError as e:
+        raise abort_checkpoint(e, out_dir, step, tmp) from e
+    return commit_checkpoint(out_dir, step, tmp)
 
 
 def _write_error(e: OSError, final: Path, out_dir: str | Path) -> CheckpointWriteError:
@@ -174,6 +210,26 @@ def _write_error(e: OSError, final: Path, out_dir: str | Path) -> CheckpointWrit
     return CheckpointWriteError(e.errno, f"{what}; {kept}: {todo}")
 
 
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", model: bool = True) -> dict[str, Any]:
+    """state.pt of a checkpoint dir; with model=True also "model": the full model state dict, read in this
+    process from the checkpoint's DCP shards (dcp/, written by experiments/distributed.py) when it has them."""
     # weights_only=False: the state holds numpy / python RNG states (our own files only).
-    return torch.load(Path(path) / "state.pt", map_location=map_location, weights_only=False)
+    state = torch.load(Path(path) / "state.pt", map_location=map_location, weights_only=False)
+    if model and "model" not in state and (Path(path) / "dcp").is_dir():
+        state["model"] = read_dcp_tensors(Path(path) / "dcp", "model.")
+    return state
+
+
+def read_dcp_tensors(dcp_dir: str | Path, prefix: str) -> dict[str, torch.Tensor]:
+    """The full tensors stored under `prefix` in a torch.distributed.checkpoint dir, read by this process alone
+    (whatever number of ranks wrote it), keys without the prefix."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = dcp.FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata
+    out = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
+           if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+    with warnings.catch_warnings():  # DCP warns about no_dist even when asked for it
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load(out, checkpoint_id=str(dcp_dir), no_dist=True)
+    return {k[len(prefix):]: v for k, v in out.items()}

@@ -41,7 +41,7 @@ _SPEC: dict[str, tuple[Any, str]] = {
     "l1_reduction": ("mean", "mean = paper Eq. 2; sum = official code (x intermediate_size)"),
     "l1_warmup_start": (0, "optimizer step at which the L1 ramp starts (coeff is 0 before)"),
     "l1_warmup_steps": (0, "linear ramp length in steps from 0 to l1_coeff (0 = no ramp)"),
-    "dead_window_tokens": (None, "dead-neuron window in tokens; null = tokens per optimizer step per rank"),
+    "dead_window_tokens": (None, "dead-neuron window in tokens of all ranks; null = tokens per optimizer step"),
     "dead_reinit_lambda": (0.0, "paper Eq. 6 after every step: dead gate rows <- (1-lambda) w + lambda N(0, std^2); "
                                 "0 = off, the paper's ablation uses 0.1"),
     "dead_reinit_std": (0.02, "std of the re-initialisation noise"),
@@ -49,10 +49,14 @@ _SPEC: dict[str, tuple[Any, str]] = {
     "data_dir": (None, "prepared data dir; null = $SFL_DATA_DIR or <repo>/.data"),
     "tokens_subdir": ("tokens", "subdir of data_dir with meta.json and the uint16 .bin files"),
     "seq_len": (128, "tokens per training sequence"),
+    "data_order": ("random", "random = random windows per step (may overlap) | disjoint = the corpus's non-overlapping "
+                             "windows, reshuffled every epoch; both deterministic in (seed, step, rank)"),
     # --- optimisation
     "max_steps": (300, "optimizer steps"),
     "micro_batch_size": (8, "sequences per forward per rank"),
     "grad_accum": (1, "micro-batches per optimizer step"),
+    "global_batch_size": (None, "sequences per optimizer step over all ranks; sets grad_accum = global_batch_size / "
+                                "(micro_batch_size * WORLD_SIZE); null = use grad_accum"),
     "lr": (1e-3, "peak learning rate"),
     "min_lr": (0.0, "cosine floor (absolute)"),
     "warmup_steps": (30, "linear LR warm-up steps"),
@@ -65,6 +69,11 @@ _SPEC: dict[str, tuple[Any, str]] = {
     "device": ("auto", "auto (cuda if available) | cpu | cuda | cuda:N"),
     "precision": ("auto", "auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32"),
     "compile": (False, "wrap the model in torch.compile"),
+    # --- several processes (torchrun); experiments/distributed.py
+    "parallel": ("ddp", "with WORLD_SIZE > 1: ddp (replicated weights) | fsdp (FSDP2 fully_shard per decoder layer)"),
+    "fsdp_mixed_precision": (False, "fsdp: bf16 parameters in forward/backward, fp32 gradient reduction "
+                                    "(MixedPrecisionPolicy); master weights and AdamW state stay fp32"),
+    "activation_checkpointing": (False, "recompute every decoder layer in backward (non-reentrant checkpoint)"),
     "log_every": (10, "steps between step lines in train_log.jsonl"),
     "eval_every": (100, "steps between val evaluations (0 = only at the end)"),
     "eval_batches": (8, "val micro-batches per evaluation (fixed sequential windows)"),
@@ -165,7 +174,8 @@ def validate(cfg: dict[str, Any]) -> None:
     for k in ["l1_warmup_start", "l1_warmup_steps", "warmup_steps", "eval_every", "ckpt_every", "seed"]:
         if not _is_int(cfg[k]) or cfg[k] < 0:
             raise bad(k, "must be an integer >= 0")
-    for k in ["vocab_size", "num_key_value_heads", "max_position_embeddings", "dead_window_tokens"]:
+    for k in ["vocab_size", "num_key_value_heads", "max_position_embeddings", "dead_window_tokens",
+              "global_batch_size"]:
         if cfg[k] is not None and (not _is_int(cfg[k]) or cfg[k] < 1):
             raise bad(k, "must be null or a positive integer")
     for k in ["l1_coeff", "lr", "min_lr", "eps", "weight_decay", "grad_clip"]:
@@ -181,7 +191,8 @@ def validate(cfg: dict[str, Any]) -> None:
     betas = cfg["betas"]
     if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(_is_num(b) and 0 <= b < 1 for b in betas)):
         raise bad("betas", "must be a list of two numbers in [0, 1), e.g. [0.9, 0.95]")
-    for k in ["tie_word_embeddings", "gated_mlp", "compile", "save_final", "progress"]:
+    for k in ["tie_word_embeddings", "gated_mlp", "compile", "save_final", "progress", "fsdp_mixed_precision",
+              "activation_checkpointing"]:
         if not isinstance(cfg[k], bool):
             raise bad(k, "must be true or false")
     if not _is_num(cfg["dead_reinit_lambda"]) or not 0 <= cfg["dead_reinit_lambda"] <= 1:
@@ -216,6 +227,14 @@ def validate(cfg: dict[str, Any]) -> None:
         raise bad("warmup_steps", f"must be <= max_steps ({cfg['max_steps']})")
     if not (cfg["device"] in ("auto", "cpu", "cuda") or str(cfg["device"]).startswith("cuda:")):
         raise bad("device", "must be auto, cpu, cuda or cuda:N")
+    if cfg["parallel"] not in ("ddp", "fsdp"):
+        raise bad("parallel", "must be ddp or fsdp")
+    if cfg["fsdp_mixed_precision"] and cfg["parallel"] != "fsdp":
+        raise bad("fsdp_mixed_precision", "needs parallel: fsdp")
+    if cfg["data_order"] not in ("random", "disjoint"):
+        raise bad("data_order", "must be random or disjoint")
+    if cfg["global_batch_size"] is not None and cfg["global_batch_size"] % cfg["micro_batch_size"]:
+        raise bad("global_batch_size", f"must be a multiple of micro_batch_size ({cfg['micro_batch_size']})")
     if cfg["precision"] not in ("auto", "bf16", "fp32"):
         raise bad("precision", "must be auto, bf16 or fp32")
     for k in ["init_from", "data_dir"]:

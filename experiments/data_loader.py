@@ -1,8 +1,9 @@
 """Token windows from the prepared uint16 memmaps (<data_dir>/tokens/{meta.json, *.bin}).
 
-Training batches are random contiguous seq_len+1 windows whose start offsets are a pure function
-of (seed, step, rank): no sampler state has to be carried, and a resumed run draws exactly the
-batches the uninterrupted run would have drawn. Validation uses fixed sequential windows.
+Training batches are contiguous seq_len+1 windows that are a pure function of (seed, step, rank): no
+sampler state has to be carried, and a resumed run draws exactly the batches the uninterrupted run would
+have drawn. A step's global batch depends on (seed, step) only and every rank reads its own block of it,
+so the data order does not change with the number of ranks. Validation uses fixed sequential windows.
 
 Data are checked where they are used, and every failure is a DataError naming the file and the fix:
 - at open: meta.json parses and has its keys, every shard exists with exactly 2 bytes per recorded token;
@@ -38,7 +39,7 @@ def rebuild_hint(tokens_dir: Path) -> str:
 class TokenData:
     """Memmapped train/val token streams described by meta.json (see the team brief's data layout)."""
 
-    def __init__(self, tokens_dir: str | Path, seq_len: int) -> None:
+    def __init__(self, tokens_dir: str | Path, seq_len: int, order: str = "random", world: int = 1) -> None:
         self.dir = Path(tokens_dir)
         self.meta: dict[str, Any] = self._read_meta()
         self.vocab_size = int(self.meta["vocab_size"])
@@ -53,6 +54,12 @@ class TokenData:
         self._starts = np.maximum(self._starts, 0)
         self._cum = np.cumsum(self._starts)
         self.n_val_windows = sum(max(0, (len(a) - 1) // seq_len) for a in self.val)
+        if order not in ("random", "disjoint"):
+            raise ValueError(f"data order {order!r}: must be random or disjoint")
+        self.order, self.world = order, world
+        # order "disjoint": window i of a file starts at token i*seq_len (the val split's layout)
+        self._win_cum = np.cumsum([max(0, (len(a) - 1) // seq_len) for a in self.train])
+        self._perms: dict[tuple[int, int], np.ndarray] = {}
         self._digests: dict[str, str] | None = None
 
     # ------------------------------------------------------------------------------------- opening
@@ -132,14 +139,41 @@ class TokenData:
 
     # ------------------------------------------------------------------------------------- windows
     def train_batch(self, seed: int, step: int, rank: int, n: int) -> torch.Tensor:
-        """int64 [n, seq_len+1] windows for optimizer step `step` on `rank` (deterministic)."""
-        rng = np.random.default_rng([seed, rank, step])
-        pos = rng.integers(0, self._cum[-1], size=n)
-        file_idx = np.searchsorted(self._cum, pos, side="right")
-        offs = pos - np.concatenate([[0], self._cum[:-1]])[file_idx]
+        """int64 [n, seq_len+1]: rank `rank`'s n windows of optimizer step `step` (deterministic).
+
+        The step's global batch is one sequence of windows that depends on (seed, step) only; rank r takes its
+        r-th block of n. So ranks read disjoint parts of it, and a run resumed on another number of ranks (same
+        global batch) reads the same windows. order "random": random start offsets (windows may overlap);
+        order "disjoint": the non-overlapping windows of the corpus, reshuffled every epoch."""
+        if self.order == "random":
+            # Generator.integers draws element by element: the first (rank+1)*n draws of one stream per step.
+            rng = np.random.default_rng([seed, 0, step])
+            pos = rng.integers(0, self._cum[-1], size=(rank + 1) * n)[rank * n:]
+            file_idx = np.searchsorted(self._cum, pos, side="right")
+            offs = pos - np.concatenate([[0], self._cum[:-1]])[file_idx]
+        else:
+            if not 0 <= rank < self.world:
+                raise ValueError(f"rank {rank} outside world size {self.world}")
+            g = (step * self.world + rank) * n + np.arange(n, dtype=np.int64)  # global sample indices
+            total = int(self._win_cum[-1])
+            ids = np.empty(n, dtype=np.int64)
+            for epoch in np.unique(g // total):
+                sel = g // total == epoch
+                ids[sel] = self._epoch_perm(seed, int(epoch))[g[sel] % total]
+            file_idx = np.searchsorted(self._win_cum, ids, side="right")
+            offs = (ids - np.concatenate([[0], self._win_cum[:-1]])[file_idx]) * self.seq_len
         rows = np.stack([self.train[f][o:o + self.seq_len + 1] for f, o in zip(file_idx, offs)])
         self._check_ids(rows, f"the train batch of step {step}")
         return torch.from_numpy(rows.astype(np.int64))
+
+    def _epoch_perm(self, seed: int, epoch: int) -> np.ndarray:
+        """The order of the non-overlapping train windows in `epoch` (cached: a step reads one or two)."""
+        key = (seed, epoch)
+        if key not in self._perms:
+            if len(self._perms) >= 2:
+                self._perms.pop(next(iter(self._perms)))
+            self._perms[key] = np.random.default_rng([seed, 1, epoch]).permutation(int(self._win_cum[-1]))
+        return self._perms[key]
 
     def val_windows(self, n: int) -> torch.Tensor:
         """int64 [n, seq_len+1]: the first n sequential, non-overlapping windows of the val split

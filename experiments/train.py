@@ -1,7 +1,7 @@
 """The one training entry point: SparseLlama (ReLU FFN + L1) language-model training.
 
     python -m sfl.experiments.train --config path.yaml [--set key=value ...] [--resume]
-    torchrun --nproc_per_node=N -m sfl.experiments.train --config path.yaml      # DDP
+    torchrun --nproc_per_node=N -m sfl.experiments.train --config path.yaml   # DDP, or FSDP2 with parallel: fsdp
 
 Config keys: experiments/config.py (DEFAULTS/DOCS) and experiments/README.md "train.py config".
 Writes <out_dir>/train_log.jsonl (schema: team brief / experiments/README.md), crash-safe
@@ -19,9 +19,8 @@ import random
 import shutil
 import sys
 import time
-import warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 for _k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_k, "1")
@@ -32,51 +31,24 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from .checkpoint import (CheckpointWriteError, atomic_write_text, ckpt_root, find_latest, list_checkpoints,
-                         load_checkpoint, save_checkpoint)
+                         load_checkpoint)
 from .config import ConfigError, l1_coeff_at, load_config, lr_at
 from .data_loader import DataError, TokenData
+# several processes (torchrun): wrapping, cross-rank statistics, DCP checkpoints -- see experiments/distributed.py
+from .distributed import (Dist, accumulation_context, clip_grad_norm, eval_path, gather_trackers,
+                          global_sparsity_stats, is_sharded, load_model_and_optimizer, local_dead_window, reinit_dead,
+                          resolve_grad_accum, restore_trackers, resume_config_view, save_checkpoint_dcp,
+                          unsharded_copy, wrap_model)
 from .preflight import check_disk_space, check_kernels
 from .rundir import RunDirBusy, RunLock, clean_stale_temps, tmp_name
 from sfl.models import SparseLlamaConfig, SparseLlamaForCausalLM
-from sfl.models.sparsity import reinit_dead_rows
 
 # Keys that may change between a checkpoint and its resumption without breaking exactness.
 RESUME_MUTABLE = {"max_steps", "log_every", "eval_every", "eval_batches", "ckpt_every", "progress", "device",
-                  "save_final", "compile", "out_dir", "data_dir", "init_from"}
+                  "save_final", "compile", "out_dir", "data_dir", "init_from", "parallel", "activation_checkpointing"}
 
 
 # --------------------------------------------------------------------------------------- setup
-class Dist:
-    """Rank/world from the torchrun environment; world 1 without it."""
-
-    def __init__(self) -> None:
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        self.main = self.rank == 0
-
-    def init(self, device: torch.device) -> None:
-        if self.world > 1 and not dist.is_initialized():
-            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-
-    def all_mean(self, t: torch.Tensor) -> torch.Tensor:
-        if self.world > 1:
-            t = t.clone()
-            dist.all_reduce(t)
-            t /= self.world
-        return t
-
-    def all_sum(self, t: torch.Tensor) -> torch.Tensor:
-        if self.world > 1:
-            t = t.clone()
-            dist.all_reduce(t)
-        return t
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            dist.barrier()
-
-
 def pick_device(cfg: dict[str, Any], d: Dist) -> torch.device:
     want = cfg["device"]
     if want == "auto":
@@ -246,23 +218,28 @@ def finite(x: float) -> bool:
 # --------------------------------------------------------------------------------------- eval
 @torch.no_grad()
 def evaluate(model: SparseLlamaForCausalLM, windows: torch.Tensor, cfg: dict[str, Any], device: torch.device,
-             d: Dist) -> tuple[float, float]:
-    """Mean val CE over the fixed val windows (sharded over ranks) and mean nnz per token."""
+             d: Dist, window: int) -> tuple[float, float]:
+    """Mean val CE over the fixed val windows (sharded over ranks) and mean nnz per token, both over all ranks."""
     was_training = model.training
     model.eval()
     model.reset_sparsity_stats(dead_tracker=False)
     mbs = cfg["micro_batch_size"]
+    starts = list(range(0, len(windows), mbs))
     tot = torch.zeros(2, dtype=torch.float64, device=device)  # sum of token CE, token count
-    for j, i in enumerate(range(0, len(windows), mbs)):
-        if j % d.world != d.rank:
-            continue
-        x = windows[i:i + mbs].to(device)
-        with autocast_ctx(cfg, device):
+    counted = None  # per-layer stats before a padding forward
+    for r in range(-(-len(starts) // d.world)):  # every rank runs as many forwards (FSDP gathers in each)
+        j = r * d.world + d.rank
+        if j >= len(starts) and counted is None:
+            counted = [m.sparsity_stats() for m in model.sparse_mlps()]
+        x = windows[starts[j if j < len(starts) else 0]:][:mbs].to(device)
+        with autocast_ctx(cfg, device), eval_path(model):
             out = model(input_ids=x[:, :-1], shift_labels=x[:, 1:])
-        n = x[:, 1:].numel()
-        tot += torch.stack([out.ce.double() * n, torch.tensor(float(n), dtype=torch.float64, device=device)])
+        if j < len(starts):
+            n = x[:, 1:].numel()
+            tot += torch.stack([out.ce.double() * n, torch.tensor(float(n), dtype=torch.float64, device=device)])
     tot = d.all_sum(tot)
-    nnz = model.sparsity_stats(reset=True)["nnz_mean"]
+    nnz = global_sparsity_stats(model, d, window, local=counted)["nnz_mean"]
+    model.reset_sparsity_stats(dead_tracker=False)
     model.train(was_training)
     return float(tot[0] / tot[1]), nnz
 
@@ -276,17 +253,36 @@ def check_resume_config(saved: dict[str, Any], cfg: dict[str, Any]) -> None:
                           "change on resume (start a new out_dir otherwise)")
 
 
-def finished_run(out_dir: Path, cfg: dict[str, Any]) -> dict[str, Any] | None:
+def rank0_check(d: Dist, fn: Callable[[], Any]) -> Any:
+    """fn() on rank 0 only (a check that reads every shard or the disk once); its ConfigError or DataError
+    stops every rank (the others would wait in the next collective). Returns fn's result on rank 0."""
+    result, err = None, None
+    if d.main:
+        try:
+            result = fn()
+        except (ConfigError, DataError) as e:
+            err = e
+    if d.world > 1:
+        msg = d.broadcast(None if err is None else (isinstance(err, DataError), str(err)))
+        if msg is not None and err is None:
+            err = (DataError if msg[0] else ConfigError)(f"on rank 0: {msg[1]}")
+    if err is not None:
+        raise err
+    return result
+
+
+def finished_run(out_dir: Path, cfg: dict[str, Any], world: int = 1) -> dict[str, Any] | None:
     """The log's 'final' line if the run in out_dir is finished at this config's max_steps (its newest
-    checkpoint is at that step and the final line was written after it), else None."""
+    checkpoint is at that step and the final line was written after it), else None. A config that the run
+    could not be resumed with is refused (ConfigError) as on any resume."""
     ckpt = find_latest(out_dir)
     rows = read_log(out_dir / "train_log.jsonl")
     final = next((r for r in reversed(rows) if r.get("type") == "final"), None)
     if ckpt is None or final is None or not (checkpoint_step(ckpt) == final.get("step") == cfg["max_steps"]):
         return None
-    header = next((r for r in rows if r.get("type") == "header"), None)
-    if header is not None:
-        check_resume_config(header["config"], cfg)
+    saved = load_checkpoint(ckpt, model=False)
+    now = {**cfg, "grad_accum": resolve_grad_accum(cfg, world)}
+    check_resume_config(saved["config"], resume_config_view(saved["config"], saved.get("world_size", 1), now, world))
     return final
 
 
@@ -310,7 +306,7 @@ def train(cfg: dict[str, Any], resume: bool = False) -> dict[str, Any]:
         lock.acquire()
     try:
         if resume:
-            final = finished_run(out_dir, cfg)
+            final = finished_run(out_dir, cfg, d.world)
             if final is not None:
                 if d.main:
                     print(f"--resume: the run in {out_dir} already finished at step {final['step']} (its log has the "
@@ -340,12 +336,13 @@ def _train(cfg: dict[str, Any], resume: bool, d: Dist, device: torch.device, t_s
             log_path.unlink(missing_ok=True)  # killed before its first checkpoint: the run restarts whole
     d.barrier()
 
-    data = TokenData(Path(cfg["data_dir"]) / cfg["tokens_subdir"], cfg["seq_len"])
-    data_fp = data.fingerprint() if d.main else None  # checksums + id range of every shard (one read)
+    data = TokenData(Path(cfg["data_dir"]) / cfg["tokens_subdir"], cfg["seq_len"], cfg["data_order"], d.world)
+    data_fp = rank0_check(d, data.fingerprint)  # checksums + id range of every shard (one read)
+    cfg = {**cfg, "grad_accum": resolve_grad_accum(cfg, d.world)}
     mbs, accum, seq = cfg["micro_batch_size"], cfg["grad_accum"], cfg["seq_len"]
     tokens_per_step_rank = mbs * accum * seq
     tokens_per_step = tokens_per_step_rank * d.world
-    dead_window = cfg["dead_window_tokens"] or tokens_per_step_rank
+    dead_window = local_dead_window(cfg, d.world, tokens_per_step_rank)  # per rank
     n_val = cfg["eval_batches"] * mbs
     if n_val > data.n_val_windows and d.main:
         print(f"note: val split has only {data.n_val_windows} windows of {seq + 1} tokens; evaluating on all of "
@@ -356,33 +353,28 @@ def _train(cfg: dict[str, Any], resume: bool, d: Dist, device: torch.device, t_s
     model = build_model(cfg, data.vocab_size, data.meta.get("eos_id"), dead_window).to(device)
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
+    rank0_check(d, lambda: check_disk_space(out_dir, model, len(list_checkpoints(out_dir)), cfg["save_final"]))
+    fwd_model = wrap_model(model, cfg, d, device)  # before the optimizer: FSDP2 replaces parameters by shards
     opt = torch.optim.AdamW(param_groups(model, cfg["weight_decay"]), lr=cfg["lr"], betas=tuple(cfg["betas"]),
                             eps=cfg["eps"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(cfg, s) / cfg["lr"])
-    if d.main:
-        check_disk_space(out_dir, model, len(list_checkpoints(out_dir)), cfg["save_final"])
 
     step, wall_prev, n_reinit, log_lines = 0, 0.0, 0, 0
     if ckpt_dir is not None:
         # CPU: RNG states must stay CPU ByteTensors; load_state_dict moves weights/optimizer state to device.
-        state = load_checkpoint(ckpt_dir, map_location="cpu")
-        check_resume_config(state["config"], cfg)
+        state = load_checkpoint(ckpt_dir, map_location="cpu", model=False)
+        check_resume_config(state["config"], resume_config_view(state["config"], state["world_size"], cfg, d.world))
         if state["step"] > cfg["max_steps"]:
             raise ConfigError(f"--resume: the newest checkpoint in {out_dir} is at step {state['step']}, past "
                               f"max_steps={cfg['max_steps']}; resume with max_steps >= {state['step']}")
-        mismatch = data.fingerprint_mismatch(state["data"]) if d.main else None
+        mismatch = rank0_check(d, lambda: data.fingerprint_mismatch(state["data"]))
         if mismatch is not None:
             raise DataError(f"--resume: the train data differ from the checkpoint's: {mismatch}")
-        if state["world_size"] != d.world:
-            raise ConfigError(f"--resume: checkpoint was written with WORLD_SIZE={state['world_size']}, now "
-                              f"{d.world}; the data order would change (start a new out_dir)")
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
+        load_model_and_optimizer(ckpt_dir, state, model, opt)  # any world size, DDP or FSDP2
         sched.load_state_dict(state["scheduler"])
-        with torch.no_grad():
-            for mlp, t in zip(model.sparse_mlps(), state["trackers"]):
-                mlp.tokens_since_fire.copy_(t)
-        set_rng_state(state["rng"][d.rank] if isinstance(state["rng"], list) else state["rng"])
+        restore_trackers(model, state["trackers"], d)
+        rngs = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]
+        set_rng_state(rngs[d.rank % len(rngs)])  # another world size: nothing in training draws from these
         step, wall_prev = state["step"], state["wall_s"]
         n_reinit = state.get("counters", {}).get("reinit_neurons", 0)  # re-initialised since the last step line
         if d.main:
@@ -399,37 +391,29 @@ def _train(cfg: dict[str, Any], resume: bool, d: Dist, device: torch.device, t_s
     else:
         log.write({"type": "resume", "step": step, "provenance": collect()})
 
-    fwd_model: torch.nn.Module = model
-    if d.world > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        # broadcast_buffers=False: the per-neuron dead counters are per-rank statistics.
-        with warnings.catch_warnings():  # torch >= 2.13 deprecates the flag but still advises it for this case
-            warnings.simplefilter("ignore", FutureWarning)
-            fwd_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                            broadcast_buffers=False)
     if cfg["compile"]:
         fwd_model = torch.compile(fwd_model)
 
     def checkpoint_state(done: int) -> dict[str, Any]:
+        """Everything but model and optimizer (those go through DCP); collective when world > 1."""
         rngs = [None] * d.world
         if d.world > 1:
             dist.all_gather_object(rngs, rng_state())
         else:
             rngs = [rng_state()]
-        return {"step": done, "model": model.state_dict(), "optimizer": opt.state_dict(),
-                "scheduler": sched.state_dict(), "trackers": [m.tokens_since_fire.clone() for m in model.sparse_mlps()],
-                "rng": rngs, "sampler": {"kind": "stateless(seed, rank, step)", "seed": cfg["seed"], "next_step": done},
+        return {"step": done, "scheduler": sched.state_dict(), "trackers": gather_trackers(model, d),
+                "rng": rngs, "sampler": {"kind": f"stateless(seed, step, rank), order {cfg['data_order']}",
+                                         "seed": cfg["seed"], "next_step": done},
                 "data": data_fp, "world_size": d.world, "config": cfg,
                 "wall_s": wall_prev + time.time() - t_start,
                 # what a resume needs to write the log an uninterrupted run writes
                 "log_lines": log.lines, "counters": {"reinit_neurons": n_reinit}}
 
     def save(done: int) -> None:
-        state = checkpoint_state(done)  # collective when world > 1: every rank calls it
+        state = checkpoint_state(done)
         if d.main:
             log.sync()
-            save_checkpoint(out_dir, done, state)
-        d.barrier()
+        save_checkpoint_dcp(out_dir, done, model, opt, state, d)  # collective: every rank writes its shards
 
     params = [p for p in model.parameters() if p.requires_grad]
     clip = cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf")
@@ -445,13 +429,12 @@ def _train(cfg: dict[str, Any], resume: bool, d: Dist, device: torch.device, t_s
         sums = torch.zeros(3, device=device)
         for i in range(accum):
             x = batch[i * mbs:(i + 1) * mbs].to(device, non_blocking=True)
-            sync = d.world == 1 or i == accum - 1
-            with (contextlib.nullcontext() if sync else fwd_model.no_sync()), autocast_ctx(cfg, device):
-                out = fwd_model(input_ids=x[:, :-1], shift_labels=x[:, 1:], l1_coeff=coeff)
+            with accumulation_context(fwd_model, last=i == accum - 1), autocast_ctx(cfg, device):
+                out = fwd_model(input_ids=x[:, :-1], shift_labels=x[:, 1:], l1_coeff=coeff, use_cache=False)
                 (out.loss / accum).backward()
             l1 = out.l1.detach() if out.l1 is not None else torch.zeros((), device=device)
             sums += torch.stack([out.loss.detach().float(), out.ce.detach().float(), l1.float()])
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        grad_norm = clip_grad_norm(params, clip)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
@@ -466,7 +449,7 @@ def _train(cfg: dict[str, Any], resume: bool, d: Dist, device: torch.device, t_s
             if not finite(loss):
                 raise RuntimeError(f"non-finite loss {loss} at step {step} (ce={ce}, l1={l1v}); lower lr or "
                                    "l1_coeff, or resume from an earlier checkpoint")
-            st = model.sparsity_stats()
+            st = global_sparsity_stats(model, d, dead_window)  # over all ranks
             now = time.time()
             line = {"type": "step", "step": step, "tokens": step * tokens_per_step, "loss": loss, "ce": ce,
                     "l1": l1v, "l1_coeff": coeff, "lr": lr, "grad_norm": float(grad_norm),
@@ -476,11 +459,13 @@ def _train(cfg: dict[str, Any], resume: bool, d: Dist, device: torch.device, t_s
                     "dead_frac_per_layer": st["dead_frac_per_layer"]}
             if cfg["dead_reinit_lambda"] > 0:
                 line["reinit_neurons"], n_reinit = n_reinit, 0
+            if device.type == "cuda":
+                line["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             log.write(line)
             bar.set_postfix(loss=f"{loss:.3f}", ce=f"{ce:.3f}", nnz=f"{st['nnz_mean']:.1f}")
             t_log, tok_log = now, 0
         if cfg["eval_every"] and step % cfg["eval_every"] == 0 and step < cfg["max_steps"]:
-            val_ce, val_nnz = evaluate(model, val_windows, cfg, device, d)
+            val_ce, val_nnz = evaluate(model, val_windows, cfg, device, d, dead_window)
             log.write({"type": "eval", "step": step, "val_ce": val_ce, "val_nnz_mean": val_nnz})
         if cfg["ckpt_every"] and step % cfg["ckpt_every"] == 0 and step < cfg["max_steps"]:
             save(step)
@@ -489,12 +474,14 @@ def _train(cfg: dict[str, Any], resume: bool, d: Dist, device: torch.device, t_s
 
     if last_saved != step:
         save(step)  # before the final evaluation: a failure there never loses the training
-    val_ce, val_nnz = evaluate(model, val_windows, cfg, device, d)
+    val_ce, val_nnz = evaluate(model, val_windows, cfg, device, d, dead_window)
     log.write({"type": "eval", "step": step, "val_ce": val_ce, "val_nnz_mean": val_nnz})
     wall = wall_prev + time.time() - t_start
     final = {"type": "final", "step": step, "val_ce": val_ce, "wall_s": wall}
-    if d.main and cfg["save_final"]:
-        save_final(model, out_dir / "final", Path(cfg["data_dir"]))
+    if cfg["save_final"]:
+        plain = unsharded_copy(model, d) if is_sharded(model) else model  # FSDP2: gathered on rank 0
+        if d.main:
+            save_final(plain, out_dir / "final", Path(cfg["data_dir"]))
     log.write(final)
     log.sync()
     log.close()
@@ -502,25 +489,6 @@ def _train(cfg: dict[str, Any], resume: bool, d: Dist, device: torch.device, t_s
         dist.barrier()
         dist.destroy_process_group()
     return final
-
-
-def reinit_dead(model: SparseLlamaForCausalLM, cfg: dict, step: int, window: int, d) -> int:
-    """Dead-neuron re-initialisation (paper Eq. 6) after an optimizer step; returns how many rows moved.
-
-    Under DDP a neuron counts as dead only if it is dead on every rank (min over ranks of the
-    tokens-since-fire trackers), and every rank draws the same noise (generator seeded by seed and
-    step), so the replicas stay identical. Seeding by step also keeps --resume exact.
-    """
-    gen = torch.Generator().manual_seed(cfg["seed"] * 1_000_003 + step)
-    total = 0
-    for mlp in model.sparse_mlps():
-        since = mlp.tokens_since_fire
-        if d.world > 1:
-            since = since.clone()
-            dist.all_reduce(since, op=dist.ReduceOp.MIN)
-        weight = mlp.gate_proj.weight if mlp.gated else mlp.up_proj.weight
-        total += reinit_dead_rows(weight, since, window, cfg["dead_reinit_lambda"], cfg["dead_reinit_std"], gen)
-    return total
 
 
 def save_final(model: SparseLlamaForCausalLM, dest: Path, data_dir: Path) -> None:

@@ -204,11 +204,11 @@ def test_final_checkpoint_saved_before_final_eval(data_dir, tmp_path, monkeypatc
     calls = []
     real = train_mod.evaluate
 
-    def eval_failing_at_end(model, windows, cfg, device, d):
+    def eval_failing_at_end(*args):
         calls.append(1)
         if len(calls) == 2:  # step 4 periodic eval, then the final one at step 6
             raise Killed
-        return real(model, windows, cfg, device, d)
+        return real(*args)
 
     monkeypatch.setattr(train_mod, "evaluate", eval_failing_at_end)
     with pytest.raises(Killed):
@@ -392,3 +392,25 @@ def test_disk_full_reported_with_old_checkpoint_intact(data_dir, tmp_path, monke
     assert comparable(read_log(cut)) == comparable(read_log(full))
     a, b = load_checkpoint(find_latest(full)), load_checkpoint(find_latest(cut))
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+def test_disk_full_in_dcp_shards_reported_with_old_checkpoint_intact(data_dir, tmp_path, monkeypatch) -> None:
+    """ENOSPC while torch.distributed.checkpoint writes the model/optimizer shards of step 4 (dcp/): the same
+    CheckpointWriteError as for state.pt, no temp dir left, step 2 intact."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full")
+    from torch.distributed.checkpoint.filesystem import FileSystem
+    real = FileSystem.create_stream
+
+    def full_disk_stream(self, path, mode):
+        if "step_0000004" in str(path) and "w" in mode:
+            return real(self, "/dev/full", mode)
+        return real(self, path, mode)
+
+    monkeypatch.setattr(FileSystem, "create_stream", full_disk_stream)
+    cut = tmp_path / "cut"
+    with pytest.raises(CheckpointWriteError, match=r"no space left on device \(errno ENOSPC\).*step_0000004.*"
+                                                   r"step_0000002 is intact.*--resume"):
+        train_mod.train(cfg_for(data_dir, cut))
+    assert find_latest(cut).name == "step_0000002"
+    assert not list((cut / "checkpoints").glob(".tmp-*"))
