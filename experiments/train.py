@@ -41,6 +41,7 @@ from .distributed import (Dist, accumulation_context, clip_grad_norm, eval_path,
                           unsharded_copy, wrap_model)
 from .preflight import check_disk_space, check_kernels
 from .rundir import RunDirBusy, RunLock, clean_stale_temps, tmp_name
+from .runs import read_rows
 from sfl.models import SparseLlamaConfig, SparseLlamaForCausalLM
 
 # Keys that may change between a checkpoint and its resumption without breaking exactness.
@@ -171,18 +172,6 @@ class JsonlLog:
             self._f = None
 
 
-def read_log(path: Path) -> list[dict[str, Any]]:
-    """The complete JSON lines of a run's log (a line torn by a kill is skipped)."""
-    rows = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return rows
-
-
 def truncate_log(path: Path, step: int, keep_lines: int | None = None) -> int:
     """Cut the log back to what it held when the checkpoint being resumed was written, so the resumed run
     writes every later line (steps, evals, the final eval and 'final' line) exactly once. Returns the number
@@ -276,7 +265,7 @@ def finished_run(out_dir: Path, cfg: dict[str, Any], world: int = 1) -> dict[str
     checkpoint is at that step and the final line was written after it), else None. A config that the run
     could not be resumed with is refused (ConfigError) as on any resume."""
     ckpt = find_latest(out_dir)
-    rows = read_log(out_dir / "train_log.jsonl")
+    rows = read_rows(out_dir / "train_log.jsonl")
     final = next((r for r in reversed(rows) if r.get("type") == "final"), None)
     if ckpt is None or final is None or not (checkpoint_step(ckpt) == final.get("step") == cfg["max_steps"]):
         return None
