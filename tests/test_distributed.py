@@ -3,9 +3,9 @@
 FSDP2 (fully_shard runs on CPU with gloo in torch 2.13) and DDP against one process on the same global batch:
 same loss, CE, L1, grad norm, non-zeros per token, dead-neuron fraction, re-initialised neurons and val CE.
 A DCP checkpoint resumes exactly on 2 processes and continues on 1 process; the consolidated final model loads
-in one process. One module-scoped fixture trains everything once: the FSDP run through torchrun (the launcher
-users run), the others in processes forked from pytest with torchrun's environment (no second import of
-torch and transformers per process: seconds instead of tens of seconds on 2 CPU cores).
+in one process. One module-scoped fixture trains everything once, every multi-process run through torchrun (the launcher
+users run). Not processes forked from pytest: a fork after this process has run torch's OpenMP pool can hang
+a rank (it did once on CI).
 """
 from __future__ import annotations
 
@@ -48,34 +48,6 @@ def base_sets(data_dir: Path, init: Path, out: Path) -> dict:
 
 def as_sets(d: dict) -> list[str]:
     return [f"{k}={json.dumps(v)}" for k, v in d.items()]
-
-
-def _rank_main(rank: int, world: int, port: int, sets: list[str], resume: bool) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    train_mod.train(load_config(None, sets), resume=resume)
-
-
-def forked(sets: dict, nproc: int = 2, resume: bool = False) -> None:
-    """torchrun's environment in nproc processes forked from this one."""
-    import multiprocessing as mp
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=_rank_main, args=(r, nproc, port, as_sets(sets), resume)) for r in range(nproc)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert codes == [0] * nproc, f"rank exit codes {codes} (tracebacks above)"
 
 
 def torchrun(sets: dict, nproc: int = 2, resume: bool = False) -> None:
@@ -134,15 +106,15 @@ def runs(tmp_path_factory, data) -> dict[str, Path]:
     sets = {k: base_sets(data, root / "init", out[k]) for k in out}
     train_mod.train(load_config(None, as_sets({**sets["one"], **ONE_PROC})))
     torchrun({**sets["fsdp"], **FSDP})
-    forked({**sets["ddp"], **DDP})
+    torchrun({**sets["ddp"], **DDP})
     # The FSDP run rewound to its step-2 checkpoint (kept beside step 4), resumed on 2 processes and on 1.
     for k in ("resumed", "resumed_one"):
         shutil.copytree(out["fsdp"], out[k])
         shutil.rmtree(out[k] / "checkpoints" / "step_0000004")
         (out[k] / "checkpoints" / "latest.json").unlink()
-    forked({**sets["resumed"], **FSDP}, resume=True)
+    torchrun({**sets["resumed"], **FSDP}, resume=True)
     train_mod.train(load_config(None, as_sets({**sets["resumed_one"], **ONE_PROC, "parallel": "fsdp"})), resume=True)
-    forked({**sets["fsdp_bf16"], **FSDP, "fsdp_mixed_precision": True, "max_steps": 2, "eval_every": 0,
+    torchrun({**sets["fsdp_bf16"], **FSDP, "fsdp_mixed_precision": True, "max_steps": 2, "eval_every": 0,
             "save_final": False})
     return out
 
