@@ -64,7 +64,8 @@ class KernelConfig:
             kernel). Larger values cost M * N * 8 bytes of TwELL buffers.
         crossover / crossover_nongated: dispatch tables ("m:p,...", see DEFAULT_CROSSOVER).
         flagged_dense_above: eager auto runs dense when more than this fraction of rows was flagged last time.
-        self_timing: eager auto times both paths per M bucket and leaves sparse where it measured slower.
+        self_timing: eager auto times both paths per M bucket: above decode_max_m it leaves sparse where it measured
+            slower; at decode sizes (activity <= 25%) it runs the faster of the two. Graph captures follow the table.
         activity_hint: prior activity used until a layer's first measurement lands (0: none, first call dense).
         measure_every: dense calls of a layer measured above its crossover re-measure activity only every this many
             calls (the read-back costs a few small operations per call; non-gated, the measuring pass is also ~8%

@@ -404,13 +404,14 @@ def test_dispatch_without_readback_keeps_old_estimate(ffn):
         check(y, x, wg, wu, wd, True)
 
 
-@pytest.mark.parametrize("mode", ["dense", "auto-sparse"])
+@pytest.mark.parametrize("mode", ["dense", "auto-sparse", "auto-timed"])
 def test_calls_have_no_host_sync(ffn, mode):
-    """Dense and sync-free sparse calls (with their measurements and statistics) never synchronize the host."""
+    """Dense and sync-free sparse calls (with their measurements, statistics and self-timing at decode sizes) never
+    synchronize the host."""
     K, N = 576, 1536
-    M = 4096 if mode == "dense" else 32
+    M = {"dense": 4096, "auto-sparse": 32, "auto-timed": 4}[mode]
     x, wg, wu, wd = make_problem(M, K, N, 0.004, seed=33, adversarial=False)
-    plan = new_plan(crossover="1:0" if mode == "dense" else "1:0.05")
+    plan = new_plan(crossover="1:0" if mode == "dense" else "1:0.05", self_timing=mode == "auto-timed")
     stats = torch.zeros(3, device=DEV, dtype=torch.int64)
     for _ in range(2):   # build, pinned slots, a first measurement
         run(ffn, x, wg, wu, wd, plan=plan, stats=stats)
@@ -422,7 +423,8 @@ def test_calls_have_no_host_sync(ffn, mode):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    assert plan.info()["path"] == ("dense" if mode == "dense" else "sparse-syncfree")
+    if mode != "auto-timed":   # timing picks either path
+        assert plan.info()["path"] == ("dense" if mode == "dense" else "sparse-syncfree")
     check(y, x, wg, wu, wd, True)
 
 
@@ -590,6 +592,26 @@ def test_fused_decode_graph_replay(ffn, M):
         check(static_y, x2, wg, wu, wd, True)
 
 
+@pytest.mark.parametrize("gated", [True, False])
+def test_fused_decode_workspace_reuse(ffn, gated):
+    """The fused decode path keeps one workspace per plan, re-zeroed by each call's finish kernel: a sequence of calls
+    of different sizes on one plan, non-finite and heavy rows included, stays exact call after call, and the
+    statistics add up over the calls."""
+    K, N = 2048, 5632 if gated else 8192
+    plan = new_plan(mode="sparse")
+    stats = torch.zeros(3, device=DEV, dtype=torch.int64)
+    total = 0
+    for i, M in enumerate([8, 3, 8, 1, 6, 8]):
+        x, wg, wu, wd = _decode_problem(M, K, N, 0.01, seed=300 + i, gated=gated)
+        poison()
+        y = run(ffn, x, wg, wu, wd, gated, plan=plan, stats=stats)
+        torch.cuda.synchronize()
+        assert plan.info()["d2t"] == "decode-fused"
+        check(y, x, wg, wu, wd, gated)
+        total += M
+    assert int(stats[2]) == total
+
+
 def _auto_calls(ffn, x, wg, wu, wd, plan, calls: int, check_each: bool = False):
     """`calls` auto-dispatched gated calls, each synchronized (so timings and measurements land before the next);
     returns the path of every call and the last output."""
@@ -625,6 +647,21 @@ def test_self_timing_keeps_a_faster_sparse_path(ffn):
     plan = new_plan(crossover="1:0.01")
     paths, _ = _auto_calls(ffn, x, wg, wu, wd, plan, 10)
     assert paths[-4:] == ["sparse"] * 4, (paths, plan.info()["timings"])
+
+
+@pytest.mark.parametrize("M", [4, 32])
+def test_self_timing_at_decode_sizes(ffn, M):
+    """Eager decode sizes time both paths, whatever the table says (here: dense at 3% activity), and then run the
+    one measured faster on this layer; exact throughout."""
+    K, N = 2048, 5632
+    x, wg, wu, wd = make_problem(M, K, N, 0.03, seed=43 + M, adversarial=False)
+    plan = new_plan()
+    paths, _ = _auto_calls(ffn, x, wg, wu, wd, plan, 12, check_each=True)
+    times = plan.info()["timings"]
+    bucket = M.bit_length()
+    assert len(times[(bucket, "dense")]) >= 2 and len(times[(bucket, "sparse")]) >= 2, (paths, times)
+    faster = "sparse-syncfree" if min(times[(bucket, "sparse")]) < min(times[(bucket, "dense")]) else "dense"
+    assert paths[-1] == faster, (paths, times)
 
 
 # ---------------------------------------------------------------- fused d2t (d2t_gemm.cu, sm_90a)

@@ -14,6 +14,8 @@
 //   flagged-row fraction f <= flagged_dense_above); no measurement yet and no hint -> dense (which measures).
 //   Eager M > decode_max_m with self_timing: a bucket the table sends sparse first runs dense until it has 2 dense
 //   timings, and stays dense while min(sparse) > min(dense) (re-probed every 256th call of the bucket).
+//   Eager M <= decode_max_m with self_timing and p <= 0.25: both paths are timed and the faster one runs (the
+//   slower one re-probed every 256th call); under CUDA-graph capture the table decides.
 // Paths:
 //   dense     : the GEMMs HF runs, relu(g)*u in one pass that measures activity and accumulates the model's stats.
 //   eager     : d2t (S = slots) -> gated_up -> down; rows flagged by d2t (a tile over S, or a non-finite gate) are
@@ -46,6 +48,8 @@ constexpr int kFusedDecodeMaxM = 8;
 constexpr int kTimingKeep = 3;       // timing samples kept per (bucket, path); decisions use their minimum
 constexpr int kReprobeEvery = 256;   // a vetoed bucket runs sparse again every this many calls
 constexpr int kRetimeEvery = 64;     // a bucket's samples are refreshed every this many calls
+constexpr double kTimedDecodeMaxP = 0.25;  // eager decode sizes time both paths up to this activity (above it the
+                                           // sparse path reads most of W_u/W_d anyway and cannot win)
 enum Mode { kAuto = 0, kSparse = 1, kDense = 2 };
 
 void check(cudaError_t e, const char* what) {
@@ -103,6 +107,11 @@ struct Plan {
   std::vector<Timed> timed_pending;
   std::vector<std::pair<cudaEvent_t, cudaEvent_t>> free_events;
   std::map<int, int64_t> bucket_calls;
+  // the fused decode path's workspace: fp32 yacc [8, K] then int32 nnz [8], flag [8]; zeroed once, re-zeroed by
+  // each call's decode_finish; used by eager calls on one stream (captures and other streams allocate their own)
+  at::Tensor decode_ws;
+  cudaStream_t decode_ws_stream = nullptr;
+  bool decode_ws_dirty = false;         // a call was cut off between its two kernels: zero before reuse
   // neuron-major W_d copy, keyed to the source tensor (held, so its memory cannot be reused) and its version
   at::Tensor wdt, wdt_src;
   const void* wdt_storage = nullptr;
@@ -176,6 +185,14 @@ struct Plan {
     const int64_t calls = it == bucket_calls.end() ? 0 : it->second;
     return samples(bucket, sparse) < kTimingKeep || calls % kRetimeEvery == 0;
   }
+  // both paths timed (dense first, 2 samples each), then the faster one; the slower one re-runs every
+  // kReprobeEvery-th call of the bucket so that a change (activity, batch, contention) is seen
+  bool timed_choice(int bucket) const {
+    if (samples(bucket, false) < 2) return false;
+    if (samples(bucket, true) < 2) return true;
+    const bool sparse_faster = best(bucket, true) < best(bucket, false);
+    return bucket_calls.at(bucket) % kReprobeEvery == 0 ? !sparse_faster : sparse_faster;
+  }
   bool sparse_slower(int bucket) const {
     const auto it = bucket_calls.find(bucket);
     if (it != bucket_calls.end() && it->second % kReprobeEvery == 0) return false;  // re-probe
@@ -224,6 +241,21 @@ struct Plan {
     cudaEvent_t ev = async ? ev_async : ev_sync;
     check(cudaEventRecord(ev, stream), "event record");
     return ev;
+  }
+
+  // the persistent decode workspace for K, or an undefined tensor where a call must allocate its own
+  at::Tensor decode_workspace(const at::Tensor& x, cudaStream_t stream) {
+    const int64_t K = x.size(1), need = kFusedDecodeMaxM * K + 2 * kFusedDecodeMaxM;
+    if (decode_ws.defined() && stream != decode_ws_stream) return at::Tensor();  // in use in another stream's order
+    if (!decode_ws.defined() || decode_ws.numel() != need) {
+      decode_ws = at::zeros({need}, x.options().dtype(at::kFloat));
+      decode_ws_stream = stream;
+      decode_ws_dirty = false;
+    } else if (decode_ws_dirty) {
+      check(cudaMemsetAsync(decode_ws.data_ptr(), 0, need * sizeof(float), stream), "memset");
+      decode_ws_dirty = false;
+    }
+    return decode_ws;
   }
 
   // keyed by storage + offset + version, not tensor identity: callers may pass a fresh .detach() view per call.
@@ -402,30 +434,31 @@ void d2t_into(const at::Tensor& x, const at::Tensor& w, at::Tensor& packed, at::
 }
 
 at::Tensor fused_decode(Call& c, const at::Tensor& wdt, bool measure) {
+  // two launches per call: the decode kernel and its finish (convert, measure, count, re-zero the workspace)
   Plan& P = c.P;
   const int64_t M = c.M, K = c.K;
-  at::Tensor ws = at::zeros({M * K + 2 * M}, c.x.options().dtype(at::kFloat));
-  at::Tensor yacc = ws.narrow(0, 0, M * K).view({M, K});
-  at::Tensor nnz = ws.narrow(0, M * K, M).view(at::kInt);
-  at::Tensor flag = ws.narrow(0, M * K + M, M).view(at::kInt);
-  check(twell_decode_fused_launch(c.x.data_ptr(), c.gate_w().data_ptr(), c.wg ? c.wu.data_ptr() : nullptr,
-                                  wdt.data_ptr(), (int)M, (int)K, (int)c.N, yacc.data_ptr<float>(), i32(nnz), i32(flag),
-                                  c.stream),
-        "decode_fused");
-  if (measure || c.acc) {  // one "tile" per row holding the row's count
-    at::Tensor st = measure ? P.measurement_slot(true, c.stream) : at::Tensor();
-    check(twell_row_stats_launch(i32(nnz), i32(flag), (int)M, kTileN,
-                                 measure ? reinterpret_cast<unsigned long long*>(i64(st)) : nullptr, c.acc, c.stream),
-          "row_stats");
-    if (measure) {
-      P.to_host(st, true, c.stream);
-      P.pending = true;
-      P.pending_rows = M;
-      P.pending_n = c.N;
-    }
-  }
+  at::Tensor ws = c.capture ? at::Tensor() : P.decode_workspace(c.x, c.stream);
+  const bool own = !ws.defined();
+  if (own) ws = at::zeros({kFusedDecodeMaxM * K + 2 * kFusedDecodeMaxM}, c.x.options().dtype(at::kFloat));
+  float* yacc = ws.data_ptr<float>();
+  int32_t* nnz = reinterpret_cast<int32_t*>(yacc + kFusedDecodeMaxM * K);
+  int32_t* flag = nnz + kFusedDecodeMaxM;
   at::Tensor y = at::empty({M, K}, c.x.options());
-  check(twell_finalize_launch(yacc.data_ptr<float>(), i32(flag), (int)M, (int)K, 1, y.data_ptr(), c.stream), "finalize");
+  at::Tensor st = measure ? P.measurement_slot(true, c.stream) : at::Tensor();
+  if (!own) P.decode_ws_dirty = true;
+  check(twell_decode_fused_launch(c.x.data_ptr(), c.gate_w().data_ptr(), c.wg ? c.wu.data_ptr() : nullptr,
+                                  wdt.data_ptr(), (int)M, (int)K, (int)c.N, yacc, nnz, flag, c.stream),
+        "decode_fused");
+  check(twell_decode_finish_launch(yacc, nnz, flag, (int)M, (int)K, y.data_ptr(),
+                                   measure ? reinterpret_cast<unsigned long long*>(i64(st)) : nullptr, c.acc, c.stream),
+        "decode_finish");
+  if (!own) P.decode_ws_dirty = false;
+  if (measure) {
+    P.to_host(st, true, c.stream);
+    P.pending = true;
+    P.pending_rows = M;
+    P.pending_n = c.N;
+  }
   P.last_path = "sparse-syncfree";
   P.last_d2t = "decode-fused";
   P.last_flagged = -1;
@@ -530,13 +563,19 @@ at::Tensor ffn_cuda(const at::Tensor& x_in, const c10::optional<at::Tensor>& w_g
     const double xo = P.crossover(M);
     sparse = known && p <= xo && (sync_free || f <= P.cfg.flagged_dense_above);
     table_dense = known && p > xo;
-    // self-timing (eager, M > decode_max_m: decode sizes are used and calibrated as graph replays)
-    if (P.cfg.self_timing && !sync_free) {
+    if (P.cfg.self_timing && !c.capture) {  // event timing is not possible while capturing: graphs keep the table
       bucket = 64 - __builtin_clzll((unsigned long long)M);
       P.poll_timings();
       ++P.bucket_calls[bucket];
-      if (sparse && P.samples(bucket, false) < 2) sparse = false;  // time dense here first
-      else if (sparse && P.sparse_slower(bucket)) sparse = false;  // measured slower on this layer
+      if (sync_free && known && p <= kTimedDecodeMaxP) {
+        // eager decode sizes: the faster path as timed on this layer, whatever the table says. The table is the
+        // GPU time of graph replays; an eager decode step is mostly host time (launches), which events see too.
+        sparse = P.timed_choice(bucket);
+      } else if (!sync_free) {
+        // eager large M: the table proposes sparse, timing may veto it
+        if (sparse && P.samples(bucket, false) < 2) sparse = false;  // time dense here first
+        else if (sparse && P.sparse_slower(bucket)) sparse = false;  // measured slower on this layer
+      }
       timed = P.want_timing(bucket, sparse);
     }
   }

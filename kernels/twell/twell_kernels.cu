@@ -14,6 +14,7 @@
 //   finalize  : fp32 accumulator -> bf16 output (NaN rows for flagged rows in sync-free mode).
 //   relu_mul_stats : the dense path's relu(g) * u in one pass (in place), measuring activity on the way.
 //   row_stats : activity measurement of a sparse call for the dispatch history (kernels/README.md, Dispatch).
+//   decode_finish : the fused decode path's epilogue: convert, measure, count, and re-zero its workspace.
 // All launchers take the stream, return the cudaError_t of the launch, and never exit.
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -398,6 +399,45 @@ __device__ __forceinline__ void add_model_stats(unsigned long long* acc, unsigne
 }
 
 // ---------------------------------------------------------------------------------------------
+// decode_finish: the fused decode path's one epilogue (rows <= 8, one block): yacc -> bf16 y (NaN for flagged rows),
+// the activity measurement (out, as row_stats: unflagged counts and flagged rows; null to skip) and the model's
+// statistics (acc, or null), then yacc, nnz and flag are zeroed for the next call. So the runtime keeps one
+// workspace per layer, zeroed once, instead of a fill kernel, a statistics kernel and a convert kernel per call.
+// One block: every read of flag precedes the __syncthreads that orders the zeroing (a grid would need a last-block
+// handshake for the same guarantee; at <= 8 x 4096 elements one block is as fast).
+__global__ void __launch_bounds__(1024) decode_finish_kernel(float* __restrict__ yacc, int32_t* __restrict__ nnz,
+                                                             int32_t* __restrict__ flag, int rows, int K,
+                                                             __nv_bfloat16* __restrict__ y,
+                                                             unsigned long long* __restrict__ out,
+                                                             unsigned long long* __restrict__ acc) {
+  const int k4 = K / 4, n4 = rows * k4;
+  for (int i = threadIdx.x; i < n4; i += blockDim.x) {
+    float4* a = reinterpret_cast<float4*>(yacc) + i;
+    const float4 v = *a;
+    reinterpret_cast<uint2*>(y)[i] = flag[i / k4] ? make_uint2(0x7fc07fc0u, 0x7fc07fc0u)
+                                                  : make_uint2(pack2(v.x, v.y), pack2(v.z, v.w));
+    *a = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned long long ok = 0, flagged = 0, all = 0, mx = 0;
+    for (int r = 0; r < rows; ++r) {
+      const unsigned long long c = (unsigned long long)nnz[r];
+      all += c;
+      mx = c > mx ? c : mx;
+      if (flag[r]) ++flagged; else ok += c;
+      nnz[r] = 0;
+      flag[r] = 0;
+    }
+    if (out != nullptr) {
+      atomicAdd(out, ok);
+      atomicAdd(out + 1, flagged);
+    }
+    if (acc != nullptr) add_model_stats(acc, all, mx, (unsigned long long)rows);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // relu_mul_stats: the dense path's elementwise step in one pass, measuring activity for free while g is read.
 // Gated (u != nullptr): out = bf16(relu(g) * u) (fp32 product rounded once: the same bits as torch's relu then
 // mul, including 0 * Inf = NaN); non-gated: out = relu(g). out may alias g or u (in place). Measures relu(g):
@@ -705,6 +745,15 @@ cudaError_t twell_finalize_launch(const float* yacc, const int32_t* flag, int ro
   const long long n4 = (long long)rows * K / 4;
   twell::finalize_kernel<<<(unsigned)((n4 + 255) / 256), 256, 0, stream>>>(
       yacc, flag, rows, K, nan_fill, reinterpret_cast<__nv_bfloat16*>(y));
+  return cudaGetLastError();
+}
+
+cudaError_t twell_decode_finish_launch(float* yacc, int32_t* nnz, int32_t* flag, int rows, int K, void* y,
+                                       unsigned long long* out, unsigned long long* acc, cudaStream_t stream) {
+  if (rows <= 0) return cudaSuccess;
+  if (rows > 8 || K % 4 != 0) return cudaErrorInvalidValue;
+  twell::decode_finish_kernel<<<1, 1024, 0, stream>>>(yacc, nnz, flag, rows, K, reinterpret_cast<__nv_bfloat16*>(y),
+                                                      out, acc);
   return cudaGetLastError();
 }
 
