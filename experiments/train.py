@@ -200,6 +200,30 @@ def truncate_log(path: Path, step: int, keep_lines: int | None = None) -> int:
     return len(kept)
 
 
+def optimizer_step(fwd_model: torch.nn.Module, batch: torch.Tensor, cfg: dict[str, Any], coeff: float,
+                   device: torch.device, params: list[torch.nn.Parameter], clip: float,
+                   opt: torch.optim.Optimizer, sched: Any | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over `batch` ([micro_batch_size * grad_accum, seq_len + 1] windows): forward with the L1
+    term under the run's autocast, backward per micro-batch, gradient clipping, AdamW, the LR schedule. Returns the
+    summed (loss, ce, l1) of the micro-batches and the pre-clip gradient norm, as device tensors (no host sync).
+    experiments/speed/train_throughput.py times this very function."""
+    mbs, accum = cfg["micro_batch_size"], cfg["grad_accum"]
+    sums = torch.zeros(3, device=device)
+    for i in range(accum):
+        x = batch[i * mbs:(i + 1) * mbs].to(device, non_blocking=True)
+        with accumulation_context(fwd_model, last=i == accum - 1), autocast_ctx(cfg, device):
+            out = fwd_model(input_ids=x[:, :-1], shift_labels=x[:, 1:], l1_coeff=coeff, use_cache=False)
+            (out.loss / accum).backward()
+        l1 = out.l1.detach() if out.l1 is not None else torch.zeros((), device=device)
+        sums += torch.stack([out.loss.detach().float(), out.ce.detach().float(), l1.float()])
+    grad_norm = clip_grad_norm(params, clip)
+    opt.step()
+    if sched is not None:
+        sched.step()
+    opt.zero_grad(set_to_none=True)
+    return sums, grad_norm
+
+
 def finite(x: float) -> bool:
     return math.isfinite(x)
 
@@ -415,18 +439,7 @@ def _train(cfg: dict[str, Any], resume: bool, d: Dist, device: torch.device, t_s
         lr = opt.param_groups[0]["lr"]
         batch = data.train_batch(cfg["seed"], step, d.rank, mbs * accum)
         model.reset_sparsity_stats(dead_tracker=False)
-        sums = torch.zeros(3, device=device)
-        for i in range(accum):
-            x = batch[i * mbs:(i + 1) * mbs].to(device, non_blocking=True)
-            with accumulation_context(fwd_model, last=i == accum - 1), autocast_ctx(cfg, device):
-                out = fwd_model(input_ids=x[:, :-1], shift_labels=x[:, 1:], l1_coeff=coeff, use_cache=False)
-                (out.loss / accum).backward()
-            l1 = out.l1.detach() if out.l1 is not None else torch.zeros((), device=device)
-            sums += torch.stack([out.loss.detach().float(), out.ce.detach().float(), l1.float()])
-        grad_norm = clip_grad_norm(params, clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
+        sums, grad_norm = optimizer_step(fwd_model, batch, cfg, coeff, device, params, clip, opt, sched)
         if cfg["dead_reinit_lambda"] > 0:
             n_reinit += reinit_dead(model, cfg, step, dead_window, d)
         step += 1
