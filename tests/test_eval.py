@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("lm_eval")
 
-from sfl.data.lm_tasks import TEMPLATE_DIR, materialize, parse_tasks  # noqa: E402
+from sfl.data.lm_tasks import TEMPLATE_DIR, parse_tasks, write_tasks  # noqa: E402
 from sfl.experiments.evaluate import NnzRecorder, main, valid_mask_right_padded  # noqa: E402
 
 PIQA = [
@@ -63,7 +63,7 @@ def test_parse_tasks_and_templates(tmp_path):
         parse_tasks("lambada")
     assert len(list(TEMPLATE_DIR.glob("sfl_*.yaml"))) == 7
     with pytest.raises(FileNotFoundError, match="--only eval"):
-        materialize(tmp_path, tmp_path / "inc", ["piqa"])
+        write_tasks(tmp_path, tmp_path / "inc", ["piqa"])
 
 
 def test_valid_mask_and_recorder_ignore_padding(tmp_path):
