@@ -26,6 +26,7 @@ import numpy as np
 
 MEAN = "mean"  # key of the task-mean row
 NO_LOG = "n/a (no per-document log)"
+NOT_PAIRED = "n/a (not the same requests)"
 
 
 class NoPerDocLog(ValueError):
@@ -49,7 +50,8 @@ class PairedDelta:
 
     def points(self) -> str:
         """'-0.37 [-1.21, +0.48]' in accuracy points (x100)."""
-        return f"{100 * self.delta:+.2f} [{100 * self.lo:+.2f}, {100 * self.hi:+.2f}]"
+        d, lo, hi = (100 * x + 0.0 for x in (self.delta, self.lo, self.hi))  # + 0.0: no "-0.00"
+        return f"{d:+.2f} [{lo:+.2f}, {hi:+.2f}]"
 
 
 def paired_bootstrap(base: Mapping[str, np.ndarray], other: Mapping[str, np.ndarray], n_boot: int = 10_000,
@@ -146,13 +148,15 @@ def compare(base_ev: Mapping[str, Any], other_ev: Mapping[str, Any], metric: str
 def change_with_interval(base_ev: Mapping[str, Any] | None, other_ev: Mapping[str, Any] | None,
                          metric: str = "acc", n_boot: int = 10_000) -> str:
     """Task-mean change OTHER - BASE in points with its 95% interval, or NO_LOG when either has no per-doc scores
-    (never an interval made up for an old log)."""
+    (never an interval made up for an old log), or NOT_PAIRED when they scored different requests."""
     if base_ev is None or other_ev is None:
         return NO_LOG
     try:
         return compare(base_ev, other_ev, metric, n_boot)[MEAN].points()
     except NoPerDocLog:
         return NO_LOG
+    except NotPaired:
+        return NOT_PAIRED
 
 
 def format_table(res: Mapping[str, PairedDelta], level: float = 0.95) -> str:

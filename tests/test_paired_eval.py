@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from sfl.experiments.paired_eval import (MEAN, NO_LOG, NoPerDocLog, NotPaired, change_with_interval, compare, main,
+from sfl.experiments.paired_eval import (MEAN, NO_LOG, NOT_PAIRED, NoPerDocLog, NotPaired, change_with_interval, compare, main,
                                          paired_bootstrap)
 
 
@@ -87,6 +87,7 @@ def test_compare_reads_eval_json_and_refuses_what_is_not_paired(tmp_path):
         compare(old, b)
     assert change_with_interval(old, b) == NO_LOG and change_with_interval(None, b) == NO_LOG
     assert change_with_interval(a, b, n_boot=200).startswith("+10.00 [")
+    assert change_with_interval(a, _eval_json({"piqa": "0101010101", "winogrande": "1100"}, sha="x")) == NOT_PAIRED
 
     (tmp_path / "A").mkdir()
     (tmp_path / "A" / "eval.json").write_text(json.dumps(a))
