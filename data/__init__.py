@@ -76,6 +76,11 @@ class DataPaths:
     def eval_file(self, task: str) -> Path:
         return self.eval / f"{task}.jsonl"
 
+    @property
+    def lm_tasks(self) -> Path:
+        """lm-eval include dir with the task YAMLs resolved to `eval` (rewritten by every prepare run)."""
+        return self.root / "lm_tasks"
+
 
 def paths(data_dir_: str | os.PathLike | None = None) -> DataPaths:
     """Resolved paths of the prepared data dir (nothing is checked; use `require` for that)."""

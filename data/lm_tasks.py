@@ -1,12 +1,20 @@
-"""lm-eval task YAML templates (data/tasks/) -> a concrete include dir.
+"""lm-eval task YAML templates (data/tasks/) -> a concrete include dir that the lm-eval CLI uses as it is.
 
 lm-eval's `dataset_kwargs.data_files` needs real paths, so the templates carry the placeholder
 @SFL_EVAL_DIR@, replaced here by the eval dir of a prepared data dir (or any dir holding
-<task>.jsonl files in the uniform {"id","question","choices","gold"} form). No lm-eval import.
+<task>.jsonl files in the uniform {"id","question","choices","gold"} form). `write_tasks` is the one writer:
+`python -m sfl.data.prepare` calls it after the eval step (-> <data_dir>/lm_tasks/), experiments/evaluate.py
+calls it for its temp include dir, and by hand:
+
+    python -m sfl.data.lm_tasks write-tasks --out DIR [--eval-dir DIR | --data-dir DIR] [--tasks all]
+    lm_eval --model hf --model_args pretrained=CKPT,trust_remote_code=True --include_path DIR --tasks sfl_piqa
+
+No lm-eval import.
 """
 from __future__ import annotations
 
-import shutil
+import argparse
+import sys
 from pathlib import Path
 
 from . import EVAL_TASKS
@@ -72,9 +80,11 @@ def check_eval_files(eval_dir: Path, tasks: list[str]) -> None:
                                 f"file was edited after preparation; {fix}")
 
 
-def materialize(eval_dir: Path, dest: Path, tasks: list[str]) -> Path:
-    """Write the YAMLs of `tasks` (+ utils.py they reference) into dest with eval_dir substituted, after
-    checking the task files against the data dir's manifest (`check_eval_files`)."""
+def write_tasks(eval_dir: Path, dest: Path, tasks: list[str] | None = None) -> Path:
+    """Write the YAMLs of `tasks` (default: all 7) + the utils.py they reference into dest, with eval_dir's
+    absolute path substituted, after checking the task files against the data dir's manifest
+    (`check_eval_files`). Files are written whole and renamed, so a reader never sees half a YAML."""
+    tasks = list(EVAL_TASKS) if tasks is None else tasks
     eval_dir = Path(eval_dir).resolve()
     missing = [t for t in tasks if not (eval_dir / f"{t}.jsonl").is_file()]
     if missing:
@@ -82,11 +92,56 @@ def materialize(eval_dir: Path, dest: Path, tasks: list[str]) -> Path:
             f"eval data missing in {eval_dir}: {', '.join(t + '.jsonl' for t in missing)}. "
             f"Run `python -m sfl.data.prepare --only eval` (data dir from $SFL_DATA_DIR or --data-dir).")
     check_eval_files(eval_dir, tasks)
+    dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    shutil.copy(TEMPLATE_DIR / "utils.py", dest / "utils.py")
+    _write_atomic(dest / "utils.py", (TEMPLATE_DIR / "utils.py").read_text())
     for t in tasks:
-        text = (TEMPLATE_DIR / f"{lm_eval_name(t)}.yaml").read_text()
-        if PLACEHOLDER not in text:
-            raise RuntimeError(f"template {lm_eval_name(t)}.yaml lacks {PLACEHOLDER}")
-        (dest / f"{lm_eval_name(t)}.yaml").write_text(text.replace(PLACEHOLDER, eval_dir.as_posix()))
+        _write_atomic(dest / f"{lm_eval_name(t)}.yaml", resolved_yaml(t, eval_dir))
     return dest
+
+
+def resolved_yaml(task: str, eval_dir: Path) -> str:
+    """The template of `task` with the placeholder replaced by eval_dir (absolute) and the header comment
+    rewritten to say where the file came from."""
+    text = (TEMPLATE_DIR / f"{lm_eval_name(task)}.yaml").read_text()
+    if PLACEHOLDER not in text:
+        raise RuntimeError(f"template {lm_eval_name(task)}.yaml lacks {PLACEHOLDER}")
+    body = "\n".join(line for line in text.splitlines() if not line.startswith("# Template:"))
+    head = ("# Written by `python -m sfl.data.lm_tasks write-tasks` (or sfl.data.prepare) from data/tasks/; "
+            "rewrite it after moving the data dir.\n")
+    return head + body.replace(PLACEHOLDER, Path(eval_dir).resolve().as_posix()) + "\n"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sfl.data.lm_tasks", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("write-tasks", help="write resolved task YAMLs for `lm_eval --include_path`")
+    w.add_argument("--out", required=True, help="include dir to write (created if missing)")
+    w.add_argument("--eval-dir", default=None, help="dir with <task>.jsonl (default <data_dir>/eval)")
+    w.add_argument("--data-dir", default=None, help="prepared data dir (default $SFL_DATA_DIR or <repo>/.data)")
+    w.add_argument("--tasks", default="all", help="'all' or a comma list of short names")
+    a = ap.parse_args(argv)
+    from . import DataNotPrepared, paths
+
+    eval_dir = Path(a.eval_dir) if a.eval_dir else paths(a.data_dir).eval
+    try:
+        tasks = parse_tasks(a.tasks)
+        out = write_tasks(eval_dir, Path(a.out), tasks)
+    except (ValueError, FileNotFoundError, DataNotPrepared) as e:  # EvalDataError is a ValueError
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {len(tasks)} task YAMLs to {out} (data: {eval_dir.resolve()}); use them with\n"
+          f"  lm_eval --model hf --model_args pretrained=CKPT,trust_remote_code=True --include_path {out} "
+          f"--tasks {','.join(lm_eval_name(t) for t in tasks)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -251,6 +251,17 @@ def build_eval(ctx: Ctx) -> tuple[list[Path], dict]:
     return files, info
 
 
+def write_lm_tasks(ctx: Ctx) -> Path:
+    """Task YAMLs for the lm-eval CLI, resolved to this data dir's eval files (`lm_eval --include_path
+    <data_dir>/lm_tasks`). Derived, so not a manifest step: rewritten on every run (it takes milliseconds), which
+    also picks up template changes and a moved data dir."""
+    from .lm_tasks import write_tasks
+
+    out = write_tasks(ctx.p.eval, ctx.p.lm_tasks)
+    ctx.log(f"[lm_tasks] wrote {len(EVAL_TASKS)} task YAMLs for `lm_eval --include_path {out}`")
+    return out
+
+
 # ----------------------------------------------------------------------------------------- driver
 
 BUILDERS: dict[str, Callable[[Ctx], tuple[list[Path], dict]]] = {
@@ -327,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         for s in STEPS:  # always in dependency order
             if s in steps:
                 run_step(s, ctx, force=a.force)
+        if "eval" in steps:
+            write_lm_tasks(ctx)
     except FetchError as e:
         print(f"\nERROR: {e}", file=sys.stderr)
         return 2

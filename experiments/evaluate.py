@@ -3,9 +3,12 @@
     python -m sfl.experiments.evaluate --model .data/smollm2-135m --tasks all --limit 20 \
         --batch-size 16 --device cpu --out runs/eval_smollm2 [--mlp-impl dense|reference|cuda]
 
-Writes <out>/eval.json ({"provenance", "model", "limit", "tasks": {task: {"acc", "acc_norm", "n", "acc_stderr",
-"acc_norm_stderr"}} (lm-eval's standard errors),
-"nnz_per_token_mean", "nnz_per_token_per_layer", ...}) and prints a table. Mean non-zeros per token
+Writes <out>/eval.json ({"provenance", "model", "limit", "num_fewshot", "tasks": {task: {"acc", "acc_norm", "n",
+"acc_stderr", "acc_norm_stderr", "version"}} (lm-eval's standard errors), "per_doc": {task: {"acc": "0110...",
+"acc_norm", "docs_sha256"}} (each document's 0/1 score, doc_id = position: what `python -m sfl.experiments.paired_eval`
+compares two checkpoints on), "nnz_per_token_mean", "nnz_per_token_per_layer", ...}) and prints a table.
+`--num-fewshot K` (default 0) and `--log-samples` (lm-eval's full per-document samples, prompts and loglikelihoods
+included, into <out>/samples_<task>.jsonl) go to lm-eval as they are. Mean non-zeros per token
 are recorded during the eval forwards: from each module exposing `last_nnz_per_token` (our sparse
 MLPs, with per-token recording switched on for the run; the CUDA inference path keeps totals only, so there the
 layers' device counters are read, padding included), else from the output of every `mlp.act_fn` (plain HF Llama). lm-eval is imported only inside
@@ -28,6 +31,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -204,6 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tasks", default="all", help="'all' or comma list of: hellaswag, commonsense_qa, piqa, "
                                                   "winogrande, arc_easy, arc_challenge, openbookqa")
     ap.add_argument("--limit", type=int, default=None, help="docs per task (default: all)")
+    ap.add_argument("--num-fewshot", type=int, default=0,
+                    help="lm-eval's num_fewshot (default 0, the paper's setting); the offline data have no train "
+                         "split, so lm-eval draws the shots from the evaluated split, never the document itself")
+    ap.add_argument("--log-samples", action="store_true",
+                    help="also write lm-eval's logged samples (prompts, loglikelihoods, scores) to "
+                         "<out>/samples_<task>.jsonl; eval.json holds the per-document 0/1 scores either way")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -226,10 +236,27 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def evaluate(model_dir: Path, tasks: list[str], limit: int | None, batch_size: int, device: str,
+@dataclass(frozen=True)
+class LmEvalSettings:
+    """What lm-eval is asked for, the same in a direct run, an export and a replay."""
+
+    tasks: list[str]
+    limit: int | None = None
+    num_fewshot: int = 0
+    log_samples: bool = False  # keep lm-eval's full samples (written by main); per-doc 0/1 scores are kept always
+
+
+@dataclass
+class LmEvalOutput:
+    tasks: dict[str, Any]  # eval.json "tasks"
+    per_doc: dict[str, Any]  # eval.json "per_doc"
+    samples: dict[str, list[dict]] | None  # lm-eval's logged samples, when asked for
+
+
+def evaluate(model_dir: Path, settings: LmEvalSettings, batch_size: int, device: str,
              dtype: str, mlp_impl: str | None, eval_dir: Path, data_dir: str | None = None,
-             twell_mode: str | None = None) -> dict[str, Any]:
-    """Run lm-eval on `tasks` and return the eval.json dict (without writing it)."""
+             twell_mode: str | None = None) -> tuple[dict[str, Any], LmEvalOutput]:
+    """Run lm-eval on the settings' tasks; returns the eval.json dict (without writing it) and lm-eval's output."""
     import lm_eval
     from lm_eval.models.huggingface import HFLM
 
@@ -251,7 +278,8 @@ def evaluate(model_dir: Path, tasks: list[str], limit: int | None, batch_size: i
 
     lm = RecordingHFLM(pretrained=model, tokenizer=tok, batch_size=batch_size, device=device)
     t0 = time.time()
-    out_tasks = _run_lm_eval(lm, tasks, limit, eval_dir)
+    run = _run_lm_eval(lm, settings, eval_dir)
+    out_tasks = run.tasks
     wall = time.time() - t0
     rec.remove()
     accs = [v["acc"] for v in out_tasks.values() if v["acc"] is not None]
@@ -263,8 +291,9 @@ def evaluate(model_dir: Path, tasks: list[str], limit: int | None, batch_size: i
         "mlp_impl": getattr(cfg, "mlp_impl", None),
         "twell_mode": getattr(cfg, "twell_mode", None),
         "tokenizer": tok_src,
-        "limit": limit,
-        "num_fewshot": 0,
+        "limit": settings.limit,
+        "num_fewshot": settings.num_fewshot,
+        "log_samples": settings.log_samples,
         "batch_size": batch_size,
         "device": device,
         "dtype": dtype,
@@ -274,7 +303,8 @@ def evaluate(model_dir: Path, tasks: list[str], limit: int | None, batch_size: i
         "intermediate_size": getattr(cfg, "intermediate_size", None),
         **rec.summary(),
         "wall_s": round(wall, 1),
-    }
+        "per_doc": run.per_doc,
+    }, run
 
 
 # lm-eval's standard errors: for acc / acc_norm (mean aggregation) it uses the closed form
@@ -287,27 +317,78 @@ def _stderr(v: Any) -> float | None:
     return float(v) if isinstance(v, (int, float)) else None
 
 
-def _run_lm_eval(lm: Any, tasks: list[str], limit: int | None, eval_dir: Path) -> dict[str, Any]:
-    """simple_evaluate over the repo's task YAMLs (0-shot) -> {task: {"acc", "acc_norm", "n", "split"}}."""
+def _run_lm_eval(lm: Any, settings: LmEvalSettings, eval_dir: Path) -> LmEvalOutput:
+    """simple_evaluate over the repo's task YAMLs (written by sfl.data.lm_tasks.write_tasks, the same writer as
+    the lm-eval CLI's include dir) -> per-task metrics, per-document 0/1 scores, and the samples if asked for.
+    lm-eval always logs samples here (cheap: tens of MB at most for the full 7 tasks): the per-doc scores come
+    from them."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from sfl.data.lm_tasks import TASK_SPLITS, lm_eval_name, materialize
+    from sfl.data.lm_tasks import TASK_SPLITS, lm_eval_name, write_tasks
 
     with tempfile.TemporaryDirectory(prefix="sfl_tasks_") as td:
-        materialize(eval_dir, Path(td), tasks)
+        write_tasks(eval_dir, Path(td), settings.tasks)
         tm = TaskManager(include_path=td, include_defaults=False)
-        res = lm_eval.simple_evaluate(model=lm, tasks=[lm_eval_name(t) for t in tasks], task_manager=tm,
-                                      limit=limit, num_fewshot=0, bootstrap_iters=STDERR_BOOTSTRAP_ITERS,
-                                      log_samples=False)
+        res = lm_eval.simple_evaluate(model=lm, tasks=[lm_eval_name(t) for t in settings.tasks], task_manager=tm,
+                                      limit=settings.limit, num_fewshot=settings.num_fewshot,
+                                      bootstrap_iters=STDERR_BOOTSTRAP_ITERS, log_samples=True)
     out: dict[str, Any] = {}
-    for t in tasks:
-        r = res["results"][lm_eval_name(t)]
-        n = res["n-samples"][lm_eval_name(t)]["effective"]
+    per_doc: dict[str, Any] = {}
+    for t in settings.tasks:
+        name = lm_eval_name(t)
+        r = res["results"][name]
+        n = res["n-samples"][name]["effective"]
         out[t] = {"acc": r.get("acc,none"), "acc_norm": r.get("acc_norm,none"), "n": int(n),
                   "acc_stderr": _stderr(r.get("acc_stderr,none")),
-                  "acc_norm_stderr": _stderr(r.get("acc_norm_stderr,none")), "split": TASK_SPLITS[t]}
-    return out
+                  "acc_norm_stderr": _stderr(r.get("acc_norm_stderr,none")), "split": TASK_SPLITS[t],
+                  "version": res.get("versions", {}).get(name)}
+        per_doc[t] = per_doc_scores(res["samples"][name], int(n))
+    samples = {t: res["samples"][lm_eval_name(t)] for t in settings.tasks} if settings.log_samples else None
+    return LmEvalOutput(tasks=out, per_doc=per_doc, samples=samples)
+
+
+def per_doc_scores(samples: list[dict], n: int) -> dict[str, Any]:
+    """lm-eval's logged samples of one task -> {"acc": "0110...", "acc_norm": ... | None, "docs_sha256"}:
+    character i is document i's 0/1 score. docs_sha256 hashes each document's doc, prompt (few-shot context
+    included) and target hashes in order, so two eval.json files can be checked to hold the same requests."""
+    import hashlib
+
+    rows = sorted(samples, key=lambda s: s["doc_id"])
+    if [s["doc_id"] for s in rows] != list(range(n)):
+        raise RuntimeError(f"lm-eval logged doc ids {[s['doc_id'] for s in rows][:10]}... for {n} documents; "
+                           "expected 0..n-1 (per-document scores are stored by position)")
+
+    def bits(key: str) -> str | None:
+        if key not in rows[0]:
+            return None
+        vals = [float(s[key]) for s in rows]
+        if any(v not in (0.0, 1.0) for v in vals):
+            raise RuntimeError(f"per-document {key} is not 0/1: {sorted(set(vals))[:5]}")
+        return "".join("1" if v else "0" for v in vals)
+
+    h = hashlib.sha256()
+    for s in rows:
+        h.update(f"{s['doc_hash']} {s['prompt_hash']} {s['target_hash']}\n".encode())
+    return {"acc": bits("acc"), "acc_norm": bits("acc_norm"), "docs_sha256": h.hexdigest()}
+
+
+def write_samples(out: Path, samples: dict[str, list[dict]]) -> list[Path]:
+    """lm-eval's logged samples, one JSON line per document, as the lm-eval CLI's samples_<task>_*.jsonl."""
+    from lm_eval.utils import handle_non_serializable
+
+    from sfl.data.lm_tasks import lm_eval_name
+
+    files = []
+    for t, rows in samples.items():
+        f = out / f"samples_{lm_eval_name(t)}.jsonl"
+        tmp = f.with_name(f.name + ".tmp")
+        with open(tmp, "w") as fh:
+            for row in sorted(rows, key=lambda r: r["doc_id"]):
+                fh.write(json.dumps(row, default=handle_non_serializable, ensure_ascii=False) + "\n")
+        tmp.replace(f)
+        files.append(f)
+    return files
 
 
 def vocab_digest(tok: Any) -> str:
@@ -337,8 +418,9 @@ def _split_lm(kind: str, model: torch.nn.Module, tok: Any, table: dict | None = 
                 hit = table.get((tuple(c), tuple(x)))
                 if hit is None:
                     raise RuntimeError("a request lm-eval built here is not in the scored requests file: the "
-                                       "tasks, --limit, eval data or tokenizer differ from the export. Export "
-                                       "again with the same settings and score that file.")
+                                       "tasks, --limit, --num-fewshot, eval data, task templates (CommonsenseQA "
+                                       "is cloze since its task version 2.0) or tokenizer differ from the "
+                                       "export. Export again with the same settings and score that file.")
                 out.append(hit)
             return out
 
@@ -347,7 +429,7 @@ def _split_lm(kind: str, model: torch.nn.Module, tok: Any, table: dict | None = 
     return lm
 
 
-def export_requests(model_dir: Path, tasks: list[str], limit: int | None, eval_dir: Path, path: Path,
+def export_requests(model_dir: Path, settings: LmEvalSettings, eval_dir: Path, path: Path,
                     data_dir: str | None = None) -> dict[str, Any]:
     """Split eval, step 1: every loglikelihood request of the tasks, tokenised by lm-eval's HFLM."""
     import lm_eval
@@ -357,8 +439,9 @@ def export_requests(model_dir: Path, tasks: list[str], limit: int | None, eval_d
 
     model, tok, tok_src = load_model(model_dir, "cpu", torch.float32, None, data_dir)
     lm = _split_lm("export", model, tok)
-    _run_lm_eval(lm, tasks, limit, eval_dir)
-    meta = {"tasks": tasks, "limit": limit, "num_fewshot": 0, "model": str(model_dir), "tokenizer": tok_src,
+    _run_lm_eval(lm, settings, eval_dir)
+    meta = {"tasks": settings.tasks, "limit": settings.limit, "num_fewshot": settings.num_fewshot,
+            "model": str(model_dir), "tokenizer": tok_src,
             "vocab_digest": vocab_digest(tok), "max_length": int(lm.max_length),
             "lm_eval_version": getattr(lm_eval, "__version__", None), "provenance": collect(),
             "n_pairs_asked": len(lm.pairs)}
@@ -404,8 +487,9 @@ def score(model_dir: Path, requests_path: Path, out: Path, device: str, dtype: s
 
 
 def replay(scores_path: Path, requests_path: Path, model_dir: Path | None, eval_dir: Path,
-           data_dir: str | None = None) -> dict[str, Any]:
-    """Split eval, step 3: lm-eval's metrics from scored requests; returns the eval.json dict."""
+           data_dir: str | None = None, log_samples: bool = False) -> tuple[dict[str, Any], LmEvalOutput]:
+    """Split eval, step 3: lm-eval's metrics from scored requests; returns the eval.json dict and lm-eval's
+    output (tasks, limit and num_fewshot are the export's)."""
     import lm_eval
 
     from .loglik import load_requests, load_scores
@@ -416,14 +500,16 @@ def replay(scores_path: Path, requests_path: Path, model_dir: Path | None, eval_
     if smeta.get("requests_digest") != reqs.meta["digest"] or len(ll) != len(reqs):
         raise SystemExit(f"{scores_path} scored another requests file than {requests_path} (digest mismatch)")
     table = {k: (float(a), bool(g)) for k, a, g in zip(reqs.keys(), ll, greedy)}
-    tasks, limit = reqs.meta["tasks"], reqs.meta["limit"]
+    settings = LmEvalSettings(tasks=reqs.meta["tasks"], limit=reqs.meta["limit"],
+                              num_fewshot=int(reqs.meta.get("num_fewshot", 0)), log_samples=log_samples)
     model_dir = model_dir or resolve_model_dir(reqs.meta["model"])
     model, tok, tok_src = load_model(model_dir, "cpu", torch.float32, None, data_dir)
     if vocab_digest(tok) != reqs.meta["vocab_digest"]:
         raise SystemExit(f"the tokenizer of {model_dir} differs from the export's; pass --model with the "
                          f"tokenizer the requests were exported with ({reqs.meta['tokenizer']})")
     lm = _split_lm("replay", model, tok, table)
-    out_tasks = _run_lm_eval(lm, tasks, limit, eval_dir)
+    run = _run_lm_eval(lm, settings, eval_dir)
+    out_tasks = run.tasks
     accs = [v["acc"] for v in out_tasks.values() if v["acc"] is not None]
     keep = ("nnz_per_token_mean", "nnz_per_token_per_layer", "nnz_per_token_max_per_layer", "nnz_source",
             "nnz_tokens_counted")
@@ -431,7 +517,8 @@ def replay(scores_path: Path, requests_path: Path, model_dir: Path | None, eval_
         "provenance": smeta.get("provenance"),  # where the model ran; the replay's own is below
         "model": smeta.get("model"), "model_type": smeta.get("model_type"), "mlp_impl": smeta.get("mlp_impl"),
         "twell_mode": smeta.get("twell_mode"),
-        "tokenizer": smeta.get("tokenizer"), "limit": limit, "num_fewshot": 0, "batch_size": None,
+        "tokenizer": smeta.get("tokenizer"), "limit": settings.limit, "num_fewshot": settings.num_fewshot,
+        "log_samples": log_samples, "batch_size": None,
         "device": smeta.get("device"), "dtype": smeta.get("dtype"),
         "lm_eval_version": getattr(lm_eval, "__version__", None), "tasks": out_tasks,
         "mean_acc": sum(accs) / len(accs) if accs else None,
@@ -441,7 +528,8 @@ def replay(scores_path: Path, requests_path: Path, model_dir: Path | None, eval_
                        "requests_lm_eval_version": reqs.meta.get("lm_eval_version"),
                        "max_length": smeta.get("max_length"), "nonfinite_ll": smeta.get("nonfinite_ll"),
                        "replay_provenance": collect()},
-    }
+        "per_doc": run.per_doc,
+    }, run
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -470,6 +558,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(str(e)) from None
     if a.limit is not None and a.limit <= 0:
         raise SystemExit("--limit must be positive")
+    if a.num_fewshot < 0:
+        raise SystemExit("--num-fewshot must be >= 0")
+    if a.replay and a.num_fewshot:
+        raise SystemExit("--replay takes --num-fewshot from the exported requests; pass it to --export-requests")
+    settings = LmEvalSettings(tasks=tasks, limit=a.limit, num_fewshot=a.num_fewshot, log_samples=a.log_samples)
     eval_dir = Path(a.eval_dir) if a.eval_dir else paths(a.data_dir).eval
     out = Path(a.out)
     if a.requests is not None and a.replay is None:
@@ -484,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
         except (EvalDataError, DataNotPrepared, FileNotFoundError) as e:
             raise SystemExit(f"error: {e}") from None
     if a.export_requests:
-        meta = export_requests(resolve_model_dir(a.model), tasks, a.limit, eval_dir, Path(a.export_requests),
+        meta = export_requests(resolve_model_dir(a.model), settings, eval_dir, Path(a.export_requests),
                                a.data_dir)
         print(f"wrote {a.export_requests}: {meta['n_requests']:,} unique requests ({meta['n_pairs_asked']:,} asked), "
               f"{meta['n_tokens']:,} tokens, tasks {', '.join(tasks)}, limit {a.limit}")
@@ -500,12 +593,15 @@ def main(argv: list[str] | None = None) -> int:
     if a.replay:
         if a.requests is None:
             raise SystemExit("--replay needs --requests (the file that was scored)")
-        result = replay(Path(a.replay), Path(a.requests), resolve_model_dir(a.model) if a.model else None,
-                        eval_dir, a.data_dir)
+        result, run = replay(Path(a.replay), Path(a.requests), resolve_model_dir(a.model) if a.model else None,
+                             eval_dir, a.data_dir, a.log_samples)
     else:
-        result = evaluate(resolve_model_dir(a.model), tasks, a.limit, a.batch_size, a.device, a.dtype,
-                          a.mlp_impl, eval_dir, a.data_dir, a.twell_mode)
+        result, run = evaluate(resolve_model_dir(a.model), settings, a.batch_size, a.device, a.dtype,
+                               a.mlp_impl, eval_dir, a.data_dir, a.twell_mode)
     out.mkdir(parents=True, exist_ok=True)
+    if run.samples is not None:
+        for f in write_samples(out, run.samples):
+            print(f"wrote {f}")
     (out / "eval.json").write_text(json.dumps(result, indent=1) + "\n")
     print(format_table(result))
     print(f"wrote {out / 'eval.json'}")

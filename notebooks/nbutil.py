@@ -325,6 +325,18 @@ def mean_acc(ev: dict[str, Any], key: str = "acc") -> float:
     return sum(vals) / len(vals) if vals else float("nan")
 
 
+PAIRED_BOOT = 2000  # bootstrap replicates for the notebooks' intervals (the CLI's default is 10,000)
+
+
+def change_interval(base: dict[str, Any] | None, other: dict[str, Any] | None, key: str = "acc") -> str:
+    """Mean-accuracy change other - base (points) with its 95% paired-bootstrap interval over documents, as
+    '-0.37 [-1.21, +0.48]', from the eval.json files' per-document scores; 'n/a (no per-document log)' when either
+    file predates them (an interval is never made up for an old log). experiments/paired_eval.py has the method."""
+    from sfl.experiments.paired_eval import change_with_interval
+
+    return change_with_interval(base, other, metric=key, n_boot=PAIRED_BOOT)
+
+
 def load_jsonl_dir(directory: Path | str, pattern: str = "*.jsonl") -> pd.DataFrame:
     """All rows of the manifest's JSONL files in a directory of the results dir, nested 'provenance' flattened
     to prov_* columns, plus 'source_file'. Empty DataFrame when nothing is there."""

@@ -50,11 +50,22 @@ def train_log(path: Path, *, l1: float, n: int = 256, layers: int = 3, final_nnz
     _jsonl(path, rows)
 
 
-def eval_json(path: Path, accs: list[float], nnz: float, limit: int | None = 50, model: str = "synthetic") -> None:
+PER_DOC_N = 400  # documents per task where a synthetic eval.json has per-document scores (acc * 400 is whole)
+
+
+def eval_json(path: Path, accs: list[float], nnz: float, limit: int | None = 50, model: str = "synthetic",
+              per_doc: bool = False) -> None:
+    """An eval.json as experiments/evaluate.py writes it; with per_doc, 400 documents per task whose first
+    acc * 400 are right (so two such files differ only where one model gets more of the same documents right)."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    n = PER_DOC_N if per_doc else 50
     data = {"provenance": PROV, "model": model, "limit": limit,
-            "tasks": {t: {"acc": a, "acc_norm": (a + 0.01 if t != "winogrande" else None), "n": 50} for t, a in zip(TASKS, accs)},
+            "tasks": {t: {"acc": a, "acc_norm": (a + 0.01 if t != "winogrande" else None), "n": n} for t, a in zip(TASKS, accs)},
             "nnz_per_token_mean": nnz, "nnz_per_token_per_layer": [nnz] * 3}
+    if per_doc:
+        ones = {t: round(a * n) for t, a in zip(TASKS, accs)}
+        data["per_doc"] = {t: {"acc": "1" * k + "0" * (n - k), "acc_norm": None, "docs_sha256": f"synthetic-{t}"}
+                           for t, k in ones.items()}
     path.write_text(json.dumps(data))
 
 
@@ -73,14 +84,16 @@ def make_synthetic_results(root: Path | str) -> Path:
         d = root / "l1_sweep" / name
         train_log(d / "train_log.jsonl", l1=l1, final_nnz=nnz, act=act, final_ce=ce, dead=0.05 + 0.1 * i,
                   start_nnz=256.0 if act == "silu" else None)
-        eval_json(d / "eval.json", [a - 0.005 * i for a in base_acc], nnz=nnz)
+        eval_json(d / "eval.json", [a - 0.005 * i for a in base_acc], nnz=nnz, per_doc=name != "relu_l1_1e-2")
     # sparsify SmolLM2-135M (N=1536): dense twin + two L1 values, one also evaluated through the kernels
     for name, l1, nnz, drop in (("dense_relu", 0.0, 180.0, 0.0), ("l1_1e-2", 1e-2, 9.2, 0.01), ("l1_3e-2", 3e-2, 3.1, 0.03)):
         d = root / "sparsify_smollm2" / name
         train_log(d / "train_log.jsonl", l1=l1, n=1536, layers=30, final_nnz=nnz, final_ce=3.1 + drop)
-        eval_json(d / "eval.json", [a + 0.1 - drop for a in base_acc], nnz=nnz, limit=None, model=f"smollm2-135m-{name}")
+        eval_json(d / "eval.json", [a + 0.1 - drop for a in base_acc], nnz=nnz, limit=None, model=f"smollm2-135m-{name}",
+                  per_doc=name != "l1_3e-2")  # l1_3e-2 stands for a log from before per-document scores were kept
         if name == "l1_1e-2":
-            eval_json(d / "eval_sparse.json", [a + 0.1 - drop for a in base_acc], nnz=nnz, limit=None, model="cuda")
+            eval_json(d / "eval_sparse.json", [a + 0.1 - drop for a in base_acc], nnz=nnz, limit=None, model="cuda",
+                      per_doc=True)
     # speed: paper shapes + our sweep models
     rows = []
     for scale, dense_tps, sp in (("0.5B", 400000.0, 1.21), ("1B", 180000.0, 1.22), ("1.5B", 120000.0, 1.23), ("2B", 90000.0, 1.24)):

@@ -262,3 +262,52 @@ def test_require_and_paths(tmp_path, monkeypatch):
         data.require("text")
     with pytest.raises(ValueError):
         data.require("nope")
+
+
+# ----------------------------------------------------------------------------------------- lm-eval task YAMLs
+
+def _fake_eval_step(root: Path) -> None:
+    """Every task's eval jsonl (2 rows each) recorded as the 'eval' step, as build_eval would."""
+    p = data.paths(root)
+    p.eval.mkdir(parents=True)
+    files = []
+    for t in data.EVAL_TASKS:
+        rows = [{"id": f"{t}{i}", "question": f"Q{i} _ x", "choices": ["a", "b"], "gold": i} for i in range(2)]
+        p.eval_file(t).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        files.append(p.eval_file(t))
+    ctx = _ctx(root)
+    ctx.man.record("eval", P.VERSIONS["eval"], P.step_params("eval", ctx), files,
+                   info={"tasks": {t: {"n": 2} for t in data.EVAL_TASKS}})
+
+
+def test_prepare_writes_resolved_task_yamls_and_follows_a_moved_data_dir(tmp_path, capsys):
+    import shutil
+
+    _fake_eval_step(tmp_path / "d1")
+    assert P.main(["--data-dir", str(tmp_path / "d1"), "--only", "eval"]) == 0
+    assert "[eval] up to date" in capsys.readouterr().out  # nothing rebuilt, the YAMLs written anyway
+    inc = tmp_path / "d1" / "lm_tasks"
+    assert sorted(f.name for f in inc.iterdir()) == sorted([f"sfl_{t}.yaml" for t in data.EVAL_TASKS] + ["utils.py"])
+    for t in data.EVAL_TASKS:
+        text = (inc / f"sfl_{t}.yaml").read_text()
+        assert "@SFL_EVAL_DIR@" not in text and f'"{(tmp_path / "d1" / "eval" / t).resolve()}.jsonl"' in text
+    shutil.copytree(tmp_path / "d1", tmp_path / "d2")  # a moved data dir: a re-run points the YAMLs at it
+    assert P.main(["--data-dir", str(tmp_path / "d2"), "--only", "eval"]) == 0
+    assert str((tmp_path / "d2" / "eval").resolve()) in (tmp_path / "d2" / "lm_tasks" / "sfl_piqa.yaml").read_text()
+    assert str(tmp_path / "d1") not in (tmp_path / "d2" / "lm_tasks" / "sfl_piqa.yaml").read_text()
+
+
+def test_write_tasks_cli_refuses_missing_or_cut_eval_files(tmp_path, capsys):
+    from sfl.data import lm_tasks as L
+
+    assert L.main(["write-tasks", "--out", str(tmp_path / "inc"), "--data-dir", str(tmp_path)]) == 2
+    assert "--only eval" in capsys.readouterr().err and not (tmp_path / "inc").exists()
+    _fake_eval_step(tmp_path)
+    with open(data.paths(tmp_path).eval_file("piqa"), "a") as fh:  # a row appended after preparation
+        fh.write(json.dumps({"id": "x", "question": "q", "choices": ["a", "b"], "gold": 0}) + "\n")
+    assert L.main(["write-tasks", "--out", str(tmp_path / "inc"), "--data-dir", str(tmp_path), "--tasks", "piqa"]) == 2
+    assert "has 3 rows but" in capsys.readouterr().err
+    assert L.main(["write-tasks", "--out", str(tmp_path / "inc"), "--data-dir", str(tmp_path),
+                   "--tasks", "arc_easy,winogrande"]) == 0
+    assert sorted(f.name for f in (tmp_path / "inc").iterdir()) == ["sfl_arc_easy.yaml", "sfl_winogrande.yaml", "utils.py"]
+    assert "--include_path" in capsys.readouterr().out

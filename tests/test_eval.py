@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("lm_eval")
 
-from sfl.data.lm_tasks import TEMPLATE_DIR, materialize, parse_tasks  # noqa: E402
+from sfl.data.lm_tasks import TEMPLATE_DIR, parse_tasks, write_tasks  # noqa: E402
 from sfl.experiments.evaluate import NnzRecorder, main, valid_mask_right_padded  # noqa: E402
 
 PIQA = [
@@ -63,7 +63,7 @@ def test_parse_tasks_and_templates(tmp_path):
         parse_tasks("lambada")
     assert len(list(TEMPLATE_DIR.glob("sfl_*.yaml"))) == 7
     with pytest.raises(FileNotFoundError, match="--only eval"):
-        materialize(tmp_path, tmp_path / "inc", ["piqa"])
+        write_tasks(tmp_path, tmp_path / "inc", ["piqa"])
 
 
 def test_valid_mask_and_recorder_ignore_padding(tmp_path):
@@ -121,6 +121,63 @@ def test_evaluate_end_to_end_tiny(tmp_path):
     assert res["limit"] == limit and "git_commit" in res["provenance"]
     assert res["nnz_source"] == "act_fn_output" and len(res["nnz_per_token_per_layer"]) == 2
     assert 0 < res["nnz_per_token_mean"] < 128 and res["nnz_tokens_counted"] > 0
+    assert res["num_fewshot"] == 0 and res["log_samples"] is False and not list(out.glob("samples_*"))
+    for name, v in res["tasks"].items():  # per-document 0/1 scores, one per doc, that average to the task's acc
+        pd = res["per_doc"][name]
+        assert len(pd["acc"]) == limit and set(pd["acc"]) <= {"0", "1"} and len(pd["docs_sha256"]) == 64
+        assert pd["acc"].count("1") / limit == pytest.approx(v["acc"])
+    assert res["per_doc"]["piqa"]["acc_norm"].count("1") / limit == pytest.approx(res["tasks"]["piqa"]["acc_norm"])
+    assert res["per_doc"]["winogrande"]["acc_norm"] is None
+
+
+def test_num_fewshot_and_log_samples_reach_lm_eval(tmp_path):
+    model_dir = _tiny_model_dir(tmp_path)
+    eval_dir = tmp_path / "eval"
+    eval_dir.mkdir()
+    (eval_dir / "piqa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in PIQA))
+    common = ["--model", str(model_dir), "--tasks", "piqa", "--limit", "3", "--device", "cpu",
+              "--eval-dir", str(eval_dir)]
+    assert main([*common, "--out", str(tmp_path / "zero")]) == 0
+    assert main([*common, "--num-fewshot", "2", "--log-samples", "--out", str(tmp_path / "two")]) == 0
+    res = json.loads((tmp_path / "two" / "eval.json").read_text())
+    assert res["num_fewshot"] == 2 and res["log_samples"] is True
+    rows = [json.loads(line) for line in (tmp_path / "two" / "samples_sfl_piqa.jsonl").read_text().splitlines()]
+    assert [r["doc_id"] for r in rows] == [0, 1, 2]
+    for r in rows:  # the context holds two solved examples (never the document itself) before the question
+        context = r["arguments"][0][0]
+        assert context.count("Question: ") == 3 and context.endswith(f"Question: {r['doc']['question']}\nAnswer:")
+        assert context.count(r["doc"]["question"]) == 1
+    assert "".join(str(int(r["acc"])) for r in rows) == res["per_doc"]["piqa"]["acc"]
+    zero = json.loads((tmp_path / "zero" / "eval.json").read_text())
+    # other prompts, other requests: a paired comparison of these two must refuse
+    assert zero["per_doc"]["piqa"]["docs_sha256"] != res["per_doc"]["piqa"]["docs_sha256"]
+    with pytest.raises(SystemExit, match="num-fewshot"):
+        main(["--replay", "x.npz", "--requests", "r.npz", "--num-fewshot", "1", "--out", str(tmp_path / "r")])
+
+
+def test_commonsense_qa_is_cloze(tmp_path):
+    """The CSQA task scores each answer text after the question (the paper's cloze form), not letters A-E."""
+    from lm_eval.tasks import TaskManager
+
+    rows = [{"id": "q1", "question": "Where would you put a plate after washing it?",
+             "choices": ["cupboard", "oven", "garden", "river", "shoe"], "gold": 0},
+            {"id": "q2", "question": "What do people use to cut paper?",
+             "choices": ["spoon", "scissors", "pillow", "cloud", "bucket"], "gold": 1}]
+    eval_dir = tmp_path / "eval"
+    eval_dir.mkdir()
+    (eval_dir / "commonsense_qa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    inc = write_tasks(eval_dir, tmp_path / "inc", ["commonsense_qa"])
+    task = TaskManager(include_path=str(inc), include_defaults=False).load("sfl_commonsense_qa")["tasks"][
+        "sfl_commonsense_qa"]
+    task.build_all_requests(limit=2, rank=0, world_size=1)
+    by_doc: dict[int, list] = {}
+    for inst in task.instances:
+        by_doc.setdefault(inst.doc_id, []).append(inst.args)
+    assert sorted(by_doc) == [0, 1]
+    for i, r in enumerate(rows):
+        assert [cont for _, cont in by_doc[i]] == [" " + c for c in r["choices"]]  # the answer texts themselves
+        assert {ctx for ctx, _ in by_doc[i]} == {f"Question: {r['question']}\nAnswer:"}
+        assert task.doc_to_target(task.dataset["validation"][i]) == r["gold"]
 
 
 def test_recorder_uses_sparse_mlp_stats_when_present(tmp_path):
@@ -175,6 +232,7 @@ def test_split_eval_matches_direct_lm_eval(tmp_path):
     for t in ("piqa", "winogrande"):
         for k in ("acc", "acc_norm", "n", "acc_stderr", "acc_norm_stderr"):
             assert rep["tasks"][t][k] == direct["tasks"][t][k], (t, k)
+        assert rep["per_doc"][t] == direct["per_doc"][t], t  # the same documents scored the same, one by one
     assert rep["nnz_tokens_counted"] > 0 and rep["split_eval"]["n_requests"] == len(reqs)
     # the scorer against HFLM's _loglikelihood_tokens on the exported token pairs
     from lm_eval.models.huggingface import HFLM

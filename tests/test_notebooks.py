@@ -156,6 +156,18 @@ def test_synthetic_results_dir(runs):
     t1 = {x["quantity"]: x for x in _rows(T / "table1_accuracy.csv")}
     assert _num(t1["mean acc, sparse (%)"]["published 1.5B"]) == 46.2
     assert _num(t1["accuracy change, sparse - dense (points)"]["ours 135M L1=0.03"]) == pytest.approx(-3.0)
+    ci = t1["accuracy change, 95% interval (paired bootstrap over documents)"]
+    # L1=0.01: each task's sparse model gets 4 fewer of the same 400 documents right -> -1 point, never above 0
+    delta, lo, hi = (float(x) for x in ci["ours 135M L1=0.01"].replace("[", "").replace("]", "").replace(",", "").split())
+    assert delta == -1.0 and lo < delta < hi <= 0.0
+    assert ci["ours 135M L1=0.03"] == "n/a (no per-document log)"  # an old log: no interval made up
+    paths = {(x["run"], x["eval file"]): x for x in _rows(T / "sparsify_eval_paths.csv")}
+    assert paths[("l1_1e-2", "eval_sparse")]["95% interval of the change (paired bootstrap)"] == "+0.00 [+0.00, +0.00]"
+    assert paths[("l1_3e-2", "eval")]["95% interval of the change (paired bootstrap)"] == "n/a (no per-document log)"
+    sweep = {x["run"]: x for x in _rows(T / "l1_sweep_runs.csv")}
+    assert _num(sweep["relu_l1_3e-2"]["acc_vs_dense_points"]) == pytest.approx(-2.0)  # sweep index 4: -0.005 x 4
+    assert sweep["relu_l1_3e-2"]["acc_vs_dense_95ci"].startswith("-2.00 [")
+    assert sweep["relu_l1_1e-2"]["acc_vs_dense_95ci"] == "n/a (no per-document log)"
 
     t6 = {x["task"]: x for x in _rows(T / "table6_per_task.csv")}
     assert _num(t6["arc_easy"]["published 1.5B sparse"]) == 74.3
