@@ -33,6 +33,8 @@ class SparseLlamaConfig(LlamaConfig):
             `slots` and `mode` from them unless the dict sets them.
         track_sparsity_stats: accumulate non-zeros per token on the device (read by sparsity_stats()); a model
             compiled with torch.compile keeps them on for mlp_impl="cuda" (see SparseLlamaMLP._forward_cuda).
+            False with mlp_impl="dense" and l1_coeff 0: no statistics at all (no counts, no dead-neuron tracker,
+            no L1 value): the MLP runs HF LlamaMLP's ops, the paper's uninstrumented dense baseline.
         dead_window_tokens: a neuron counts as dead when it has not fired in this many most recent
             training tokens (paper: one optimiser step, ~2^20 tokens).
     hidden_act is "relu" (the sparse model) or "silu" (dense SiLU baseline of paper Table 3: same

@@ -162,7 +162,12 @@ class SparseLlamaMLP(nn.Module):
             return self._forward_cuda(x)  # the op takes [..., K] as it is
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if impl == "dense":
+        if impl == "dense" and self.l1_mode is None and not self.config.track_sparsity_stats:
+            # uninstrumented: exactly HF LlamaMLP's ops (the paper's dense baseline); no counts, no dead tracker
+            self.last_l1 = None
+            h = self._activation(x2)[1]
+            y = F.linear(h, self.down_proj.weight, self.down_proj.bias)
+        elif impl == "dense":
             a, h = self._activation(x2)
             y = F.linear(h, self.down_proj.weight, self.down_proj.bias)
             self._set_l1(h)
@@ -422,6 +427,8 @@ class SparseLlamaForCausalLM(SparseLlamaPreTrainedModel, LlamaForCausalLM):
         if not coeff >= 0:
             raise ValueError(f"l1_coeff must be >= 0, got {coeff}")
         mode = ("grad" if coeff > 0 and torch.is_grad_enabled() else "value") if want_loss else None
+        if coeff == 0 and not self.config.track_sparsity_stats:
+            mode = None  # statistics off: not even the L1 value is computed (l1 = None)
         for mlp in self.sparse_mlps():
             mlp.l1_mode = mode
 

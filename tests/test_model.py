@@ -375,6 +375,29 @@ def test_silu_baseline_matches_hf_llama() -> None:
         torch.testing.assert_close(model(input_ids=x).logits, hf(input_ids=x).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_uninstrumented_dense_baseline_trains_like_hf_llama() -> None:
+    """track_sparsity_stats=False with L1 = 0: HF LlamaForCausalLM's loss and gradients (ReLU), and no statistics
+    at all (no counts, no dead-neuron tracker, no L1 value): the paper's dense training baseline."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = tiny_model(seed=9, track_sparsity_stats=False).train()
+    hf_cfg = LlamaConfig(**{k: v for k, v in model.config.to_dict().items()
+                            if k not in ("model_type", "architectures")})
+    hf = LlamaForCausalLM(hf_cfg).train()
+    hf.load_state_dict(model.state_dict())
+    x = torch.randint(0, VOCAB, (2, 9))
+    out = model(input_ids=x, labels=x, l1_coeff=0.0)
+    ref = hf(input_ids=x, labels=x)
+    assert out.l1 is None
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
+    out.loss.backward()
+    ref.loss.backward()
+    g, gh = model.model.layers[0].mlp.gate_proj.weight.grad, hf.model.layers[0].mlp.gate_proj.weight.grad
+    torch.testing.assert_close(g, gh, rtol=1e-5, atol=1e-7)
+    for mlp in model.sparse_mlps():
+        assert int(mlp.nnz_stats.sum()) == 0 and int(mlp.tokens_since_fire.sum()) == 0
+
+
 @pytest.mark.parametrize("mode", ["auto", "sparse"])
 def test_cuda_impl_passes_twell_mode_to_the_kernels(monkeypatch, mode) -> None:
     """config.twell_mode reaches the op through the layer's plan (checked with a stand-in for the CUDA op, so it

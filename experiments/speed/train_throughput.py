@@ -1,0 +1,209 @@
+"""Training tokens/s and peak memory as the paper measures them (issue 13): the paper's shapes, through
+experiments/train.py's own optimizer step, each side at an equal micro-batch and at its own largest one.
+
+    python -m sfl.experiments.speed.train_throughput --layers 8 28 --out results/speed/train_throughput_h100.jsonl
+    python -m sfl.experiments.speed.train_throughput --layers 28 --nnz-sweep 10 20 29 60 120   # Fig. 5 counterpart
+
+The model: bench.py's paper shape (random weights, gates calibrated to the paper's activity profile on the timed
+tokens), fp32 master weights, bf16 autocast, AdamW, gradient clipping: `train.optimizer_step`, unchanged.
+Sides (one model, one optimizer: the parameters and the AdamW state are the same objects on every side):
+  dense L1=0   the paper's dense baseline: mlp_impl "dense", no L1 term, no sparsity statistics
+  dense L1     our dense MLP as it trains sparse models: the L1 term, per-token counts, dead-neuron tracker
+  sparse       mlp_impl "cuda" with the L1 term (the model's KernelConfig; the path each layer took is logged)
+Per activation-checkpointing setting (off, on): the sides at --micro-batch, timed in interleaved blocks
+(A B C C B A ...; medians), then each side's largest micro-batch (doubling until out of memory, then bisection;
+--no-search skips it), timed the same way at each side's own micro-batch. Peak memory: the allocator's maximum over
+a side's blocks. Rows carry the measured activity, the KernelConfig and provenance.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from .. import train as train_mod
+from ..provenance import collect
+
+SIDES = ("dense L1=0", "dense L1", "sparse")
+L1_COEFF = 2e-5  # the paper's recommended L1 (the sparse recipe of its speed tables)
+
+
+@contextlib.contextmanager
+def as_side(model, side: str) -> Iterator[float]:
+    """The model set up as `side` trains; yields its L1 coefficient."""
+    impl, stats, coeff = {"dense L1=0": ("dense", False, 0.0), "dense L1": ("dense", True, L1_COEFF),
+                          "sparse": ("cuda", True, L1_COEFF)}[side]
+    model.set_mlp_impl(impl)
+    model.config.track_sparsity_stats = stats
+    try:
+        yield coeff
+    finally:
+        model.set_mlp_impl("dense")
+        model.config.track_sparsity_stats = True
+
+
+def largest_fitting(fits: Callable[[int], bool], start: int, limit: int) -> int:
+    """The largest n in [1, limit] with fits(n) (monotone: all smaller n fit too), 0 if none: doubling from start,
+    then bisection between the last size that fit and the first that did not."""
+    lo, hi = 0, limit + 1  # invariant: lo fits (0 trivially), hi does not (past the limit)
+    n = min(max(1, start), limit)
+    while n < hi and fits(n):
+        lo, n = n, min(2 * n, hi)
+    hi = min(hi, n)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+class Trainer:
+    """train.optimizer_step on one model and optimizer, for any side and micro-batch."""
+
+    def __init__(self, model, ids: torch.Tensor, device: torch.device) -> None:
+        self.model, self.ids, self.device = model, ids, device
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(train_mod.param_groups(model, 0.1), lr=1e-6)  # tiny: the weights barely move
+
+    def step(self, side: str, micro_batch: int) -> None:
+        cfg = {"micro_batch_size": micro_batch, "grad_accum": 1,
+               "precision": "bf16" if self.device.type == "cuda" else "fp32"}
+        batch = self.ids[torch.arange(micro_batch) % self.ids.shape[0]]
+        with as_side(self.model, side) as coeff:
+            train_mod.optimizer_step(self.model, batch, cfg, coeff, self.device, self.params, 1.0, self.opt, None)
+
+    def fits(self, side: str, micro_batch: int) -> bool:
+        try:
+            for _ in range(2):  # the second step runs with the optimizer state and the dispatch settled
+                self.step(side, micro_batch)
+            return True
+        except torch.OutOfMemoryError:
+            return False
+        finally:
+            self.opt.zero_grad(set_to_none=True)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+def time_blocks(tr: Trainer, mbs: dict[str, int], blocks: int, steps: int) -> dict[str, dict[str, Any]]:
+    """Seconds per step of each side in interleaved blocks (order reversed every other round), peak memory."""
+    cuda = tr.device.type == "cuda"
+    out: dict[str, dict[str, Any]] = {s: {"block_s": [], "peak_bytes": 0} for s in mbs}
+    for s in mbs:  # warm-up: the dispatch history, the allocator, cuBLAS heuristics
+        for _ in range(2):
+            tr.step(s, mbs[s])
+    order = list(mbs)
+    for b in range(blocks):
+        for s in (order if b % 2 == 0 else order[::-1]):
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                tr.step(s, mbs[s])
+            if cuda:
+                torch.cuda.synchronize()
+                out[s]["peak_bytes"] = max(out[s]["peak_bytes"], torch.cuda.max_memory_allocated())
+            out[s]["block_s"].append((time.perf_counter() - t0) / steps)
+    return out
+
+
+def side_rows(tr: Trainer, mbs: dict[str, int], res: dict[str, dict[str, Any]], seq: int,
+              base: dict[str, Any]) -> list[dict[str, Any]]:
+    ref = statistics.median(res["dense L1=0"]["block_s"]) / mbs["dense L1=0"] if "dense L1=0" in res else None
+    rows = []
+    for s, r in res.items():
+        med = statistics.median(r["block_s"])
+        row = {**base, "side": s, "micro_batch": mbs[s], "tokens_per_step": mbs[s] * seq,
+               "tokens_per_s": mbs[s] * seq / med, "s_per_step": med, "block_s": r["block_s"],
+               "peak_mem_gb": r["peak_bytes"] / 1e9 if r["peak_bytes"] else None}
+        if ref is not None:  # tokens/s over the paper's dense baseline's
+            row["speedup_vs_dense_l1_0"] = ref / (med / mbs[s])
+        if s == "sparse":
+            with as_side(tr.model, s):
+                tr.step(s, mbs[s])
+            paths = [getattr(getattr(m, "_train_state", None), "last_forward_path", None) or "dense"
+                     for m in tr.model.sparse_mlps()]
+            row["ffn_paths"], row["sparse_layers"] = paths, paths.count("sparse")
+        rows.append(row)
+    return rows
+
+
+def run_shape(model, ids: torch.Tensor, device: torch.device, a: argparse.Namespace,
+              base: dict[str, Any]) -> list[dict[str, Any]]:
+    model.float().train()
+    tr = Trainer(model, ids[:, : a.seq_len + 1], device)
+    rows: list[dict[str, Any]] = []
+    for ckpt in a.activation_checkpointing:
+        if ckpt:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_disable()
+        b = {**base, "activation_checkpointing": ckpt}
+        equal = {s: a.micro_batch for s in SIDES}
+        rows += side_rows(tr, equal, time_blocks(tr, equal, a.blocks, a.steps), a.seq_len,
+                          {**b, "micro_batch_policy": "equal"})
+        if not a.no_search:
+            largest = {s: largest_fitting(lambda n, s=s: tr.fits(s, n), a.micro_batch, a.max_micro_batch)
+                       for s in SIDES}
+            rows += side_rows(tr, largest, time_blocks(tr, largest, a.blocks, a.steps), a.seq_len,
+                              {**b, "micro_batch_policy": f"largest that fits (searched up to {a.max_micro_batch})"})
+    model.gradient_checkpointing_disable()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .bench import PAPER_NNZ, PAPER_SCALES, build_paper_model, calibrate_paper_model, paper_profile
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, nargs="+", default=[8, 18, 28, 38])
+    ap.add_argument("--nnz-sweep", type=float, nargs="*", default=None, help="mean non-zeros per token to sweep")
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--max-micro-batch", type=int, default=64)
+    ap.add_argument("--no-search", action="store_true", help="equal micro-batch only")
+    ap.add_argument("--activation-checkpointing", type=int, nargs="+", default=[0, 1], choices=[0, 1])
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--blocks", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=3, help="steps per block")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path("results/speed/train_throughput.jsonl"))
+    a = ap.parse_args(argv)
+    dev = torch.device(a.device)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    for n_layers in a.layers:
+        for nnz in a.nnz_sweep or [PAPER_NNZ.get(n_layers, 30.0)]:
+            model = build_paper_model(n_layers, dev, torch.bfloat16, seed=a.seed)
+            g = torch.Generator().manual_seed(a.seed)
+            vocab = model.config.vocab_size
+            heavy = torch.randperm(vocab, generator=g)[: max(1, vocab // 100)]
+            ids = torch.randint(0, vocab, (a.micro_batch, a.seq_len + 1), generator=g).to(dev)
+            achieved = calibrate_paper_model(model, paper_profile(n_layers, nnz), ids[:, :-1], heavy_ids=heavy)
+            model.config.l1_reduction = "sum"
+            base = {"model": f"paper-shape {PAPER_SCALES.get(n_layers, f'{n_layers} layers')}",
+                    "num_hidden_layers": n_layers, "target_nnz_mean": nnz,
+                    "calibration_nnz_mean": sum(achieved) / len(achieved), "seq_len": a.seq_len,
+                    "l1_coeff_sparse": L1_COEFF, "nnz_sweep": bool(a.nnz_sweep),
+                    "kernel_config": model.config.get_kernel_config().to_dict(),
+                    "timed": "train.optimizer_step: forward (+L1) and backward under bf16 autocast, clip, AdamW",
+                    **collect()}
+            rows = run_shape(model, ids, dev, a, base)
+            with a.out.open("a") as f:
+                for r in rows:
+                    f.write(json.dumps(r) + "\n")
+                    print(f"{r['model']} nnz {nnz:g} ckpt {r['activation_checkpointing']} {r['micro_batch_policy'][:7]} "
+                          f"{r['side']:10s} mb {r['micro_batch']:3d}: {r['tokens_per_s']:.0f} tok/s, "
+                          f"peak {r['peak_mem_gb'] or float('nan'):.1f} GB", flush=True)
+            del model
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,42 @@
+"""experiments/speed/train_throughput.py on a CPU: the micro-batch search and one shape's rows end to end."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from sfl.experiments.speed.train_throughput import SIDES, largest_fitting, run_shape
+from sfl.models import SparseLlamaConfig, SparseLlamaForCausalLM
+
+
+@pytest.mark.parametrize("start", [1, 3, 8, 40])
+@pytest.mark.parametrize("largest", [0, 1, 5, 16, 33, 64, 100])
+def test_largest_fitting_finds_the_largest_size(start, largest):
+    calls = []
+
+    def fits(n):
+        calls.append(n)
+        return n <= largest
+
+    assert largest_fitting(fits, start, 64) == min(largest, 64)
+    assert all(1 <= n <= 64 for n in calls) and len(calls) <= 16
+
+
+def test_run_shape_rows_for_every_side_and_setting():
+    torch.manual_seed(0)
+    model = SparseLlamaForCausalLM(SparseLlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=64))
+    ids = torch.randint(0, 64, (2, 33))
+    a = argparse.Namespace(seq_len=32, micro_batch=2, max_micro_batch=4, no_search=False,
+                           activation_checkpointing=[0, 1], blocks=2, steps=1)
+    rows = run_shape(model, ids, torch.device("cpu"), a, {"model": "tiny"})
+    assert len(rows) == 2 * 2 * len(SIDES)   # (checkpointing off, on) x (equal, largest) x sides
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and len(r["block_s"]) == 2 and r["model"] == "tiny"
+        assert r["micro_batch"] == (2 if r["micro_batch_policy"] == "equal" else 4)   # a CPU never runs out
+        assert r["speedup_vs_dense_l1_0"] > 0
+    sparse = [r for r in rows if r["side"] == "sparse"]
+    assert all(len(r["ffn_paths"]) == 2 for r in sparse)
+    assert {r["activation_checkpointing"] for r in rows} == {0, 1}
