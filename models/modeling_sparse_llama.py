@@ -54,6 +54,16 @@ def _(x, w_gate, w_up, w_down, tile_n, slots):
     return x.new_empty(*x.shape[:-1], w_down.shape[0]), x.new_empty(m, dtype=torch.int32)
 
 
+class L1Terms:
+    """One forward's request for the MLPs' L1 terms: the mode ("grad" or "value") and the terms, appended by every
+    layer's MLP in order. SparseLlamaForCausalLM passes it down as the keyword sfl_l1 (HF's LlamaModel hands its
+    **kwargs to every decoder layer), so the terms travel with the call instead of living in module attributes."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.terms: list[torch.Tensor] = []
+
+
 class SparseLlamaMLP(nn.Module):
     """ReLU MLP (gated or not) with the L1 term of Eq. 2 and sparsity statistics.
 
@@ -62,7 +72,8 @@ class SparseLlamaMLP(nn.Module):
     only by sparsity_stats(); config.track_sparsity_stats=False turns it off. Nothing else runs per call.
         last_nnz_per_token: float32 [M] per-token counts of the last forward, kept only while record_per_token is
             True (analysis tools set it; the CUDA inference path does not produce per-token counts).
-        last_l1: this layer's L1 term of the last forward that asked for it (l1_mode), else None.
+    forward(x) is y, as HF's LlamaMLP; forward(x, l1_terms) also appends this layer's L1 term to the forward's
+    collector (L1Terms); forward_l1(x, l1_mode) returns (y, L1 term or None) without module hooks.
     tokens_since_fire (int64 [N], non-persistent buffer): per-neuron distance to its last firing,
     advanced only by training-mode forwards (see models.sparsity.update_tokens_since_fire).
     """
@@ -82,9 +93,6 @@ class SparseLlamaMLP(nn.Module):
             "tokens_since_fire", torch.zeros(self.intermediate_size, dtype=torch.int64), persistent=False
         )
         self.register_buffer("nnz_stats", torch.zeros(3, dtype=torch.int64), persistent=False)
-        # "grad": differentiable L1; "value": L1 for logging only; None: skip (generation, hooks).
-        self.l1_mode: str | None = None
-        self.last_l1: torch.Tensor | None = None
         self.last_nnz_per_token: torch.Tensor | None = None
         self.record_per_token = False
         self.refresh_plan()
@@ -147,44 +155,52 @@ class SparseLlamaMLP(nn.Module):
         a = self.act(F.linear(x2, self.up_proj.weight, self.up_proj.bias))
         return a, a
 
-    def _set_l1(self, h: torch.Tensor | None) -> None:
-        if self.l1_mode is None or h is None:
-            self.last_l1 = None
-        elif self.l1_mode == "grad":
-            self.last_l1 = l1_penalty(h, self.config.l1_reduction)
-        else:
-            with torch.no_grad():
-                self.last_l1 = l1_penalty(h, self.config.l1_reduction)
+    def _l1(self, h: torch.Tensor, l1_mode: str | None) -> torch.Tensor | None:
+        """The L1 term of h: differentiable ("grad"), a detached value for the log ("value"), or None."""
+        if l1_mode is None:
+            return None
+        if l1_mode == "grad":
+            return l1_penalty(h, self.config.l1_reduction)
+        with torch.no_grad():
+            return l1_penalty(h, self.config.l1_reduction)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, l1_terms: L1Terms | None = None) -> torch.Tensor:
+        """y; with l1_terms (the decoder layer passes the forward's collector) this layer's L1 term is appended
+        to it. Called through the module, so forward hooks see x and y as with HF's LlamaMLP."""
+        y, l1 = self.forward_l1(x, l1_terms.mode if l1_terms is not None else None)
+        if l1 is not None and not _in_backward():  # an activation-checkpoint recompute adds nothing
+            l1_terms.terms.append(l1)
+        return y
+
+    def forward_l1(self, x: torch.Tensor, l1_mode: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(y, L1 term): l1_mode "grad" (differentiable), "value" (for the log) or None (not computed)."""
         impl = self.config.mlp_impl
         if impl == "cuda" and not (torch.is_grad_enabled() and self._needs_grad(x)):
-            return self._forward_cuda(x)  # the op takes [..., K] as it is
+            return self._forward_cuda(x), None  # the op takes [..., K] as it is; h never leaves the kernels
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if impl == "dense" and self.l1_mode is None and not self.config.track_sparsity_stats:
+        l1 = None
+        if impl == "dense" and l1_mode is None and not self.config.track_sparsity_stats:
             # uninstrumented: exactly HF LlamaMLP's ops (the paper's dense baseline); no counts, no dead tracker
-            self.last_l1 = None
-            h = self._activation(x2)[1]
-            y = F.linear(h, self.down_proj.weight, self.down_proj.bias)
+            y = F.linear(self._activation(x2)[1], self.down_proj.weight, self.down_proj.bias)
         elif impl == "dense":
             a, h = self._activation(x2)
             y = F.linear(h, self.down_proj.weight, self.down_proj.bias)
-            self._set_l1(h)
+            l1 = self._l1(h, l1_mode)
             self._record(nnz_per_token(a), a != 0)
         elif impl == "reference":
-            y = self._forward_reference(x2)
+            y, l1 = self._forward_reference(x2, l1_mode)
         elif impl == "cuda":
-            y = self._forward_cuda_train(x2)
+            y, l1 = self._forward_cuda_train(x2, l1_mode)
         else:
             raise ValueError(f"config.mlp_impl={impl!r} is invalid: must be one of {MLP_IMPLS}")
-        return y.reshape(*shape[:-1], y.shape[-1])
+        return y.reshape(*shape[:-1], y.shape[-1]), l1
 
     def _needs_grad(self, x: torch.Tensor) -> bool:
         # differentiable whenever autograd needs it (the inference kernels have no backward)
         return self.training or x.requires_grad or any(w is not None and w.requires_grad for w in self._weights())
 
-    def _forward_reference(self, x2: torch.Tensor) -> torch.Tensor:
+    def _forward_reference(self, x2: torch.Tensor, l1_mode: str | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         try:
             from sfl.kernels import reference as ref
         except ImportError as e:  # pragma: no cover - depends on the kernels package
@@ -194,7 +210,7 @@ class SparseLlamaMLP(nn.Module):
             ) from e
         wg, wu, wd = self._weights()
         tile_n, slots = self.config.twell_tile_n, self.config.twell_slots
-        need_h = self.l1_mode is not None or self.training
+        need_h = l1_mode is not None or self.training
         if torch.compiler.is_compiling() and not (torch.is_grad_enabled() and self._needs_grad(x2)):
             y, nnz = _reference_twell_ffn(x2, wg, wu, wd, tile_n, slots)  # opaque to the compiler (no backward)
         elif self.gated:
@@ -207,23 +223,20 @@ class SparseLlamaMLP(nn.Module):
         # path stores values in bf16 and does not return h, while statistics must be exact and L1 differentiable.
         if need_h:
             a, h = self._activation(x2)
-            self._set_l1(h)
             self._record(nnz_per_token(a), a != 0)
-        else:
-            self.last_l1 = None
-            self._record(nnz.float(), None)
-        return y
+            return y, self._l1(h, l1_mode)
+        self._record(nnz.float(), None)
+        return y, None
 
     def _forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
         """Inference through the one C++ op: dispatch, kernels, exact backup and the statistics all happen there;
-        h never leaves the kernels, so L1 is unavailable here (None)."""
+        h never leaves the kernels, so there is no L1 term here."""
         from sfl.kernels.twell import ops
 
         ops.ensure_loaded()
         wg, wu, wd = self._inference_weights()
         if x.dtype != wu.dtype:  # the residual stream may be wider than the kernels' bf16 (autocast evaluation)
             x = x.to(wu.dtype)
-        self.last_l1 = None
         # Inductor cannot lower the op with its optional mutable argument left out (seen with torch 2.11: "getitem is
         # not an OpOverload"), so a compiled model always passes the buffer: statistics stay on while compiled
         track = self.config.track_sparsity_stats or torch.compiler.is_compiling()
@@ -246,7 +259,7 @@ class SparseLlamaMLP(nn.Module):
             self._cast_cache = cache
         return cache[1]
 
-    def _forward_cuda_train(self, x2: torch.Tensor) -> torch.Tensor:
+    def _forward_cuda_train(self, x2: torch.Tensor, l1_mode: str | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Training through the hybrid-format op of kernels/train_ffn.py: exact y, L1 and gradients."""
         try:
             from sfl.kernels import train_ffn
@@ -265,25 +278,29 @@ class SparseLlamaMLP(nn.Module):
             y, l1, st = train_ffn.sparse_gated_ffn_train(x2, wg, wu, wd, **kw)
         else:
             y, l1, st = train_ffn.sparse_nongated_ffn_train(x2, wu, wd, **kw)
-        if self.l1_mode is None:
-            self.last_l1 = None
-        else:
-            self.last_l1 = l1 if self.l1_mode == "grad" else l1.detach()
         self._record(st["nnz_per_token"].float(), None)
         if self.training and not recompute:
             train_ffn.update_tokens_since_fire_sparse(self.tokens_since_fire, st["last_active_row"], x2.shape[0])
-        return y
+        return y, (None if l1_mode is None else l1 if l1_mode == "grad" else l1.detach())
 
     def extra_repr(self) -> str:
         return f"gated={self.gated}, impl={self.config.mlp_impl}, act={self.config.hidden_act}"
 
 
 class SparseLlamaDecoderLayer(LlamaDecoderLayer):
-    """LlamaDecoderLayer whose MLP is a SparseLlamaMLP."""
+    """LlamaDecoderLayer whose MLP is a SparseLlamaMLP, which also receives the forward's L1Terms (sfl_l1)."""
 
     def __init__(self, config: SparseLlamaConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
         self.mlp = SparseLlamaMLP(config, layer_idx)
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, sfl_l1: L1Terms | None = None,
+                **kwargs: Any) -> torch.Tensor:
+        # HF's pre-norm residual block (LlamaDecoderLayer.forward); the MLP also gets the forward's L1 collector
+        residual = hidden_states
+        hidden_states, _ = self.self_attn(self.input_layernorm(hidden_states), *args, **kwargs)
+        hidden_states = residual + hidden_states
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states), sfl_l1)
 
 
 class SparseLlamaPreTrainedModel(LlamaPreTrainedModel):
@@ -429,8 +446,8 @@ class SparseLlamaForCausalLM(SparseLlamaPreTrainedModel, LlamaForCausalLM):
         mode = ("grad" if coeff > 0 and torch.is_grad_enabled() else "value") if want_loss else None
         if coeff == 0 and not self.config.track_sparsity_stats:
             mode = None  # statistics off: not even the L1 value is computed (l1 = None)
-        for mlp in self.sparse_mlps():
-            mlp.l1_mode = mode
+        request = L1Terms(mode) if mode is not None else None
+        extra = {"sfl_l1": request} if request is not None else {}  # the decoder layers append their L1 terms
 
         outputs = self.model(
             input_ids=input_ids,
@@ -440,6 +457,7 @@ class SparseLlamaForCausalLM(SparseLlamaPreTrainedModel, LlamaForCausalLM):
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             **kwargs,
+            **extra,
         )
         hidden_states = outputs.last_hidden_state
         slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -449,8 +467,8 @@ class SparseLlamaForCausalLM(SparseLlamaPreTrainedModel, LlamaForCausalLM):
         if want_loss:
             ce = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size,
                                     shift_labels=shift_labels, **kwargs)
-            l1_terms = [mlp.last_l1 for mlp in self.sparse_mlps()]
-            if all(t is not None for t in l1_terms) and l1_terms:
+            l1_terms = request.terms if request is not None else []
+            if l1_terms and len(l1_terms) == len(self.model.layers):
                 l1 = torch.stack(l1_terms).mean()
                 loss = ce + coeff * l1 if coeff > 0 else ce
             else:
