@@ -1,7 +1,8 @@
-"""Crash-safe training checkpoints: <out_dir>/checkpoints/step_XXXXXXX/{state.pt, dcp/, COMPLETE}.
+"""Crash-safe training checkpoints: <out_dir>/checkpoints/step_XXXXXXX/{state.pt, dcp/, hf/, COMPLETE}.
 
 state.pt holds step, scheduler, RNG, counters and config; dcp/ the model and optimizer, written by every rank
-through torch.distributed.checkpoint (experiments/distributed.py).
+through torch.distributed.checkpoint (experiments/distributed.py); hf/ (config key ckpt_hf) a save_pretrained
+copy of the same weights that `AutoModelForCausalLM.from_pretrained(dir / "hf", trust_remote_code=True)` opens.
 
 A checkpoint is written into a hidden temp dir owned by this process (`.tmp-step_XXXXXXX.<pid>`), every
 file fsynced, the COMPLETE marker written last, then the dir is renamed into place (os.replace is atomic on
@@ -147,6 +148,33 @@ def begin_checkpoint(out_dir: str | Path, step: int) -> Path:
     except OSError as e:
         raise abort_checkpoint(e, out_dir, step, tmp) from e
     return tmp
+
+
+HF_SUBDIR = "hf"
+
+
+def write_pretrained(model: torch.nn.Module, dest: Path, tokenizer_dir: Path | None = None) -> None:
+    """save_pretrained into dest (config.json with auto_map, model.safetensors, the modelling code), plus the
+    tokenizer of `tokenizer_dir` if there is one; every file fsynced. dest must be a fresh path inside a temp
+    dir that is renamed into place afterwards (a checkpoint's, or final/'s), so it is never seen half-written."""
+    model.save_pretrained(dest)
+    if tokenizer_dir is not None and tokenizer_dir.is_dir():
+        from transformers import AutoTokenizer
+        AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(dest)
+    fsync_tree(dest)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and dir under root (save_pretrained does not), so a rename after it publishes data
+    that survive a power loss."""
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(Path(dirpath) / name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
 
 
 def write_state(tmp: Path, state: dict[str, Any]) -> None:

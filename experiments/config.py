@@ -80,6 +80,7 @@ _SPEC: dict[str, tuple[Any, str]] = {
     "ckpt_every": (100, "steps between checkpoints (0 = only at the end)"),
     "out_dir": ("runs/train", "output dir (relative paths are under the repo root)"),
     "save_final": (True, "save_pretrained the final model to <out_dir>/final"),
+    "ckpt_hf": (True, "also save_pretrained each checkpoint's weights into its hf/ dir (from_pretrained opens it)"),
     "progress": (True, "tqdm progress bar"),
 }
 DEFAULTS: dict[str, Any] = {k: v[0] for k, v in _SPEC.items()}
@@ -191,7 +192,7 @@ def validate(cfg: dict[str, Any]) -> None:
     betas = cfg["betas"]
     if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(_is_num(b) and 0 <= b < 1 for b in betas)):
         raise bad("betas", "must be a list of two numbers in [0, 1), e.g. [0.9, 0.95]")
-    for k in ["tie_word_embeddings", "gated_mlp", "compile", "save_final", "progress", "fsdp_mixed_precision",
+    for k in ["tie_word_embeddings", "gated_mlp", "compile", "save_final", "ckpt_hf", "progress", "fsdp_mixed_precision",
               "activation_checkpointing"]:
         if not isinstance(cfg[k], bool):
             raise bad(k, "must be true or false")

@@ -199,11 +199,15 @@ class TokenData:
 
     # ------------------------------------------------------------------------------------- resume
     def fingerprint(self) -> dict[str, Any]:
-        """What identifies the data a checkpoint was trained on (checked on resume): names, token counts
-        and content checksums of the train shards."""
+        """What identifies the data a run used: names, token counts and content checksums of the train shards
+        (checked on resume) and of the val shards (the val CE's data), with vocab_size; recorded in every
+        checkpoint and in the training log's header."""
         digests = self.verify()
-        return {"train": [(e["file"], int(e.get("tokens", 0)), digests[e["file"]]) for e in self.meta["train"]],
-                "vocab_size": self.vocab_size}
+
+        def shards(split: str) -> list[tuple[str, int, str]]:
+            return [(e["file"], int(e.get("tokens", 0)), digests[e["file"]]) for e in self.meta[split]]
+
+        return {"train": shards("train"), "val": shards("val"), "vocab_size": self.vocab_size}
 
     def fingerprint_mismatch(self, saved: dict[str, Any]) -> str | None:
         """None if `saved` (a checkpoint's fingerprint) matches these data, else a message naming what changed

@@ -23,7 +23,7 @@ import contextlib
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -318,10 +318,12 @@ def _quiet_single_process() -> Any:
 
 
 def save_checkpoint_dcp(out_dir: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
-                        state: dict[str, Any], d: Dist) -> None:
+                        state: dict[str, Any], d: Dist,
+                        write_extra: Callable[[Path], None] | None = None) -> None:
     """Crash-safe checkpoint `step`: model + optimizer through DCP (each rank writes its shards in parallel;
-    resharding on load), the rest (`state`: step, scheduler, RNG, counters, config) as state.pt by rank 0;
-    COMPLETE and the atomic rename come last (checkpoint.py). Collective: every rank calls it."""
+    resharding on load), the rest (`state`: step, scheduler, RNG, counters, config) as state.pt by rank 0, then
+    `write_extra(temp dir)` on rank 0 (the save_pretrained copy); COMPLETE and the atomic rename come last
+    (checkpoint.py). Collective: every rank calls it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -356,6 +358,8 @@ def save_checkpoint_dcp(out_dir: Path, step: int, model: torch.nn.Module, opt: t
     if d.main:
         try:
             write_state(tmp, state)
+            if write_extra is not None:
+                _write_extra(write_extra, tmp)
         except OSError as e:
             err = abort_checkpoint(e, out_dir, step, tmp)
         if err is None:
@@ -364,6 +368,17 @@ def save_checkpoint_dcp(out_dir: Path, step: int, model: torch.nn.Module, opt: t
             except CheckpointWriteError as e:
                 err = e
     stop_on_error(err)
+
+
+def _write_extra(write: Callable[[Path], None], tmp: Path) -> None:
+    """write(tmp), with a failure that is not an OSError (safetensors reports a full disk as its own
+    SafetensorError) raised as one, so the checkpoint is aborted cleanly and every rank stops."""
+    try:
+        write(tmp)
+    except OSError:
+        raise
+    except Exception as e:
+        raise OSError(getattr(e, "errno", None), f"the save_pretrained copy failed: {type(e).__name__}: {e}") from e
 
 
 def _dcp_os_error(exc: BaseException) -> OSError | None:

@@ -56,14 +56,15 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(p).free
 
 
-def check_disk_space(out_dir: Path, model: torch.nn.Module, n_existing: int, save_final: bool) -> None:
+def check_disk_space(out_dir: Path, model: torch.nn.Module, n_existing: int, save_final: bool,
+                     ckpt_hf: bool = False) -> None:
     """Refuse a run whose next checkpoints and final model do not fit on out_dir's filesystem.
 
     Peak use while saving is the kept checkpoints plus the one being written, plus the final model and its
     temp copy; what already exists is subtracted. A full disk later (other writers) is still reported
     clearly by the checkpoint writer, with the previous checkpoint intact.
     """
-    ckpt = checkpoint_bytes(model)
+    ckpt = checkpoint_bytes(model) + (final_model_bytes(model) if ckpt_hf else 0)  # + its save_pretrained copy
     need = ckpt * max(1, CKPT_KEEP + 1 - n_existing) + (2 * final_model_bytes(model) if save_final else 0)
     free = free_bytes(out_dir)
     if free < need:

@@ -133,3 +133,41 @@ sfl_finish() {
   fi
   echo "all runs finished: logs in $RESULTS_ROOT/$exp/, models in $RUNS_ROOT/$exp/"
 }
+
+# sfl_train_rerunnable BASE_DIR CONFIG.yaml FRESH [key=value ...]
+# The re-runnable training step of a job run by hand again and again (the quickstart). With CONFIG + the
+# key=values it trains in BASE_DIR, or in BASE_DIR-2, -3, ... (experiments/runs.py pick_run_dir): the first
+# directory that holds this same run -- finished: reported, not retrained; interrupted: resumed from its newest
+# checkpoint -- or nothing (trained there). A directory holding a run with other settings is left as it is, so
+# a re-run never deletes or overwrites finished work. FRESH=1: always a directory that holds nothing.
+# Sets SFL_RUN_DIR to the directory used and SFL_RUN_STATE to what it held (new|unfinished|finished).
+sfl_train_rerunnable() {
+  local base=$1 config=$2 fresh=$3
+  shift 3
+  local setargs=() s merged pick resume=() fresh_arg=()
+  for s in "$@"; do setargs+=(--set "$s"); done
+  [ "$fresh" != 1 ] || fresh_arg=(--fresh)
+  merged="$(mktemp "${TMPDIR:-/tmp}/sfl_config.XXXXXX")"
+  python -m sfl.experiments.runs merge "$config" ${setargs[@]+"${setargs[@]}"} -o "$merged"
+  pick="$(python -m sfl.experiments.runs pick-dir "$base" "$merged" ${fresh_arg[@]+"${fresh_arg[@]}"})"
+  SFL_RUN_STATE="${pick%% *}" SFL_RUN_DIR="${pick#* }"
+  case "$SFL_RUN_STATE" in
+    finished)
+      rm -f "$merged"
+      echo "$SFL_RUN_DIR: finished before with these settings, not retrained -- $(python -m sfl.experiments.runs describe "$SFL_RUN_DIR")"
+      echo "  (to train it again from scratch, in a new directory: FRESH=1)"
+      return 0 ;;
+    unfinished)
+      echo "$SFL_RUN_DIR: an interrupted run with these settings; resuming it from its newest checkpoint"
+      resume=(--resume) ;;
+    new)
+      if [ "$SFL_RUN_DIR" != "$base" ]; then
+        echo "$base holds a run with other settings (or FRESH=1): kept as it is; training in $SFL_RUN_DIR"
+      fi
+      [ ! -e "$SFL_RUN_DIR/train_log.jsonl" ] || resume=(--resume) ;;  # a log torn before its header: restart
+  esac
+  mkdir -p "$SFL_RUN_DIR"
+  python -m sfl.experiments.runs merge "$merged" --set "out_dir=$SFL_RUN_DIR" -o "$SFL_RUN_DIR/config.yaml"
+  rm -f "$merged"
+  python -m sfl.experiments.train --config "$SFL_RUN_DIR/config.yaml" ${resume[@]+"${resume[@]}"}
+}

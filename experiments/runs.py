@@ -4,6 +4,7 @@
     python -m sfl.experiments.runs done RESULT_DIR [--file train_log.jsonl]   # exit 0 iff a 'final' line exists
     python -m sfl.experiments.runs describe RUN_DIR                           # one-line summary of a finished run
     python -m sfl.experiments.runs summarize EXP_RESULTS_DIR                  # summary.csv (+ printed table)
+    python -m sfl.experiments.runs pick-dir BASE_DIR CONFIG.yaml [--fresh]    # "new|unfinished|finished <dir>"
 
 Configs are flat YAML mappings (experiments/config.py); `merge` applies later files and --set on top of
 earlier ones and validates every key against train.py's accepted set, so a typo fails before training starts.
@@ -102,6 +103,49 @@ def run_summary(run_dir: Path) -> dict[str, Any] | None:
     return out
 
 
+# Keys that do not change what a run computes (paths, the progress bar): a re-run may differ in them.
+SAME_RUN_IGNORES = ("out_dir", "data_dir", "progress")
+
+
+def run_state(run_dir: Path) -> tuple[str, dict[str, Any] | None]:
+    """What `run_dir` holds: ('new', None) when there is nothing to lose in it (no log header, no checkpoint,
+    no final model), else ('finished' | 'unfinished', the resolved config of its log header). Finished = the
+    log has a 'final' line and, when the run saves one, the final model exists."""
+    rows = read_rows(run_dir / "train_log.jsonl")
+    header = next((r for r in rows if r.get("type") == "header"), None)
+    has_ckpt = any((run_dir / "checkpoints").glob("step_*/COMPLETE"))
+    if header is None and not has_ckpt and not (run_dir / "final").exists():
+        return "new", None
+    cfg = (header or {}).get("config")
+    final = any(r.get("type") == "final" for r in rows)
+    if final and cfg is not None and (not cfg.get("save_final", True) or (run_dir / "final" / "config.json").is_file()):
+        return "finished", cfg
+    return "unfinished", cfg
+
+
+def same_run(saved: dict[str, Any] | None, cfg: dict[str, Any]) -> bool:
+    """True when a run logged with config `saved` is the run that `cfg` (resolved, experiments.config) asks for:
+    equal in every key but SAME_RUN_IGNORES (grad_accum too when global_batch_size sets it)."""
+    if saved is None:
+        return False
+    ignore = set(SAME_RUN_IGNORES) | ({"grad_accum"} if cfg.get("global_batch_size") is not None else set())
+    a, b = json.loads(json.dumps(saved)), json.loads(json.dumps(cfg))  # the log's JSON types on both sides
+    return all(a.get(k) == b.get(k) for k in (a.keys() | b.keys()) - ignore)
+
+
+def pick_run_dir(base: Path, cfg: dict[str, Any], fresh: bool = False) -> tuple[Path, str]:
+    """The run directory a re-runnable job (the quickstart) uses for `cfg`, and its state: `base`, else
+    `base-2`, `base-3`, ...: the first that holds this same run (finished: reuse it; unfinished: resume it) or
+    nothing ('new'). With fresh=True, the first that holds nothing. A directory holding another run is never
+    touched, so a re-run never deletes or overwrites finished work."""
+    for i in range(1, 10_000):
+        d = base if i == 1 else base.with_name(f"{base.name}-{i}")
+        state, saved = run_state(d)
+        if state == "new" or (not fresh and same_run(saved, cfg)):
+            return d, state
+    raise RuntimeError(f"{base}: 10,000 run directories in use; choose another base directory")
+
+
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
         if math.isnan(v):
@@ -171,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     z.add_argument("exp_dir")
     c = sub.add_parser("compare-paths")
     c.add_argument("exp_dir")
+    k = sub.add_parser("pick-dir", help="print '<state> <dir>': where a re-run of CONFIG trains (pick_run_dir)")
+    k.add_argument("base_dir")
+    k.add_argument("config")
+    k.add_argument("--fresh", action="store_true", help="a directory holding no run, never an earlier one")
     a = ap.parse_args(argv)
     if a.cmd == "merge":
         try:
@@ -192,6 +240,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {p} does not exist (no runs yet)", file=sys.stderr)
             return 1
         print(f"wrote {summarize(p)}")
+        return 0
+    if a.cmd == "pick-dir":
+        from .config import ConfigError, load_config
+        try:
+            cfg = load_config(a.config, [f"out_dir={a.base_dir}"])
+        except (ConfigError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        d, state = pick_run_dir(Path(a.base_dir), cfg, a.fresh)
+        print(state, d)  # state first: the dir may hold spaces (`read -r state dir`)
         return 0
     if a.cmd == "compare-paths":
         print("\n".join(compare_paths(Path(a.exp_dir))))

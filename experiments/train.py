@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from .checkpoint import (CheckpointWriteError, atomic_write_text, ckpt_root, find_latest, list_checkpoints,
-                         load_checkpoint)
+from .checkpoint import (HF_SUBDIR, CheckpointWriteError, atomic_write_text, ckpt_root, find_latest, list_checkpoints,
+                         load_checkpoint, write_pretrained)
 from .config import ConfigError, l1_coeff_at, load_config, lr_at
 from .data_loader import DataError, TokenData
 # several processes (torchrun): wrapping, cross-rank statistics, DCP checkpoints -- see experiments/distributed.py
@@ -46,7 +46,8 @@ from sfl.models import SparseLlamaConfig, SparseLlamaForCausalLM
 
 # Keys that may change between a checkpoint and its resumption without breaking exactness.
 RESUME_MUTABLE = {"max_steps", "log_every", "eval_every", "eval_batches", "ckpt_every", "progress", "device",
-                  "save_final", "compile", "out_dir", "data_dir", "init_from", "parallel", "activation_checkpointing"}
+                  "save_final", "ckpt_hf", "compile", "out_dir", "data_dir", "init_from", "parallel",
+                  "activation_checkpointing"}
 
 
 # --------------------------------------------------------------------------------------- setup
@@ -366,7 +367,8 @@ def _train(cfg: dict[str, Any], resume: bool, d: Dist, device: torch.device, t_s
     model = build_model(cfg, data.vocab_size, data.meta.get("eos_id"), dead_window).to(device)
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
-    rank0_check(d, lambda: check_disk_space(out_dir, model, len(list_checkpoints(out_dir)), cfg["save_final"]))
+    rank0_check(d, lambda: check_disk_space(out_dir, model, len(list_checkpoints(out_dir)), cfg["save_final"],
+                                            cfg["ckpt_hf"]))
     fwd_model = wrap_model(model, cfg, d, device)  # before the optimizer: FSDP2 replaces parameters by shards
     opt = torch.optim.AdamW(param_groups(model, cfg["weight_decay"]), lr=cfg["lr"], betas=tuple(cfg["betas"]),
                             eps=cfg["eps"])
@@ -396,13 +398,17 @@ def _train(cfg: dict[str, Any], resume: bool, d: Dist, device: torch.device, t_s
 
     log = JsonlLog(log_path, d.main, lines=log_lines)
     from .provenance import collect
+    # what a run's numbers depend on besides its config: the processes, the kernels' settings, the exact data
+    data_info = {"tokens_dir": str(data.dir), "tokenizer": data.meta.get("tokenizer"), **(data_fp or {})}
+    setup = {"world_size": d.world, "kernel_config": model.config.get_kernel_config().to_dict(), "data": data_info}
     if ckpt_dir is None:
         mc = model.config  # the built model's shape (with init_from the arch keys of cfg are not used)
         arch = {k: getattr(mc, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                             "num_attention_heads", "vocab_size", "gated_mlp")}
-        log.write({"type": "header", "provenance": collect(), "config": cfg, "model": arch, "n_params": n_params})
-    else:
-        log.write({"type": "resume", "step": step, "provenance": collect()})
+        log.write({"type": "header", "provenance": collect(), "config": cfg, "model": arch, "n_params": n_params,
+                   **setup})
+    else:  # a resume may run on another number of processes, or with other kernel settings
+        log.write({"type": "resume", "step": step, "provenance": collect(), **setup})
 
     if cfg["compile"]:
         fwd_model = torch.compile(fwd_model)
@@ -422,11 +428,17 @@ def _train(cfg: dict[str, Any], resume: bool, d: Dist, device: torch.device, t_s
                 # what a resume needs to write the log an uninterrupted run writes
                 "log_lines": log.lines, "counters": {"reinit_neurons": n_reinit}}
 
+    tokenizer_dir = Path(cfg["data_dir"]) / "tokenizer"
+
     def save(done: int) -> None:
         state = checkpoint_state(done)
         if d.main:
             log.sync()
-        save_checkpoint_dcp(out_dir, done, model, opt, state, d)  # collective: every rank writes its shards
+        write_hf = None
+        if cfg["ckpt_hf"]:  # a from_pretrained-able copy of the same weights beside the training state
+            plain = unsharded_copy(model, d) if is_sharded(model) else model  # collective under FSDP2
+            write_hf = lambda tmp: write_pretrained(plain, tmp / HF_SUBDIR, tokenizer_dir)  # noqa: E731
+        save_checkpoint_dcp(out_dir, done, model, opt, state, d, write_hf)  # collective: every rank writes its shards
 
     params = [p for p in model.parameters() if p.requires_grad]
     clip = cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf")
@@ -497,11 +509,7 @@ def save_final(model: SparseLlamaForCausalLM, dest: Path, data_dir: Path) -> Non
     """save_pretrained (+ the data dir's tokenizer) into dest, via a temp dir + rename."""
     tmp = dest.with_name(tmp_name(dest.name))
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tok_dir = data_dir / "tokenizer"
-    if tok_dir.is_dir():
-        from transformers import AutoTokenizer
-        AutoTokenizer.from_pretrained(tok_dir).save_pretrained(tmp)
+    write_pretrained(model, tmp, data_dir / "tokenizer")
     if dest.exists():
         shutil.rmtree(dest)
     os.replace(tmp, dest)

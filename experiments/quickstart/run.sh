@@ -2,27 +2,41 @@
 # The main job, end to end on a fresh machine: environment, offline data, a tiny sparse model trained from
 # scratch (GPU if present, else CPU), lm-eval on the 7 tasks with a small --limit, the quickstart figure.
 # ~10-15 min on 2 CPU cores the first time (data preparation included), ~6 min after.
-# Outputs: runs/quickstart/ (checkpoints, final model), results/quickstart/{train_log.jsonl,eval.json},
-# figures/quickstart_loss_nnz.png.  Extra arguments go to train.py as --set overrides (e.g. max_steps=50).
+# Outputs: runs/quickstart/ (checkpoints with from_pretrained copies in hf/, final model, eval_limit<N>/),
+# results/quickstart/{train_log.jsonl,eval.json}, figures/quickstart_loss_nnz.png.
+# Extra arguments go to train.py as --set overrides (e.g. max_steps=50).
+#
+# Re-running it (README "Quick start"): with the same settings, a finished run is reported and not retrained,
+# and its evaluation is reused; an interrupted run resumes from its newest checkpoint. Other settings train
+# in a new directory (runs/quickstart-2, -3, ...), as does FRESH=1. Nothing finished is deleted or overwritten;
+# results/quickstart/ and the figure are rewritten from the run used.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 . experiments/env.sh
-export SFL_GIT_COMMIT="${SFL_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+. experiments/run_lib.sh
 limit="${QUICKSTART_EVAL_LIMIT:-20}"
 
 echo "== [1/4] offline data (idempotent: verified and skipped when already prepared)"
 python -m sfl.data.prepare
 
 echo "== [2/4] train"
-extra=(); for kv in "$@"; do extra+=(--set "$kv"); done
-python -m sfl.experiments.train --config experiments/quickstart/config.yaml "${extra[@]}"
+sfl_train_rerunnable runs/quickstart experiments/quickstart/config.yaml "${FRESH:-0}" "$@"
+run="$SFL_RUN_DIR"
 
 echo "== [3/4] evaluate (lm-eval, 7 tasks, limit $limit)"
+evaluated="$run/eval_limit$limit"
+if [ -f "$evaluated/eval.json" ]; then
+  echo "$evaluated/eval.json: this model was evaluated before with limit $limit; reused"
+else
+  tmp="$run/.tmp-eval_limit$limit.$$"  # moved into place when complete (a kill never leaves a partial eval)
+  rm -rf "$tmp"
+  python -m sfl.experiments.evaluate --model "$run/final" --tasks all --limit "$limit" --batch-size 16 --out "$tmp"
+  mv "$tmp" "$evaluated"
+fi
 mkdir -p results/quickstart
-cp runs/quickstart/train_log.jsonl results/quickstart/train_log.jsonl
-python -m sfl.experiments.evaluate --model runs/quickstart/final --tasks all --limit "$limit" \
-  --batch-size 16 --out results/quickstart
+cp "$run/train_log.jsonl" results/quickstart/train_log.jsonl
+cp "$evaluated/eval.json" results/quickstart/eval.json
 
 echo "== [4/4] figure"
 python -m sfl.notebooks.run_all --only quickstart
-echo "done: results/quickstart/, figures/quickstart_loss_nnz.png"
+echo "done: $run, results/quickstart/, figures/quickstart_loss_nnz.png"
