@@ -25,3 +25,21 @@ def test_environment_yml_pins_equal_requirements():
     want = re.search(r"Python (3\.\d+)", (REPO / "requirements.txt").read_text()).group(1)
     assert python == [f"python={want}"]
     assert env["name"] == "sfl" and env["channels"]
+
+
+def _name(spec: str) -> str:
+    return re.split(r"[<>=!~ ;\[]", spec, maxsplit=1)[0].strip().lower()
+
+
+def test_notebooks_extra_brings_jupyterlab_and_the_pinned_plotting_stack():
+    """`pip install -e .[notebooks]` gives JupyterLab plus what the notebooks import; the packages it shares
+    with requirements.txt carry the same specifiers there (seaborn pinned exactly)."""
+    import tomllib
+
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["notebooks"]
+    by_name = {_name(s): s.replace(" ", "") for s in extra}
+    assert "jupyterlab" in by_name
+    reqs = {_name(s): s.replace(" ", "") for s in _requirements()}
+    for name in ("seaborn", "matplotlib", "pandas", "nbclient", "ipykernel"):
+        assert by_name[name] == reqs[name], name
+    assert reqs["seaborn"].startswith("seaborn==")
