@@ -22,6 +22,7 @@ import json
 import math
 import os
 import re
+import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,9 +30,24 @@ from typing import Any, Iterable, Sequence
 
 import matplotlib
 
-matplotlib.use("Agg")  # headless everywhere; notebooks never need a display
+
+def in_notebook() -> bool:
+    """True inside a Jupyter kernel (JupyterLab, or run_all's headless nbclient), False in a plain process."""
+    ip = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
+    return ip is not None and hasattr(ip, "kernel")
+
+
+if not in_notebook():
+    matplotlib.use("Agg")  # scripts and tests: no display; a kernel keeps its own (inline) backend
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
+import seaborn as sns  # noqa: E402
+
+# One look for every figure: seaborn's theme (white grid, a colour-blind-safe palette), set when a notebook
+# imports these helpers. Notebooks draw with seaborn's plots where they fit, matplotlib where they do not.
+THEME: dict[str, Any] = dict(context="notebook", style="whitegrid", palette="colorblind",
+                             rc={"axes.titlesize": "medium", "legend.fontsize": "small"})
+sns.set_theme(**THEME)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -675,7 +691,8 @@ def save_table(name: str, df: pd.DataFrame, caption: str, *, title: str | None =
 
 
 def save_figure(fig: plt.Figure, name: str, caption: str = "", *, scale: str = SCALE_NOTE) -> Path:
-    """Write figures/<name>.png with the caption and scale note as a footer, then close the figure."""
+    """Write figures/<name>.png with the caption and scale note as a footer, close the figure, and in a notebook
+    show that same PNG inline (once: the closed figure is not drawn again at the end of the cell)."""
     out = figures_dir()
     out.mkdir(parents=True, exist_ok=True)
     footer = (caption.strip() + "\n" if caption else "") + scale
@@ -685,6 +702,10 @@ def save_figure(fig: plt.Figure, name: str, caption: str = "", *, scale: str = S
     path = out / f"{name}.png"
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
+    if in_notebook():
+        from IPython.display import Image, display
+
+        display(Image(filename=str(path)))
     return path
 
 
