@@ -1,7 +1,8 @@
 """Shared helpers for the figure/table notebooks: read logs, read the published numbers, write outputs.
 
 Every notebook reads only results/ (ours) and results/published/ (the paper's numbers, transcribed with
-their source tags) and writes figures/<name>.png and paper_tables/<name>.md + .csv. A missing log never
+their source tags) and writes figures/<name>.png (also shown inline in the notebook; seaborn theme THEME) and
+paper_tables/<name>.md + .csv. A missing log never
 raises: `missing()` writes an explicit "not reproduced yet" entry and a labelled placeholder figure.
 
 Logs are read only through results/MANIFEST.csv (`record_paths`, `record_file`): a file in results/ that the

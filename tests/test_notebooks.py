@@ -71,13 +71,14 @@ def runs(tmp_path_factory):
         env.pop("SFL_RESULTS_DIR", None)
         if results is not None:
             env["SFL_RESULTS_DIR"] = str(results)
-        procs[name] = subprocess.Popen([sys.executable, "-m", "sfl.notebooks.run_all"], cwd=REPO, env=env,
+        procs[name] = subprocess.Popen([sys.executable, "-m", "sfl.notebooks.run_all",
+                                        "--keep-executed", str(tmp / name / "executed")], cwd=REPO, env=env,
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = {}
     for name, p in procs.items():
         log, _ = p.communicate(timeout=300)
         out[name] = dict(rc=p.returncode, log=log, figures=tmp / name / "figures", tables=tmp / name / "tables",
-                         results=dirs[name] or REPO / "results")
+                         results=dirs[name] or REPO / "results", executed=tmp / name / "executed")
     return out
 
 
@@ -196,6 +197,51 @@ def test_synthetic_results_dir(runs):
     assert _num(ng["published fwd speed-up (%)"]) == 11.2 and _num(ng["ours nnz"]) == pytest.approx(2.0)
     t5 = {x["run"]: x for x in _rows(T / "table5_dead_neuron_mitigation.csv")}
     assert _num(t5["reinit"]["published mean acc (%)"]) == 46.6 and _num(t5["reinit"]["ours dead (%)"]) == pytest.approx(3.3)
+
+
+def _inline_pngs(executed: Path) -> dict[str, list[bytes]]:
+    """The PNG images each executed notebook shows in its outputs."""
+    import base64
+
+    import nbformat
+
+    shown = {}
+    for path in sorted(executed.glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        shown[path.stem] = [base64.b64decode(o["data"]["image/png"]) for c in nb.cells if c.cell_type == "code"
+                            for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+    return shown
+
+
+@pytest.mark.parametrize("which", ["real", "synthetic", "partial"])
+def test_figures_shown_inline_as_saved(runs, which):
+    """Every notebook shows its figures inline, each exactly once and exactly as saved in figures/ (placeholders
+    for missing logs included)."""
+    import hashlib
+
+    r = runs[which]
+    assert r["rc"] == 0, r["log"][-3000:]
+    shown = _inline_pngs(r["executed"])
+    assert set(shown) == {p.stem for p in (REPO / "notebooks").glob("*.ipynb")}
+    assert all(shown.values()), {k: len(v) for k, v in shown.items()}
+    digest = lambda b: hashlib.sha256(b).hexdigest()  # noqa: E731
+    saved = sorted(digest(p.read_bytes()) for p in r["figures"].glob("*.png"))
+    assert sorted(digest(b) for imgs in shown.values() for b in imgs) == saved
+
+
+def test_nbutil_sets_the_seaborn_theme():
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    sns.reset_orig()
+    import importlib
+
+    importlib.reload(nbutil)
+    from matplotlib.colors import to_hex
+
+    cycle = [to_hex(c) for c in plt.rcParams["axes.prop_cycle"].by_key()["color"]]
+    assert cycle == sns.color_palette(nbutil.THEME["palette"]).as_hex()
+    assert plt.rcParams["axes.grid"] and plt.rcParams["axes.facecolor"] == "white"  # whitegrid
 
 
 def test_published_csv_matches_reference_numbers():
