@@ -125,11 +125,14 @@ def run_state(run_dir: Path) -> tuple[str, dict[str, Any] | None]:
 
 def same_run(saved: dict[str, Any] | None, cfg: dict[str, Any]) -> bool:
     """True when a run logged with config `saved` is the run that `cfg` (resolved, experiments.config) asks for:
-    equal in every key but SAME_RUN_IGNORES (grad_accum too when global_batch_size sets it)."""
+    equal in every key but SAME_RUN_IGNORES (grad_accum too when global_batch_size sets it). A key the saved
+    config lacks (added to train.py after that run) counts as its default."""
+    from .config import DEFAULTS
+
     if saved is None:
         return False
     ignore = set(SAME_RUN_IGNORES) | ({"grad_accum"} if cfg.get("global_batch_size") is not None else set())
-    a, b = json.loads(json.dumps(saved)), json.loads(json.dumps(cfg))  # the log's JSON types on both sides
+    a, b = json.loads(json.dumps({**DEFAULTS, **saved})), json.loads(json.dumps(cfg))  # the log's JSON types
     return all(a.get(k) == b.get(k) for k in (a.keys() | b.keys()) - ignore)
 
 

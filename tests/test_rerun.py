@@ -157,6 +157,10 @@ def test_pick_run_dir_states(data_dir, tmp_path) -> None:
     # paths and the progress bar do not make another run; anything else does
     moved = cfg_for(data_dir.parent / "elsewhere", base, max_steps=3, ckpt_hf=False, progress=True)
     assert pick_run_dir(base, moved) == (base, "finished")
+    # a run logged before a config key existed: the key counts as its default (here ckpt_hf's, true)
+    from sfl.experiments.runs import same_run
+    saved = {k: v for k, v in run_state(base)[1].items() if k != "ckpt_hf"}
+    assert same_run(saved, {**cfg, "ckpt_hf": True}) and not same_run(saved, cfg)
     other = cfg_for(data_dir, base, max_steps=3, ckpt_hf=False, l1_coeff=0.0)
     assert pick_run_dir(base, other) == (tmp_path / "qs-2", "new")
     assert pick_run_dir(base, cfg, fresh=True) == (tmp_path / "qs-2", "new")
