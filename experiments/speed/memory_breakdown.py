@@ -22,11 +22,12 @@ import contextlib
 import json
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 
 from ..provenance import collect
+from .train_throughput import as_side, ffn_paths
 
 CATEGORIES = ("ffn", "attention", "norm", "embedding", "lm_head+loss", "parameters")
 
@@ -96,42 +97,24 @@ def one_step(model, ids: torch.Tensor, l1_coeff: float) -> dict[str, Any]:
     if cuda:
         torch.cuda.synchronize()
         row["peak_over_start_bytes"] = torch.cuda.max_memory_allocated() - before
-    row["ffn_paths"] = [getattr(getattr(m, "_train_state", None), "last_forward_path", None) or "dense"
-                        for m in model.sparse_mlps()]
+    row["ffn_paths"] = ffn_paths(model)
     model.zero_grad(set_to_none=True)
     return row
 
 
-def sides(model) -> list[tuple[str, Callable[[], None], float]]:
-    """(name, set-up, l1 coefficient) per side; each set-up leaves the model as that side trains."""
-    from sfl.kernels.config import KernelConfig
-
-    base = model.config.get_kernel_config()
-    forced = KernelConfig.from_dict({**base.to_dict(), "train_mode": "sparse", "train_sparse_min_m": 1})
-
-    def use(impl: str, stats: bool, kc: KernelConfig) -> Callable[[], None]:
-        def setup() -> None:
-            model.set_mlp_impl(impl)
-            model.config.track_sparsity_stats = stats
-            model.set_kernel_config(kc)
-            for m in model.sparse_mlps():
-                m._train_state = None  # a fresh dispatch history per side
-        return setup
-
-    coeff = float(model.config.l1_coeff) or 2e-5
-    return [("dense", use("dense", True, base), coeff), ("dense L1=0", use("dense", False, base), 0.0),
-            ("sparse auto", use("cuda", True, base), coeff), ("sparse forced", use("cuda", True, forced), coeff)]
+# this tool's side names -> train_throughput.as_side's
+SIDES = {"dense": "dense L1", "dense L1=0": "dense L1=0", "sparse auto": "sparse", "sparse forced": "sparse forced"}
 
 
 def measure(model, ids: torch.Tensor, warmup: int = 2) -> list[dict[str, Any]]:
     """Every side: `warmup` steps (the auto dispatch measures its layers), then the accounted step."""
     rows = []
     model.train()
-    for name, setup, coeff in sides(model):
-        setup()
-        for _ in range(warmup):
-            one_step(model, ids, coeff)
-        rows.append({"side": name, "l1_coeff": coeff, **one_step(model, ids, coeff)})
+    for name, side in SIDES.items():
+        with as_side(model, side, float(model.config.l1_coeff) or 2e-5) as coeff:
+            for _ in range(warmup):
+                one_step(model, ids, coeff)
+            rows.append({"side": name, "l1_coeff": coeff, **one_step(model, ids, coeff)})
     return rows
 
 

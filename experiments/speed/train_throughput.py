@@ -35,10 +35,17 @@ L1_COEFF = 2e-5  # the paper's recommended L1 (the sparse recipe of its speed ta
 
 
 @contextlib.contextmanager
-def as_side(model, side: str) -> Iterator[float]:
-    """The model set up as `side` trains; yields its L1 coefficient."""
-    impl, stats, coeff = {"dense L1=0": ("dense", False, 0.0), "dense L1": ("dense", True, L1_COEFF),
-                          "sparse": ("cuda", True, L1_COEFF)}[side]
+def as_side(model, side: str, l1_coeff: float = L1_COEFF) -> Iterator[float]:
+    """The model set up as `side` trains (SIDES, or "sparse forced": every layer through the sparse op, whatever
+    its activity and size); yields the side's L1 coefficient."""
+    from sfl.kernels.config import KernelConfig
+
+    impl, stats, coeff = {"dense L1=0": ("dense", False, 0.0), "dense L1": ("dense", True, l1_coeff),
+                          "sparse": ("cuda", True, l1_coeff), "sparse forced": ("cuda", True, l1_coeff)}[side]
+    base = model.config.get_kernel_config()
+    if side == "sparse forced":
+        model.set_kernel_config(KernelConfig.from_dict({**base.to_dict(), "train_mode": "sparse",
+                                                        "train_sparse_min_m": 1}))
     model.set_mlp_impl(impl)
     model.config.track_sparsity_stats = stats
     try:
@@ -46,6 +53,14 @@ def as_side(model, side: str) -> Iterator[float]:
     finally:
         model.set_mlp_impl("dense")
         model.config.track_sparsity_stats = True
+        if side == "sparse forced":
+            model.set_kernel_config(base)
+
+
+def ffn_paths(model) -> list[str]:
+    """The FFN path ("sparse" or "dense") of every layer's last training forward."""
+    return [getattr(getattr(m, "_train_state", None), "last_forward_path", None) or "dense"
+            for m in model.sparse_mlps()]
 
 
 def largest_fitting(fits: Callable[[int], bool], start: int, limit: int) -> int:
@@ -127,8 +142,7 @@ def side_rows(tr: Trainer, mbs: dict[str, int], res: dict[str, dict[str, Any]], 
         if s == "sparse":
             with as_side(tr.model, s):
                 tr.step(s, mbs[s])
-            paths = [getattr(getattr(m, "_train_state", None), "last_forward_path", None) or "dense"
-                     for m in tr.model.sparse_mlps()]
+            paths = ffn_paths(tr.model)
             row["ffn_paths"], row["sparse_layers"] = paths, paths.count("sparse")
         rows.append(row)
     return rows
