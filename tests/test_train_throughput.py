@@ -31,7 +31,7 @@ def test_run_shape_rows_for_every_side_and_setting():
     ids = torch.randint(0, 64, (2, 33))
     a = argparse.Namespace(seq_len=32, micro_batch=2, max_micro_batch=4, no_search=False,
                            activation_checkpointing=[0, 1], blocks=2, steps=1)
-    rows = run_shape(model, ids, torch.device("cpu"), a, {"model": "tiny"})
+    rows = [r for group in run_shape(model, ids, torch.device("cpu"), a, {"model": "tiny"}) for r in group]
     assert len(rows) == 2 * 2 * len(SIDES)   # (checkpointing off, on) x (equal, largest) x sides
     for r in rows:
         assert r["tokens_per_s"] > 0 and len(r["block_s"]) == 2 and r["model"] == "tiny"

@@ -149,10 +149,10 @@ def side_rows(tr: Trainer, mbs: dict[str, int], res: dict[str, dict[str, Any]], 
 
 
 def run_shape(model, ids: torch.Tensor, device: torch.device, a: argparse.Namespace,
-              base: dict[str, Any]) -> list[dict[str, Any]]:
+              base: dict[str, Any]) -> Iterator[list[dict[str, Any]]]:
+    """The rows of one shape, a group at a time (written as they come: a run cut short keeps what finished)."""
     model.float().train()
     tr = Trainer(model, ids[:, : a.seq_len + 1], device)
-    rows: list[dict[str, Any]] = []
     for ckpt in a.activation_checkpointing:
         if ckpt:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -160,15 +160,14 @@ def run_shape(model, ids: torch.Tensor, device: torch.device, a: argparse.Namesp
             model.gradient_checkpointing_disable()
         b = {**base, "activation_checkpointing": ckpt}
         equal = {s: a.micro_batch for s in SIDES}
-        rows += side_rows(tr, equal, time_blocks(tr, equal, a.blocks, a.steps), a.seq_len,
-                          {**b, "micro_batch_policy": "equal"})
+        yield side_rows(tr, equal, time_blocks(tr, equal, a.blocks, a.steps), a.seq_len,
+                        {**b, "micro_batch_policy": "equal"})
         if not a.no_search:
             largest = {s: largest_fitting(lambda n, s=s: tr.fits(s, n), a.micro_batch, a.max_micro_batch)
                        for s in SIDES}
-            rows += side_rows(tr, largest, time_blocks(tr, largest, a.blocks, a.steps), a.seq_len,
-                              {**b, "micro_batch_policy": f"largest that fits (searched up to {a.max_micro_batch})"})
+            yield side_rows(tr, largest, time_blocks(tr, largest, a.blocks, a.steps), a.seq_len,
+                            {**b, "micro_batch_policy": f"largest that fits (searched up to {a.max_micro_batch})"})
     model.gradient_checkpointing_disable()
-    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,10 +205,10 @@ def main(argv: list[str] | None = None) -> int:
                     "kernel_config": model.config.get_kernel_config().to_dict(),
                     "timed": "train.optimizer_step: forward (+L1) and backward under bf16 autocast, clip, AdamW",
                     **collect()}
-            rows = run_shape(model, ids, dev, a, base)
-            with a.out.open("a") as f:
+            for rows in run_shape(model, ids, dev, a, base):
+                with a.out.open("a") as f:
+                    f.writelines(json.dumps(r) + "\n" for r in rows)
                 for r in rows:
-                    f.write(json.dumps(r) + "\n")
                     print(f"{r['model']} nnz {nnz:g} ckpt {r['activation_checkpointing']} {r['micro_batch_policy'][:7]} "
                           f"{r['side']:10s} mb {r['micro_batch']:3d}: {r['tokens_per_s']:.0f} tok/s, "
                           f"peak {r['peak_mem_gb'] or float('nan'):.1f} GB", flush=True)
