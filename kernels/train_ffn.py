@@ -72,6 +72,8 @@ class DispatchState:
         self.backup_frac: float | None = None  # fraction of rows with nnz > width
         self.last_path: str | None = None
         self.last_forward_path: str | None = None
+        self.last_kept_bytes: int | None = None   # bytes the sparse path's last forward saved for backward
+        self.last_backup_rows: int | None = None  # rows its last forward kept dense (nnz > width)
         self._pending: tuple[Any, int, int] | None = None  # (event or None, rows, n_cols)
         self._host: Tensor | None = None
 
@@ -374,6 +376,7 @@ def _run(x, w_gate, w_up, w_down, l1_reduction, mode, state, width, backend, wan
             kept = sum(t.numel() * t.element_size() for t in (ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup))
             stats = {"path": "sparse", "nnz_per_token": nnz, "backup_rows": int(backup_rows.numel()),
                      "width": int(ell_col.shape[1]), "kept_bytes": int(kept), "backend": backend}
+            st.last_kept_bytes, st.last_backup_rows = stats["kept_bytes"], stats["backup_rows"]
             if want_last_active:
                 stats["last_active_row"] = _last_active_sparse(ell_col, ell_a, nnz, backup_rows, backup, N)
     return y.reshape(*lead, y.shape[-1]), l1, stats

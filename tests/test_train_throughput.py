@@ -30,13 +30,15 @@ def test_run_shape_rows_for_every_side_and_setting():
         num_key_value_heads=2, max_position_embeddings=64))
     ids = torch.randint(0, 64, (2, 33))
     a = argparse.Namespace(seq_len=32, micro_batch=2, max_micro_batch=4, no_search=False,
-                           activation_checkpointing=[0, 1], blocks=2, steps=1)
+                           activation_checkpointing=[0, 1], blocks=2, steps=1, sides=list(SIDES) + ["sparse forced"])
     rows = [r for group in run_shape(model, ids, torch.device("cpu"), a, {"model": "tiny"}) for r in group]
-    assert len(rows) == 2 * 2 * len(SIDES)   # (checkpointing off, on) x (equal, largest) x sides
+    assert len(rows) == 2 * 2 * (len(SIDES) + 1)   # (checkpointing off, on) x (equal, largest) x sides
     for r in rows:
         assert r["tokens_per_s"] > 0 and len(r["block_s"]) == 2 and r["model"] == "tiny"
         assert r["micro_batch"] == (2 if r["micro_batch_policy"] == "equal" else 4)   # a CPU never runs out
         assert r["speedup_vs_dense_l1_0"] > 0
     sparse = [r for r in rows if r["side"] == "sparse"]
-    assert all(len(r["ffn_paths"]) == 2 for r in sparse)
+    assert all(len(r["ffn_paths"]) == 2 and len(r["ffn_dispatch"]) == 2 for r in sparse)
+    forced = [r for r in rows if r["side"] == "sparse forced"]
+    assert forced and all(d["path"] == "sparse" and d["kept_bytes"] > 0 for r in forced for d in r["ffn_dispatch"])
     assert {r["activation_checkpointing"] for r in rows} == {0, 1}

@@ -31,6 +31,7 @@ from .. import train as train_mod
 from ..provenance import collect
 
 SIDES = ("dense L1=0", "dense L1", "sparse")
+EXTRA_SIDES = ("sparse forced",)  # every layer through the sparse op (what auto's thresholds are judged against)
 L1_COEFF = 2e-5  # the paper's recommended L1 (the sparse recipe of its speed tables)
 
 
@@ -61,6 +62,18 @@ def ffn_paths(model) -> list[str]:
     """The FFN path ("sparse" or "dense") of every layer's last training forward."""
     return [getattr(getattr(m, "_train_state", None), "last_forward_path", None) or "dense"
             for m in model.sparse_mlps()]
+
+
+def ffn_dispatch(model) -> list[dict[str, Any]]:
+    """Per layer: the path of its last training forward and what the dispatch decided it from (the measured
+    activity of light rows, the fraction of rows above the ELL width), and the sparse path's saved bytes."""
+    out = []
+    for m in model.sparse_mlps():
+        st = getattr(m, "_train_state", None)
+        out.append({"path": (st and st.last_forward_path) or "dense",
+                    "activity": st and st.activity, "backup_frac": st and st.backup_frac,
+                    "kept_bytes": st and st.last_kept_bytes, "backup_rows": st and st.last_backup_rows})
+    return out
 
 
 def largest_fitting(fits: Callable[[int], bool], start: int, limit: int) -> int:
@@ -139,11 +152,11 @@ def side_rows(tr: Trainer, mbs: dict[str, int], res: dict[str, dict[str, Any]], 
                "peak_mem_gb": r["peak_bytes"] / 1e9 if r["peak_bytes"] else None}
         if ref is not None:  # tokens/s over the paper's dense baseline's
             row["speedup_vs_dense_l1_0"] = ref / (med / mbs[s])
-        if s == "sparse":
-            with as_side(tr.model, s):
-                tr.step(s, mbs[s])
+        if s.startswith("sparse"):
+            tr.step(s, mbs[s])
             paths = ffn_paths(tr.model)
             row["ffn_paths"], row["sparse_layers"] = paths, paths.count("sparse")
+            row["ffn_dispatch"] = ffn_dispatch(tr.model)
         rows.append(row)
     return rows
 
@@ -159,12 +172,12 @@ def run_shape(model, ids: torch.Tensor, device: torch.device, a: argparse.Namesp
         else:
             model.gradient_checkpointing_disable()
         b = {**base, "activation_checkpointing": ckpt}
-        equal = {s: a.micro_batch for s in SIDES}
+        equal = {s: a.micro_batch for s in a.sides}
         yield side_rows(tr, equal, time_blocks(tr, equal, a.blocks, a.steps), a.seq_len,
                         {**b, "micro_batch_policy": "equal"})
         if not a.no_search:
             largest = {s: largest_fitting(lambda n, s=s: tr.fits(s, n), a.micro_batch, a.max_micro_batch)
-                       for s in SIDES}
+                       for s in a.sides}
             yield side_rows(tr, largest, time_blocks(tr, largest, a.blocks, a.steps), a.seq_len,
                             {**b, "micro_batch_policy": f"largest that fits (searched up to {a.max_micro_batch})"})
     model.gradient_checkpointing_disable()
@@ -176,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, nargs="+", default=[8, 18, 28, 38])
     ap.add_argument("--nnz-sweep", type=float, nargs="*", default=None, help="mean non-zeros per token to sweep")
+    ap.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES + EXTRA_SIDES)
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--max-micro-batch", type=int, default=64)
     ap.add_argument("--no-search", action="store_true", help="equal micro-batch only")
