@@ -6,7 +6,7 @@ import argparse
 import pytest
 import torch
 
-from sfl.experiments.speed.train_throughput import SIDES, largest_fitting, run_shape
+from sfl.experiments.speed.train_throughput import SIDES, Trainer, largest_fitting, run_shape
 from sfl.models import SparseLlamaConfig, SparseLlamaForCausalLM
 
 
@@ -23,13 +23,29 @@ def test_largest_fitting_finds_the_largest_size(start, largest):
     assert all(1 <= n <= 64 for n in calls) and len(calls) <= 16
 
 
-def test_run_shape_rows_for_every_side_and_setting():
+def _tiny_model() -> SparseLlamaForCausalLM:
     torch.manual_seed(0)
-    model = SparseLlamaForCausalLM(SparseLlamaConfig(
+    return SparseLlamaForCausalLM(SparseLlamaConfig(
         vocab_size=64, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=2, max_position_embeddings=64))
+
+
+@pytest.mark.parametrize("lr", [0.0, 1e-3])
+def test_trainer_runs_the_whole_update_and_lr_0_keeps_the_weights(lr):
+    model = _tiny_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    tr = Trainer(model, torch.randint(0, 64, (2, 33)), torch.device("cpu"), lr=lr)
+    for side in SIDES:
+        tr.step(side, 2)
+    assert len(tr.opt.state) == len(before)  # AdamW kept moments for every parameter: its full update ran
+    moved = [not torch.equal(b, p) for b, p in zip(before, model.parameters())]
+    assert not any(moved) if lr == 0 else all(moved)
+
+
+def test_run_shape_rows_for_every_side_and_setting():
+    model = _tiny_model()
     ids = torch.randint(0, 64, (2, 33))
-    a = argparse.Namespace(seq_len=32, micro_batch=2, max_micro_batch=4, no_search=False,
+    a = argparse.Namespace(seq_len=32, lr=0.0, micro_batch=2, max_micro_batch=4, no_search=False,
                            activation_checkpointing=[0, 1], blocks=2, steps=1, sides=list(SIDES) + ["sparse forced"])
     rows = [r for group in run_shape(model, ids, torch.device("cpu"), a, {"model": "tiny"}) for r in group]
     assert len(rows) == 2 * 2 * (len(SIDES) + 1)   # (checkpointing off, on) x (equal, largest) x sides

@@ -76,6 +76,16 @@ def ffn_dispatch(model) -> list[dict[str, Any]]:
     return out
 
 
+def dispatch_note(row: dict[str, Any]) -> str:
+    """', sparse layers s/L, rows above the ELL width <= x%' for a sparse row (the console's view of ffn_dispatch)."""
+    d = row.get("ffn_dispatch")
+    if not d:
+        return ""
+    frac = [x["backup_frac"] for x in d if x["backup_frac"] is not None]
+    return (f", sparse layers {row['sparse_layers']}/{len(d)}"
+            + (f", rows above the ELL width <= {100 * max(frac):.1f}%" if frac else ""))
+
+
 def largest_fitting(fits: Callable[[int], bool], start: int, limit: int) -> int:
     """The largest n in [1, limit] with fits(n) (monotone: all smaller n fit too), 0 if none: doubling from start,
     then bisection between the last size that fit and the first that did not."""
@@ -93,10 +103,13 @@ def largest_fitting(fits: Callable[[int], bool], start: int, limit: int) -> int:
 class Trainer:
     """train.optimizer_step on one model and optimizer, for any side and micro-batch."""
 
-    def __init__(self, model, ids: torch.Tensor, device: torch.device) -> None:
+    def __init__(self, model, ids: torch.Tensor, device: torch.device, lr: float = 0.0) -> None:
         self.model, self.ids, self.device = model, ids, device
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(train_mod.param_groups(model, 0.1), lr=1e-6)  # tiny: the weights barely move
+        # lr 0 by default: AdamW runs every kernel of its update (the cost is the same) but the weights stay as
+        # calibrated, so every timed step sees the paper's activity profile. With lr > 0 the optimizer also
+        # writes into the calibration's bias channel, and the activity drifts over the steps of a long run.
+        self.opt = torch.optim.AdamW(train_mod.param_groups(model, 0.1), lr=lr)
 
     def step(self, side: str, micro_batch: int) -> None:
         cfg = {"micro_batch_size": micro_batch, "grad_accum": 1,
@@ -165,7 +178,7 @@ def run_shape(model, ids: torch.Tensor, device: torch.device, a: argparse.Namesp
               base: dict[str, Any]) -> Iterator[list[dict[str, Any]]]:
     """The rows of one shape, a group at a time (written as they come: a run cut short keeps what finished)."""
     model.float().train()
-    tr = Trainer(model, ids[:, : a.seq_len + 1], device)
+    tr = Trainer(model, ids[:, : a.seq_len + 1], device, lr=a.lr)
     for ckpt in a.activation_checkpointing:
         if ckpt:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -199,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="steps per block")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", type=float, default=0.0, help="AdamW learning rate of the timed steps (see Trainer)")
     ap.add_argument("--out", type=Path, default=Path("results/speed/train_throughput.jsonl"))
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
@@ -215,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             base = {"model": f"paper-shape {PAPER_SCALES.get(n_layers, f'{n_layers} layers')}",
                     "num_hidden_layers": n_layers, "target_nnz_mean": nnz,
                     "calibration_nnz_mean": sum(achieved) / len(achieved), "seq_len": a.seq_len,
-                    "l1_coeff_sparse": L1_COEFF, "nnz_sweep": bool(a.nnz_sweep),
+                    "l1_coeff_sparse": L1_COEFF, "nnz_sweep": bool(a.nnz_sweep), "lr": a.lr,
                     "kernel_config": model.config.get_kernel_config().to_dict(),
                     "timed": "train.optimizer_step: forward (+L1) and backward under bf16 autocast, clip, AdamW",
                     **collect()}
@@ -225,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                 for r in rows:
                     print(f"{r['model']} nnz {nnz:g} ckpt {r['activation_checkpointing']} {r['micro_batch_policy'][:7]} "
                           f"{r['side']:10s} mb {r['micro_batch']:3d}: {r['tokens_per_s']:.0f} tok/s, "
-                          f"peak {r['peak_mem_gb'] or float('nan'):.1f} GB", flush=True)
+                          f"peak {r['peak_mem_gb'] or float('nan'):.1f} GB{dispatch_note(r)}", flush=True)
             del model
             if dev.type == "cuda":
                 torch.cuda.empty_cache()

@@ -17,12 +17,19 @@ ids = torch.randint(0, V, (mb, 2049), generator=g).to(dev)
 ach = calibrate_paper_model(m, paper_profile(L, 39.0 if L == 8 else 29.0), ids[:, :-1], heavy_ids=heavy)
 print("calibrated", [round(a, 1) for a in ach])
 rows = {}
+F = torch.nn.functional
+@torch.no_grad()
 def hook(mod, inp, out):
-    x = inp[0].reshape(-1, inp[0].shape[-1])
-    a = torch.relu(torch.nn.functional.linear(x.to(torch.bfloat16), mod.gate_proj.weight.to(torch.bfloat16)))
+    """(mean nnz, % rows > 128, input dtype, mean x[:,0], rel. error of the layer's output against fp32 math on
+    the bf16-rounded input and weights)"""
+    x = inp[0].reshape(-1, inp[0].shape[-1]).to(torch.bfloat16).float()
+    w = [t.weight.to(torch.bfloat16).float() for t in (mod.gate_proj, mod.up_proj, mod.down_proj)]
+    a = torch.relu(F.linear(x, w[0]))
     n = (a != 0).sum(1)
+    ref = F.linear(a * F.linear(x, w[1]), w[2])
+    err = ((out.reshape(ref.shape).float() - ref).norm() / ref.norm().clamp(min=1e-30)).item()
     rows[mod.layer_idx] = (round(n.float().mean().item(), 1), round((n > 128).float().mean().item() * 100, 2),
-                           str(inp[0].dtype), round(x[:, 0].float().mean().item(), 2))
+                           str(inp[0].dtype)[6:], round(x[:, 0].mean().item(), 2), f"{err:.1e}")
 hs = [mlp.register_forward_hook(hook) for mlp in m.sparse_mlps()]
 def show(tag):
     print(tag, [rows[i] for i in sorted(rows)], flush=True); rows.clear()
@@ -37,8 +44,9 @@ with torch.autocast("cuda", dtype=torch.bfloat16):
     out = m(input_ids=ids[:, :-1], shift_labels=ids[:, 1:], l1_coeff=2e-5)
 show("fp32+autocast train grad l1")
 out.loss.backward(); m.zero_grad(set_to_none=True)
-for h in hs: h.remove()
 tr = Trainer(m, ids, dev)
-for side in ("sparse", "sparse", "sparse forced"):
+for side in ("dense L1=0", "dense L1", "sparse", "sparse", "sparse forced", "sparse forced"):
     tr.step(side, mb)
-    print(side, [(d["path"][0], d["activity"] and round(d["activity"] * 100, 3), d["backup_frac"] and round(d["backup_frac"] * 100, 2), d["backup_rows"]) for d in ffn_dispatch(m)], flush=True)
+    show("trainer step " + side)
+    print("  dispatch", [(d["path"][0], d["activity"] and round(d["activity"] * 100, 3), d["backup_frac"] and round(d["backup_frac"] * 100, 2), d["backup_rows"]) for d in ffn_dispatch(m)], flush=True)
+for h in hs: h.remove()
