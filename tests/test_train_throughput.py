@@ -6,7 +6,7 @@ import argparse
 import pytest
 import torch
 
-from sfl.experiments.speed.train_throughput import SIDES, Trainer, largest_fitting, run_shape
+from sfl.experiments.speed.train_throughput import SIDES, Trainer, largest_fitting, run_shape, time_largest
 from sfl.models import SparseLlamaConfig, SparseLlamaForCausalLM
 
 
@@ -58,3 +58,19 @@ def test_run_shape_rows_for_every_side_and_setting():
     forced = [r for r in rows if r["side"] == "sparse forced"]
     assert forced and all(d["path"] == "sparse" and d["kept_bytes"] > 0 for r in forced for d in r["ffn_dispatch"])
     assert {r["activation_checkpointing"] for r in rows} == {0, 1}
+
+
+def test_time_largest_steps_a_side_down_when_it_does_not_fit_beside_the_others():
+    tr = Trainer(_tiny_model(), torch.randint(0, 64, (2, 33)), torch.device("cpu"))
+    real_step, seen = tr.step, []
+
+    def step(side, mb):  # "dense L1" fits alone up to 8 but only 6 beside the others
+        seen.append((side, mb))
+        if side == "dense L1" and mb > 6:
+            raise torch.OutOfMemoryError("fake")
+        real_step(side, 2)
+
+    tr.step = step
+    mbs, res = time_largest(tr, {"dense L1=0": 8, "dense L1": 8}, blocks=2, steps=1)
+    assert mbs == {"dense L1=0": 8, "dense L1": 6} and set(res) == set(mbs)   # 8 -> 7 -> 6
+    assert all(len(r["block_s"]) == 2 for r in res.values()) and ("dense L1", 7) in seen

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -131,13 +132,29 @@ class Trainer:
                 torch.cuda.empty_cache()
 
 
+class SideOutOfMemory(RuntimeError):
+    """A side ran out of memory while the sides were timed together."""
+
+    def __init__(self, side: str) -> None:
+        super().__init__(f"side {side!r} ran out of memory")
+        self.side = side
+
+
 def time_blocks(tr: Trainer, mbs: dict[str, int], blocks: int, steps: int) -> dict[str, dict[str, Any]]:
-    """Seconds per step of each side in interleaved blocks (order reversed every other round), peak memory."""
+    """Seconds per step of each side in interleaved blocks (order reversed every other round), peak memory.
+    Raises SideOutOfMemory naming the side that did not fit."""
     cuda = tr.device.type == "cuda"
     out: dict[str, dict[str, Any]] = {s: {"block_s": [], "peak_bytes": 0} for s in mbs}
+
+    def step(s: str) -> None:
+        try:
+            tr.step(s, mbs[s])
+        except torch.OutOfMemoryError as e:
+            raise SideOutOfMemory(s) from e
+
     for s in mbs:  # warm-up: the dispatch history, the allocator, cuBLAS heuristics
         for _ in range(2):
-            tr.step(s, mbs[s])
+            step(s)
     order = list(mbs)
     for b in range(blocks):
         for s in (order if b % 2 == 0 else order[::-1]):
@@ -146,12 +163,27 @@ def time_blocks(tr: Trainer, mbs: dict[str, int], blocks: int, steps: int) -> di
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
             for _ in range(steps):
-                tr.step(s, mbs[s])
+                step(s)
             if cuda:
                 torch.cuda.synchronize()
                 out[s]["peak_bytes"] = max(out[s]["peak_bytes"], torch.cuda.max_memory_allocated())
             out[s]["block_s"].append((time.perf_counter() - t0) / steps)
     return out
+
+
+def time_largest(tr: Trainer, largest: dict[str, int], blocks: int, steps: int,
+                 tries: int = 4) -> tuple[dict[str, int], dict[str, dict[str, Any]]]:
+    """time_blocks at each side's largest micro-batch. The search ran each side alone; timed beside the others a side
+    can run out of memory (allocator fragmentation): it then steps down by an eighth and the group is timed again."""
+    for _ in range(tries):
+        try:
+            return largest, time_blocks(tr, largest, blocks, steps)
+        except SideOutOfMemory as e:
+            tr.opt.zero_grad(set_to_none=True)
+            if tr.device.type == "cuda":
+                torch.cuda.empty_cache()
+            largest = {**largest, e.side: max(1, largest[e.side] * 7 // 8)}
+    raise RuntimeError(f"sides still out of memory after {tries} step-downs: {largest}")
 
 
 def side_rows(tr: Trainer, mbs: dict[str, int], res: dict[str, dict[str, Any]], seq: int,
@@ -189,10 +221,12 @@ def run_shape(model, ids: torch.Tensor, device: torch.device, a: argparse.Namesp
         yield side_rows(tr, equal, time_blocks(tr, equal, a.blocks, a.steps), a.seq_len,
                         {**b, "micro_batch_policy": "equal"})
         if not a.no_search:
-            largest = {s: largest_fitting(lambda n, s=s: tr.fits(s, n), a.micro_batch, a.max_micro_batch)
-                       for s in a.sides}
-            yield side_rows(tr, largest, time_blocks(tr, largest, a.blocks, a.steps), a.seq_len,
-                            {**b, "micro_batch_policy": f"largest that fits (searched up to {a.max_micro_batch})"})
+            searched = {s: largest_fitting(lambda n, s=s: tr.fits(s, n), a.micro_batch, a.max_micro_batch)
+                        for s in a.sides}
+            largest, res = time_largest(tr, searched, a.blocks, a.steps)
+            yield side_rows(tr, largest, res, a.seq_len,
+                            {**b, "micro_batch_policy": f"largest that fits (searched up to {a.max_micro_batch})",
+                             "micro_batch_searched": searched})
     model.gradient_checkpointing_disable()
 
 
@@ -230,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                     "num_hidden_layers": n_layers, "target_nnz_mean": nnz,
                     "calibration_nnz_mean": sum(achieved) / len(achieved), "seq_len": a.seq_len,
                     "l1_coeff_sparse": L1_COEFF, "nnz_sweep": bool(a.nnz_sweep), "lr": a.lr,
+                    "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
                     "kernel_config": model.config.get_kernel_config().to_dict(),
                     "timed": "train.optimizer_step: forward (+L1) and backward under bf16 autocast, clip, AdamW",
                     **collect()}
