@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import statistics
@@ -127,9 +128,15 @@ class Trainer:
         except torch.OutOfMemoryError:
             return False
         finally:
-            self.opt.zero_grad(set_to_none=True)
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            self.release()
+
+    def release(self) -> None:
+        """Free what a failed step left: its gradients, and its activations, which the exception's traceback cycle
+        keeps alive until a garbage collection (empty_cache alone cannot return them)."""
+        self.opt.zero_grad(set_to_none=True)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 class SideOutOfMemory(RuntimeError):
@@ -179,9 +186,7 @@ def time_largest(tr: Trainer, largest: dict[str, int], blocks: int, steps: int,
         try:
             return largest, time_blocks(tr, largest, blocks, steps)
         except SideOutOfMemory as e:
-            tr.opt.zero_grad(set_to_none=True)
-            if tr.device.type == "cuda":
-                torch.cuda.empty_cache()
+            tr.release()
             largest = {**largest, e.side: max(1, largest[e.side] * 7 // 8)}
     raise RuntimeError(f"sides still out of memory after {tries} step-downs: {largest}")
 
