@@ -121,14 +121,17 @@ class Trainer:
             train_mod.optimizer_step(self.model, batch, cfg, coeff, self.device, self.params, 1.0, self.opt, None)
 
     def fits(self, side: str, micro_batch: int) -> bool:
+        ok = self._two_steps(side, micro_batch)
+        self.release()  # here, not in an except or finally block, where the exception still holds the frames
+        return ok
+
+    def _two_steps(self, side: str, micro_batch: int) -> bool:
         try:
             for _ in range(2):  # the second step runs with the optimizer state and the dispatch settled
                 self.step(side, micro_batch)
             return True
         except torch.OutOfMemoryError:
             return False
-        finally:
-            self.release()
 
     def release(self) -> None:
         """Free what a failed step left: its gradients, and its activations, which the exception's traceback cycle
@@ -186,8 +189,12 @@ def time_largest(tr: Trainer, largest: dict[str, int], blocks: int, steps: int,
         try:
             return largest, time_blocks(tr, largest, blocks, steps)
         except SideOutOfMemory as e:
-            tr.release()
-            largest = {**largest, e.side: max(1, largest[e.side] * 7 // 8)}
+            side = e.side
+        tr.release()  # after the except block: the exception no longer pins the failed step's frames
+        largest = {**largest, side: max(1, largest[side] * 7 // 8)}
+        if tr.device.type == "cuda":
+            print(f"[train_throughput] {side} ran out of memory beside the others; now {largest} "
+                  f"(allocated {torch.cuda.memory_allocated() / 2**30:.1f} GiB after release)", flush=True)
     raise RuntimeError(f"sides still out of memory after {tries} step-downs: {largest}")
 
 
