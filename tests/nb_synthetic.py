@@ -111,6 +111,7 @@ def make_synthetic_results(root: Path | str) -> Path:
                              sparse_energy_j_per_token=0.9e-3 if mode == "inference" else None,
                              dense_peak_mem_gb=3.0, sparse_peak_mem_gb=2.5, provenance=PROV))
     _jsonl(root / "speed" / "speed.jsonl", rows)
+    _synthetic_training_speed(root / "speed" / "training")
     # kernel bench: inference rows in experiments/kernel_bench's format (kind, heavy_frac, rel_err_vs_dense_bf16),
     # training rows in the notebooks/README.md format (mode, gated, pattern "heavy")
     rows = []
@@ -162,6 +163,37 @@ def make_synthetic_results(root: Path | str) -> Path:
         eval_json(d / "eval.json", base_acc, nnz=nnz)
     write_manifest(root)
     return root
+
+
+def _synthetic_training_speed(d: Path) -> None:
+    """experiments/speed/train_throughput.py and memory_breakdown.py rows (flat provenance, as they write it)."""
+    flat = {"git_commit": PROV["git_commit"], "time_utc": PROV["time_utc"], "gpu": PROV["gpu"]}
+    rows = []
+    for scale, layers, tps in (("0.5B", 8, 80000.0), ("1.5B", 28, 25000.0)):
+        for ck, policy, mb_d, mb_s in ((0, "equal", 4, 4), (0, "largest that fits (searched up to 64)", 8, 11), (1, "equal", 4, 4)):
+            for side, mb, f, mem in (("dense L1=0", mb_d, 1.0, 50.0), ("dense L1", mb_d, 0.91, 50.0),
+                                     ("sparse", mb_s, 1.137, 42.0), ("sparse forced", mb_s, 1.13, 42.0)):
+                row = {"model": f"paper-shape {scale}", "num_hidden_layers": layers, "activation_checkpointing": ck,
+                       "micro_batch_policy": policy, "side": side, "micro_batch": mb, "tokens_per_s": tps * f,
+                       "peak_mem_gb": mem, **flat}
+                if side.startswith("sparse"):
+                    row |= {"sparse_layers": layers, "ffn_paths": ["sparse"] * layers}
+                rows.append(row)
+    _jsonl(d / "train_throughput_synthetic.jsonl", rows)
+    rows = []
+    for mb in (4, 8):
+        for nnz in (10.0, 29.0, 120.0):
+            rows.append({"micro_batch": mb, "target_nnz_mean": nnz, "side": "dense L1=0", "tokens_per_s": 25000.0,
+                         "peak_mem_gb": 80.0, **flat})
+            rows.append({"micro_batch": mb, "target_nnz_mean": nnz, "side": "sparse", "tokens_per_s": 25000.0 * (1.3 - nnz / 400),
+                         "peak_mem_gb": 64.0, "sparse_layers": 28, "ffn_paths": ["sparse"] * 28, **flat})
+    _jsonl(d / "train_nnz_sweep_synthetic.jsonl", rows)
+    cats = ("ffn", "attention", "norm", "embedding", "lm_head+loss", "parameters")
+    rows = [{"layers": 28, "micro_batch": 4, "side": side, "ffn_paths": [path] * 28,
+             **{f"saved_{c}_bytes": (ffn if c == "ffn" else 2 ** 30) for c in cats},
+             "saved_activation_bytes": ffn + 3 * 2 ** 30, "peak_over_start_bytes": ffn + 6 * 2 ** 30, **flat}
+            for side, path, ffn in (("dense L1=0", "dense", 10 * 2 ** 30), ("sparse forced", "sparse", 5 * 2 ** 30))]
+    _jsonl(d / "memory_breakdown_synthetic.jsonl", rows)
 
 
 def write_manifest(root: Path) -> None:

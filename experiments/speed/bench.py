@@ -354,13 +354,15 @@ def measure_training(model, ids: torch.Tensor, micro_batch: int, train_impl: str
     """Training tokens/s, J/token and peak memory (fp32 weights + bf16 autocast + AdamW, L1 loss on), dense
     mlp_impl vs `train_impl`, in interleaved blocks. One optimizer serves both sides (same parameters), so neither
     side's peak memory holds a second copy of the AdamW state. `steps` is unused (kept for the CLI: the number of
-    steps follows from --min-seconds). Leaves the model in fp32 with updated weights: call it last."""
+    steps follows from --min-seconds). Leaves the model in fp32: call it last."""
     out: dict[str, Any] = {"train_impl": train_impl, "blocks_per_side": blocks, "block_order": "ABBA (A = dense)",
                            "warmup_calls": warmup}
     model.float().train()
     coeff = float(model.config.l1_coeff)  # the model's own recipe: L1 = 0 models train without the penalty
     x = ids[:micro_batch]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    # lr 0: AdamW does its whole update but the calibrated weights stay; with lr > 0 the activity drifts within a
+    # few steps (train_throughput.Trainer; lab/speed/logs/train_throughput_lr_drift_h100.jsonl)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0)
 
     def step() -> None:
         with torch.autocast("cuda", dtype=torch.bfloat16):

@@ -9,7 +9,10 @@
 #       tokens (64 x 512), inference + training.
 #   SCALE=gpu bash experiments/speed/run.sh            # ~5-10 min on one H100 (paper shapes ~3 min)
 #   SCALE=smoke bash experiments/speed/run.sh          # CPU: prints why it cannot run and exits 0
-# Env: SPEED_PARTS="paper trained" (default both); PAPER_LAYERS="8 18 28 38"; SPARSE_MODE=auto|sparse;
+#   (c) SPEED_PARTS=training: training tokens/s and peak memory as the paper measures them (train_throughput.py:
+#       equal and largest micro-batch, checkpointing off; the 1.5B activity sweep), and the memory breakdown of one
+#       step (memory_breakdown.py); ~25 min on one H100. Rows in $RESULTS_ROOT/speed/training/.
+# Env: SPEED_PARTS="paper trained" (default; "training" on request); PAPER_LAYERS="8 18 28 38"; SPARSE_MODE=auto|sparse;
 # RESULTS_ROOT (rows appended to $RESULTS_ROOT/speed/{paper_shapes,trained}.jsonl; the notebook keeps the latest
 # row per model and mode). Energy needs nvidia-ml-py (pip install nvidia-ml-py); without it energy is null.
 set -euo pipefail
@@ -49,7 +52,26 @@ for part in "${PARTS[@]}"; do
           --out "$OUT/trained.jsonl" || SFL_FAILED+=("$name")
       done
       ;;
-    *) echo "unknown part '$part' in SPEED_PARTS (paper, trained)" >&2; exit 2 ;;
+    training)
+      mkdir -p "$OUT/training"
+      export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
+      SIDES=("dense L1=0" "dense L1" sparse "sparse forced")
+      for l in "${LAYERS[@]}"; do  # micro-batch 8 x 2048 fits the dense side up to 0.5B, 4 up to 1.5B, 2 at 2B
+        mb=$(( l <= 8 ? 8 : (l <= 28 ? 4 : 2) ))
+        echo "== training throughput: $l layers, micro-batch $mb and each side's largest"
+        python -m sfl.experiments.speed.train_throughput --layers "$l" --micro-batch "$mb" --activation-checkpointing 0 \
+          --sides "${SIDES[@]}" --out "$OUT/training/train_throughput.jsonl" || SFL_FAILED+=("train_throughput_$l")
+        python -m sfl.experiments.speed.memory_breakdown --layers "$l" --micro-batch "$mb" \
+          --out "$OUT/training/memory_breakdown.jsonl" || SFL_FAILED+=("memory_breakdown_$l")
+      done
+      for mb in 4 8; do
+        echo "== training against activity (Fig. 5 counterpart): 1.5B shape, micro-batch $mb"
+        python -m sfl.experiments.speed.train_throughput --layers 28 --nnz-sweep 10 20 29 60 120 --micro-batch "$mb" \
+          --no-search --activation-checkpointing 0 --sides "dense L1=0" sparse \
+          --out "$OUT/training/train_nnz_sweep.jsonl" || SFL_FAILED+=("train_nnz_sweep_$mb")
+      done
+      ;;
+    *) echo "unknown part '$part' in SPEED_PARTS (paper, trained, training)" >&2; exit 2 ;;
   esac
 done
 if [ ${#SFL_FAILED[@]} -gt 0 ]; then echo "FAILED: ${SFL_FAILED[*]}" >&2; exit 1; fi
