@@ -13,7 +13,8 @@ Sides (one model, one optimizer: the parameters and the AdamW state are the same
 Per activation-checkpointing setting (off, on): the sides at --micro-batch, timed in interleaved blocks
 (A B C C B A ...; medians), then each side's largest micro-batch (doubling until out of memory, then bisection;
 --no-search skips it), timed the same way at each side's own micro-batch. Peak memory: the allocator's maximum over
-a side's blocks. Rows carry the measured activity, the KernelConfig and provenance.
+a side's blocks. Rows carry the measured activity, the KernelConfig and provenance. The optimizer runs at --lr 0
+(its whole update, same cost; the weights stay as calibrated, so the activity holds: see Trainer).
 """
 from __future__ import annotations
 
@@ -122,7 +123,7 @@ class Trainer:
 
     def fits(self, side: str, micro_batch: int) -> bool:
         ok = self._two_steps(side, micro_batch)
-        self.release()  # here, not in an except or finally block, where the exception still holds the frames
+        self.release()  # outside the except block, once the exception and its frames are gone
         return ok
 
     def _two_steps(self, side: str, micro_batch: int) -> bool:
@@ -134,8 +135,10 @@ class Trainer:
             return False
 
     def release(self) -> None:
-        """Free what a failed step left: its gradients, and its activations, which the exception's traceback cycle
-        keeps alive until a garbage collection (empty_cache alone cannot return them)."""
+        """Free what a failed step left that Python can reach: gradients, garbage cycles, the allocator's cache.
+        Not freed (held from C++): the checkpointed layer inputs of a step that ran out of memory inside the sparse
+        op's backward under activation checkpointing (lab/speed/ckpt_oom_leak_repro.py), which is why the largest
+        micro-batch with checkpointing is not measured."""
         self.opt.zero_grad(set_to_none=True)
         gc.collect()
         if self.device.type == "cuda":
@@ -184,13 +187,14 @@ def time_blocks(tr: Trainer, mbs: dict[str, int], blocks: int, steps: int) -> di
 def time_largest(tr: Trainer, largest: dict[str, int], blocks: int, steps: int,
                  tries: int = 4) -> tuple[dict[str, int], dict[str, dict[str, Any]]]:
     """time_blocks at each side's largest micro-batch. The search ran each side alone; timed beside the others a side
-    can run out of memory (allocator fragmentation): it then steps down by an eighth and the group is timed again."""
+    can run out of memory (fragmentation, or what a failed step left: see Trainer.release): it then steps down by an
+    eighth and the group is timed again."""
     for _ in range(tries):
         try:
             return largest, time_blocks(tr, largest, blocks, steps)
         except SideOutOfMemory as e:
             side = e.side
-        tr.release()  # after the except block: the exception no longer pins the failed step's frames
+        tr.release()
         largest = {**largest, side: max(1, largest[side] * 7 // 8)}
         if tr.device.type == "cuda":
             print(f"[train_throughput] {side} ran out of memory beside the others; now {largest} "
