@@ -6,7 +6,8 @@ import argparse
 import pytest
 import torch
 
-from sfl.experiments.speed.train_throughput import SIDES, Trainer, largest_fitting, run_shape, time_largest
+from sfl.experiments.speed.train_throughput import (SIDES, Trainer, largest_by_peak, largest_fitting, run_shape,
+                                                     time_largest)
 from sfl.models import SparseLlamaConfig, SparseLlamaForCausalLM
 
 
@@ -74,3 +75,20 @@ def test_time_largest_steps_a_side_down_when_it_does_not_fit_beside_the_others()
     mbs, res = time_largest(tr, {"dense L1=0": 8, "dense L1": 8}, blocks=2, steps=1)
     assert mbs == {"dense L1=0": 8, "dense L1": 6} and set(res) == set(mbs)   # 8 -> 7 -> 6
     assert all(len(r["block_s"]) == 2 for r in res.values()) and ("dense L1", 7) in seen
+
+
+@pytest.mark.parametrize("fixed,per_sample,fits_up_to,expect", [
+    (10, 2, 100, 17),   # 0.9 * 50 = 45 = 10 + 2 n -> n = 17
+    (10, 2, 3, 3),      # 2 * start = 8 already fails: start
+    (10, 2, 2, 3),      # start itself fails: start - 1 (timing steps down from there if needed)
+    (10, 0, 100, 8),    # no measured growth: nothing to extrapolate, 2 * start
+])
+def test_largest_by_peak_extrapolates_without_failing(fixed, per_sample, fits_up_to, expect):
+    calls = []
+
+    def peak(n):
+        calls.append(n)
+        return fixed + per_sample * n if n <= fits_up_to else None
+
+    assert largest_by_peak(peak, 4, 64, capacity=50) == expect
+    assert calls in ([4, 8], [4])  # two measurements at most, no probing past them

@@ -103,6 +103,26 @@ def largest_fitting(fits: Callable[[int], bool], start: int, limit: int) -> int:
     return lo
 
 
+def largest_by_peak(peak: Callable[[int], int | None], start: int, limit: int, capacity: int,
+                    margin: float = 0.9) -> int:
+    """The largest n in [start, limit] whose peak memory, extrapolated from peaks measured at start and 2 * start
+    (activations grow linearly with the micro-batch), stays under margin * capacity; start - 1 if start does not fit,
+    start if 2 * start does not. peak(n) runs micro-batch n and returns its peak bytes, None when out of memory.
+    For activation checkpointing, where a step that runs out of memory inside the sparse op's backward leaves memory
+    behind (see Trainer.release), so the search must not rely on failing."""
+    p1 = peak(start)
+    if p1 is None:
+        return max(0, start - 1)
+    n2 = min(2 * start, limit)
+    p2 = peak(n2) if n2 > start else None
+    if p2 is None:
+        return start
+    per_sample = (p2 - p1) / (n2 - start)
+    if per_sample <= 0:
+        return n2
+    return max(n2, min(limit, start + int((margin * capacity - p1) / per_sample)))
+
+
 class Trainer:
     """train.optimizer_step on one model and optimizer, for any side and micro-batch."""
 
@@ -133,6 +153,14 @@ class Trainer:
             return True
         except torch.OutOfMemoryError:
             return False
+
+    def peak(self, side: str, micro_batch: int) -> int | None:
+        """Peak allocated bytes over two steps at micro_batch (CUDA), None when out of memory."""
+        torch.cuda.reset_peak_memory_stats()
+        ok = self._two_steps(side, micro_batch)
+        peak = torch.cuda.max_memory_allocated()
+        self.release()
+        return peak if ok else None
 
     def release(self) -> None:
         """Free what a failed step left that Python can reach: gradients, garbage cycles, the allocator's cache.
@@ -237,11 +265,17 @@ def run_shape(model, ids: torch.Tensor, device: torch.device, a: argparse.Namesp
         yield side_rows(tr, equal, time_blocks(tr, equal, a.blocks, a.steps), a.seq_len,
                         {**b, "micro_batch_policy": "equal"})
         if not a.no_search:
-            searched = {s: largest_fitting(lambda n, s=s: tr.fits(s, n), a.micro_batch, a.max_micro_batch)
-                        for s in a.sides}
+            if ckpt and device.type == "cuda":  # never search by failing here (see largest_by_peak)
+                cap = torch.cuda.get_device_properties(device).total_memory
+                searched = {s: largest_by_peak(lambda n, s=s: tr.peak(s, n), a.micro_batch, a.max_micro_batch, cap)
+                            for s in a.sides}
+            else:
+                searched = {s: largest_fitting(lambda n, s=s: tr.fits(s, n), a.micro_batch, a.max_micro_batch)
+                            for s in a.sides}
             largest, res = time_largest(tr, searched, a.blocks, a.steps)
+            how = "peak extrapolated to 90% of memory" if ckpt and device.type == "cuda" else "searched"
             yield side_rows(tr, largest, res, a.seq_len,
-                            {**b, "micro_batch_policy": f"largest that fits (searched up to {a.max_micro_batch})",
+                            {**b, "micro_batch_policy": f"largest that fits ({how}, up to {a.max_micro_batch})",
                              "micro_batch_searched": searched})
     model.gradient_checkpointing_disable()
 
