@@ -12,7 +12,7 @@ Sides (one model, one optimizer: the parameters and the AdamW state are the same
   sparse       mlp_impl "cuda" with the L1 term (the model's KernelConfig; the path each layer took is logged)
 Per activation-checkpointing setting (off, on): the sides at --micro-batch, timed in interleaved blocks
 (A B C C B A ...; medians), then each side's largest micro-batch (doubling until out of memory, then bisection;
---no-search skips it), timed the same way at each side's own micro-batch. Peak memory: the allocator's maximum over
+with checkpointing on CUDA, extrapolated from the peaks of two sizes instead: see largest_by_peak; --no-search skips it), timed the same way at each side's own micro-batch. Peak memory: the allocator's maximum over
 a side's blocks. Rows carry the measured activity, the KernelConfig and provenance. The optimizer runs at --lr 0
 (its whole update, same cost; the weights stay as calibrated, so the activity holds: see Trainer).
 """
