@@ -54,16 +54,20 @@ def execute(path: Path, timeout: int = 600, keep_dir: Path | None = None) -> tup
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
 
-    nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, km=_kernel_manager(), timeout=timeout, allow_errors=False,
-                            resources={"metadata": {"path": str(REPO_ROOT)}})
-    ok, msg = True, "ok"
-    try:
-        client.execute()
-    except CellExecutionError as e:
-        ok, msg = False, str(e)
-    except Exception as e:  # kernel died, timeout: report, keep going with the others
-        ok, msg = False, f"{type(e).__name__}: {e}"
+    for attempt in range(2):
+        nb = nbformat.read(path, as_version=4)
+        client = NotebookClient(nb, km=_kernel_manager(), timeout=timeout, startup_timeout=180, allow_errors=False,
+                                resources={"metadata": {"path": str(REPO_ROOT)}})
+        ok, msg = True, "ok"
+        try:
+            client.execute()
+        except CellExecutionError as e:
+            ok, msg = False, str(e)
+        except Exception as e:  # kernel died, timeout: report, keep going with the others
+            ok, msg = False, f"{type(e).__name__}: {e}"
+            if attempt == 0 and "before replying to kernel_info" in str(e):
+                continue  # the kernel died while starting (seen on a loaded 2-core machine): start it once more
+        break
     if keep_dir is not None:
         keep_dir.mkdir(parents=True, exist_ok=True)
         nbformat.write(nb, keep_dir / path.name)
