@@ -662,6 +662,14 @@ def pct_change(new: float, base: float) -> float:
     return 100.0 * (new / base - 1.0)
 
 
+def sparse_vs_dense_pct(df: pd.DataFrame, keys: Sequence[str], col: str, sparse: str = "sparse",
+                        dense: str = "dense L1=0") -> pd.Series:
+    """pct_change of `col`, side `sparse` against side `dense`, per combination of `keys` (rows with a 'side' column,
+    as experiments/speed/train_throughput.py writes them)."""
+    piv = df.pivot_table(index=list(keys), columns="side", values=col)
+    return pd.Series([pct_change(a, b) for a, b in zip(piv[sparse], piv[dense])], index=piv.index)
+
+
 def to_markdown(df: pd.DataFrame) -> str:
     """GitHub markdown table (no tabulate dependency)."""
     cols = [str(c) for c in df.columns]
