@@ -165,9 +165,9 @@ class _SparseFFN(torch.autograd.Function):
             gy = torch.zeros_like(x)
         if gl1 is None:
             gl1 = torch.zeros((), device=x.device, dtype=torch.float32)
-        dx, dwg, dwu, dwdt = _ops.ffn_bwd(gy, gl1, x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag,
-                                          backup_rows, backup, ctx.scale, ctx.dw_nb, ctx.backend)
-        return dx, (dwg if w_gate is not None else None), dwu, dwdt.t(), None, None, None, None, None, None
+        dx, dwg, dwu, dwd = _ops.ffn_bwd(gy, gl1, x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag,
+                                         backup_rows, backup, ctx.scale, ctx.dw_nb, ctx.backend)
+        return dx, (dwg if w_gate is not None else None), dwu, dwd, None, None, None, None, None, None
 
 
 def _check(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, l1_reduction: str) -> None:

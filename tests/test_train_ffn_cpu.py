@@ -252,7 +252,7 @@ def test_fake_impls_shapes():
         out = torch.ops.sfl_train.ffn_fwd(x, wg, wg, wd, 128, 1.0, 4096, True, "cuda")
         assert out[0].shape == (10, 64) and out[2].shape[0] == 10 and out[8].shape[1] == 256
         g = torch.ops.sfl_train.ffn_bwd(out[0], out[1], x, wg, wg, wd, *out[2:9], 1.0, 4, "cuda")
-        assert g[0].shape == (10, 64) and g[1].shape == (256, 64) and g[3].shape == (256, 64)
+        assert g[0].shape == (10, 64) and g[1].shape == (256, 64) and g[3].shape == (64, 256)  # dW_d as w_down
         out2 = torch.ops.sfl_train.ffn_fwd(x, None, wg, wd, 128, 1.0, 4096, False, "cuda")
         assert out2[2].shape == (10, 128) and out2[4].numel() == 0
 

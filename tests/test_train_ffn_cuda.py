@@ -394,3 +394,57 @@ def test_nonfinite_sparse_poisoned_neuron_forward(gated, where, value):
     assert active.any() and (~active).any()
     _assert_like_dense(y[active], yd[active], "rows where the poisoned neuron is active")
     assert torch.isfinite(y[~active]).all(), "rows where the poisoned neuron is inactive"
+
+
+# ----------------------------------------------------------------------------------- glue kernels of the op
+@pytest.mark.parametrize("R,C,pad", [(8, 8, 0), (72, 136, 0), (2048, 5632, 0), (136, 64, 24), (1000, 8, 8)])
+def test_transpose_kernel_bit_exact(R, C, pad):
+    from sfl.kernels.train import ops
+
+    g = torch.Generator(device=DEV).manual_seed(R + C)
+    base = torch.randn(R, C + pad, device=DEV, generator=g).to(BF)
+    base[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    src = base[:, :C]  # row stride C + pad: a view, as a sliced weight would be
+    poison()
+    out = ops.load_ext().transpose(src)
+    assert out.shape == (C, R) and out.is_contiguous()
+    assert torch.equal(out.view(torch.int16), src.t().contiguous().view(torch.int16))
+
+
+@pytest.mark.parametrize("M,N,W,p,seed", [(1, 256, 8, 0.02, 0), (63, 512, 8, 0.01, 1), (3000, 2048, 128, 0.01, 2),
+                                          (20000, 1024, 32, 0.01, 3), (4096, 5632, 128, 0.005, 4)])
+def test_csr_by_neuron_kernel_equals_reference(M, N, W, p, seed):
+    """The counting sort gives the reference's colptr and perm (neuron, then row ascending) on ELL states with
+    backup rows (heavy, full, non-finite), empty rows, odd M and M beyond 64 rows per block."""
+    from sfl.kernels import reference as ref
+    from sfl.kernels.train import ops
+
+    x, wg, wu, wd = make_problem(M, 256, N, p, seed)
+    if M >= 12:
+        x[5, 7] = float("nan")
+    out = ops.ffn_fwd(x, wg, wu, wd, W, 1.0, 1 << 20, False, "cuda")
+    y, l1, ell_col, ell_a, ell_u, nnz, flag, brow, backup = out
+    hy = ops.saved_hybrid(ell_col, ell_a, nnz, brow, backup, N)
+    perm_r, colptr_r = ref.csr_by_neuron(hy)
+    poison()
+    perm, colptr = ops.load_ext().csr_by_neuron(ell_col, nnz, flag, N)
+    assert torch.equal(colptr, colptr_r)
+    n = int(colptr_r[-1])
+    assert n == int(hy.valid_mask().sum())
+    assert torch.equal(perm[:n], perm_r[:n])
+
+
+def test_csr_by_neuron_falls_back_beyond_shared_memory():
+    from sfl.kernels import reference as ref
+    from sfl.kernels.train import ops
+
+    ext = ops.load_ext()
+    assert ext.csr_supported(5632, 128) and not ext.csr_supported(40000, 128)
+    x, wg, wu, wd = make_problem(100, 64, 40000, 0.001, 5)
+    out = ops.ffn_fwd(x, wg, wu, wd, 128, 1.0, 1 << 20, False, "cuda")
+    hy = ops.saved_hybrid(out[2], out[3], out[5], out[7], out[8], 40000)
+    perm, colptr = ops.csr_by_neuron_cuda(hy, out[6], ext)
+    perm_r, colptr_r = ref.csr_by_neuron(hy)
+    assert torch.equal(colptr, colptr_r) and torch.equal(perm, perm_r)
+    with pytest.raises(RuntimeError, match="shared memory"):
+        ext.csr_by_neuron(out[2], out[5], out[6], 40000)

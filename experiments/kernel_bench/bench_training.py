@@ -202,6 +202,9 @@ def profile_phases(M, K, N, p, reps, timer):
         "bwd_rows": (lambda: ext.bwd_rows(True, gy, wg, wu, wdt, ell_col, ell_a, ell_u, nnz, flag, l1c, cg, cu,
                                           dx), E * 3 * kb / 1e9, "GB"),
         "csr_by_neuron": (lambda: ref.csr_by_neuron(hy), 0.0, "-"),
+        "csr_by_neuron_kernel": (lambda: ext.csr_by_neuron(ell_col, nnz, flag, N), 0.0, "-"),
+        "transpose_wd_torch": (lambda: wd.t().contiguous(), K * N * 4 / 1e9, "GB"),
+        "transpose_wd_kernel": (lambda: ext.transpose(wd), K * N * 4 / 1e9, "GB"),
         "dense_gemm_same_shape": (lambda: torch.mm(x, wu.t(), out=g), 2 * M * K * N / 1e12, "TFLOP"),
     }
     a = torch.relu(g)

@@ -24,6 +24,12 @@ cudaError_t sfltrain_dw_launch(int gated, int nb, const void* x, const void* dy,
                                const int64_t* perm, const int64_t* colptr, const void* ell_a, const float* ell_u,
                                const float* cg, const float* cu, const void* add_g, const void* add_u,
                                const void* add_d, void* dwg, void* dwu, void* dwdt, cudaStream_t stream);
+cudaError_t sfltrain_transpose_launch(const void* src, long long lds, int R, int C, void* dst, cudaStream_t stream);
+int sfltrain_csr_rows_per_block(int M);
+long long sfltrain_csr_smem_bytes(int N, int W);
+cudaError_t sfltrain_csr_by_neuron_launch(const int32_t* ell_col, int W, const int32_t* nnz, const int32_t* flag,
+                                          int M, int N, int32_t* cnt, int64_t* total, int64_t* colptr,
+                                          int64_t* perm, cudaStream_t stream);
 }
 
 #define SFL_STR2(x) #x
@@ -202,6 +208,46 @@ at::Tensor count(const at::Tensor& a) {
   return nnz;
 }
 
+// src: bf16 [R, C] with unit column stride -> [C, R] contiguous (R, C and the row stride multiples of 8).
+at::Tensor transpose(const at::Tensor& src) {
+  TORCH_CHECK(src.is_cuda() && src.scalar_type() == at::kBFloat16 && src.dim() == 2 && src.stride(1) == 1,
+              "transpose: src must be a CUDA bf16 [R, C] tensor with unit column stride");
+  auto dst = at::empty({src.size(1), src.size(0)}, src.options());
+  const c10::cuda::CUDAGuard guard(src.device());
+  check(sfltrain_transpose_launch(src.data_ptr(), src.stride(0), (int)src.size(0), (int)src.size(1), dst.data_ptr(),
+                                  stream()),
+        "transpose");
+  return dst;
+}
+
+// The light ELL entries sorted by neuron: (perm int64 [M * W], colptr int64 [N + 1]); entries of neuron j are
+// perm[colptr[j]:colptr[j + 1]] in ascending row order (the reference csr_by_neuron's order). perm past colptr[N]
+// is not written.
+bool csr_supported(int64_t N, int64_t W) { return sfltrain_csr_smem_bytes((int)N, (int)W) <= 200 * 1024; }
+
+std::tuple<at::Tensor, at::Tensor> csr_by_neuron(const at::Tensor& ell_col, const at::Tensor& nnz,
+                                                 const at::Tensor& flag, int64_t N) {
+  req(ell_col, "ell_col", at::kInt, 2);
+  req(nnz, "nnz", at::kInt, 1);
+  req(flag, "flag", at::kInt, 1);
+  const int64_t M = ell_col.size(0), W = ell_col.size(1);
+  TORCH_CHECK(nnz.size(0) == M && flag.size(0) == M, "csr_by_neuron: nnz and flag must be [M]");
+  TORCH_CHECK(W >= 1 && csr_supported(N, W), "csr_by_neuron: N = ", std::to_string(N), ", W = ", std::to_string(W),
+              " needs more shared memory than the kernel takes (use the reference csr_by_neuron)");
+  const int64_t rb = sfltrain_csr_rows_per_block((int)M), B = (M + rb - 1) / rb;
+  auto i64 = ell_col.options().dtype(at::kLong);
+  auto perm = at::empty({M * W}, i64);
+  auto colptr = at::empty({N + 1}, i64);
+  auto total = at::empty({N}, i64);
+  auto cnt = at::empty({std::max<int64_t>(1, B * N)}, ell_col.options());
+  const c10::cuda::CUDAGuard guard(ell_col.device());
+  check(sfltrain_csr_by_neuron_launch(i32(ell_col), (int)W, i32(nnz), i32(flag), (int)M, (int)N, i32(cnt),
+                                      total.data_ptr<int64_t>(), colptr.data_ptr<int64_t>(), perm.data_ptr<int64_t>(),
+                                      stream()),
+        "csr_by_neuron");
+  return {perm, colptr};
+}
+
 std::string source_hash() { return SFL_STR(SFL_SRC_HASH); }
 
 }  // namespace
@@ -212,6 +258,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bwd_rows", &bwd_rows, "light rows: dh, per-entry dgate / dup coefficients, dx");
   m.def("dw", &dw, "neuron-major weight gradients from the CSR-by-neuron transpose");
   m.def("dense_bwd", &dense_bwd, "dense path backward elementwise: dh + L1 term -> dg (in place), du");
+  m.def("transpose", &transpose, "bf16 [R, C] -> [C, R] contiguous (tiled, 16-byte accesses)");
+  m.def("csr_supported", &csr_supported, "whether csr_by_neuron takes N neurons at ELL width W");
+  m.def("csr_by_neuron", &csr_by_neuron, "light ELL entries sorted by neuron (perm, colptr), deterministic order");
   m.def("count", &count, "per-row active count of a bf16 matrix (a != 0)");
   m.def("source_hash", &source_hash, "hash of the sources this library was built from");
 }

@@ -105,6 +105,14 @@ def _compact_cuda(x: Tensor, first: Tensor, width: int, chunk: int, ext):
     return ell_col, ell_a, nnz, flag
 
 
+def csr_by_neuron_cuda(hy: Hybrid, flag: Tensor, ext) -> tuple[Tensor, Tensor]:
+    """The reference csr_by_neuron (the same colptr, the same perm up to colptr[N]) by the counting-sort kernels;
+    the reference's torch sort where N and the width need more shared memory than the kernels take."""
+    if ext.csr_supported(hy.n_cols, hy.ell_col.shape[1]):
+        return ext.csr_by_neuron(hy.ell_col, hy.nnz, flag, hy.n_cols)
+    return ref.csr_by_neuron(hy)
+
+
 # ----------------------------------------------------------------------------------------------- forward
 def _ffn_fwd_torch(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, width: int, scale: float,
                    shrink: bool):
@@ -144,7 +152,7 @@ def _ffn_fwd_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor
     backup_rows = flag.nonzero().squeeze(1) if R else torch.empty(0, device=dev, dtype=torch.int64)
     ell_u = torch.empty(M if gated else 0, w if gated else 0, device=dev, dtype=torch.float32)
     y = torch.empty(M, K, device=dev, dtype=dt)
-    wdt = w_down.t().contiguous()  # neuron-major: each active neuron's W_d column is a contiguous row
+    wdt = ext.transpose(w_down)  # neuron-major: each active neuron's W_d column is a contiguous row
     rowabs = torch.empty(M, device=dev, dtype=torch.float32)
     ext.fwd_rows(gated, x, w_up, wdt, ell_col, ell_a, nnz, flag, ell_u, y, rowabs)
     l1 = rowabs.sum(dtype=torch.float32)
@@ -191,7 +199,7 @@ def _ffn_bwd_impl(dy: Tensor, gl1: Tensor, x: Tensor, w_gate: Tensor | None, w_u
     if backend != "cuda":  # the reference backward (dW_d comes back in nn.Linear layout [K, N])
         dx, dwg, dwu, dwd = ref.train_ffn_backward(dy, gl1, x, w_gate, w_up, w_down, ref.TrainSaved(hy, ell_u),
                                                    scale)
-        return dx, (dwg if gated else x.new_empty(0, K)), dwu, dwd.t().contiguous()
+        return dx, (dwg if gated else x.new_empty(0, K)), dwu, dwd
     dev, dt = x.device, x.dtype
     dy = dy.to(dt).contiguous()
     c = (gl1.reshape(1).to(torch.float32) * scale).contiguous()  # dL/d|h| factor, read on the device: no sync
@@ -204,25 +212,25 @@ def _ffn_bwd_impl(dy: Tensor, gl1: Tensor, x: Tensor, w_gate: Tensor | None, w_u
         dx.index_copy_(0, backup_rows, dxb)
         adds = [dwgb, dwub, dwdtb]
     ext = load_ext()
-    wdt = w_down.t().contiguous()
+    wdt = ext.transpose(w_down)
     w = ell_col.shape[1]
     cg = torch.empty(M, w, device=dev, dtype=torch.float32)
     cu = torch.empty(M if gated else 0, w if gated else 0, device=dev, dtype=torch.float32)
     ext.bwd_rows(gated, dy, w_gate if gated else w_up, w_up, wdt, ell_col, ell_a, ell_u, nnz, flag, c, cg, cu, dx)
-    perm, colptr = ref.csr_by_neuron(hy)
+    perm, colptr = csr_by_neuron_cuda(hy, flag, ext)
     dwg = torch.empty(N if gated else 0, K, device=dev, dtype=dt)
     dwu = torch.empty(N, K, device=dev, dtype=dt)
     dwdt = torch.empty(N, K, device=dev, dtype=dt)
     ext.dw(gated, int(dw_nb), x, dy, perm, colptr, ell_a, ell_u, cg, cu, adds[0], adds[1], adds[2],
            dwg if gated else dwu, dwu, dwdt)
-    return dx, dwg, dwu, dwdt
+    return dx, dwg, dwu, ext.transpose(dwdt)  # dW_d in nn.Linear layout: autograd keeps it without a copy
 
 
 @torch.library.custom_op("sfl_train::ffn_bwd", mutates_args=())
 def ffn_bwd(dy: Tensor, gl1: Tensor, x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor,
             ell_col: Tensor, ell_a: Tensor, ell_u: Tensor, nnz: Tensor, flag: Tensor, backup_rows: Tensor,
             backup: Tensor, scale: float, dw_nb: int, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dx, dw_gate [N, K] (empty if non-gated), dw_up [N, K], dw_down TRANSPOSED [N, K])."""
+    """(dx, dw_gate [N, K] (empty if non-gated), dw_up [N, K], dw_down [K, N]): nn.Linear layouts."""
     return _ffn_bwd_impl(dy, gl1, x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup,
                          scale, dw_nb, backend)
 
@@ -233,7 +241,7 @@ def _(dy, gl1, x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag, backup
     M, K = x.shape
     N = w_up.shape[0]
     return (x.new_empty(M, K), x.new_empty(N if w_gate is not None else 0, K), x.new_empty(N, K),
-            x.new_empty(N, K))
+            x.new_empty(K, N))
 
 
 __all__ = ["ffn_fwd", "ffn_bwd", "load_ext", "cuda_backend_supported", "saved_hybrid"]

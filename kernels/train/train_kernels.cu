@@ -15,6 +15,8 @@
 //   dw      : neuron-major (CSR by neuron, built from the ELL): dW_g[j] = sum dg x_r, dW_u[j] = sum du x_r,
 //             dW_dT[j] = sum h dy_r, plus an optional bf16 addend (the dense backup rows' contribution).
 //   dense_bwd: the dense path's elementwise backward (dh + L1 term -> dg, du) in one pass.
+//   transpose: bf16 [R, C] -> [C, R] (the neuron-major W_d and the W_d gradient in nn.Linear layout).
+//   csr_by_neuron: counting sort of the light ELL entries by neuron (deterministic order) for dw.
 // Launchers return the cudaError_t of the launch and never exit.
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -399,6 +401,153 @@ __global__ void __launch_bounds__(256) dense_bwd_kernel(__nv_bfloat16* dh, const
   }
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// transpose: bf16 src [R, C] (row stride lds, unit column stride) -> dst [C, R] contiguous; R, C, lds % 8 == 0.
+// 64 x 64 tiles through shared memory, 16-byte loads and stores (torch's .t().contiguous() copy reaches ~0.7 TB/s
+// on [2048, 5632]; the neuron-major W_d and the W_d gradient go through this each step).
+constexpr int kTT = 64;
+__global__ void __launch_bounds__(256) transpose_kernel(const uint16_t* __restrict__ src, long long lds, int R, int C,
+                                                        uint16_t* __restrict__ dst) {
+  __shared__ uint16_t tile[kTT][kTT + 2];
+  const int r0 = blockIdx.y * kTT, c0 = blockIdx.x * kTT;
+  for (int v = threadIdx.x; v < kTT * kTT / 8; v += blockDim.x) {
+    const int r = v >> 3, cv = (v & 7) * 8;
+    if (r0 + r < R && c0 + cv < C) {
+      const uint4 q = __ldg(reinterpret_cast<const uint4*>(src + (long long)(r0 + r) * lds + c0 + cv));
+      const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        tile[r][cv + 2 * i] = (uint16_t)(w[i] & 0xffffu);
+        tile[r][cv + 2 * i + 1] = (uint16_t)(w[i] >> 16);
+      }
+    }
+  }
+  __syncthreads();
+  for (int v = threadIdx.x; v < kTT * kTT / 8; v += blockDim.x) {
+    const int c = v >> 3, rv = (v & 7) * 8;
+    if (c0 + c < C && r0 + rv < R) {
+      uint32_t w[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) w[i] = (uint32_t)tile[rv + 2 * i][c] | ((uint32_t)tile[rv + 2 * i + 1][c] << 16);
+      *reinterpret_cast<uint4*>(dst + (long long)(c0 + c) * R + r0 + rv) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// CSR by neuron (the dw kernel's input): a counting sort of the light ELL entries by neuron, rows ascending
+// within a neuron (the order of the reference's stable sort, so the weight-gradient sums are deterministic).
+// Rows are cut into B blocks of rb rows. count: per-block histogram cnt[b, j]; colscan: per-neuron exclusive
+// prefix over blocks (in place) and the neuron's total; scan_totals: colptr = exclusive prefix of totals (one
+// block); scatter: each block walks its rows in order (16 at a time staged in shared memory) and writes each
+// entry's flat index row * W + slot at colptr[j] + cnt[b, j] + (entries of j already written by the block).
+// A row never holds a neuron twice, so the threads of one row never collide.
+__device__ __forceinline__ bool light_slot(const int32_t* nnz, const int32_t* flag, long long r, int s) {
+  return flag[r] == 0 && s < nnz[r];
+}
+
+__global__ void __launch_bounds__(256) csr_count_kernel(const int32_t* __restrict__ ell_col, int W,
+                                                        const int32_t* __restrict__ nnz,
+                                                        const int32_t* __restrict__ flag, int M, int N, int rb,
+                                                        int32_t* __restrict__ cnt) {
+  extern __shared__ int32_t hist[];
+  const long long r0 = (long long)blockIdx.x * rb;
+  const int rows = (int)min((long long)rb, (long long)M - r0);
+  for (int j = threadIdx.x; j < N; j += blockDim.x) hist[j] = 0;
+  __syncthreads();
+  for (long long e = threadIdx.x; e < (long long)rows * W; e += blockDim.x) {
+    const long long r = r0 + e / W;
+    const int s = (int)(e % W);
+    if (!light_slot(nnz, flag, r, s)) continue;
+    const int j = ell_col[r * W + s];
+    if ((unsigned)j < (unsigned)N) atomicAdd(&hist[j], 1);
+  }
+  __syncthreads();
+  for (int j = threadIdx.x; j < N; j += blockDim.x) cnt[(long long)blockIdx.x * N + j] = hist[j];
+}
+
+__global__ void __launch_bounds__(256) csr_colscan_kernel(int32_t* __restrict__ cnt, int B, int N,
+                                                          int64_t* __restrict__ total) {
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= N) return;
+  int32_t run = 0;
+#pragma unroll 8
+  for (int b = 0; b < B; ++b) {
+    const int32_t c = cnt[(long long)b * N + j];
+    cnt[(long long)b * N + j] = run;
+    run += c;
+  }
+  total[j] = run;
+}
+
+__global__ void __launch_bounds__(1024) csr_scan_totals_kernel(const int64_t* __restrict__ total, int N,
+                                                               int64_t* __restrict__ colptr) {
+  __shared__ int64_t warp_sums[32];
+  const int t = threadIdx.x, per = (N + 1023) / 1024;
+  const int a = min(N, t * per), b = min(N, a + per);
+  int64_t mine = 0;
+  for (int j = a; j < b; ++j) mine += total[j];
+  // inclusive scan of the per-thread sums: within warps, then over warp totals
+  int64_t inc = mine;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int64_t v = __shfl_up_sync(kFull, inc, o);
+    if ((t & 31) >= o) inc += v;
+  }
+  if ((t & 31) == 31) warp_sums[t >> 5] = inc;
+  __syncthreads();
+  if (t < 32) {
+    int64_t w = warp_sums[t];
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int64_t v = __shfl_up_sync(kFull, w, o);
+      if (t >= o) w += v;
+    }
+    warp_sums[t] = w;
+  }
+  __syncthreads();
+  int64_t run = inc - mine + ((t >> 5) > 0 ? warp_sums[(t >> 5) - 1] : 0);
+  for (int j = a; j < b; ++j) {
+    colptr[j] = run;
+    run += total[j];
+  }
+  if (t == 1023) colptr[N] = run;
+}
+
+constexpr int kStageRows = 16;
+__global__ void __launch_bounds__(256) csr_scatter_kernel(const int32_t* __restrict__ ell_col, int W,
+                                                          const int32_t* __restrict__ nnz,
+                                                          const int32_t* __restrict__ flag, int M, int N, int rb,
+                                                          const int32_t* __restrict__ cnt,
+                                                          const int64_t* __restrict__ colptr,
+                                                          int64_t* __restrict__ perm) {
+  extern __shared__ int64_t cursor[];                                   // [N], then the staged rows
+  int32_t* stage = reinterpret_cast<int32_t*>(cursor + N);              // [kStageRows, W]
+  int32_t* stage_n = stage + kStageRows * W;                            // [kStageRows]: light count (0 if flagged)
+  const long long r0 = (long long)blockIdx.x * rb;
+  const int rows = (int)min((long long)rb, (long long)M - r0);
+  for (int j = threadIdx.x; j < N; j += blockDim.x) cursor[j] = colptr[j] + cnt[(long long)blockIdx.x * N + j];
+  for (int q0 = 0; q0 < rows; q0 += kStageRows) {
+    const int nq = min(kStageRows, rows - q0);
+    __syncthreads();  // the previous stage is consumed (and the cursors are set)
+    for (int e = threadIdx.x; e < nq * W; e += blockDim.x) stage[e] = ell_col[(r0 + q0) * W + e];
+    for (int q = threadIdx.x; q < nq; q += blockDim.x) {
+      const long long r = r0 + q0 + q;
+      stage_n[q] = flag[r] == 0 ? min(nnz[r], W) : 0;
+    }
+    __syncthreads();
+    for (int q = 0; q < nq; ++q) {
+      const long long r = r0 + q0 + q;
+      for (int s = threadIdx.x; s < stage_n[q]; s += blockDim.x) {
+        const int j = stage[q * W + s];
+        if ((unsigned)j >= (unsigned)N) continue;
+        perm[cursor[j]++] = r * W + s;
+      }
+      __syncthreads();
+    }
+  }
+}
+
 inline unsigned blocks_for(long long warps, int threads) {
   return (unsigned)((warps * 32 + threads - 1) / threads);
 }
@@ -547,6 +696,65 @@ cudaError_t sfltrain_dense_bwd_launch(int gated, void* dh, const void* g, const 
     sfltrain::dense_bwd_kernel<false><<<blocks, 256, 0, stream>>>(
         reinterpret_cast<bf*>(dh), reinterpret_cast<const bf*>(g), nullptr, reinterpret_cast<const bf*>(h), nullptr,
         n8, gl1, scale);
+  return cudaGetLastError();
+}
+
+// dst [C, R] = src [R, C]^T (bf16; row stride lds); R, C, lds multiples of 8, 16-byte aligned pointers.
+cudaError_t sfltrain_transpose_launch(const void* src, long long lds, int R, int C, void* dst, cudaStream_t stream) {
+  if (R <= 0 || C <= 0) return cudaSuccess;
+  if (R % 8 != 0 || C % 8 != 0 || lds % 8 != 0 || (reinterpret_cast<uintptr_t>(src) & 15) ||
+      (reinterpret_cast<uintptr_t>(dst) & 15))
+    return cudaErrorInvalidValue;
+  const dim3 grid((C + sfltrain::kTT - 1) / sfltrain::kTT, (R + sfltrain::kTT - 1) / sfltrain::kTT);
+  if (grid.y > 65535) return cudaErrorInvalidValue;
+  sfltrain::transpose_kernel<<<grid, 256, 0, stream>>>(reinterpret_cast<const uint16_t*>(src), lds, R, C,
+                                                       reinterpret_cast<uint16_t*>(dst));
+  return cudaGetLastError();
+}
+
+// Rows per block of the CSR-by-neuron sort: at least 64, and at most 256 blocks (the per-neuron scan over blocks
+// is sequential).
+int sfltrain_csr_rows_per_block(int M) {
+  const int rb = (M + 255) / 256;
+  return rb < 64 ? 64 : rb;
+}
+
+// Shared memory of the scatter step; the caller falls back to the reference sort when it is over the limit.
+long long sfltrain_csr_smem_bytes(int N, int W) {
+  return (long long)N * 8 + (long long)sfltrain::kStageRows * W * 4 + sfltrain::kStageRows * 4;
+}
+
+// cnt: int32 [B * N] scratch, total: int64 [N] scratch, colptr: int64 [N + 1], perm: int64 [>= light entries].
+cudaError_t sfltrain_csr_by_neuron_launch(const int32_t* ell_col, int W, const int32_t* nnz, const int32_t* flag,
+                                          int M, int N, int32_t* cnt, int64_t* total, int64_t* colptr,
+                                          int64_t* perm, cudaStream_t stream) {
+  if (N <= 0) return cudaSuccess;
+  if (W < 1) return cudaErrorInvalidValue;
+  const int rb = sfltrain_csr_rows_per_block(M);
+  const int B = (M + rb - 1) / rb;
+  const long long hist_smem = (long long)N * 4, scatter_smem = sfltrain_csr_smem_bytes(N, W);
+  if (scatter_smem > 200 * 1024) return cudaErrorInvalidValue;
+  cudaError_t e;
+  if (B > 0) {
+    if (hist_smem > 48 * 1024 &&
+        (e = cudaFuncSetAttribute(sfltrain::csr_count_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  (int)hist_smem)) != cudaSuccess)
+      return e;
+    sfltrain::csr_count_kernel<<<B, 256, hist_smem, stream>>>(ell_col, W, nnz, flag, M, N, rb, cnt);
+    if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  }
+  sfltrain::csr_colscan_kernel<<<(N + 255) / 256, 256, 0, stream>>>(cnt, B, N, total);
+  if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  sfltrain::csr_scan_totals_kernel<<<1, 1024, 0, stream>>>(total, N, colptr);
+  if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  if (B > 0) {
+    if (scatter_smem > 48 * 1024 &&
+        (e = cudaFuncSetAttribute(sfltrain::csr_scatter_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  (int)scatter_smem)) != cudaSuccess)
+      return e;
+    sfltrain::csr_scatter_kernel<<<B, 256, scatter_smem, stream>>>(ell_col, W, nnz, flag, M, N, rb, cnt, colptr,
+                                                                   perm);
+  }
   return cudaGetLastError();
 }
 
