@@ -64,8 +64,6 @@ def main() -> None:
             torch.autograd.backward([y, l], [gy, gl1])
 
         def fwd():
-            with torch.no_grad():
-                pass
             y, l, _ = sparse_gated_ffn_train(*params, mode="sparse")
             return y
 
