@@ -448,3 +448,19 @@ def test_csr_by_neuron_falls_back_beyond_shared_memory():
     assert torch.equal(colptr, colptr_r) and torch.equal(perm, perm_r)
     with pytest.raises(RuntimeError, match="shared memory"):
         ext.csr_by_neuron(out[2], out[5], out[6], 40000)
+
+
+@pytest.mark.parametrize("chunk", [1 << 20, 700])
+def test_compact_summary_counts_flagged_and_widest_light_row(chunk):
+    """The forward's one read-back (flagged rows, widest light row) accumulates over gate chunks."""
+    from sfl.kernels.train import ops
+
+    x, wg, wu, wd = make_problem(3000, 512, 2048, 0.01, 7, heavy_frac=0.01)
+    x[11, 5] = float("inf")
+    poison()
+    ell_col, ell_a, nnz, flag, summary = ops._compact_cuda(x, wg, 64, chunk, ops.load_ext())
+    g = torch.cat([torch.mm(x[c0:c0 + chunk], wg.t()) for c0 in range(0, x.shape[0], chunk)])  # the same GEMMs
+    n_ref = (F.relu(g) != 0).sum(1, dtype=torch.int32)
+    flag_ref = (n_ref > 64) | ~torch.isfinite(g).all(1)
+    assert torch.equal(nnz[~flag_ref], n_ref[~flag_ref]) and torch.equal(flag.bool(), flag_ref)
+    assert summary.tolist() == [int(flag_ref.sum()), int(n_ref[~flag_ref].max())]

@@ -8,7 +8,8 @@
 
 extern "C" {
 cudaError_t sfltrain_compact_launch(const void* g, long long ldg, int rows, int N, int W, int32_t* ell_col,
-                                    void* ell_a, int32_t* nnz, int32_t* flag, cudaStream_t stream);
+                                    void* ell_a, int32_t* nnz, int32_t* flag, int32_t* summary,
+                                    cudaStream_t stream);
 cudaError_t sfltrain_count_launch(const void* a, long long lda, int rows, int N, int32_t* nnz, cudaStream_t stream);
 cudaError_t sfltrain_fwd_rows_launch(int gated, const void* x, const void* wu, const void* wdt, int M, int K, int W,
                                      const int32_t* ell_col, const void* ell_a, const int32_t* nnz,
@@ -62,7 +63,9 @@ const void* opt(const c10::optional<at::Tensor>& t, const char* name, int64_t N,
 }
 
 // g: bf16 [rows, >=N] with unit column stride (a view of the chunk scratch); outputs are row slices.
-void compact(const at::Tensor& g, int64_t N, at::Tensor ell_col, at::Tensor ell_a, at::Tensor nnz, at::Tensor flag) {
+// summary (optional): int32 [2] accumulating (flagged rows, widest light row); the caller zeroes it once per call.
+void compact(const at::Tensor& g, int64_t N, at::Tensor ell_col, at::Tensor ell_a, at::Tensor nnz, at::Tensor flag,
+             const c10::optional<at::Tensor>& summary) {
   TORCH_CHECK(g.is_cuda() && g.scalar_type() == at::kBFloat16 && g.dim() == 2 && g.stride(1) == 1,
               "compact: g must be a CUDA bf16 [rows, N] tensor with unit column stride");
   const int64_t rows = g.size(0);
@@ -72,9 +75,15 @@ void compact(const at::Tensor& g, int64_t N, at::Tensor ell_col, at::Tensor ell_
   req(flag, "flag", at::kInt, 1);
   TORCH_CHECK(ell_col.size(0) == rows && ell_a.sizes() == ell_col.sizes() && nnz.size(0) == rows &&
                   flag.size(0) == rows, "compact: row mismatch");
+  int32_t* sp = nullptr;
+  if (summary.has_value() && summary->defined()) {
+    req(*summary, "summary", at::kInt, 1);
+    TORCH_CHECK(summary->numel() == 2, "compact: summary must be int32 [2]");
+    sp = i32(*summary);
+  }
   const c10::cuda::CUDAGuard guard(g.device());
   check(sfltrain_compact_launch(g.data_ptr(), g.stride(0), (int)rows, (int)N, (int)ell_col.size(1), i32(ell_col),
-                                ell_a.data_ptr(), i32(nnz), i32(flag), stream()),
+                                ell_a.data_ptr(), i32(nnz), i32(flag), sp, stream()),
         "compact");
 }
 
@@ -253,7 +262,9 @@ std::string source_hash() { return SFL_STR(SFL_SRC_HASH); }
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("compact", &compact, "bf16 gate pre-activation rows -> ReLU -> ELL (ell_col, ell_a, nnz, flag)");
+  m.def("compact", &compact, "bf16 gate pre-activation rows -> ReLU -> ELL (ell_col, ell_a, nnz, flag)",
+        pybind11::arg("g"), pybind11::arg("N"), pybind11::arg("ell_col"), pybind11::arg("ell_a"), pybind11::arg("nnz"),
+        pybind11::arg("flag"), pybind11::arg("summary") = pybind11::none());
   m.def("fwd_rows", &fwd_rows, "light rows: u, h = a u, y = h W_d^T, per-row sum |h|");
   m.def("bwd_rows", &bwd_rows, "light rows: dh, per-entry dgate / dup coefficients, dx");
   m.def("dw", &dw, "neuron-major weight gradients from the CSR-by-neuron transpose");

@@ -88,29 +88,23 @@ def _shrunk_width(widest_light_row: int, width: int) -> int:
 
 
 def _compact_cuda(x: Tensor, first: Tensor, width: int, chunk: int, ext):
+    """Gate GEMM (chunked) + compaction; also (flagged rows, widest light row) on the device, int32 [2]."""
     M, N = x.shape[0], first.shape[0]
     dev = x.device
     ell_col = torch.empty(M, width, device=dev, dtype=torch.int32)
     ell_a = torch.empty(M, width, device=dev, dtype=x.dtype)
     nnz = torch.empty(M, device=dev, dtype=torch.int32)
     flag = torch.empty(M, device=dev, dtype=torch.int32)
+    summary = torch.zeros(2, device=dev, dtype=torch.int32)
     if M == 0:
-        return ell_col, ell_a, nnz, flag
+        return ell_col, ell_a, nnz, flag, summary
     scratch = torch.empty(min(chunk, M), N, device=dev, dtype=x.dtype)  # gate pre-activations, reused
     for c0 in range(0, M, chunk):
         c1 = min(M, c0 + chunk)
         g = scratch[: c1 - c0]
         torch.mm(x[c0:c1], first.t(), out=g)
-        ext.compact(g, N, ell_col[c0:c1], ell_a[c0:c1], nnz[c0:c1], flag[c0:c1])
-    return ell_col, ell_a, nnz, flag
-
-
-def csr_by_neuron_cuda(hy: Hybrid, flag: Tensor, ext) -> tuple[Tensor, Tensor]:
-    """The reference csr_by_neuron (the same colptr, the same perm up to colptr[N]) by the counting-sort kernels;
-    the reference's torch sort where N and the width need more shared memory than the kernels take."""
-    if ext.csr_supported(hy.n_cols, hy.ell_col.shape[1]):
-        return ext.csr_by_neuron(hy.ell_col, hy.nnz, flag, hy.n_cols)
-    return ref.csr_by_neuron(hy)
+        ext.compact(g, N, ell_col[c0:c1], ell_a[c0:c1], nnz[c0:c1], flag[c0:c1], summary)
+    return ell_col, ell_a, nnz, flag, summary
 
 
 # ----------------------------------------------------------------------------------------------- forward
@@ -139,11 +133,12 @@ def _ffn_fwd_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor
     N = w_up.shape[0]
     dev, dt = x.device, x.dtype
     ext = load_ext()
-    ell_col, ell_a, nnz, flag = _compact_cuda(x, first, width, max(1, int(chunk_rows)), ext)
-    if M > 0:  # the one host sync of the forward: backup size and the widest light row
-        R, wlight = torch.stack([flag.sum(), torch.where(flag != 0, 0, nnz).max()]).tolist()
-    else:
-        R, wlight = 0, 0
+    ell_col, ell_a, nnz, flag, summary = _compact_cuda(x, first, width, max(1, int(chunk_rows)), ext)
+    # queued before the read-back below, so that the GPU has work while the host waits and right after
+    wdt = ext.transpose(w_down)  # neuron-major: each active neuron's W_d column is a contiguous row
+    y = torch.empty(M, K, device=dev, dtype=dt)
+    rowabs = torch.empty(M, device=dev, dtype=torch.float32)
+    R, wlight = summary.tolist()  # the one host sync of the forward: backup size and the widest light row
     w = width
     if shrink and M > 0:
         w = _shrunk_width(wlight, width)  # adaptive ELL width
@@ -151,9 +146,6 @@ def _ffn_fwd_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor
             ell_col, ell_a = ell_col[:, :w].contiguous(), ell_a[:, :w].contiguous()
     backup_rows = flag.nonzero().squeeze(1) if R else torch.empty(0, device=dev, dtype=torch.int64)
     ell_u = torch.empty(M if gated else 0, w if gated else 0, device=dev, dtype=torch.float32)
-    y = torch.empty(M, K, device=dev, dtype=dt)
-    wdt = ext.transpose(w_down)  # neuron-major: each active neuron's W_d column is a contiguous row
-    rowabs = torch.empty(M, device=dev, dtype=torch.float32)
     ext.fwd_rows(gated, x, w_up, wdt, ell_col, ell_a, nnz, flag, ell_u, y, rowabs)
     l1 = rowabs.sum(dtype=torch.float32)
     backup = torch.empty(0, N, device=dev, dtype=dt)

@@ -8,7 +8,8 @@
 // Flagged rows are never touched here (their y / dx rows are written by the dense backup in ops.py).
 //
 // Kernels (all one warp per work item, 16-byte loads, fp32 accumulation):
-//   compact : bf16 gate pre-activations [rows, N] -> ReLU -> ELL (ascending columns) + nnz + flag.
+//   compact : bf16 gate pre-activations [rows, N] -> ReLU -> ELL (ascending columns) + nnz + flag, and
+//             optionally (flagged rows, widest light row) for the forward's one read-back.
 //   fwd_rows: light rows: u_e = x.W_u[j] (gated), h_e = a_e u_e, y = sum_e h_e W_dT[j], rowabs = sum |h_e|.
 //   bwd_rows: light rows: dh_e = dy.W_dT[j] + c sign(h_e); dg_e = dh_e u_e, du_e = dh_e a_e (gated) or
 //             dg_e = dh_e (non-gated); dx = sum_e dg_e W_g[j] + du_e W_u[j] (non-gated: dg_e W_u[j]).
@@ -36,47 +37,63 @@ __device__ __forceinline__ long long warp_id() {
 
 // ---------------------------------------------------------------------------------------------------------
 // compact: one warp per row; 256 columns per step (8 per lane, one 16-byte load). N % 8 == 0.
+// summary (optional int32 [2], zeroed by the caller): += flagged rows, max= widest light row; one atomic per block.
 __global__ void __launch_bounds__(256) compact_kernel(const __nv_bfloat16* __restrict__ g, long long ldg, int rows,
                                                       int N, int W, int32_t* __restrict__ ell_col,
                                                       __nv_bfloat16* __restrict__ ell_a, int32_t* __restrict__ nnz,
-                                                      int32_t* __restrict__ flag) {
+                                                      int32_t* __restrict__ flag, int32_t* __restrict__ summary) {
+  __shared__ int32_t s_flagged, s_widest;
+  if (threadIdx.x == 0) { s_flagged = 0; s_widest = 0; }
+  __syncthreads();
   const long long row = warp_id();
   const int lane = threadIdx.x & 31;
-  if (row >= rows) return;
-  const __nv_bfloat16* gr = g + row * ldg;
-  int32_t* oc = ell_col + row * W;
-  uint16_t* oa = reinterpret_cast<uint16_t*>(ell_a) + row * W;
-  int base = 0;
-  bool nonfinite = false;
-  for (int c0 = 0; c0 < N; c0 += 256) {
-    const int c = c0 + lane * 8;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (c < N) v = __ldg(reinterpret_cast<const uint4*>(gr + c));
-    const unsigned act = relu_mask8(v, nonfinite);
-    const int cnt = __popc(act);
-    const int inc = warp_inclusive_sum(cnt);
-    const int total = __shfl_sync(kFull, inc, 31);
-    int slot = base + inc - cnt;
+  if (row < rows) {
+    const __nv_bfloat16* gr = g + row * ldg;
+    int32_t* oc = ell_col + row * W;
+    uint16_t* oa = reinterpret_cast<uint16_t*>(ell_a) + row * W;
+    int base = 0;
+    bool nonfinite = false;
+    for (int c0 = 0; c0 < N; c0 += 256) {
+      const int c = c0 + lane * 8;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (c < N) v = __ldg(reinterpret_cast<const uint4*>(gr + c));
+      const unsigned act = relu_mask8(v, nonfinite);
+      const int cnt = __popc(act);
+      const int inc = warp_inclusive_sum(cnt);
+      const int total = __shfl_sync(kFull, inc, 31);
+      int slot = base + inc - cnt;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      if ((act >> i) & 1u) {
-        if (slot < W) {
-          oc[slot] = c + i;
-          oa[slot] = (uint16_t)bf16_at(v, i);
+      for (int i = 0; i < 8; ++i) {
+        if ((act >> i) & 1u) {
+          if (slot < W) {
+            oc[slot] = c + i;
+            oa[slot] = (uint16_t)bf16_at(v, i);
+          }
+          ++slot;
         }
-        ++slot;
+      }
+      base += total;
+    }
+    for (int s = base + lane; s < W; s += 32) {  // padding (format: col -1, value 0)
+      oc[s] = -1;
+      oa[s] = 0;
+    }
+    const bool any_nf = __any_sync(kFull, nonfinite);
+    if (lane == 0) {
+      const bool flagged = base > W || any_nf;
+      nnz[row] = base;
+      flag[row] = flagged ? 1 : 0;
+      if (summary != nullptr) {
+        if (flagged) atomicAdd(&s_flagged, 1);
+        else atomicMax(&s_widest, base);
       }
     }
-    base += total;
   }
-  for (int s = base + lane; s < W; s += 32) {  // padding (format: col -1, value 0)
-    oc[s] = -1;
-    oa[s] = 0;
-  }
-  const bool any_nf = __any_sync(kFull, nonfinite);
-  if (lane == 0) {
-    nnz[row] = base;
-    flag[row] = (base > W || any_nf) ? 1 : 0;
+  if (summary == nullptr) return;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    if (s_flagged) atomicAdd(&summary[0], s_flagged);
+    atomicMax(&summary[1], s_widest);
   }
 }
 
@@ -558,12 +575,13 @@ inline unsigned blocks_for(long long warps, int threads) {
 extern "C" {
 
 cudaError_t sfltrain_compact_launch(const void* g, long long ldg, int rows, int N, int W, int32_t* ell_col,
-                                    void* ell_a, int32_t* nnz, int32_t* flag, cudaStream_t stream) {
+                                    void* ell_a, int32_t* nnz, int32_t* flag, int32_t* summary,
+                                    cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
   if (N % 8 != 0 || ldg % 8 != 0 || W < 1) return cudaErrorInvalidValue;
   sfltrain::compact_kernel<<<sfltrain::blocks_for(rows, 256), 256, 0, stream>>>(
       reinterpret_cast<const __nv_bfloat16*>(g), ldg, rows, N, W, ell_col,
-      reinterpret_cast<__nv_bfloat16*>(ell_a), nnz, flag);
+      reinterpret_cast<__nv_bfloat16*>(ell_a), nnz, flag, summary);
   return cudaGetLastError();
 }
 
