@@ -107,6 +107,14 @@ def _compact_cuda(x: Tensor, first: Tensor, width: int, chunk: int, ext):
     return ell_col, ell_a, nnz, flag, summary
 
 
+def csr_by_neuron_cuda(hy: Hybrid, flag: Tensor, ext) -> tuple[Tensor, Tensor]:
+    """The reference csr_by_neuron (the same colptr, the same perm up to colptr[N]) by the counting-sort kernels;
+    the reference's torch sort where N and the width need more shared memory than the kernels take."""
+    if ext.csr_supported(hy.n_cols, hy.ell_col.shape[1]):
+        return ext.csr_by_neuron(hy.ell_col, hy.nnz, flag, hy.n_cols)
+    return ref.csr_by_neuron(hy)
+
+
 # ----------------------------------------------------------------------------------------------- forward
 def _ffn_fwd_torch(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, width: int, scale: float,
                    shrink: bool):
