@@ -218,8 +218,7 @@ class _FusedDenseFFN(torch.autograd.Function):
         rownnz = torch.empty(M if want_stats else 0, device=x.device, dtype=torch.int32)
         stats = torch.zeros(2, device=x.device, dtype=torch.int64)
         part = torch.empty(M, device=x.device, dtype=torch.float32)   # per-row sum |h|: a deterministic L1
-        last = (_last_active_dense((g > 0) | torch.isnan(g)) if want_last_active
-                else torch.empty(0, device=x.device, dtype=torch.int64))
+        last = _last_active_rows(g) if want_last_active else torch.empty(0, device=x.device, dtype=torch.int64)
         tw.relu_mul_stats(g, u if gated else x.new_empty(0), h, N, 256, row_cap, rownnz, stats, part)
         y = torch.mm(h, w_down.t())
         l1 = part.sum() * scale
@@ -294,7 +293,7 @@ def _dense(x2, w_gate, w_up, w_down, scale, want_last_active, want_stats, st, kn
             st.record(_count_rows(a[: kn["probe_rows"]]), N, kn["width"])
         stats = {"path": "dense", "nnz_per_token": nnz, "backup_rows": None, "width": None, "kept_bytes": None}
         if want_last_active:
-            stats["last_active_row"] = _last_active_dense(a != 0)
+            stats["last_active_row"] = _last_active_rows(a)
     return y, l1, stats
 
 
@@ -305,11 +304,29 @@ def _last_active_dense(active: Tensor) -> Tensor:
     return torch.where(fired, last, torch.full_like(last, -1))
 
 
+def _last_active_rows(a: Tensor) -> Tensor:
+    """int64 [N]: the last row where each column of a [M, N] (a pre-activation g or a = relu(g)) is relu-active
+    (> 0 or NaN), -1 if none: our column-scan kernel on bf16 CUDA (one read of a at most), else torch's mask."""
+    if (a.is_cuda and a.dtype == torch.bfloat16 and a.shape[1] % 8 == 0 and a.stride(1) == 1 and a.stride(0) % 8 == 0
+            and a.data_ptr() % 16 == 0):
+        from .loader import KernelUnavailableError
+
+        try:
+            return _ops.load_ext().last_active(a)
+        except KernelUnavailableError:  # no extension here: the torch mask is exact too
+            pass
+    return _last_active_dense((a > 0) | torch.isnan(a))
+
+
 def _last_active_sparse(ell_col, ell_a, nnz, backup_rows, backup, N) -> Tensor:
+    """The same from the saved Hybrid form, without a host sync: invalid ELL slots scatter into a spare column N."""
     hy = _ops.saved_hybrid(ell_col, ell_a, nnz, backup_rows, backup, N)
-    r, s = hy.valid_mask().nonzero(as_tuple=True)
-    last = torch.full((N,), -1, dtype=torch.int64, device=ell_col.device)
-    last.scatter_reduce_(0, ell_col[r, s].long(), r, reduce="amax")
+    M, w = ell_col.shape
+    cols = torch.where(hy.valid_mask(), ell_col, N).long().flatten()
+    rows = torch.arange(M, device=ell_col.device).repeat_interleave(w)
+    last = torch.full((N + 1,), -1, dtype=torch.int64, device=ell_col.device)
+    last.scatter_reduce_(0, cols, rows, reduce="amax")
+    last = last[:N]
     if backup_rows.numel():
         rb = torch.where(backup != 0, backup_rows.unsqueeze(1), -1).amax(0)
         last = torch.maximum(last, rb)

@@ -464,3 +464,44 @@ def test_compact_summary_counts_flagged_and_widest_light_row(chunk):
     flag_ref = (n_ref > 64) | ~torch.isfinite(g).all(1)
     assert torch.equal(nnz[~flag_ref], n_ref[~flag_ref]) and torch.equal(flag.bool(), flag_ref)
     assert summary.tolist() == [int(flag_ref.sum()), int(n_ref[~flag_ref].max())]
+
+
+@pytest.mark.parametrize("rows,N,pad", [(1, 8, 0), (5, 264, 8), (127, 512, 0), (129, 5632, 0), (20000, 1024, 16)])
+def test_last_active_kernel_equals_torch_mask(rows, N, pad):
+    """Per column the last relu-active row (> 0 or NaN; -0.0, +0 and negatives are not), -1 for a column that never
+    fires, across row chunks and partial column groups, on a strided view."""
+    from sfl.kernels.train import ops
+    from sfl.kernels.train_ffn import _last_active_dense
+
+    g = torch.Generator(device=DEV).manual_seed(rows + N)
+    base = torch.randn(rows, N + pad, device=DEV, generator=g)
+    base = torch.where(torch.rand(rows, N + pad, device=DEV, generator=g) < 0.97, -base.abs(), base)  # sparse
+    base = base.to(BF)
+    a = base[:, :N]
+    a[:, 0] = -1.0                         # never fires
+    a[:, 1] = -0.0                         # negative zero: not active
+    if N > 3:
+        a[:, 2] = -1.0
+        a[0, 2] = 0.5                      # fires in row 0 only: the scan must cross every chunk
+    if N > 5:
+        a[:, 4] = -1.0
+        a[rows // 2, 4] = float("nan")     # NaN counts as active
+        a[:, 5] = -1.0
+        a[rows - 1, 5] = -float("nan")     # a NaN with the sign bit set too
+    poison()
+    last = ops.load_ext().last_active(a)
+    assert torch.equal(last, _last_active_dense((a > 0) | torch.isnan(a)))
+    assert last[0] == -1 and last[1] == -1
+
+
+def test_last_active_sparse_path_equals_dense_path():
+    """The sparse path's dead-neuron tracker (from the saved Hybrid form, no host sync) gives the dense path's rows,
+    backup rows (heavy, full, non-finite) included."""
+    from sfl.kernels.train_ffn import sparse_gated_ffn_train
+
+    x, wg, wu, wd = make_problem(3000, 256, 1024, 0.01, 8, heavy_frac=0.01)
+    x[7, 5] = float("nan")
+    _, _, sd = sparse_gated_ffn_train(x, wg, wu, wd, mode="dense", want_last_active=True)
+    _, _, ss = sparse_gated_ffn_train(x, wg, wu, wd, mode="sparse", width=32, want_last_active=True)
+    assert ss["path"] == "sparse" and ss["backup_rows"] > 0
+    assert torch.equal(sd["last_active_row"], ss["last_active_row"])

@@ -25,6 +25,8 @@ cudaError_t sfltrain_dw_launch(int gated, int nb, const void* x, const void* dy,
                                const int64_t* perm, const int64_t* colptr, const void* ell_a, const float* ell_u,
                                const float* cg, const float* cu, const void* add_g, const void* add_u,
                                const void* add_d, void* dwg, void* dwu, void* dwdt, cudaStream_t stream);
+cudaError_t sfltrain_last_active_launch(const void* a, long long lda, int rows, int N, int64_t* last,
+                                        cudaStream_t stream);
 cudaError_t sfltrain_transpose_launch(const void* src, long long lds, int R, int C, void* dst, cudaStream_t stream);
 int sfltrain_csr_rows_per_block(int M);
 long long sfltrain_csr_smem_bytes(int N, int W);
@@ -217,6 +219,19 @@ at::Tensor count(const at::Tensor& a) {
   return nnz;
 }
 
+// a: bf16 [rows, N] with unit column stride -> int64 [N]: the last row where each column is relu-active (> 0 or
+// NaN), -1 where none is.
+at::Tensor last_active(const at::Tensor& a) {
+  TORCH_CHECK(a.is_cuda() && a.scalar_type() == at::kBFloat16 && a.dim() == 2 && a.stride(1) == 1,
+              "last_active: a must be a CUDA bf16 [rows, N] tensor with unit column stride");
+  auto last = at::empty({a.size(1)}, a.options().dtype(at::kLong));
+  const c10::cuda::CUDAGuard guard(a.device());
+  check(sfltrain_last_active_launch(a.data_ptr(), a.stride(0), (int)a.size(0), (int)a.size(1),
+                                    last.data_ptr<int64_t>(), stream()),
+        "last_active");
+  return last;
+}
+
 // src: bf16 [R, C] with unit column stride -> [C, R] contiguous (R, C and the row stride multiples of 8).
 at::Tensor transpose(const at::Tensor& src) {
   TORCH_CHECK(src.is_cuda() && src.scalar_type() == at::kBFloat16 && src.dim() == 2 && src.stride(1) == 1,
@@ -269,6 +284,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bwd_rows", &bwd_rows, "light rows: dh, per-entry dgate / dup coefficients, dx");
   m.def("dw", &dw, "neuron-major weight gradients from the CSR-by-neuron transpose");
   m.def("dense_bwd", &dense_bwd, "dense path backward elementwise: dh + L1 term -> dg (in place), du");
+  m.def("last_active", &last_active, "per column, the last row where a bf16 matrix is relu-active (-1 if none)");
   m.def("transpose", &transpose, "bf16 [R, C] -> [C, R] contiguous (tiled, 16-byte accesses)");
   m.def("csr_supported", &csr_supported, "whether csr_by_neuron takes N neurons at ELL width W");
   m.def("csr_by_neuron", &csr_by_neuron, "light ELL entries sorted by neuron (perm, colptr), deterministic order");

@@ -18,6 +18,7 @@
 //   dense_bwd: the dense path's elementwise backward (dh + L1 term -> dg, du) in one pass.
 //   transpose: bf16 [R, C] -> [C, R] (the neuron-major W_d and the W_d gradient in nn.Linear layout).
 //   csr_by_neuron: counting sort of the light ELL entries by neuron (deterministic order) for dw.
+//   last_active: per column, the last row where it is relu-active (the dense path's dead-neuron tracker).
 // Launchers return the cudaError_t of the launch and never exit.
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -565,6 +566,48 @@ __global__ void __launch_bounds__(256) csr_scatter_kernel(const int32_t* __restr
   }
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// last_active: for each column j of a bf16 [rows, N] matrix (row stride lda), the last row r where a[r, j] is
+// relu-active (> 0 or NaN: relu(g) != 0 for a pre-activation g, a != 0 for a = relu(g)); `last` int64 [N] holds -1 on
+// entry. One warp per (256 columns, chunk of kLastRows rows), scanning its rows bottom-up and stopping once every
+// column has been seen; one atomicMax per column and chunk. Replaces torch's flip + argmax over an [rows, N] mask
+// (about six passes over the matrix) for the dead-neuron tracker of the dense path.
+constexpr int kLastRows = 128;
+__global__ void __launch_bounds__(256) last_active_kernel(const __nv_bfloat16* __restrict__ a, long long lda, int rows,
+                                                          int N, long long* __restrict__ last) {
+  const int lane = threadIdx.x & 31;
+  const long long group = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (group * 256 >= N) return;  // warp-uniform
+  const int c = (int)(group * 256) + lane * 8;
+  const bool ok = c < N;
+  const int r_lo = blockIdx.y * kLastRows;
+  const int r_hi = min(rows, r_lo + kLastRows) - 1;
+  unsigned todo = ok ? 0xffu : 0u;
+  int found[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) found[i] = -1;
+  for (int r0 = r_hi; r0 >= r_lo; r0 -= 4) {
+    uint4 v[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k)  // four rows in flight
+      v[k] = (ok && r0 - k >= r_lo) ? __ldg(reinterpret_cast<const uint4*>(a + (long long)(r0 - k) * lda + c))
+                                     : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      bool nf = false;
+      const unsigned hit = relu_mask8(v[k], nf) & todo;
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        if ((hit >> i) & 1u) found[i] = r0 - k;
+      todo &= ~hit;
+    }
+    if (__all_sync(kFull, todo == 0u)) break;
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    if (found[i] >= 0) atomicMax(last + c + i, (long long)found[i]);
+}
+
 inline unsigned blocks_for(long long warps, int threads) {
   return (unsigned)((warps * 32 + threads - 1) / threads);
 }
@@ -773,6 +816,21 @@ cudaError_t sfltrain_csr_by_neuron_launch(const int32_t* ell_col, int W, const i
     sfltrain::csr_scatter_kernel<<<B, 256, scatter_smem, stream>>>(ell_col, W, nnz, flag, M, N, rb, cnt, colptr,
                                                                    perm);
   }
+  return cudaGetLastError();
+}
+
+// last: int64 [N], set to -1 here; a: bf16 [rows, N], row stride lda; N, lda multiples of 8, a 16-byte aligned.
+cudaError_t sfltrain_last_active_launch(const void* a, long long lda, int rows, int N, int64_t* last,
+                                        cudaStream_t stream) {
+  if (N <= 0) return cudaSuccess;
+  if (N % 8 != 0 || lda % 8 != 0 || (reinterpret_cast<uintptr_t>(a) & 15)) return cudaErrorInvalidValue;
+  cudaError_t e = cudaMemsetAsync(last, 0xff, (size_t)N * sizeof(int64_t), stream);  // all bits set: -1
+  if (e != cudaSuccess || rows <= 0) return e;
+  const int groups = (N + 255) / 256;
+  const dim3 grid((groups + 7) / 8, (rows + sfltrain::kLastRows - 1) / sfltrain::kLastRows);
+  if (grid.y > 65535) return cudaErrorInvalidValue;
+  sfltrain::last_active_kernel<<<grid, 256, 0, stream>>>(reinterpret_cast<const __nv_bfloat16*>(a), lda, rows, N,
+                                                         reinterpret_cast<long long*>(last));
   return cudaGetLastError();
 }
 
