@@ -500,7 +500,7 @@ def speed_rows() -> pd.DataFrame:
 
 def latest(df: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame:
     """One row per key combination: the most recent by provenance time when logged, else the last in file order.
-    Only the manifest's logs of record reach here, so this picks a listed rerun (e.g. training_h100_r8 over
+    Only the manifest's logs of record reach here, so this picks a listed rerun (e.g. training_h100_r9 over
     training_h100_r4's M = 16384 cells), never an unlisted new file."""
     if df.empty:
         return df
