@@ -6,8 +6,8 @@ to the torch code it replaced, in one process; a chrome trace of one call per va
 from __future__ import annotations
 
 import json
-import statistics
 import sys
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -17,16 +17,8 @@ from sfl.kernels import reference as ref
 from sfl.kernels.train import ops
 from sfl.kernels.train_ffn import sparse_gated_ffn_train
 
-
-def ev_ms(fn, n=9) -> float:
-    ts = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        a.record(); fn(); b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_paths import ev_ms  # noqa: E402  (the same CUDA-event timer)
 
 
 class TorchTranspose:
@@ -73,8 +65,8 @@ def main() -> None:
                 ops.load_ext, ops.csr_by_neuron_cuda = ld, csr
                 for _ in range(3):
                     step()
-                res.setdefault(name, []).append(ev_ms(step))
-                res.setdefault(name + " fwd", []).append(ev_ms(fwd))
+                res.setdefault(name, []).append(ev_ms(step, n=9))
+                res.setdefault(name + " fwd", []).append(ev_ms(fwd, n=9))
         ops.load_ext, ops.csr_by_neuron_cuda = real_load, real_csr
         print(json.dumps(res), flush=True)
         rows.append(res)
