@@ -13,13 +13,15 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from sfl.experiments.speed.bench import build_paper_model, calibrate_paper_model, paper_profile
-from sfl.experiments.speed.real_path import dense_twin
 from sfl.kernels.config import KernelConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_generate import calibrated_pair  # noqa: E402  (the same calibrated model pair)
 
 
 def ev_ms(fn, n=7) -> float:
@@ -39,14 +41,7 @@ def table(prof, key="cuda_time_total", rows=16) -> str:
 
 def part_prefill(layers: int) -> None:
     dev = torch.device("cuda")
-    ours = build_paper_model(layers, dev, torch.bfloat16, seed=0)
-    g = torch.Generator().manual_seed(0)
-    vocab = ours.config.vocab_size
-    heavy = torch.randperm(vocab, generator=g)[: int(0.01 * vocab)]
-    calib = torch.randint(0, vocab, (4, 2048), generator=g).to(dev)
-    calibrate_paper_model(ours, paper_profile(layers, 29.0), calib, heavy_ids=heavy)
-    hf = dense_twin(ours)
-    ours.set_mlp_impl("cuda")
+    ours, hf, g, vocab = calibrated_pair(layers, dev)
     with torch.inference_mode():
         for b in (1, 16):
             ids = torch.randint(0, vocab, (b, 2048), generator=g).to(dev)
