@@ -198,11 +198,13 @@ def crossover_spec(rows: list[dict], threshold: float = 0.98) -> str:
     return ",".join(out)
 
 
-def calibrate(out: str, kind: str = "gated", cfg=None) -> int:
+def calibrate(out: str, kind: str = "gated", cfg=None, Ms: list[int] | None = None,
+              acts: list[float] | None = None) -> int:
     """Our dense path vs forced sparse over M x activity (uniform and paper profiles): the crossover table.
     Dispatch chooses between these two paths, so they are what the table compares (HF's dense is slower
     than our dense path; the benchmark compares against HF). kind: gated (K 2048, N 5632 -> KernelConfig.crossover)
-    or nongated (K 2048, N 8192 -> KernelConfig.crossover_nongated)."""
+    or nongated (K 2048, N 8192 -> KernelConfig.crossover_nongated). Ms / acts replace the default grid (e.g. decode
+    sizes at higher activity, where the default grid ends before sparse stops winning)."""
     from ..provenance import collect
     from sfl.kernels.ffn import sparse_gated_ffn, sparse_nongated_ffn
     from sfl.kernels.twell import ops
@@ -216,8 +218,8 @@ def calibrate(out: str, kind: str = "gated", cfg=None) -> int:
     wu, wd = wu32.to(BF), wd32.to(BF)
     # one plan per forced mode for the whole grid (forced modes keep no history; one W_d^T copy each)
     plan_d, plan_s = ops.Plan(cfg.replace(mode="dense")), ops.Plan(cfg.replace(mode="sparse"))
-    Ms = [1, 4, 8, 16, 32, 64, 256, 1024, 4096, 8192, 16384, 32768, 65536]
-    acts = [0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02]
+    Ms = Ms or [1, 4, 8, 16, 32, 64, 256, 1024, 4096, 8192, 16384, 32768, 65536]
+    acts = acts or [0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02]
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     f = open(out, "a")
     best: dict[tuple, float] = {}
@@ -496,6 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer configurations (smoke run)")
     ap.add_argument("--calib", action="store_true", help="dense vs forced sparse over an M x activity grid")
     ap.add_argument("--kind", choices=["gated", "nongated"], default="gated", help="block calibrated by --calib")
+    ap.add_argument("--calib-ms", type=int, nargs="*", help="--calib: M values instead of the default grid")
+    ap.add_argument("--calib-acts", type=float, nargs="*", help="--calib: activities instead of the default grid")
     ap.add_argument("--overhead", action="store_true", help="host cost per call and a profiler table")
     ap.add_argument("--explore", action="store_true",
                     help="variant timings (d2t variant, cuBLAS d2t chunking, down_nb, decode tiles per warp)")
@@ -510,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.explore:
         return explore(cfg)
     if args.calib:
-        return calibrate(args.out, args.kind, cfg)
+        return calibrate(args.out, args.kind, cfg, args.calib_ms, args.calib_acts)
     if args.overhead:
         return overhead(cfg)
     from ..provenance import collect

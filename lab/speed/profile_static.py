@@ -1,0 +1,101 @@
+"""Trial (lab): generate() with the static cache (transformers compiles it with CUDA graphs) against HF's Llama.
+Per batch and per crossover table: wall time of generate() at 64 and 16 new tokens (the difference over 48 steps is
+the decode step as a user gets it), the GPU time of one 64-token generate from the profiler (kernels, graph replays
+included), and each layer's decode path and measured activity. GPU only.
+
+    python lab/speed/profile_static.py --out $OUT/profile_static.jsonl [--crossover SPEC] [--batches 1 8]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from sfl.experiments.provenance import collect
+from sfl.kernels.config import KernelConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_generate import calibrated_pair  # noqa: E402  (the same calibrated model pair)
+
+
+def wall(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def gpu_seconds(fn) -> float:
+    """Summed device time of the kernels and copies one call runs (graph-launched kernels included)."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.events() if e.device_type == DeviceType.CUDA) * 1e-6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--crossover", default="", help="a second crossover table to compare with the default")
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 8])
+    ap.add_argument("--reps", type=int, default=3)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    ours, hf, g, vocab = calibrated_pair(28, dev)
+    configs = {"default": KernelConfig()}
+    if a.crossover:
+        configs["extended"] = KernelConfig(crossover=a.crossover)
+    prov = collect()
+    f = open(a.out, "a")
+    for b in a.batches:
+        ids = torch.randint(1, vocab, (b, 128), generator=g).to(dev)
+        mask = torch.ones_like(ids)
+
+        def gen(m, new):
+            return lambda: m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                      do_sample=False, pad_token_id=0, cache_implementation="static")
+
+        with torch.inference_mode():
+            for name, cfg in configs.items():
+                ours.set_kernel_config(cfg)
+                sides = {"hf": hf, "ours": ours}
+                for m in sides.values():  # compile + graph capture for both lengths
+                    for new in (64, 16, 64):
+                        gen(m, new)()
+                t = {(s, new): [] for s in sides for new in (64, 16)}
+                for r in range(a.reps):
+                    order = list(sides) if r % 2 == 0 else list(sides)[::-1]
+                    for s in order:
+                        for new in (64, 16):
+                            t[(s, new)].append(wall(gen(sides[s], new)))
+                med = {k: statistics.median(v) for k, v in t.items()}
+                gpu = {s: gpu_seconds(gen(m, 64)) for s, m in sides.items()}
+                infos = [mlp.plan.info() for mlp in ours.sparse_mlps()]
+                row = {"batch": b, "table": name, "crossover": cfg.crossover,
+                       "step_ms": {s: (med[(s, 64)] - med[(s, 16)]) / 48 * 1e3 for s in sides},
+                       "generate64_s": {s: med[(s, 64)] for s in sides},
+                       "speedup64": med[("hf", 64)] / med[("ours", 64)],
+                       "gpu_ms_per_token64": {s: gpu[s] / 64 * 1e3 for s in sides},
+                       "all_s": {f"{s}_{n}": v for (s, n), v in t.items()},
+                       "layer_p": [i.get("p") for i in infos], "layer_path": [i.get("path") for i in infos],
+                       "provenance": prov}
+                step = row["step_ms"]
+                print(f"b{b} {name}: generate64 x{row['speedup64']:.3f}; step hf {step['hf']:.2f} ours "
+                      f"{step['ours']:.2f} ms; GPU/token hf {row['gpu_ms_per_token64']['hf']:.2f} ours "
+                      f"{row['gpu_ms_per_token64']['ours']:.2f} ms", flush=True)
+                print("   paths:", [(round(p or 0, 4), (pa or "")[:6]) for p, pa in zip(row["layer_p"], row["layer_path"])],
+                      flush=True)
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+
+
+if __name__ == "__main__":
+    main()
