@@ -20,9 +20,12 @@ FUSED_DECODE_MAX_M = 8  # the fused decode kernel takes at most 8 rows
 
 # Crossover per M bucket, "m:p,...": for M >= m (largest such m) auto runs sparse when the layer's measured activity
 # is <= p. Calibrated on the H100 at K = 2048, N = 5632 against our dense path with the fused d2t (the elementwise
-# minimum of two runs, results/kernel_bench/calibration/calib_h100_r9{a,b}.jsonl; kernels/README.md, Dispatch).
-DEFAULT_CROSSOVER = ("1:0.0152,4:0.0193,8:0.0202,16:0.0019,32:0.002,64:0.0019,256:0,1024:0,4096:0.0025,8192:0.0025,"
-                     "16384:0.0045,32768:0.0055,65536:0.0069")
+# minimum of two runs, results/kernel_bench/calibration/calib_h100_r9{a,b}.jsonl; kernels/README.md, Dispatch). The
+# decode buckets (M <= 64) add an activity grid up to 25% (calib_decode_h100_r15{a,b}.jsonl, merged by
+# experiments/kernel_bench/decode_crossover.py): the fused decode kernel wins to ~20% activity at M = 1 and ~12% at
+# M = 4, where the 2% end of the r9 grid had capped the table.
+DEFAULT_CROSSOVER = ("1:0.1987,2:0.1183,5:0.0225,9:0.0019,17:0.002,33:0.0019,"
+                     "256:0,1024:0,4096:0.0025,8192:0.0025,16384:0.0045,32768:0.0055,65536:0.0069")
 # The non-gated block (no up-projection gather, so sparse wins to higher activity), calibrated the same way at
 # K = 2048, N = 8192 (calib_nongated_h100_r9.jsonl).
 DEFAULT_CROSSOVER_NONGATED = ("1:0.0164,4:0.0184,8:0,16:0.0021,32:0,64:0.0018,256:0,1024:0.0025,4096:0.0044,"

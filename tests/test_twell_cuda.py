@@ -493,6 +493,71 @@ def test_op_under_torch_compile(ffn):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
+@pytest.mark.parametrize("M", [1, 6, 40, 300])
+def test_op_under_compiled_cuda_graphs(ffn, M):
+    """torch.compile(mode="reduce-overhead") (CUDA graphs through cudagraph trees) over a fresh plan: the warm-up call
+    runs in the graph's memory pool, so what the plan keeps (W_d's neuron-major copy, the decode workspace, the
+    measurement slots) must come from outside it, or recording fails ("tensors in the cudagraph pool not tracked as
+    outputs"). The graph is really used (no cudagraph skip) and replays with new inputs stay exact."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from sfl.kernels.twell import ops
+
+    K, N = 2048, 5632
+    _, wg, wu, wd = make_problem(M, K, N, 0.01, seed=60 + M, adversarial=False)
+    plan = new_plan(mode="sparse")
+
+    class Layer(torch.nn.Module):  # weights and statistics as buffers: static addresses for the graph
+        def __init__(self):
+            super().__init__()
+            for n, t in (("wg", wg), ("wu", wu), ("wd", wd), ("stats", torch.zeros(3, device=DEV, dtype=torch.int64))):
+                self.register_buffer(n, t)
+
+        def forward(self, x):
+            return ops.ffn(x, self.wg, self.wu, self.wd, plan, self.stats)
+
+    torch._dynamo.reset()
+    counters.clear()
+    layer = Layer()
+    cf = torch.compile(layer, mode="reduce-overhead", fullgraph=True)
+    try:
+        with torch.no_grad():
+            for seed in range(5):
+                x, _, _, _ = make_problem(M, K, N, 0.01, seed=70 + seed, adversarial=False)
+                y = cf(x).clone()
+                torch.cuda.synchronize()
+                check(y, x, wg, wu, wd, True)
+    finally:
+        torch._dynamo.reset()
+    assert counters["inductor"]["cudagraph_skips"] == 0, "the compiled call did not run as a CUDA graph"
+    assert int(layer.stats[2]) == 5 * M
+    assert plan.info()["path"] == "sparse-syncfree"  # the captured calls take the sync-free path
+
+
+def test_capture_without_a_valid_down_copy(ffn):
+    """A capture that finds no valid W_d copy in its plan (here: the plan's eager call saw another W_d) transposes W_d
+    inside the graph and caches nothing from the graph's pool: replays stay exact, before and after an eager call
+    rebuilds the plan's own copy."""
+    K, N, M = 2048, 5632, 4
+    x, wg, wu, wd = make_problem(M, K, N, 0.01, seed=81, adversarial=False)
+    plan = new_plan(mode="sparse")
+    run(ffn, x, wg, wu, wd.clone(), plan=plan)  # the plan's device state, and a W_d copy of another tensor
+    static_x = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = run(ffn, static_x, wg, wu, wd, plan=plan)
+    for seed in (82, 83):
+        x2, _, _, _ = make_problem(M, K, N, 0.01, seed=seed, adversarial=False)
+        static_x.copy_(x2)
+        static_y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(static_y, x2, wg, wu, wd, True)
+        poison()
+        check(run(ffn, x2, wg, wu, wd, plan=plan), x2, wg, wu, wd, True)  # eager: the plan's own copy
+
+
 # ---------------------------------------------------------------- round 3: compaction v2, grid cap, fused decode
 def test_compact_equals_reference(ffn):
     """The persistent compaction writes exactly what reference.d2t writes, on adversarial rows, strided row views

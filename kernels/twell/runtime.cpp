@@ -25,6 +25,7 @@
 //               M <= 8: the fused decode kernel.
 #include <torch/extension.h>
 #include <torch/library.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
@@ -55,6 +56,37 @@ enum Mode { kAuto = 0, kSparse = 1, kDense = 2 };
 void check(cudaError_t e, const char* what) {
   TORCH_CHECK(e == cudaSuccess, "TwELL kernel '", what, "' failed: ", cudaGetErrorString(e),
               " (invalid value = a shape or setting the kernels cannot serve; see kernels/README.md)");
+}
+
+// Memory a plan keeps between calls (W_d's neuron-major copy, the decode workspace, the measurement slots). It is
+// allocated while a stream of our own is current: the caching allocator routes a CUDA-graph memory pool by stream,
+// and torch.compile's CUDA graphs (cudagraph trees) run their warm-up calls with the caller's stream routed to the
+// graph's pool, where a buffer that outlives the call is refused at recording ("tensors in the cudagraph pool not
+// tracked as outputs") or would dangle once the graph is freed. Recorded on the caller's stream, so that releasing
+// it waits for that stream's work. Never called while capturing (it may need cudaMalloc): captures use per-call
+// buffers instead. The caller fills it, in its own stream's order.
+at::Tensor kept_empty(at::IntArrayRef size, const at::TensorOptions& opts, cudaStream_t use) {
+  const int dev = opts.device().index();
+  static std::mutex mu;
+  static std::map<int, cudaStream_t> own;  // one per device, never destroyed (streams must outlive every plan)
+  cudaStream_t s;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = own.find(dev);
+    if (it == own.end()) {
+      check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream create");
+      own[dev] = s;
+    } else {
+      s = it->second;
+    }
+  }
+  at::Tensor t;
+  {
+    const c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromExternal(s, dev));
+    t = at::empty(size, opts);
+  }
+  c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), c10::cuda::getStreamFromExternal(use, dev));
+  return t;
 }
 
 // KernelConfig, as the op receives it (kernels/twell/ops.py: plan_args)
@@ -210,8 +242,13 @@ struct Plan {
     return e;
   }
 
-  void ensure_device(int dev) {
+  void ensure_device(int dev, cudaStream_t stream) {
     if (device == dev) return;
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    check(cudaStreamIsCapturing(stream, &cs), "stream capture query");
+    TORCH_CHECK(cs == cudaStreamCaptureStatusNone, "sfl_twell::ffn: this layer's first call is being captured into a "
+                "CUDA graph; run it once eagerly before capturing (the warm-up torch.cuda.graph's documentation asks "
+                "for, and torch.compile's CUDA graphs do by themselves)");
     TORCH_CHECK(device < 0, "sfl_twell::ffn: a plan serves one device; this layer's plan was made on cuda:",
                 std::to_string(device), " and is now called on cuda:", std::to_string(dev),
                 " (make a new module/plan per device)");
@@ -220,7 +257,7 @@ struct Plan {
     check(cudaHostAlloc(&h, 4 * sizeof(int64_t), cudaHostAllocDefault), "pinned host slots");
     host_async = static_cast<int64_t*>(h);
     host_sync = host_async + 2;
-    dev_stats = at::empty({4}, at::TensorOptions().dtype(at::kLong).device(at::kCUDA, dev));
+    dev_stats = kept_empty({4}, at::TensorOptions().dtype(at::kLong).device(at::kCUDA, dev), stream);
     check(cudaEventCreateWithFlags(&ev_async, cudaEventDisableTiming), "event");
     check(cudaEventCreateWithFlags(&ev_sync, cudaEventDisableTiming), "event");
   }
@@ -248,7 +285,8 @@ struct Plan {
     const int64_t K = x.size(1), need = kFusedDecodeMaxM * K + 2 * kFusedDecodeMaxM;
     if (decode_ws.defined() && stream != decode_ws_stream) return at::Tensor();  // in use in another stream's order
     if (!decode_ws.defined() || decode_ws.numel() != need) {
-      decode_ws = at::zeros({need}, x.options().dtype(at::kFloat));
+      decode_ws = kept_empty({need}, x.options().dtype(at::kFloat), stream);
+      check(cudaMemsetAsync(decode_ws.data_ptr(), 0, need * sizeof(float), stream), "memset");
       decode_ws_stream = stream;
       decode_ws_dirty = false;
     } else if (decode_ws_dirty) {
@@ -259,12 +297,15 @@ struct Plan {
   }
 
   // keyed by storage + offset + version, not tensor identity: callers may pass a fresh .detach() view per call.
-  // The source is held, so its memory cannot be freed and reused by another weight while it is cached.
-  const at::Tensor& down_t(const at::Tensor& wd) {
+  // The source is held, so its memory cannot be freed and reused by another weight while it is cached. A capture
+  // that finds no valid copy transposes into a per-call buffer (part of the graph) and caches nothing.
+  at::Tensor down_t(const at::Tensor& wd, cudaStream_t stream, bool capture) {
     const void* st = wd.storage().unsafeGetStorageImpl();
     if (!wdt.defined() || st != wdt_storage || wd.storage_offset() != wdt_offset ||
         (int64_t)wd._version() != wdt_version || !wd.sizes().equals(wdt_src.sizes())) {
-      wdt = wd.t().contiguous();
+      if (capture) return wd.t().contiguous();
+      wdt = kept_empty({wd.size(1), wd.size(0)}, wd.options(), stream);
+      wdt.copy_(wd.t());
       wdt_src = wd;
       wdt_storage = st;
       wdt_offset = wd.storage_offset();
@@ -477,7 +518,7 @@ at::Tensor sparse_path(Call& c, bool sync_free) {
   Plan& P = c.P;
   const int64_t M = c.M, K = c.K, N = c.N, T = N / kTileN;
   ++P.sparse_calls;
-  const at::Tensor& wdt = P.down_t(c.wd);
+  const at::Tensor wdt = P.down_t(c.wd, c.stream, c.capture);
   // the eager path always measures (it needs the flagged-row count); sync-free calls every measure_every-th call
   // (the read-back is a few small operations, comparable to a decode-size call)
   const bool measure = !c.capture && (!sync_free || (!P.pending && P.sparse_calls % P.cfg.measure_every == 1 % P.cfg.measure_every));
@@ -551,7 +592,7 @@ at::Tensor ffn_cuda(const at::Tensor& x_in, const c10::optional<at::Tensor>& w_g
   check_inputs(x_in, w_gate, w_up, w_down, stats);
   const c10::cuda::CUDAGuard guard(x_in.device());
   Plan& P = plan_for(plan_id, icfg, fcfg, w_gate.has_value());
-  P.ensure_device(x_in.get_device());
+  P.ensure_device(x_in.get_device(), c10::cuda::getCurrentCUDAStream().stream());
   const int64_t K = x_in.size(-1), N = w_up.size(0);
   const at::Tensor x = readable(x_in.reshape({-1, K}));
   const int64_t M = x.size(0);

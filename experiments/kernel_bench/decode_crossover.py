@@ -1,0 +1,55 @@
+"""The decode buckets (M <= 64) of the gated crossover table, from two calibration runs that extend the activity grid.
+
+    python -m sfl.experiments.kernel_bench.decode_crossover NEW_A.jsonl NEW_B.jsonl [--base-a A.jsonl --base-b B.jsonl]
+
+The default calibration grid (bench_inference --calib) ends at 2% activity, where the fused decode kernel still wins
+at M = 1..8: its table entries were the grid's end, not a measured crossing. The extension runs
+(`bench_inference --calib --calib-ms 1 4 8 16 32 64 --calib-acts 0.02 ... 0.25`) are merged with the base runs' rows
+at the same M (run a with a, b with b), each pair gives crossover_spec's per-M crossing, and the table takes their
+minimum. A bucket between two measured sizes takes the larger size's value (the sparse path's cost grows with M), so
+M = 2..4 use M = 4's crossing, 5..8 use M = 8's, and so on; buckets from 256 up keep the shipped table. Prints the
+whole table (KernelConfig.crossover's format).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+from sfl.experiments.kernel_bench.bench_inference import crossover_spec
+from sfl.kernels.config import DEFAULT_CROSSOVER, KernelConfig
+
+BASE = "results/kernel_bench/calibration/calib_h100_r9{}.jsonl"
+
+
+def rows(path: str) -> list[dict]:
+    return [json.loads(line) for line in open(path)]
+
+
+def decode_table(new: list[str], base: list[str], max_m: int = 64) -> str:
+    per_run = []
+    for n, b in zip(new, base):
+        merged = [r for r in rows(b) if r["M"] <= max_m] + [r for r in rows(n) if r["M"] <= max_m]
+        per_run.append({int(m): float(p) for m, p in (kv.split(":") for kv in crossover_spec(merged).split(","))})
+    ms = sorted(per_run[0])
+    cross = {m: min(run[m] for run in per_run) for m in ms}
+    out = {1: cross[ms[0]]}
+    for prev, m in zip(ms, ms[1:]):
+        out[prev + 1] = cross[m]
+    shipped = [(int(m), p) for m, p in (kv.split(":") for kv in DEFAULT_CROSSOVER.split(","))]
+    table = ",".join([f"{m}:{p:g}" for m, p in sorted(out.items())] + [f"{m}:{p}" for m, p in shipped if m > max_m])
+    KernelConfig(crossover=table)  # refuses a table the kernels cannot use
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("new", nargs=2, help="the two extension runs (a, b)")
+    ap.add_argument("--base-a", default=BASE.format("a"))
+    ap.add_argument("--base-b", default=BASE.format("b"))
+    a = ap.parse_args(argv)
+    print(decode_table(a.new, [a.base_a, a.base_b]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
