@@ -37,6 +37,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -58,13 +59,12 @@ void check(cudaError_t e, const char* what) {
               " (invalid value = a shape or setting the kernels cannot serve; see kernels/README.md)");
 }
 
-// Memory a plan keeps between calls (W_d's neuron-major copy, the decode workspace, the measurement slots). It is
-// allocated while a stream of our own is current: the caching allocator routes a CUDA-graph memory pool by stream,
-// and torch.compile's CUDA graphs (cudagraph trees) run their warm-up calls with the caller's stream routed to the
-// graph's pool, where a buffer that outlives the call is refused at recording ("tensors in the cudagraph pool not
-// tracked as outputs") or would dangle once the graph is freed. Recorded on the caller's stream, so that releasing
-// it waits for that stream's work. Never called while capturing (it may need cudaMalloc): captures use per-call
-// buffers instead. The caller fills it, in its own stream's order.
+// Memory a plan keeps between calls (W_d's neuron-major copy, the decode workspace, the measurement slots) is
+// allocated on a helper thread, with a stream of our own current: torch.compile's CUDA graphs (cudagraph trees) route
+// every allocation of the calling thread to the graph's memory pool during their warm-up calls, and a buffer that
+// outlives the call there is refused at recording ("tensors in the cudagraph pool not tracked as outputs") or would
+// dangle once the graph is freed. Recorded on the caller's stream, so that releasing it waits for that stream's work.
+// Never called while capturing (it may need cudaMalloc): captures use per-call buffers. The caller fills it.
 at::Tensor kept_empty(at::IntArrayRef size, const at::TensorOptions& opts, cudaStream_t use) {
   const int dev = opts.device().index();
   static std::mutex mu;
@@ -80,11 +80,20 @@ at::Tensor kept_empty(at::IntArrayRef size, const at::TensorOptions& opts, cudaS
       s = it->second;
     }
   }
+  const std::vector<int64_t> shape(size.begin(), size.end());
   at::Tensor t;
-  {
-    const c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromExternal(s, dev));
-    t = at::empty(size, opts);
-  }
+  std::exception_ptr err;
+  std::thread helper([&] {
+    try {
+      const c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(dev));
+      const c10::cuda::CUDAStreamGuard stream_guard(c10::cuda::getStreamFromExternal(s, dev));
+      t = at::empty(shape, opts);
+    } catch (...) {
+      err = std::current_exception();
+    }
+  });
+  helper.join();
+  if (err) std::rethrow_exception(err);
   c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), c10::cuda::getStreamFromExternal(use, dev));
   return t;
 }
