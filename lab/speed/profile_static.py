@@ -33,11 +33,15 @@ def wall(fn) -> float:
     return time.perf_counter() - t0
 
 
-def gpu_seconds(fn) -> float:
-    """Summed device time of the kernels and copies one call runs (graph-launched kernels included)."""
+def gpu_seconds(fn, label: str = "", top: int = 0) -> float:
+    """Summed device time of the kernels and copies one call runs (graph-launched kernels included); with top > 0
+    also prints the `top` kernels by device time."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
+    if top:
+        print(f"==== {label}: kernels by device time")
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=90))
     return sum(e.self_device_time_total for e in prof.events() if e.device_type == DeviceType.CUDA) * 1e-6
 
 
@@ -47,12 +51,20 @@ def main() -> None:
     ap.add_argument("--crossover", default="", help="a second crossover table to compare with the default")
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 8])
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--modes", nargs="*", default=[], help="extra KernelConfig modes to compare (dense, sparse)")
+    ap.add_argument("--old-table", action="store_true", help="also the r9 crossover table (before r15's decode rows)")
+    ap.add_argument("--top", type=int, default=0, help="print this many kernels by device time per side")
     a = ap.parse_args()
     dev = torch.device("cuda")
     ours, hf, g, vocab = calibrated_pair(28, dev)
     configs = {"default": KernelConfig()}
     if a.crossover:
         configs["extended"] = KernelConfig(crossover=a.crossover)
+    if a.old_table:
+        configs["r9 table"] = KernelConfig(crossover="1:0.0152,4:0.0193,8:0.0202,16:0.0019,32:0.002,64:0.0019,256:0,"
+                                           "1024:0,4096:0.0025,8192:0.0025,16384:0.0045,32768:0.0055,65536:0.0069")
+    for m in a.modes:
+        configs[m] = KernelConfig(mode=m)
     prov = collect()
     f = open(a.out, "a")
     for b in a.batches:
@@ -77,7 +89,7 @@ def main() -> None:
                         for new in (64, 16):
                             t[(s, new)].append(wall(gen(sides[s], new)))
                 med = {k: statistics.median(v) for k, v in t.items()}
-                gpu = {s: gpu_seconds(gen(m, 64)) for s, m in sides.items()}
+                gpu = {s: gpu_seconds(gen(m, 64), f"b{b} {name} {s}", a.top) for s, m in sides.items()}
                 infos = [mlp.plan.info() for mlp in ours.sparse_mlps()]
                 row = {"batch": b, "table": name, "crossover": cfg.crossover,
                        "step_ms": {s: (med[(s, 64)] - med[(s, 16)]) / 48 * 1e3 for s in sides},
