@@ -611,6 +611,10 @@ at::Tensor ffn_cuda(const at::Tensor& x_in, const c10::optional<at::Tensor>& w_g
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   Call c{P, x, w_gate.has_value() ? &wg : nullptr, wu, wd, u64(stats), stream, capturing(stream), M, K, N};
   const bool sync_free = c.capture || M <= P.cfg.decode_max_m;
+  // decode sizes are what CUDA graphs capture, after eager warm-up calls that may all have run dense (self-timing
+  // times dense first): make W_d's neuron-major copy here, outside any capture, so that a captured sparse call finds
+  // it instead of transposing W_d inside the graph on every replay
+  if (!c.capture && M <= P.cfg.decode_max_m && P.cfg.mode != kDense) P.down_t(wd, stream, false);
 
   bool sparse = P.cfg.mode == kSparse, table_dense = false, timed = false;
   int bucket = 0;

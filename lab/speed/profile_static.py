@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch._dynamo.utils import counters
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
@@ -79,9 +80,15 @@ def main() -> None:
             for name, cfg in configs.items():
                 ours.set_kernel_config(cfg)
                 sides = {"hf": hf, "ours": ours}
-                for m in sides.values():  # compile + graph capture for both lengths
+                compile_stats = {}
+                for s, m in sides.items():  # compile + graph capture for both lengths
+                    counters.clear()
                     for new in (64, 16, 64):
                         gen(m, new)()
+                    compile_stats[s] = {"graph_breaks": dict(counters["graph_break"]),
+                                        "unique_graphs": counters["stats"]["unique_graphs"],
+                                        "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
+                    print(f"   {s} compile: {compile_stats[s]}", flush=True)
                 t = {(s, new): [] for s in sides for new in (64, 16)}
                 for r in range(a.reps):
                     order = list(sides) if r % 2 == 0 else list(sides)[::-1]
@@ -97,7 +104,7 @@ def main() -> None:
                        "speedup64": med[("hf", 64)] / med[("ours", 64)],
                        "gpu_ms_per_token64": {s: gpu[s] / 64 * 1e3 for s in sides},
                        "all_s": {f"{s}_{n}": v for (s, n), v in t.items()},
-                       "layer_p": [i.get("p") for i in infos], "layer_path": [i.get("path") for i in infos],
+                       "compile_stats": compile_stats, "layer_p": [i.get("p") for i in infos], "layer_path": [i.get("path") for i in infos],
                        "provenance": prov}
                 step = row["step_ms"]
                 print(f"b{b} {name}: generate64 x{row['speedup64']:.3f}; step hf {step['hf']:.2f} ours "
