@@ -258,3 +258,17 @@ def test_fake_impls_shapes():
         assert p.dtype == c.dtype == f.dtype == torch.int32
         p, c, f = torch.ops.sfl_twell.d2t(x[0], wg, 8, 1, 4096, 0)
         assert p.shape == (37, 6, 8) and c.shape == (37, 6) and f.shape == (37,)
+
+
+def test_default_crossover_is_derived_from_the_calibration_logs():
+    """DEFAULT_CROSSOVER is what experiments/kernel_bench/decode_crossover.py derives from the committed calibration
+    logs (r9 for every bucket, r15 extending the decode buckets' activity grid): a hand-edited table fails here."""
+    from pathlib import Path
+
+    from sfl.experiments.kernel_bench.decode_crossover import BASE, decode_table
+    from sfl.kernels.config import DEFAULT_CROSSOVER
+
+    root = Path(__file__).resolve().parents[1]
+    new = [str(root / f"results/kernel_bench/calibration/calib_decode_h100_r15{r}.jsonl") for r in "ab"]
+    base = [str(root / BASE.format(r)) for r in "ab"]
+    assert decode_table(new, base) == DEFAULT_CROSSOVER

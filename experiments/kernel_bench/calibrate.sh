@@ -6,6 +6,7 @@
 # to `set -a; source` before a run (SFL_KERNEL_CROSSOVER=..., SFL_KERNEL_CROSSOVER_NONGATED=...: scripts apply them
 # through KernelConfig.from_env(), read once) or to copy into kernels/config.py's DEFAULT_CROSSOVER(_NONGATED).
 # The calibration runs themselves use KernelConfig.from_env() too (forced modes: the tables do not matter there).
+# The default grid ends at 2% activity; the decode buckets need a wider one (experiments/kernel_bench/decode_crossover.py).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out="${1:?usage: calibrate.sh OUT_DIR [TAG]}"; tag="${2:-$(date -u +%Y%m%dT%H%M%SZ)}"

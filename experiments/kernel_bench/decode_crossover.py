@@ -7,8 +7,9 @@ at M = 1..8: its table entries were the grid's end, not a measured crossing. The
 (`bench_inference --calib --calib-ms 1 4 8 16 32 64 --calib-acts 0.02 ... 0.25`) are merged with the base runs' rows
 at the same M (run a with a, b with b), each pair gives crossover_spec's per-M crossing, and the table takes their
 minimum. A bucket between two measured sizes takes the larger size's value (the sparse path's cost grows with M), so
-M = 2..4 use M = 4's crossing, 5..8 use M = 8's, and so on; buckets from 256 up keep the shipped table. Prints the
-whole table (KernelConfig.crossover's format).
+M = 2..4 use M = 4's crossing, 5..8 use M = 8's, and so on; buckets above 64 come from the base runs alone, as
+calibrate.sh makes them. Prints the whole table (KernelConfig.crossover's format; tests/test_kernels_cpu.py checks
+that it is DEFAULT_CROSSOVER).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import argparse
 import json
 
 from sfl.experiments.kernel_bench.bench_inference import crossover_spec
-from sfl.kernels.config import DEFAULT_CROSSOVER, KernelConfig
+from sfl.kernels.config import KernelConfig
 
 BASE = "results/kernel_bench/calibration/calib_h100_r9{}.jsonl"
 
@@ -28,15 +29,16 @@ def rows(path: str) -> list[dict]:
 def decode_table(new: list[str], base: list[str], max_m: int = 64) -> str:
     per_run = []
     for n, b in zip(new, base):
-        merged = [r for r in rows(b) if r["M"] <= max_m] + [r for r in rows(n) if r["M"] <= max_m]
+        merged = rows(b) + [r for r in rows(n) if r["M"] <= max_m]
         per_run.append({int(m): float(p) for m, p in (kv.split(":") for kv in crossover_spec(merged).split(","))})
     ms = sorted(per_run[0])
     cross = {m: min(run[m] for run in per_run) for m in ms}
-    out = {1: cross[ms[0]]}
-    for prev, m in zip(ms, ms[1:]):
+    decode = [m for m in ms if m <= max_m]
+    out = {1: cross[decode[0]]}
+    for prev, m in zip(decode, decode[1:]):
         out[prev + 1] = cross[m]
-    shipped = [(int(m), p) for m, p in (kv.split(":") for kv in DEFAULT_CROSSOVER.split(","))]
-    table = ",".join([f"{m}:{p:g}" for m, p in sorted(out.items())] + [f"{m}:{p}" for m, p in shipped if m > max_m])
+    out.update({m: cross[m] for m in ms if m > max_m})
+    table = ",".join(f"{m}:{p:g}" for m, p in sorted(out.items()))
     KernelConfig(crossover=table)  # refuses a table the kernels cannot use
     return table
 
