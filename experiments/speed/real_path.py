@@ -12,7 +12,8 @@ What is timed (CUDA events or a synchronised wall clock, after warm-up; sides al
 - prefill: `model.model(input_ids)` (decoder core) and `model(input_ids)` (lm_head included, logits of every
   position) at batch 1, 4, 16 x 2048 tokens;
 - generate: `generate()` of 64 new tokens after a 128-token prompt, greedy, at batch 1, 8, 32; eager (dynamic
-  cache) and with the static cache, which transformers compiles by itself (its supported way), on both sides.
+  cache) and with the static cache, which transformers compiles by itself (its supported way), on both sides; each
+  side's GPU time of one more call (hf_gpu_s, ours_gpu_s: the profiler's kernel time) beside its wall time.
 Every row records the measured sparsity, the effective KernelConfig and provenance.
 """
 from __future__ import annotations
@@ -53,6 +54,18 @@ def _timed(fn: Callable[[], Any]) -> float:
     fn()
     torch.cuda.synchronize()
     return time.perf_counter() - t0
+
+
+def gpu_seconds(fn: Callable[[], Any]) -> float:
+    """Summed device time of the kernels and copies one call runs (CUDA-graph replays included), from the profiler:
+    beside the wall time it shows how much of a generate() step is host work that both sides pay."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.events() if e.device_type == DeviceType.CUDA) * 1e-6
 
 
 def interleaved(sides: dict[str, Callable[[], Any]], blocks: int, reps: int, warmup: int) -> dict[str, list[float]]:
@@ -104,8 +117,11 @@ def generate_rows(hf, ours, vocab: int, batches: list[int], prompt: int, new: in
         with torch.inference_mode():
             same = torch.equal(sides["hf"](), sides["ours"]())
         t = interleaved(sides, blocks, reps=1, warmup=2)
+        with torch.inference_mode():
+            gpu = {f"{k}_gpu_s": gpu_seconds(f) for k, f in sides.items()}
         path = "generate static cache (transformers compiles)" if static else "generate eager"
-        rows.append(row(path, t, b * new, batch=b, prompt_len=prompt, new_tokens=new, greedy_tokens_equal=same))
+        rows.append(row(path, t, b * new, batch=b, prompt_len=prompt, new_tokens=new, greedy_tokens_equal=same,
+                        **gpu))
         print(f"{path:46s} batch {b:2d}: {rows[-1]['speedup']:.3f}x (tokens equal: {same})", flush=True)
     return rows
 

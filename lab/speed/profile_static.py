@@ -20,6 +20,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from sfl.experiments.provenance import collect
+from sfl.experiments.speed import real_path
 from sfl.kernels.config import KernelConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -35,14 +36,14 @@ def wall(fn) -> float:
 
 
 def gpu_seconds(fn, label: str = "", top: int = 0) -> float:
-    """Summed device time of the kernels and copies one call runs (graph-launched kernels included); with top > 0
-    also prints the `top` kernels by device time."""
+    """real_path.gpu_seconds; with top > 0 also prints the `top` kernels by device time."""
+    if not top:
+        return real_path.gpu_seconds(fn)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    if top:
-        print(f"==== {label}: kernels by device time")
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=90))
+    print(f"==== {label}: kernels by device time")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=90))
     return sum(e.self_device_time_total for e in prof.events() if e.device_type == DeviceType.CUDA) * 1e-6
 
 
