@@ -3,7 +3,8 @@
     python -m sfl.experiments.runs merge BASE.yaml [OVERRIDE.yaml ...] [--set key=value ...] -o OUT.yaml
     python -m sfl.experiments.runs done RESULT_DIR [--file train_log.jsonl]   # exit 0 iff a 'final' line exists
     python -m sfl.experiments.runs describe RUN_DIR                           # one-line summary of a finished run
-    python -m sfl.experiments.runs summarize EXP_RESULTS_DIR                  # summary.csv (+ printed table)
+    python -m sfl.experiments.runs summarize EXP_RESULTS_DIR                  # summary.csv (+ printed table);
+                                                      # summary_seeds.csv where a configuration ran with several seeds
     python -m sfl.experiments.runs pick-dir BASE_DIR CONFIG.yaml [--fresh]    # "new|unfinished|finished <dir>"
 
 Configs are flat YAML mappings (experiments/config.py); `merge` applies later files and --set on top of
@@ -78,6 +79,8 @@ def run_summary(run_dir: Path) -> dict[str, Any] | None:
     last = steps[-1] if steps else {}
     out: dict[str, Any] = {
         "run": run_dir.name,
+        "config_name": config_name(run_dir.name),
+        "seed": cfg.get("seed", 0),
         "activation": cfg.get("activation", "relu"),
         "gated_mlp": model.get("gated_mlp", cfg.get("gated_mlp")),
         "intermediate_size": model.get("intermediate_size", cfg.get("intermediate_size")),
@@ -100,6 +103,56 @@ def run_summary(run_dir: Path) -> dict[str, Any] | None:
         ev = json.loads(ev_path.read_text())
         out[f"{ev_path.stem}_mean_acc"] = ev.get("mean_acc")
         out[f"{ev_path.stem}_nnz"] = ev.get("nnz_per_token_mean")
+    return out
+
+
+SEED_SUFFIX = re.compile(r"_seed\d+$")
+
+
+def config_name(run: str) -> str:
+    """The configuration a run directory belongs to: its name without a `_seed<N>` suffix (seed 0 has none)."""
+    return SEED_SUFFIX.sub("", run)
+
+
+# Two-sided 95% quantiles of Student's t by degrees of freedom (a table: no scipy in the environment); a df between
+# two entries takes the smaller df's value (the wider interval), beyond 30 the normal 1.96.
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+         12: 2.179, 15: 2.131, 20: 2.086, 25: 2.060, 30: 2.042}
+
+
+def mean_ci95(values: list[float]) -> tuple[float, float, int]:
+    """(mean, half-width of the 95% t-interval of the mean, n) over the finite values; half-width NaN below n = 2."""
+    v = [float(x) for x in values if x is not None and math.isfinite(float(x))]
+    n = len(v)
+    if n == 0:
+        return float("nan"), float("nan"), 0
+    mean = sum(v) / n
+    if n < 2:
+        return mean, float("nan"), n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in v) / (n - 1))
+    df = n - 1
+    t = 1.96 if df > 30 else _T975[max(k for k in _T975 if k <= df)]
+    return mean, t * sd / math.sqrt(n), n
+
+
+SEED_METRICS = ("val_ce", "val_nnz_mean", "nnz_max", "dead_frac", "eval_mean_acc", "eval_sparse_mean_acc")
+
+
+def seed_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per configuration that ran with >= 2 seeds: n, the seeds, and mean / ci95 (half-width) per metric."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(r["config_name"], []).append(r)
+    out = []
+    for name, rs in groups.items():
+        if len(rs) < 2:
+            continue
+        row: dict[str, Any] = {"config_name": name, "n_seeds": len(rs), "seeds": " ".join(str(r["seed"]) for r in rs),
+                               "l1_coeff": rs[0]["l1_coeff"], "activation": rs[0]["activation"]}
+        for m in SEED_METRICS:
+            if any(r.get(m) is not None for r in rs):
+                row[f"{m}_mean"], row[f"{m}_ci95"], _ = mean_ci95([r.get(m) for r in rs])
+        out.append(row)
     return out
 
 
@@ -185,6 +238,19 @@ def summarize(exp_dir: Path) -> Path:
     print("  ".join(f"{c:>14}" for c in show))
     for r in rows:
         print("  ".join(f"{_fmt(r.get(c)):>14}" for c in show))
+    seeds = seed_table(rows)
+    if seeds:
+        scols: list[str] = []
+        for r in seeds:
+            scols += [k for k in r if k not in scols]
+        with open(exp_dir / "summary_seeds.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=scols)
+            w.writeheader()
+            w.writerows(seeds)
+        print("configurations with several seeds (mean +- 95% t-interval half-width):")
+        for r in seeds:
+            cells = [f"{m} {_fmt(r[m + '_mean'])} +- {_fmt(r[m + '_ci95'])}" for m in SEED_METRICS if m + "_mean" in r]
+            print(f"  {r['config_name']} (n={r['n_seeds']}): " + "; ".join(cells))
     return out
 
 

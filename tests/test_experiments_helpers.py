@@ -1,14 +1,16 @@
 """experiments/runs.py (config merge, run summaries) and the speed experiment's activity calibration (CPU)."""
 from __future__ import annotations
 
+import csv
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
 
 from sfl.experiments.config import ConfigError
-from sfl.experiments.runs import has_final, merge_configs, run_summary
+from sfl.experiments.runs import config_name, has_final, mean_ci95, merge_configs, run_summary, summarize
 from sfl.experiments.speed.bench import (CALIB_TOL, activity, block_order, calibrate_paper_model, paired_ratios,
                                      paper_profile, small_paper_like_model)
 
@@ -39,6 +41,42 @@ def test_run_summary_and_final(tmp_path: Path) -> None:
         f.write('\n{"type": "final", "step": 10, "val_ce": 5.1, "wall_s": 3.0}\n')
     assert has_final(tmp_path)
     assert run_summary(tmp_path)["wall_s"] == 3.0
+
+
+def test_mean_ci95() -> None:
+    mean, half, n = mean_ci95([1.0, 2.0, 3.0])
+    assert (mean, n) == (2.0, 3) and half == pytest.approx(4.303 * 1.0 / 3 ** 0.5)  # sd 1, t(0.975, 2) = 4.303
+    assert mean_ci95([5.0, None, float("nan")])[::2] == (5.0, 1) and math.isnan(mean_ci95([5.0])[1])
+    assert mean_ci95([0.0] * 40)[1] == 0.0 and math.isnan(mean_ci95([])[0])
+    _, half7, _ = mean_ci95([0.0, 1.0] * 4)  # df 7: t = 2.365
+    assert half7 == pytest.approx(2.365 * (8 / 7 * 0.25) ** 0.5 / 8 ** 0.5)
+
+
+def test_summarize_groups_seeds(tmp_path: Path) -> None:
+    """Run directories <config>_seed<N> are seeds of <config>: summary.csv keeps one row per run, summary_seeds.csv one
+    per configuration with >= 2 seeds (mean and 95% interval); a single-seed configuration gets no seeds row."""
+    assert config_name("relu_l1_1e-3_seed2") == "relu_l1_1e-3" and config_name("relu_l1_1e-3") == "relu_l1_1e-3"
+
+    def run(name: str, seed: int, l1: float, val_ce: float) -> None:
+        d = tmp_path / name
+        d.mkdir()
+        rows = [{"type": "header", "config": {"l1_coeff": l1, "seed": seed}},
+                {"type": "step", "step": 5, "ce": val_ce, "nnz_mean": 3.0},
+                {"type": "final", "step": 5, "val_ce": val_ce, "wall_s": 1.0}]
+        (d / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    run("relu_l1_1e-3", 0, 1e-3, 4.0)
+    run("relu_l1_1e-3_seed1", 1, 1e-3, 4.2)
+    run("relu_l1_1e-3_seed2", 2, 1e-3, 4.4)
+    run("relu_l1_0", 0, 0.0, 4.5)
+    summarize(tmp_path)
+    with open(tmp_path / "summary.csv") as f:
+        assert len(list(csv.DictReader(f))) == 4
+    with open(tmp_path / "summary_seeds.csv") as f:
+        (row,) = list(csv.DictReader(f))
+    assert row["config_name"] == "relu_l1_1e-3" and row["n_seeds"] == "3" and row["seeds"] == "0 1 2"
+    assert float(row["val_ce_mean"]) == pytest.approx(4.2)
+    assert float(row["val_ce_ci95"]) == pytest.approx(4.303 * 0.2 / 3 ** 0.5)
 
 
 def test_paper_profile_mean_and_shape() -> None:
