@@ -14,7 +14,8 @@
 # machine) only scores the requests file EVAL_REQUESTS, exported on a machine with lm-eval by
 #   python -m sfl.experiments.evaluate --model .data/smollm2-135m --tasks all --export-requests R.npz --out /tmp/x
 # and experiments/sparsify_smollm2/replay.sh then computes the metrics there. RUNS_ROOT / RESULTS_ROOT /
-# KEEP_CKPT: run_lib.sh. STEPS="train eval" (default both) selects the steps.
+# KEEP_CKPT: run_lib.sh. STEPS="train eval" (default both) selects the steps. SEEDS="0 1 2" fine-tunes every L1 value
+# once per seed (the seed sets the data order; seed N > 0 in <run>_seed<N>/; summary_seeds.csv: mean and interval).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 . experiments/env.sh
@@ -46,6 +47,7 @@ else
   EVAL_ARGS=("${DEV_ARGS[@]}" --batch-size 8)
 fi
 read -r -a L1S <<< "${L1_VALUES:-$DEFAULT_L1}"
+read -r -a SEED_LIST <<< "${SEEDS:-0}"
 STEPS="${STEPS:-train eval}"
 EVAL_MODE="${EVAL_MODE:-auto}"
 if [ "$EVAL_MODE" = auto ]; then
@@ -64,23 +66,32 @@ esac
 LIMIT_ARGS=(); [ "$EVAL_LIMIT" = all ] || LIMIT_ARGS=(--limit "$EVAL_LIMIT")
 
 echo "== $EXP, SCALE=$SCALE: L1 values ${L1S[*]} (l1_reduction=sum); eval $EVAL_MODE, limit $EVAL_LIMIT, sparse path $SPARSE_IMPL"
-run_name() { if [ "$1" = 0 ]; then echo dense_relu_l1_0; else echo "sparse_l1_$1"; fi; }
+# run_name L1 SEED: the historical names for seed 0, a _seed<N> suffix otherwise
+run_name() {
+  local base; if [ "$1" = 0 ]; then base=dense_relu_l1_0; else base="sparse_l1_$1"; fi
+  if [ "${2:-0}" = 0 ]; then echo "$base"; else echo "${base}_seed$2"; fi
+}
+RUNS=()  # "L1 SEED" pairs, in training order
+for seed in "${SEED_LIST[@]}"; do for l1 in "${L1S[@]}"; do RUNS+=("$l1 $seed"); done; done
 if [[ " $STEPS " == *" train "* ]]; then
   i=0
-  for l1 in "${L1S[@]}"; do
+  for pair in "${RUNS[@]}"; do
+    read -r l1 seed <<< "$pair"
     i=$((i + 1))
-    sfl_train "$EXP" "$(run_name "$l1")" "$i" "${#L1S[@]}" "$HERE/$SCALE.yaml" -- "l1_coeff=$l1" \
-      "init_from=${SFL_DATA_DIR:-.data}/smollm2-135m"
+    sfl_train "$EXP" "$(run_name "$l1" "$seed")" "$i" "${#RUNS[@]}" "$HERE/$SCALE.yaml" -- "l1_coeff=$l1" \
+      "init_from=${SFL_DATA_DIR:-.data}/smollm2-135m" "seed=$seed"
   done
 fi
 if [[ " $STEPS " == *" eval "* ]] && [ "$EVAL_MODE" = split ]; then
   echo "== split eval: scoring $EVAL_REQUESTS (its tasks and limit), dense path and sparse path $SPARSE_IMPL;"
   echo "   metrics: experiments/sparsify_smollm2/replay.sh where lm-eval runs"
-  for l1 in "${L1S[@]}"; do
-    sfl_score "$EXP" "$(run_name "$l1")" eval "$EVAL_REQUESTS" --mlp-impl dense "${DEV_ARGS[@]}"
-    sfl_score "$EXP" "$(run_name "$l1")" eval_sparse "$EVAL_REQUESTS" --mlp-impl "$SPARSE_IMPL" "${DEV_ARGS[@]}"
+  for pair in "${RUNS[@]}"; do
+    read -r l1 seed <<< "$pair"
+    run=$(run_name "$l1" "$seed")
+    sfl_score "$EXP" "$run" eval "$EVAL_REQUESTS" --mlp-impl dense "${DEV_ARGS[@]}"
+    sfl_score "$EXP" "$run" eval_sparse "$EVAL_REQUESTS" --mlp-impl "$SPARSE_IMPL" "${DEV_ARGS[@]}"
     if [ "$SPARSE_IMPL" = cuda ]; then  # every layer through TwELL, whatever the dispatch would pick
-      sfl_score "$EXP" "$(run_name "$l1")" eval_sparse_forced "$EVAL_REQUESTS" --mlp-impl cuda --twell-mode sparse "${DEV_ARGS[@]}"
+      sfl_score "$EXP" "$run" eval_sparse_forced "$EVAL_REQUESTS" --mlp-impl cuda --twell-mode sparse "${DEV_ARGS[@]}"
     fi
   done
   sfl_finish "$EXP"
@@ -88,8 +99,9 @@ if [[ " $STEPS " == *" eval "* ]] && [ "$EVAL_MODE" = split ]; then
 fi
 if [[ " $STEPS " == *" eval "* ]]; then
   echo "== lm-eval, 7 tasks: dense path (eval.json) and sparse path $SPARSE_IMPL (eval_sparse.json)"
-  for l1 in "${L1S[@]}"; do
-    run=$(run_name "$l1")
+  for pair in "${RUNS[@]}"; do
+    read -r l1 seed <<< "$pair"
+    run=$(run_name "$l1" "$seed")
     sfl_eval "$EXP" "$run" eval --mlp-impl dense ${LIMIT_ARGS[@]+"${LIMIT_ARGS[@]}"} "${EVAL_ARGS[@]}"
     sfl_eval "$EXP" "$run" eval_sparse --mlp-impl "$SPARSE_IMPL" ${LIMIT_ARGS[@]+"${LIMIT_ARGS[@]}"} "${EVAL_ARGS[@]}"
     if [ "$SPARSE_IMPL" = cuda ]; then
