@@ -56,15 +56,19 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def gpu_seconds(fn: Callable[[], Any]) -> float:
+def gpu_seconds(fn: Callable[[], Any], top: int = 0, label: str = "") -> float:
     """Summed device time of the kernels and copies one call runs (CUDA-graph replays included), from the profiler:
-    beside the wall time it shows how much of a generate() step is host work that both sides pay."""
+    beside the wall time it shows how much of a generate() step is host work that both sides pay. top > 0 also
+    prints that many kernels by device time (lab/speed/profile_static.py)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
+    if top:
+        print(f"==== {label}: kernels by device time")
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=90))
     return sum(e.self_device_time_total for e in prof.events() if e.device_type == DeviceType.CUDA) * 1e-6
 
 

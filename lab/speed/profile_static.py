@@ -11,13 +11,10 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 from torch._dynamo.utils import counters
-from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
 
 from sfl.experiments.provenance import collect
 from sfl.experiments.speed import real_path
@@ -25,26 +22,6 @@ from sfl.kernels.config import KernelConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_generate import calibrated_pair  # noqa: E402  (the same calibrated model pair)
-
-
-def wall(fn) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
-
-
-def gpu_seconds(fn, label: str = "", top: int = 0) -> float:
-    """real_path.gpu_seconds; with top > 0 also prints the `top` kernels by device time."""
-    if not top:
-        return real_path.gpu_seconds(fn)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    print(f"==== {label}: kernels by device time")
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=90))
-    return sum(e.self_device_time_total for e in prof.events() if e.device_type == DeviceType.CUDA) * 1e-6
 
 
 def main() -> None:
@@ -95,9 +72,9 @@ def main() -> None:
                     order = list(sides) if r % 2 == 0 else list(sides)[::-1]
                     for s in order:
                         for new in (64, 16):
-                            t[(s, new)].append(wall(gen(sides[s], new)))
+                            t[(s, new)].append(real_path._timed(gen(sides[s], new)))
                 med = {k: statistics.median(v) for k, v in t.items()}
-                gpu = {s: gpu_seconds(gen(m, 64), f"b{b} {name} {s}", a.top) for s, m in sides.items()}
+                gpu = {s: real_path.gpu_seconds(gen(m, 64), a.top, f"b{b} {name} {s}") for s, m in sides.items()}
                 infos = [mlp.plan.info() for mlp in ours.sparse_mlps()]
                 row = {"batch": b, "table": name, "crossover": cfg.crossover,
                        "step_ms": {s: (med[(s, 64)] - med[(s, 16)]) / 48 * 1e3 for s in sides},
