@@ -3,7 +3,8 @@
     python -m sfl.experiments.paired_eval BASE OTHER [--metric acc|acc_norm] [--n-boot 10000] [--seed 0] [--json F]
 
 BASE and OTHER are eval dirs (holding eval.json) or eval*.json files written by experiments/evaluate.py, which
-stores each document's 0/1 score under "per_doc". The change is OTHER - BASE. Each bootstrap replicate draws the
+stores each document's 0/1 score under "per_doc"; either may list several, comma-separated (the seeds of one
+configuration): each document's score is then the mean over them. The change is OTHER - BASE. Each bootstrap replicate draws the
 document indices of every task with replacement, the same indices for both models, and recomputes each task's
 accuracy change and their mean over tasks (the "mean accuracy" of the tables); the 95% interval is the 2.5 / 97.5
 percentiles of the replicates. Pairing matters: most documents are answered the same by both models, so the
@@ -135,14 +136,36 @@ def compare(base_ev: Mapping[str, Any], other_ev: Mapping[str, Any], metric: str
             seed: int = 0, level: float = 0.95) -> dict[str, PairedDelta]:
     """paired_bootstrap over two eval.json dicts; raises NoPerDocLog / NotPaired with what to do."""
     a, b = per_doc_scores(base_ev, metric), per_doc_scores(other_ev, metric)
+    compare_requests(base_ev, a, other_ev, b)
+    return paired_bootstrap({t: v[0] for t, v in a.items()}, {t: v[0] for t, v in b.items()}, n_boot, seed, level)
+
+
+def compare_seeds(base_evs: list[Mapping[str, Any]], other_evs: list[Mapping[str, Any]], metric: str = "acc",
+                  n_boot: int = 10_000, seed: int = 0, level: float = 0.95) -> dict[str, PairedDelta]:
+    """compare() of two configurations with one or more seeds each: a document's score is its mean over the seeds
+    of its configuration, so the interval is over documents at the seeds run (seed-to-seed spread is not in it:
+    report the per-seed accuracies beside it). All evals must have scored the same requests."""
+    if not base_evs or not other_evs:
+        raise ValueError("each side needs at least one eval")
+    evs = [*base_evs, *other_evs]
+    scores = [per_doc_scores(ev, metric) for ev in evs]
+    for ev, sc in zip(evs[1:], scores[1:]):
+        compare_requests(evs[0], scores[0], ev, sc)
+    nb = len(base_evs)
+    mean = lambda group: {t: np.mean([sc[t][0] for sc in group], axis=0) for t in scores[0]}
+    return paired_bootstrap(mean(scores[:nb]), mean(scores[nb:]), n_boot, seed, level)
+
+
+def compare_requests(ev_a: Mapping[str, Any], a: Mapping[str, tuple[np.ndarray, str]], ev_b: Mapping[str, Any],
+                     b: Mapping[str, tuple[np.ndarray, str]]) -> None:
+    """Raise NotPaired unless the two evals scored the same tasks and requests."""
     if set(a) != set(b):
-        raise NotPaired(f"the two evals hold different tasks ({sorted(a)} vs {sorted(b)}); evaluate both with "
-                        "the same --tasks")
+        raise NotPaired(f"{ev_a.get('_path')} and {ev_b.get('_path')} hold different tasks ({sorted(a)} vs "
+                        f"{sorted(b)}); evaluate both with the same --tasks")
     for t in a:
         if a[t][1] != b[t][1] or a[t][0].size != b[t][0].size:
             raise NotPaired(f"{t}: the two evals scored different requests ({a[t][0].size} vs {b[t][0].size} docs, "
                             "docs_sha256 differs): use the same --limit, --num-fewshot, eval data and task templates")
-    return paired_bootstrap({t: v[0] for t, v in a.items()}, {t: v[0] for t, v in b.items()}, n_boot, seed, level)
 
 
 def change_with_interval(base_ev: Mapping[str, Any] | None, other_ev: Mapping[str, Any] | None,
@@ -170,8 +193,9 @@ def format_table(res: Mapping[str, PairedDelta], level: float = 0.95) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sfl.experiments.paired_eval", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("base", help="eval dir or eval*.json of the reference (e.g. the dense twin)")
-    ap.add_argument("other", help="eval dir or eval*.json compared against it (change = other - base)")
+    ap.add_argument("base", help="eval dir(s) or eval*.json of the reference (e.g. the dense twin); comma-separated "
+                                 "for several seeds")
+    ap.add_argument("other", help="eval dir(s) or eval*.json compared against it (change = other - base)")
     ap.add_argument("--metric", default="acc", choices=["acc", "acc_norm"])
     ap.add_argument("--n-boot", type=int, default=10_000)
     ap.add_argument("--seed", type=int, default=0)
@@ -179,16 +203,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="also write the result here")
     a = ap.parse_args(argv)
     try:
-        base, other = load_eval(a.base), load_eval(a.other)
-        res = compare(base, other, a.metric, a.n_boot, a.seed, a.level)
+        base = [load_eval(x) for x in a.base.split(",")]
+        other = [load_eval(x) for x in a.other.split(",")]
+        res = compare_seeds(base, other, a.metric, a.n_boot, a.seed, a.level)
     except (FileNotFoundError, NoPerDocLog, NotPaired, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"{a.metric}: {other['_path']} - {base['_path']} (paired bootstrap over documents, {a.n_boot} "
-          f"replicates, seed {a.seed})")
+    names = lambda evs: ",".join(ev["_path"] for ev in evs)
+    print(f"{a.metric}: {names(other)} - {names(base)} (paired bootstrap over documents, {a.n_boot} "
+          f"replicates, seed {a.seed}{'; per-document mean over seeds' if len(base) + len(other) > 2 else ''})")
     print(format_table(res, a.level))
     if a.json:
-        Path(a.json).write_text(json.dumps({"base": base["_path"], "other": other["_path"], "metric": a.metric,
+        Path(a.json).write_text(json.dumps({"base": names(base), "other": names(other), "metric": a.metric,
                                             "n_boot": a.n_boot, "seed": a.seed, "level": a.level,
                                             "tasks": {t: asdict(d) for t, d in res.items()}}, indent=1) + "\n")
     return 0

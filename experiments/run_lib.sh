@@ -118,7 +118,7 @@ sfl_eval() {
 # sfl_score EXP RUN NAME REQUESTS.npz [evaluate.py args ...]
 # Split eval, GPU half (no lm-eval needed): scores the exported requests with $RUNS_ROOT/EXP/RUN/final into
 # $RESULTS_ROOT/EXP/RUN/NAME.scores.{npz,json}; `evaluate.py --replay` turns them into NAME.json on a machine
-# with lm-eval (experiments/sparsify_smollm2/replay.sh). Skipped when the scores exist.
+# with lm-eval (experiments/replay.sh). Skipped when the scores exist.
 sfl_score() {
   _sfl_evaluate "$1" "$2" "$3" "$3.scores.npz" scoring --score "$4" "${@:5}"
 }

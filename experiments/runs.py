@@ -17,6 +17,7 @@ import argparse
 import csv
 import json
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -221,6 +222,17 @@ def describe(run_dir: Path) -> str:
             f"wall {_fmt(s['wall_s'])} s")
 
 
+def _write_csv_atomic(path: Path, cols: list[str], rows: list[dict[str, Any]]) -> None:
+    """Write a CSV through a temporary file and a rename: runs finishing at once (parallel workers) each write a
+    whole summary, never a mix."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, path)
+
+
 def summarize(exp_dir: Path) -> Path:
     """Write <exp_dir>/summary.csv, one row per run directory, and print it."""
     rows = [s for d in sorted(p for p in exp_dir.iterdir() if p.is_dir()) if (s := run_summary(d))]
@@ -229,10 +241,7 @@ def summarize(exp_dir: Path) -> Path:
     for r in rows:
         cols += [k for k in r if k not in cols]
     out = exp_dir / "summary.csv"
-    with open(out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols)
-        w.writeheader()
-        w.writerows(rows)
+    _write_csv_atomic(out, cols, rows)
     show = [c for c in ("run", "l1_coeff", "gated_mlp", "steps", "val_ce", "val_nnz_mean", "nnz_max", "dead_frac",
                         "wall_s", "eval_mean_acc", "eval_sparse_mean_acc") if c in cols]
     print("  ".join(f"{c:>14}" for c in show))
@@ -243,10 +252,7 @@ def summarize(exp_dir: Path) -> Path:
         scols: list[str] = []
         for r in seeds:
             scols += [k for k in r if k not in scols]
-        with open(exp_dir / "summary_seeds.csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=scols)
-            w.writeheader()
-            w.writerows(seeds)
+        _write_csv_atomic(exp_dir / "summary_seeds.csv", scols, seeds)
         print("configurations with several seeds (mean +- 95% t-interval half-width):")
         for r in seeds:
             cells = [f"{m} {_fmt(r[m + '_mean'])} +- {_fmt(r[m + '_ci95'])}" for m in SEED_METRICS if m + "_mean" in r]

@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from sfl.experiments.paired_eval import (MEAN, NO_LOG, NOT_PAIRED, NoPerDocLog, NotPaired, change_with_interval, compare, main,
+from sfl.experiments.paired_eval import (MEAN, NO_LOG, NOT_PAIRED, NoPerDocLog, NotPaired, change_with_interval, compare,
+                                         compare_seeds, main,
                                          paired_bootstrap)
 
 
@@ -98,3 +99,20 @@ def test_compare_reads_eval_json_and_refuses_what_is_not_paired(tmp_path):
     assert got["tasks"]["piqa"]["delta"] == pytest.approx(0.2) and got["tasks"][MEAN]["lo"] <= 0.1
     (tmp_path / "old.json").write_text(json.dumps(old))
     assert main([str(tmp_path / "old.json"), str(tmp_path / "b.json")]) == 2
+
+
+def test_several_seeds_average_each_document_over_its_configuration(tmp_path):
+    base = [_eval_json({"piqa": "0000"}), _eval_json({"piqa": "1100"})]  # per-doc means 0.5 0.5 0 0
+    other = [_eval_json({"piqa": "1111"}), _eval_json({"piqa": "1110"}), _eval_json({"piqa": "1111"})]
+    res = compare_seeds(base, other, n_boot=300)
+    assert res["piqa"].base == pytest.approx(0.25) and res["piqa"].other == pytest.approx(11 / 12)
+    assert res["piqa"].delta == pytest.approx(11 / 12 - 0.25)
+    assert compare_seeds(base[:1], other[:1], n_boot=300) == compare(base[0], other[0], n_boot=300)
+    with pytest.raises(NotPaired, match="different requests"):  # a seed that scored other requests is refused
+        compare_seeds(base, [*other, _eval_json({"piqa": "1111"}, sha="x")])
+    for i, ev in enumerate([*base, *other]):
+        (tmp_path / f"e{i}.json").write_text(json.dumps(ev))
+    out = tmp_path / "paired.json"
+    assert main([f"{tmp_path}/e0.json,{tmp_path}/e1.json", ",".join(f"{tmp_path}/e{i}.json" for i in (2, 3, 4)),
+                 "--n-boot", "200", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["tasks"]["piqa"]["delta"] == pytest.approx(11 / 12 - 0.25)

@@ -23,7 +23,9 @@ import math, sys
 from pathlib import Path
 from sfl.experiments.runs import run_summary
 base, wanted = Path(sys.argv[1]), sys.argv[2].split()
-runs = [s for d in sorted(base.glob("relu_l1_*")) if (s := run_summary(d)) and s["finished"]] if base.is_dir() else []
+# seed 0 only: the other seeds' runs (relu_l1_<L1>_seed<N>) repeat a configuration, they add no figure
+runs = [s for d in sorted(base.glob("relu_l1_*")) if "_seed" not in d.name and (s := run_summary(d)) and s["finished"]] \
+    if base.is_dir() else []
 if wanted:
     runs = [s for s in runs if s["run"] in wanted]
     for s in runs:

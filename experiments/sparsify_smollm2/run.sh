@@ -13,7 +13,7 @@
 # EVAL_MODE=direct runs lm-eval here; EVAL_MODE=split (the default where lm-eval is missing, e.g. the GPU
 # machine) only scores the requests file EVAL_REQUESTS, exported on a machine with lm-eval by
 #   python -m sfl.experiments.evaluate --model .data/smollm2-135m --tasks all --export-requests R.npz --out /tmp/x
-# and experiments/sparsify_smollm2/replay.sh then computes the metrics there. RUNS_ROOT / RESULTS_ROOT /
+# and experiments/replay.sh then computes the metrics there. RUNS_ROOT / RESULTS_ROOT /
 # KEEP_CKPT: run_lib.sh. STEPS="train eval" (default both) selects the steps. SEEDS="0 1 2" fine-tunes every L1 value
 # once per seed (the seed sets the data order; seed N > 0 in <run>_seed<N>/; summary_seeds.csv: mean and interval).
 set -euo pipefail
@@ -84,7 +84,7 @@ if [[ " $STEPS " == *" train "* ]]; then
 fi
 if [[ " $STEPS " == *" eval "* ]] && [ "$EVAL_MODE" = split ]; then
   echo "== split eval: scoring $EVAL_REQUESTS (its tasks and limit), dense path and sparse path $SPARSE_IMPL;"
-  echo "   metrics: experiments/sparsify_smollm2/replay.sh where lm-eval runs"
+  echo "   metrics: experiments/replay.sh where lm-eval runs"
   for pair in "${RUNS[@]}"; do
     read -r l1 seed <<< "$pair"
     run=$(run_name "$l1" "$seed")
