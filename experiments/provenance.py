@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import hashlib
+import json
 import os
 import platform
 import socket
@@ -25,19 +26,103 @@ _CODE_DIRS = ("sfl", "kernels", "models", "experiments", "data")
 _CODE_SUFFIXES = {".py", ".cu", ".cpp", ".h", ".cuh", ".sh", ".yaml"}
 
 
-def source_tree_hash() -> str:
+def source_tree_hash(root: Path = REPO_ROOT) -> str:
     """sha256 over the code that produced a number (sfl/, kernels/, models/, experiments/, data/ sources).
 
     The GPU machine gets a copy of the working tree without .git: this hash still ties a log to the
-    exact code, and `python -c "from sfl.experiments.provenance import source_tree_hash as h; print(h())"`
-    at a commit checks whether that commit is the code of a log.
+    exact code; `python -m sfl.experiments.provenance verify LOG...` checks a log's hash against its commit.
     """
     digest = hashlib.sha256()
     for top in _CODE_DIRS:
-        for path in sorted((REPO_ROOT / top).rglob("*")):
+        for path in sorted((root / top).rglob("*")):
             if path.suffix in _CODE_SUFFIXES and path.is_file() and "__pycache__" not in path.parts:
-                digest.update(str(path.relative_to(REPO_ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
+                digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:16]
+
+
+def tree_hash_at(commit: str) -> str | None:
+    """source_tree_hash of a commit's tree (git archive into a temp dir), or None when git does not know it."""
+    import io
+    import tarfile
+    import tempfile
+
+    top = _git("ls-tree", "--name-only", commit)  # archive only the code dirs that exist at that commit
+    dirs = [d for d in _CODE_DIRS if top and d in top.split("\n")]
+    if not dirs:
+        return None
+    try:
+        tar = subprocess.run(["git", "archive", "--format=tar", commit, *dirs], cwd=REPO_ROOT,
+                             capture_output=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if tar.returncode != 0:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        with tarfile.open(fileobj=io.BytesIO(tar.stdout)) as tf:
+            tf.extractall(tmp, filter="data")
+        return source_tree_hash(Path(tmp))
+
+
+def log_provenance(path: Path) -> dict[str, Any] | None:
+    """The provenance of a result file: a JSONL log's header row (or first row carrying git_commit), or a JSON
+    object's `provenance`; None for files without one."""
+    rows: list[Any] = []
+    text = path.read_text(errors="replace")
+    if path.suffix == ".jsonl":
+        for line in text.splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    elif path.suffix == ".json":
+        try:
+            rows = [json.loads(text)]
+        except json.JSONDecodeError:
+            return None
+    for r in rows:
+        if isinstance(r, dict):
+            prov = r.get("provenance") if isinstance(r.get("provenance"), dict) else r
+            if prov.get("source_tree_hash") or prov.get("git_commit"):
+                return prov
+    return None
+
+
+def verify(paths: list[Path]) -> list[tuple[Path, str]]:
+    """(file, verdict) per file: 'verifies' when its source_tree_hash is the tree hash of its git_commit."""
+    cache: dict[str, str | None] = {}
+    out = []
+    for p in paths:
+        prov = log_provenance(p)
+        if not prov:
+            out.append((p, "no provenance"))
+            continue
+        commit, want = prov.get("git_commit"), prov.get("source_tree_hash")
+        if not commit or not want:
+            out.append((p, f"incomplete provenance (git_commit {commit!r}, source_tree_hash {want!r})"))
+            continue
+        if commit not in cache:
+            cache[commit] = tree_hash_at(commit)
+        got = cache[commit]
+        verdict = ("verifies" if got == want else
+                   f"commit {commit[:9]} unknown to this clone" if got is None else
+                   f"DOES NOT VERIFY: logged {want}, commit {commit[:9]} has {got}")
+        out.append((p, verdict))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m sfl.experiments.provenance",
+                                 description="verify LOG...: does each log's source_tree_hash equal its commit's?")
+    ap.add_argument("cmd", choices=["verify"])
+    ap.add_argument("paths", nargs="+", type=Path)
+    a = ap.parse_args(argv)
+    bad = 0
+    for p, verdict in verify(a.paths):
+        print(f"{p}: {verdict}")
+        bad += verdict != "verifies"
+    return 1 if bad else 0
 
 
 def collect(extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -82,3 +167,9 @@ def collect(extra: dict[str, Any] | None = None) -> dict[str, Any]:
     if extra:
         info.update(extra)
     return info
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -468,8 +468,43 @@ def dead_window_note(logs: Sequence[TrainLog]) -> str:
     if not w:
         return "ours: dead-neuron window not logged"
     ratio = PAPER_DEAD_WINDOW_TOKENS / w[0]
+    if len(w) == 1 and abs(ratio - 1) < 0.05:
+        return f"ours: dead = not active within the last {w[0]:,.0f} tokens, the paper's window (one ~1M-token step)"
     return (f"ours: dead = not active within the last {', '.join(f'{x:,.0f}' for x in w)} tokens, "
             f"{ratio:.0f}x shorter than the paper's ~1M-token step (a shorter window counts more neurons dead)")
+
+
+# ----------------------------------------------------------------------------- seeds
+def seed_groups(logs: Sequence[TrainLog]) -> dict[str, list[TrainLog]]:
+    """Runs by configuration (the run name without its `_seed<N>` suffix), seed 0 (no suffix) first: the repeats
+    a mean and interval are taken over. Order of first appearance."""
+    from sfl.experiments.runs import config_name
+
+    groups: dict[str, list[TrainLog]] = {}
+    for lg in logs:
+        groups.setdefault(config_name(lg.name), []).append(lg)
+    for name, g in groups.items():
+        g.sort(key=lambda lg: (lg.name != name, lg.name))
+    return groups
+
+
+def mean_ci(values: Sequence[float]) -> tuple[float, float, int]:
+    """(mean, half-width of the 95% t-interval, n) over the finite values (experiments/runs.py mean_ci95)."""
+    from sfl.experiments.runs import mean_ci95
+
+    return mean_ci95(list(values))
+
+
+def pm(values: Sequence[float], digits: int = 3) -> str:
+    """'4.56 ± 0.012 (n=3)' for several seeds, the value alone for one, '—' for none."""
+    m, h, n = mean_ci(values)
+    if n == 0:
+        return "—"
+    if abs(m) < 1e-9 * max(1.0, abs(h)):
+        m = 0.0  # a mean of changes against that same mean: rounding noise, not a value
+    if n >= 2 and h <= 1e-6 * abs(m):
+        h = 0.0  # equal values (SiLU's non-zeros = N)
+    return fmt(m, digits) if n < 2 else f"{fmt(m, digits)} ± {fmt(h, 2)} (n={n})"
 
 
 def l1_sum_equivalent(log: TrainLog) -> float:

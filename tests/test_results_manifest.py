@@ -150,3 +150,49 @@ def test_used_by_names_real_outputs_and_every_output_has_a_log():
     outputs |= {f"figures/{p.stem}" for p in (REPO / "figures").glob("*.png")}
     orphans = sorted(outputs - named)
     assert not orphans, f"tables/figures that no MANIFEST.csv row names in used_by (which logs feed them?): {orphans}"
+
+
+def _clean(dirty: object) -> bool:
+    return dirty is False or str(dirty).strip().lower() in ("0", "false")
+
+
+def test_clean_logs_of_record_verify_against_their_commit():
+    """A log that says it came from a clean tree (git_dirty false) carries the source_tree_hash of its commit's code:
+    `python -m sfl.experiments.provenance verify` recomputes it from git. Logs that say dirty are what they say;
+    commits this clone lacks (a shallow clone) are skipped, not passed."""
+    from sfl.experiments.provenance import log_provenance, verify
+
+    paths = [RESULTS / r["path"] for r in _manifest() if r["path"].endswith((".json", ".jsonl"))]
+    claimed_clean = [p for p in paths if (prov := log_provenance(p)) and prov.get("source_tree_hash")
+                     and _clean(prov.get("git_dirty"))]
+    assert claimed_clean, "no log of record carries a clean provenance"
+    results = verify(claimed_clean)
+    unknown = [p for p, v in results if "unknown to this clone" in v]
+    if len(unknown) == len(results):
+        pytest.skip("none of the logs' commits is in this clone (shallow clone?)")
+    bad = [f"{p.relative_to(RESULTS)}: {v}" for p, v in results if v != "verifies" and p not in unknown]
+    assert not bad, "logs that claim a clean tree but do not match their commit's code:\n" + "\n".join(bad)
+
+
+def test_verify_tells_a_matching_hash_from_a_wrong_one(tmp_path):
+    import json
+    import subprocess
+
+    from sfl.experiments.provenance import tree_hash_at, verify
+
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    if not head:
+        pytest.skip("not a git checkout")
+    good = tree_hash_at(head)
+    assert good and len(good) == 16
+    logs = {}
+    for name, h, commit in (("good", good, head), ("wrong", "0" * 16, head), ("nocommit", good, "f" * 40)):
+        logs[name] = tmp_path / f"{name}.jsonl"
+        logs[name].write_text(json.dumps({"type": "header", "provenance": {"git_commit": commit, "git_dirty": False,
+                                                                           "source_tree_hash": h}}) + "\n")
+    (tmp_path / "none.json").write_text("{}")
+    got = dict(verify([logs["good"], logs["wrong"], logs["nocommit"], tmp_path / "none.json"]))
+    assert got[logs["good"]] == "verifies"
+    assert got[logs["wrong"]].startswith("DOES NOT VERIFY")
+    assert "unknown to this clone" in got[logs["nocommit"]]
+    assert got[tmp_path / "none.json"] == "no provenance"
