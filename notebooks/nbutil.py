@@ -474,6 +474,13 @@ def dead_window_note(logs: Sequence[TrainLog]) -> str:
             f"{ratio:.0f}x shorter than the paper's ~1M-token step (a shorter window counts more neurons dead)")
 
 
+def dead_window_comparable(logs: Sequence[TrainLog]) -> bool:
+    """True when every run counted dead neurons over the paper's window (within 5%): its dead % is then on the
+    paper's scale, up to model size and training length."""
+    w = [dead_window_tokens(lg) for lg in logs]
+    return bool(w) and all(abs(PAPER_DEAD_WINDOW_TOKENS / x - 1) < 0.05 for x in w if not math.isnan(x))
+
+
 # ----------------------------------------------------------------------------- seeds
 def seed_groups(logs: Sequence[TrainLog]) -> dict[str, list[TrainLog]]:
     """Runs by configuration (the run name without its `_seed<N>` suffix), seed 0 (no suffix) first: the repeats
