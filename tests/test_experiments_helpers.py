@@ -196,3 +196,18 @@ def test_speed_bench_sparse_side_runs_the_layers_plans(monkeypatch) -> None:
     with torch.no_grad():
         torch.testing.assert_close(_sparse_ffn(mlp, x), mlp(x), rtol=1e-5, atol=1e-6)
     assert calls == [(mlp.plan, None)]
+
+
+def test_mlp_inputs_capture_every_layer_in_one_forward() -> None:
+    """bench.mlp_inputs (the per-layer timing's inputs) equals the layer-by-layer capture calibration uses."""
+    from sfl.experiments.speed.bench import _mlp_input, mlp_inputs
+
+    torch.manual_seed(0)
+    model = small_paper_like_model(3, 64, 256, 4, 50, torch.device("cpu"))
+    ids = torch.randint(0, 50, (2, 16))
+    xs = mlp_inputs(model, ids)
+    assert len(xs) == 3 and all(x.shape == (32, 64) for x in xs)
+    with torch.no_grad():
+        for li, x in enumerate(xs):
+            assert torch.equal(x, _mlp_input(model, li, ids, chunk=2))
+    assert not any(m._forward_pre_hooks for m in model.sparse_mlps())  # hooks removed

@@ -269,9 +269,10 @@ def _layer_paths(model) -> list[dict[str, Any]] | None:
 
 
 def measure_inference(model, ids: torch.Tensor, sparse_mode: str, min_seconds: float, warmup: int,
-                      meter: EnergyMeter, blocks: int = 6) -> dict[str, Any]:
+                      meter: EnergyMeter, blocks: int = 6, lm_head: bool = False) -> dict[str, Any]:
     """Decoder-core forward tokens/s, J/token and peak memory, dense vs sparse in interleaved blocks; plus the
-    path each layer took on the sparse side and a correctness check."""
+    path each layer took on the sparse side and a correctness check. lm_head=True times the whole model instead
+    (model(input_ids), lm_head included: the same dense GEMM on both sides)."""
     n_tok = ids.numel()
     sparse_fn = _sparse_ffn
     modes = {m.plan.config.mode for m in model.sparse_mlps()}
@@ -287,7 +288,7 @@ def measure_inference(model, ids: torch.Tensor, sparse_mode: str, min_seconds: f
             yield
 
     def step() -> None:
-        model.model(input_ids=ids)
+        model(input_ids=ids) if lm_head else model.model(input_ids=ids)
 
     before = _layer_paths(model)
     # the plans' persistent allocations (W_d^T copies) appear with the sparse side's first calls and stay: measured
@@ -325,7 +326,7 @@ def measure_inference(model, ids: torch.Tensor, sparse_mode: str, min_seconds: f
                                                  if p["sparse_calls"] > p["dense_calls"])
     # checked after timing, on the timed batch: the sparse side's per-layer dispatch history is then the one the
     # timed calls used (a layer's first call runs dense by design)
-    if out["sparse_tokens_per_s"] is None:
+    if out["sparse_tokens_per_s"] is None or lm_head:  # the decoder core's outputs are checked by the core row
         return out
     outputs = {}
     for name, fn in (("dense", _dense_ffn), ("sparse", sparse_fn)):
@@ -335,6 +336,33 @@ def measure_inference(model, ids: torch.Tensor, sparse_mode: str, min_seconds: f
     out["max_rel_diff_sparse_vs_dense"] = float((s - d).abs().max() / d.abs().max().clamp(min=1e-6))
     out["rel_l2_diff_sparse_vs_dense"] = float((s - d).norm() / d.norm().clamp(min=1e-6))
     return out
+
+
+def mlp_inputs(model, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Every layer's FFN input on ids ([M, hidden] each, model dtype), from one forward of the decoder core."""
+    xs: list[torch.Tensor] = []
+    hooks = [m.register_forward_pre_hook(lambda mod, inp: xs.append(inp[0].detach().reshape(-1, inp[0].shape[-1])))
+             for m in model.sparse_mlps()]
+    try:
+        with torch.inference_mode():
+            model.model(input_ids=ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [x.contiguous() for x in xs]
+
+
+def layer_times(model, ids: torch.Tensor) -> list[dict[str, Any]]:
+    """Per layer on ids' tokens (the paper's per-layer speed contribution, App. D.3): non-zeros per token and the
+    median ms of the dense FFN, of the sparse op with auto dispatch and with every call forced through TwELL
+    (activation_analysis.time_layers)."""
+    from ..activation_analysis.analyze import time_layers
+
+    xs = mlp_inputs(model, ids)
+    nnz = [float((F.linear(x, (m.gate_proj if m.gated else m.up_proj).weight) > 0).sum(dim=1).float().mean())
+           for m, x in zip(model.sparse_mlps(), xs)]
+    rows = time_layers(model, xs)
+    return [{"layer": i, "nnz_mean": n, "tokens": int(x.shape[0]), **r} for i, (n, x, r) in enumerate(zip(nnz, xs, rows))]
 
 
 def activity(model, ids: torch.Tensor, chunk: int = 8) -> dict[str, Any]:
@@ -644,6 +672,19 @@ def measure_all(model, ids: torch.Tensor, a: argparse.Namespace, dev: torch.devi
                  "(no lm_head), bf16 weights, inference_mode", **inf, "provenance": collect()})
     print(f"[{name}] inference: {_summary(inf)}; layers mostly sparse: "
           f"{inf.get('sparse_layers_mostly_sparse')}/{model.config.num_hidden_layers}", flush=True)
+    if getattr(a, "with_lm_head", False):
+        full = measure_inference(model, ids[:, :-1], a.sparse_mode, a.min_seconds, a.warmup, meter, a.blocks, lm_head=True)
+        rows.append({**common, "mode": "inference_lm_head", "batch_tokens": ids[:, :-1].numel(), "timed": "whole model "
+                     "forward (lm_head included), bf16 weights, inference_mode", **full, "provenance": collect()})
+        print(f"[{name}] inference with lm_head: {_summary(full)}", flush=True)
+    if getattr(a, "layer_times", False):
+        lt_ids = ids[: max(1, 16384 // a.seq_len), :-1]
+        lt = layer_times(model, lt_ids)
+        rows.append({**common, "mode": "layer_times", "batch_tokens": lt_ids.numel(), "timed": "each layer's FFN "
+                     "alone on its own input: dense (3 GEMMs), sparse op auto, sparse op forced (median of 20)",
+                     "layer_times": lt, "provenance": collect()})
+        print(f"[{name}] per-layer times: dense {sum(r['dense_ms'] for r in lt):.2f} ms, forced sparse "
+              f"{sum(r['sparse_forced_ms'] for r in lt):.2f} ms over {len(lt)} layers", flush=True)
     if train:
         mb = min(a.train_micro_batch, ids.shape[0])
         tr = measure_training(model, ids, mb, a.train_impl, a.train_steps, a.warmup, a.min_seconds, meter, a.blocks)
@@ -688,6 +729,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heavy-frac", type=float, default=0.01, help="fraction of the vocabulary that fires heavily")
     p.add_argument("--heavy-scale", type=float, default=0.5, help="bias scale of heavy tokens (< 1: more active)")
     p.add_argument("--dead-frac", type=float, default=0.3, help="fraction of never-firing neurons (paper: >30%%)")
+    for p in (sub.choices["trained"], sub.choices["paper"]):
+        p.add_argument("--with-lm-head", action="store_true",
+                       help="also time the whole model (lm_head included) beside the decoder core (mode inference_lm_head)")
+        p.add_argument("--layer-times", action="store_true",
+                       help="also time every layer's FFN alone, dense vs sparse auto vs forced, on 16 K tokens "
+                            "(mode layer_times: the per-layer speed contribution)")
     a = ap.parse_args(argv)
     a.kernel_env = {k: v for k, v in os.environ.items() if k.startswith("SFL_KERNEL_")}   # read once
     if a.blocks < 1:
