@@ -135,9 +135,7 @@ def per_doc_scores(ev: Mapping[str, Any], metric: str = "acc") -> dict[str, tupl
 def compare(base_ev: Mapping[str, Any], other_ev: Mapping[str, Any], metric: str = "acc", n_boot: int = 10_000,
             seed: int = 0, level: float = 0.95) -> dict[str, PairedDelta]:
     """paired_bootstrap over two eval.json dicts; raises NoPerDocLog / NotPaired with what to do."""
-    a, b = per_doc_scores(base_ev, metric), per_doc_scores(other_ev, metric)
-    compare_requests(base_ev, a, other_ev, b)
-    return paired_bootstrap({t: v[0] for t, v in a.items()}, {t: v[0] for t, v in b.items()}, n_boot, seed, level)
+    return compare_seeds([base_ev], [other_ev], metric, n_boot, seed, level)
 
 
 def compare_seeds(base_evs: list[Mapping[str, Any]], other_evs: list[Mapping[str, Any]], metric: str = "acc",

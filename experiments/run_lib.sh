@@ -78,6 +78,16 @@ sfl_train() {
   echo "[$idx/$total] $exp/$run: done -- $(python -m sfl.experiments.runs describe "$res")"
 }
 
+# sfl_reuse_log SRC_RES DST_RES WHY: a run whose config equals a finished one elsewhere takes that run's log (and its
+# eval.json, where DST_RES has none) instead of retraining; REUSED_FROM.txt in DST_RES says WHY.
+sfl_reuse_log() {
+  local src=$1 dst=$2 why=$3
+  mkdir -p "$dst"
+  cp "$src/train_log.jsonl" "$dst/train_log.jsonl"
+  echo "$why" > "$dst/REUSED_FROM.txt"
+  if [ -f "$src/eval.json" ] && [ ! -f "$dst/eval.json" ]; then cp "$src/eval.json" "$dst/eval.json"; fi
+}
+
 # _sfl_evaluate EXP RUN NAME DONE_FILE WHAT [evaluate.py args ...]
 # Runs experiments/evaluate.py on $RUNS_ROOT/EXP/RUN/final into a temp dir and moves each file it wrote to
 # $RESULTS_ROOT/EXP/RUN as NAME.<file> (eval.json -> NAME.json, scores.npz -> NAME.scores.npz). Skipped when

@@ -36,11 +36,8 @@ train_or_reuse() {
   local src_res="$RESULTS_ROOT/l1_sweep/relu_l1_$l1" src_model="$RUNS_ROOT/l1_sweep/relu_l1_$l1/final"
   local dst_res="$RESULTS_ROOT/ablations/$group/$run" dst_out="$RUNS_ROOT/ablations/$group/$run"
   if [ $# -eq 0 ] && [ ${#EXTRA_SETS[@]} -eq 0 ] && python -m sfl.experiments.runs done "$src_res"; then
-    mkdir -p "$dst_res" "$dst_out"
-    cp "$src_res/train_log.jsonl" "$dst_res/train_log.jsonl"
-    echo "same config as l1_sweep/relu_l1_$l1 (only l1_coeff differs from the defaults): log copied by" \
-         "experiments/ablations/run.sh" > "$dst_res/REUSED_FROM.txt"
-    [ -f "$src_res/eval.json" ] && [ ! -f "$dst_res/eval.json" ] && cp "$src_res/eval.json" "$dst_res/eval.json"
+    sfl_reuse_log "$src_res" "$dst_res" "same config as l1_sweep/relu_l1_$l1 (only l1_coeff differs from the defaults): log copied by experiments/ablations/run.sh"
+    mkdir -p "$dst_out"
     [ ! -f "$src_model/config.json" ] || ln -sfn "$(cd "$src_model" && pwd)" "$dst_out/final"
     echo "[$idx/$total] ablations/$group/$run: same config as l1_sweep/relu_l1_$l1 -- reused its log"
     return 0

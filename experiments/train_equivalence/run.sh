@@ -25,10 +25,8 @@ for seed in "${SEED_LIST[@]}"; do
   i=$((i + 1))
   dense="dense_l1_$L1$(suffix "$seed")" src="$RESULTS_ROOT/l1_sweep/relu_l1_$L1$(suffix "$seed")"
   if python -m sfl.experiments.runs done "$src" && ! python -m sfl.experiments.runs done "$RESULTS_ROOT/$EXP/$dense"; then
-    mkdir -p "$RESULTS_ROOT/$EXP/$dense"
-    cp "$src/train_log.jsonl" "$RESULTS_ROOT/$EXP/$dense/train_log.jsonl"
-    echo "same config as l1_sweep/$(basename "$src"): log copied by experiments/train_equivalence/run.sh" \
-      > "$RESULTS_ROOT/$EXP/$dense/REUSED_FROM.txt"
+    sfl_reuse_log "$src" "$RESULTS_ROOT/$EXP/$dense" \
+      "same config as l1_sweep/$(basename "$src"): log copied by experiments/train_equivalence/run.sh"
     echo "[$i/$total] $EXP/$dense: the l1_sweep run of the same config -- reused its log"
   else
     sfl_train "$EXP" "$dense" "$i" "$total" "$BASE" -- "l1_coeff=$L1" "seed=$seed" "mlp_impl=dense"
