@@ -16,6 +16,8 @@
 # and experiments/replay.sh then computes the metrics there. RUNS_ROOT / RESULTS_ROOT /
 # KEEP_CKPT: run_lib.sh. STEPS="train eval" (default both) selects the steps. SEEDS="0 1 2" fine-tunes every L1 value
 # once per seed (the seed sets the data order; seed N > 0 in <run>_seed<N>/; summary_seeds.csv: mean and interval).
+# EVAL_PATHS (default "dense sparse forced") picks the scored paths: "dense" alone for seed repeats, whose sparse
+# paths the seed-0 runs already compared.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 . experiments/env.sh
@@ -49,6 +51,7 @@ fi
 read -r -a L1S <<< "${L1_VALUES:-$DEFAULT_L1}"
 read -r -a SEED_LIST <<< "${SEEDS:-0}"
 STEPS="${STEPS:-train eval}"
+EVAL_PATHS=" ${EVAL_PATHS:-dense sparse forced} "
 EVAL_MODE="${EVAL_MODE:-auto}"
 if [ "$EVAL_MODE" = auto ]; then
   if python -c "import lm_eval" 2>/dev/null; then EVAL_MODE=direct; else EVAL_MODE=split; fi
@@ -88,9 +91,10 @@ if [[ " $STEPS " == *" eval "* ]] && [ "$EVAL_MODE" = split ]; then
   for pair in "${RUNS[@]}"; do
     read -r l1 seed <<< "$pair"
     run=$(run_name "$l1" "$seed")
-    sfl_score "$EXP" "$run" eval "$EVAL_REQUESTS" --mlp-impl dense "${DEV_ARGS[@]}"
-    sfl_score "$EXP" "$run" eval_sparse "$EVAL_REQUESTS" --mlp-impl "$SPARSE_IMPL" "${DEV_ARGS[@]}"
-    if [ "$SPARSE_IMPL" = cuda ]; then  # every layer through TwELL, whatever the dispatch would pick
+    [[ $EVAL_PATHS != *" dense "* ]] || sfl_score "$EXP" "$run" eval "$EVAL_REQUESTS" --mlp-impl dense "${DEV_ARGS[@]}"
+    [[ $EVAL_PATHS != *" sparse "* ]] ||
+      sfl_score "$EXP" "$run" eval_sparse "$EVAL_REQUESTS" --mlp-impl "$SPARSE_IMPL" "${DEV_ARGS[@]}"
+    if [ "$SPARSE_IMPL" = cuda ] && [[ $EVAL_PATHS == *" forced "* ]]; then  # every layer through TwELL
       sfl_score "$EXP" "$run" eval_sparse_forced "$EVAL_REQUESTS" --mlp-impl cuda --twell-mode sparse "${DEV_ARGS[@]}"
     fi
   done
@@ -102,9 +106,11 @@ if [[ " $STEPS " == *" eval "* ]]; then
   for pair in "${RUNS[@]}"; do
     read -r l1 seed <<< "$pair"
     run=$(run_name "$l1" "$seed")
-    sfl_eval "$EXP" "$run" eval --mlp-impl dense ${LIMIT_ARGS[@]+"${LIMIT_ARGS[@]}"} "${EVAL_ARGS[@]}"
-    sfl_eval "$EXP" "$run" eval_sparse --mlp-impl "$SPARSE_IMPL" ${LIMIT_ARGS[@]+"${LIMIT_ARGS[@]}"} "${EVAL_ARGS[@]}"
-    if [ "$SPARSE_IMPL" = cuda ]; then
+    [[ $EVAL_PATHS != *" dense "* ]] ||
+      sfl_eval "$EXP" "$run" eval --mlp-impl dense ${LIMIT_ARGS[@]+"${LIMIT_ARGS[@]}"} "${EVAL_ARGS[@]}"
+    [[ $EVAL_PATHS != *" sparse "* ]] ||
+      sfl_eval "$EXP" "$run" eval_sparse --mlp-impl "$SPARSE_IMPL" ${LIMIT_ARGS[@]+"${LIMIT_ARGS[@]}"} "${EVAL_ARGS[@]}"
+    if [ "$SPARSE_IMPL" = cuda ] && [[ $EVAL_PATHS == *" forced "* ]]; then
       sfl_eval "$EXP" "$run" eval_sparse_forced --mlp-impl cuda --twell-mode sparse \
         ${LIMIT_ARGS[@]+"${LIMIT_ARGS[@]}"} "${EVAL_ARGS[@]}"
     fi

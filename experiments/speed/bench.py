@@ -633,8 +633,10 @@ def run_paper(a: argparse.Namespace) -> list[dict[str, Any]]:
                  "heavy_frac": a.heavy_frac, "heavy_scale": a.heavy_scale, "dead_frac_target": a.dead_frac,
                  "input": "random token ids", "num_hidden_layers": n_layers,
                  "activity_sweep_of": (PAPER_SCALES.get(n_layers) or f"{n_layers} layers") if sweep_nnz is not None else None}
-        rows += measure_all(model, ids, a, dev, name=name, paper_scale=scale, l1=None, extra=extra,
-                            train=a.train and n_layers in a.train_layers)
+        new = measure_all(model, ids, a, dev, name=name, paper_scale=scale, l1=None, extra=extra,
+                          train=a.train and n_layers in a.train_layers)
+        write_rows(a.out, new)  # per shape: a run cut short keeps the shapes it finished
+        rows += new
         del model
         torch.cuda.empty_cache()
     return rows
@@ -743,8 +745,10 @@ def main(argv: list[str] | None = None) -> int:
     a.seq_len = a.seq_len or (512 if a.what == "trained" else 2048)
     out = Path(a.out) if a.out else REPO_ROOT / "results" / "speed" / ("trained.jsonl" if a.what == "trained"
                                                                           else "paper_shapes.jsonl")
-    rows = run_trained(a) if a.what == "trained" else run_paper(a)
-    write_rows(out, rows)
+    a.out = out
+    rows = run_paper(a) if a.what == "paper" else run_trained(a)
+    if a.what == "trained":
+        write_rows(out, rows)
     print(f"wrote {len(rows)} rows to {out}")
     return 0
 
