@@ -123,14 +123,14 @@ class EnergyMeter:
 
 
 # ------------------------------------------------------------------------------------------------ FFN swaps
-def _dense_ffn(mlp, x: torch.Tensor) -> torch.Tensor:
+def _dense_ffn(mlp, x: torch.Tensor, l1_terms=None) -> torch.Tensor:
     if mlp.gated:
         return F.linear(F.relu(F.linear(x, mlp.gate_proj.weight)) * F.linear(x, mlp.up_proj.weight),
                         mlp.down_proj.weight)
     return F.linear(F.relu(F.linear(x, mlp.up_proj.weight)), mlp.down_proj.weight)
 
 
-def _sparse_ffn(mlp, x: torch.Tensor) -> torch.Tensor:
+def _sparse_ffn(mlp, x: torch.Tensor, l1_terms=None) -> torch.Tensor:
     """The model's CUDA inference call without its statistics: one op call with the layer's plan (its KernelConfig,
     dispatch history and W_d^T cache)."""
     from sfl.kernels.twell import ops
@@ -152,7 +152,7 @@ def use_kernel_config(model, sparse_mode: str, environ: dict[str, str] | None = 
 
 @contextlib.contextmanager
 def plain_ffns(model, fn: Callable) -> Iterator[None]:
-    """Replace every SparseLlamaMLP.forward by `fn(mlp, x)` (no statistics, no L1) for the duration."""
+    """Replace every SparseLlamaMLP.forward by `fn(mlp, x, l1_terms)` (no statistics, no L1) for the duration."""
     mlps = model.sparse_mlps()
     for m in mlps:
         m.forward = types.MethodType(fn, m)
