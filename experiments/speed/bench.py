@@ -359,9 +359,10 @@ def layer_times(model, ids: torch.Tensor) -> list[dict[str, Any]]:
     from ..activation_analysis.analyze import time_layers
 
     xs = mlp_inputs(model, ids)
-    nnz = [float((F.linear(x, (m.gate_proj if m.gated else m.up_proj).weight) > 0).sum(dim=1).float().mean())
-           for m, x in zip(model.sparse_mlps(), xs)]
-    rows = time_layers(model, xs)
+    with torch.inference_mode():  # xs are inference tensors: no autograd on them
+        nnz = [float((F.linear(x, (m.gate_proj if m.gated else m.up_proj).weight) > 0).sum(dim=1).float().mean())
+               for m, x in zip(model.sparse_mlps(), xs)]
+        rows = time_layers(model, xs)
     return [{"layer": i, "nnz_mean": n, "tokens": int(x.shape[0]), **r} for i, (n, x, r) in enumerate(zip(nnz, xs, rows))]
 
 
