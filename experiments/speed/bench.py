@@ -631,7 +631,7 @@ def run_paper(a: argparse.Namespace) -> list[dict[str, Any]]:
                                                                   else "paper §4.2 mean at L1=2e-5" if n_layers in (8, 28, 38)
                                                                   else "interpolated (1B not published)" if n_layers == 18
                                                                   else "user/default"),
-                 "heavy_frac": a.heavy_frac, "heavy_scale": a.heavy_scale, "dead_frac_target": a.dead_frac,
+                 "seed": a.seed, "heavy_frac": a.heavy_frac, "heavy_scale": a.heavy_scale, "dead_frac_target": a.dead_frac,
                  "input": "random token ids", "num_hidden_layers": n_layers,
                  "activity_sweep_of": (PAPER_SCALES.get(n_layers) or f"{n_layers} layers") if sweep_nnz is not None else None}
         new = measure_all(model, ids, a, dev, name=name, paper_scale=scale, l1=None, extra=extra,
