@@ -29,11 +29,13 @@ TABLES = ["quickstart_eval", "quickstart_loss_nnz", "fig2_l1_sweep_loss", "fig3_
           "l1_sweep_nnz_per_layer", "table3_relu_silu_sparse", "table1_accuracy", "table6_per_task", "sparsify_eval_paths",
           "table1_speed", "fig4_fig5_speed_vs_l1", "kernel_targets", "kernel_bench_rows", "fig6_10_11_layers",
           "fig7_tokens_positions", "table4_gated_vs_nongated", "table5_dead_neuron_mitigation", "table1_training",
-          "fig5_training_vs_activity", "training_memory_breakdown"]
+          "fig5_training_vs_activity", "training_memory_breakdown", "sparsify_seeds", "sparsify_seeds_arms",
+          "paper_shape_layer_contribution"]
 FIGURES = ["quickstart_loss_nnz", "fig2_l1_sweep_loss", "fig3_l1_sweep_ce_nnz", "fig9_l1_sweep_nnz_dead", "l1_sweep_nnz_per_layer",
            "sparsity_vs_accuracy", "fig4_inference_speedup_vs_l1", "fig5_training_speedup_vs_l1", "kernel_speedup_vs_activity",
            "kernel_train_speedup_vs_activity", "fig6_layers_sparse", "fig10_layers_dense", "fig11_layers_high_l1",
-           "fig7_tokens_positions", "fig8_mitigation_nnz_dead", "fig5_training_vs_activity"]
+           "fig7_tokens_positions", "fig8_mitigation_nnz_dead", "fig5_training_vs_activity", "sparsify_seeds",
+           "paper_shape_layer_contribution"]
 # Which results/ sub-directory feeds each table (to know which tables must be "not reproduced" on the real dir).
 SOURCE = {"quickstart_eval": "quickstart/eval.json", "quickstart_loss_nnz": "quickstart/train_log.jsonl",
           "fig2_l1_sweep_loss": "l1_sweep", "fig3_l1_sweep_ce_nnz": "l1_sweep", "fig9_l1_sweep_nnz_dead": "l1_sweep",
@@ -43,7 +45,8 @@ SOURCE = {"quickstart_eval": "quickstart/eval.json", "quickstart_loss_nnz": "qui
           "fig6_10_11_layers": "activation_analysis/per_layer.jsonl", "fig7_tokens_positions": "activation_analysis",
           "table4_gated_vs_nongated": "ablations/gating", "table5_dead_neuron_mitigation": "ablations/dead_neurons",
           "table1_training": "speed/training", "fig5_training_vs_activity": "speed/training",
-          "training_memory_breakdown": "speed/training"}
+          "training_memory_breakdown": "speed/training", "sparsify_seeds": "sparsify_smollm2/seeds",
+          "sparsify_seeds_arms": "sparsify_smollm2/seeds", "paper_shape_layer_contribution": "speed/layer_times_h200.jsonl"}
 
 
 # Logs removed from a copy of the synthetic results for the "partial" run: its tables must say "not reproduced yet"

@@ -2,7 +2,8 @@
 # Speed, energy and memory, dense vs sparse (paper Table 1 efficiency columns; Figs 4, 5). GPU only.
 #   (b) the paper's shapes: hidden 2048, N 5632, 32 heads, 8/18/28/38 layers (0.5B/1B/1.5B/2B), random weights with
 #       gates calibrated to the paper's mean non-zeros per token at L1 = 2e-5 (39/34*/29/24; *1B interpolated) with
-#       a per-layer profile and a heavy tail; inference at 32 x 2048 tokens, training (dense side) at 8 and 18 layers.
+#       a per-layer profile and a heavy tail; inference at 32 x 2048 tokens, decoder core and whole model (lm_head).
+#       Training at these shapes is part (c): bench.py's own training rows are withdrawn (experiments/speed/README.md).
 #   Dense and sparse are timed in interleaved blocks (ABBA..., --blocks per side; median block reported, spread and
 #   per-pair ratios logged), and the paper-shape gates are calibrated on the timed tokens themselves.
 #   (a) every trained model found under runs/gpu/{l1_sweep,ablations/*,sparsify_smollm2}/<run>/final, on validation
@@ -12,7 +13,10 @@
 #   (c) SPEED_PARTS=training: training tokens/s and peak memory as the paper measures them (train_throughput.py:
 #       equal and largest micro-batch, checkpointing off; the 1.5B activity sweep), and the memory breakdown of one
 #       step (memory_breakdown.py); ~25 min on one H100. Rows in $RESULTS_ROOT/speed/training/.
-# Env: SPEED_PARTS="paper trained" (default; "training" on request); PAPER_LAYERS="8 18 28 38"; SPARSE_MODE=auto|sparse;
+#   (d) SPEED_PARTS=layers: per-layer FFN times (dense vs forced sparse) at the 1.5B and 1B shapes, the paper's
+#       per-layer speed contribution (Figs. 6, 10); ~2 min.
+# Env: SPEED_PARTS="paper trained" (default; "training", "layers" on request); REPEATS=N paper-shape runs with seeds
+# 0..N-1 (default 1; the rows of record have 3); PAPER_LAYERS="8 18 28 38"; SPARSE_MODE=auto|sparse;
 # RESULTS_ROOT (rows appended to $RESULTS_ROOT/speed/{paper_shapes,trained}.jsonl; the notebook keeps the latest
 # row per model and mode). Energy needs nvidia-ml-py (pip install nvidia-ml-py); without it energy is null.
 set -euo pipefail
@@ -35,9 +39,17 @@ python -c "import pynvml" 2>/dev/null || echo "note: pynvml missing (pip install
 for part in "${PARTS[@]}"; do
   case "$part" in
     paper)
-      echo "== paper shapes: layers ${LAYERS[*]}"
-      python -m sfl.experiments.speed.bench paper --layers "${LAYERS[@]}" --train --train-layers 8 18 \
-        --sparse-mode "$MODE" --out "$OUT/paper_shapes.jsonl" || SFL_FAILED+=(paper_shapes)
+      for seed in $(seq 0 $((${REPEATS:-1} - 1))); do  # independent repeats: new weights, calibration, tokens
+        echo "== paper shapes: layers ${LAYERS[*]}, seed $seed (decoder core and whole model)"
+        python -m sfl.experiments.speed.bench paper --layers "${LAYERS[@]}" --with-lm-head --seed "$seed" \
+          --sparse-mode "$MODE" --out "$OUT/paper_repeats.jsonl" || SFL_FAILED+=("paper_shapes_seed$seed")
+      done
+      ;;
+    layers)
+      echo "== per-layer FFN times at the paper shapes (1.5B and 1B; 1.5B at the dense model's 911 non-zeros)"
+      python -m sfl.experiments.speed.bench paper --layers 28 18 --layer-times --out "$OUT/layer_times.jsonl" &&
+      python -m sfl.experiments.speed.bench paper --layers 28 --nnz-sweep 911 --layer-times \
+        --out "$OUT/layer_times.jsonl" || SFL_FAILED+=(layer_times)
       ;;
     trained)
       mapfile -t finals < <(ls -d "$RUNS_ROOT"/l1_sweep/*/final "$RUNS_ROOT"/ablations/*/*/final \
@@ -71,7 +83,7 @@ for part in "${PARTS[@]}"; do
           --out "$OUT/training/train_nnz_sweep.jsonl" || SFL_FAILED+=("train_nnz_sweep_$mb")
       done
       ;;
-    *) echo "unknown part '$part' in SPEED_PARTS (paper, trained, training)" >&2; exit 2 ;;
+    *) echo "unknown part '$part' in SPEED_PARTS (paper, trained, training, layers)" >&2; exit 2 ;;
   esac
 done
 if [ ${#SFL_FAILED[@]} -gt 0 ]; then echo "FAILED: ${SFL_FAILED[*]}" >&2; exit 1; fi
