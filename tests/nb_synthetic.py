@@ -94,6 +94,12 @@ def make_synthetic_results(root: Path | str) -> Path:
         if name == "l1_1e-2":
             eval_json(d / "eval_sparse.json", [a + 0.1 - drop for a in base_acc], nnz=nnz, limit=None, model="cuda",
                       per_doc=True)
+    # sparsify seeds: the twin and one L1 value, three seeds each, all with per-document scores
+    for name, l1, nnz, drop in (("dense_relu_l1_0", 0.0, 180.0, 0.0), ("sparse_l1_1e-3", 1e-3, 150.0, 0.0025)):
+        for seed in range(3):
+            d = root / "sparsify_smollm2" / "seeds" / (name if seed == 0 else f"{name}_seed{seed}")
+            train_log(d / "train_log.jsonl", l1=l1, n=1536, layers=30, final_nnz=nnz + seed, final_ce=3.0 + drop + 0.002 * seed)
+            eval_json(d / "eval.json", [a + 0.1 - drop - 0.0025 * seed for a in base_acc], nnz=nnz, limit=None, per_doc=True)
     # speed: paper shapes + our sweep models
     rows = []
     for scale, dense_tps, sp in (("0.5B", 400000.0, 1.21), ("1B", 180000.0, 1.22), ("1.5B", 120000.0, 1.23), ("2B", 90000.0, 1.24)):
@@ -111,6 +117,11 @@ def make_synthetic_results(root: Path | str) -> Path:
                              sparse_energy_j_per_token=0.9e-3 if mode == "inference" else None,
                              dense_peak_mem_gb=3.0, sparse_peak_mem_gb=2.5, provenance=PROV))
     _jsonl(root / "speed" / "speed.jsonl", rows)
+    per_layer = [dict(layer=i, nnz_mean=10.0 + 5 * i, tokens=16384, dense_ms=1.0, sparse_ms=0.8 + 0.02 * i,
+                      sparse_forced_ms=0.8 + 0.02 * i, path="sparse", flagged_rows_frac=0.0) for i in range(6)]
+    _jsonl(root / "speed" / "layer_times_synthetic.jsonl",
+           [dict(model="paper-shape 1.5B", paper_scale="1.5B", mode="layer_times", nnz_mean=22.5, layer_times=per_layer,
+                 provenance=PROV)])
     _synthetic_training_speed(root / "speed" / "training")
     # kernel bench: inference rows in experiments/kernel_bench's format (kind, heavy_frac, rel_err_vs_dense_bf16),
     # training rows in the notebooks/README.md format (mode, gated, pattern "heavy")

@@ -8,7 +8,8 @@
 #   SCALE=smoke bash experiments/ablations/run.sh   # CPU, ~2-3 min (less when l1_sweep smoke ran before)
 #   SCALE=gpu   bash experiments/ablations/run.sh   # one H100, ~30-60 s per new run (4-5 new runs)
 # Env: ABL_GROUPS="gating dead_neurons" (the default: both) picks the groups; ABL_L1="A B" (default: smoke 1e-2 1e-1, gpu 1e-3 3e-3 -- set them to the l1_sweep values whose activity
-# brackets ~0.5% of N); EVAL_LIMIT=N adds lm-eval; RUNS_ROOT / RESULTS_ROOT / KEEP_CKPT: run_lib.sh.
+# brackets ~0.5% of N); SEEDS="0 1 2" repeats every run per seed (<run>_seed<N>; the gated ones reuse the l1_sweep
+# run of that seed); EVAL_LIMIT=N adds lm-eval; RUNS_ROOT / RESULTS_ROOT / KEEP_CKPT: run_lib.sh.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 . experiments/env.sh
@@ -27,27 +28,35 @@ fi
 read -r A B <<< "${ABL_L1:-$DEFAULT_ABL}"
 EVAL_LIMIT="${EVAL_LIMIT:-0}"
 
-# train_or_reuse GROUP RUN IDX TOTAL L1 [override.yaml ...]; extra key=values in EXTRA_SETS. A run with nothing
-# but l1_coeff changed is the l1_sweep run of the same L1 (seed 0) when that one has finished: its log is copied
-# (with REUSED_FROM.txt saying so) and its model linked where this machine has it.
+# train_or_reuse GROUP RUN IDX TOTAL L1 [override.yaml ...]; extra key=values in EXTRA_SETS; the seed is $SEED (run
+# names get a _seed<N> suffix for N > 0). A run with nothing but l1_coeff (and the seed) changed is the l1_sweep run
+# of the same L1 and seed when that one has finished: its log is copied (with REUSED_FROM.txt saying so) and its
+# model linked where this machine has it.
 train_or_reuse() {
-  local group=$1 run=$2 idx=$3 total=$4 l1=$5
+  local group=$1 run=$2 idx=$3 total=$4 l1=$5 sfx=""
   shift 5
-  local src_res="$RESULTS_ROOT/l1_sweep/relu_l1_$l1" src_model="$RUNS_ROOT/l1_sweep/relu_l1_$l1/final"
+  [ "$SEED" = 0 ] || sfx="_seed$SEED"
+  run="$run$sfx"
+  local src="l1_sweep/relu_l1_$l1$sfx"
+  local src_res="$RESULTS_ROOT/$src" src_model="$RUNS_ROOT/$src/final"
   local dst_res="$RESULTS_ROOT/ablations/$group/$run" dst_out="$RUNS_ROOT/ablations/$group/$run"
   if [ $# -eq 0 ] && [ ${#EXTRA_SETS[@]} -eq 0 ] && python -m sfl.experiments.runs done "$src_res"; then
-    sfl_reuse_log "$src_res" "$dst_res" "same config as l1_sweep/relu_l1_$l1 (only l1_coeff differs from the defaults): log copied by experiments/ablations/run.sh"
+    sfl_reuse_log "$src_res" "$dst_res" "same config as $src (only l1_coeff and the seed differ from the defaults): log copied by experiments/ablations/run.sh"
     mkdir -p "$dst_out"
     [ ! -f "$src_model/config.json" ] || ln -sfn "$(cd "$src_model" && pwd)" "$dst_out/final"
-    echo "[$idx/$total] ablations/$group/$run: same config as l1_sweep/relu_l1_$l1 -- reused its log"
+    echo "[$idx/$total] ablations/$group/$run: same config as $src -- reused its log"
     return 0
   fi
-  sfl_train "ablations/$group" "$run" "$idx" "$total" "$BASE" "$@" -- "l1_coeff=$l1" ${EXTRA_SETS[@]+"${EXTRA_SETS[@]}"}
+  local seed_set=(); [ "$SEED" = 0 ] || seed_set=("seed=$SEED")
+  sfl_train "ablations/$group" "$run" "$idx" "$total" "$BASE" "$@" -- "l1_coeff=$l1" \
+    ${EXTRA_SETS[@]+"${EXTRA_SETS[@]}"} ${seed_set[@]+"${seed_set[@]}"}
 }
 
 echo "== ablations, SCALE=$SCALE: sparse L1 A=$A B=$B (l1_reduction=sum); non-gated N=$N_NONGATED"
 read -r -a GROUP_LIST <<< "${ABL_GROUPS:-gating dead_neurons}"
 wants() { [[ " ${GROUP_LIST[*]} " == *" $1 "* ]]; }
+read -r -a SEED_LIST <<< "${SEEDS:-0}"
+for SEED in "${SEED_LIST[@]}"; do
 if wants gating; then
 EXTRA_SETS=()
 train_or_reuse gating gated_dense_l1_0 1 6 0
@@ -69,6 +78,7 @@ train_or_reuse dead_neurons "warmup_l1_$B" 3 "$n" "$B" "$HERE/warmup.yaml"
 EXTRA_SETS=("dead_reinit_lambda=0.1")
 train_or_reuse dead_neurons "reinit_l1_$A" 4 "$n" "$A"
 fi
+done
 
 if [ "$EVAL_LIMIT" != 0 ]; then
   echo "== lm-eval (7 tasks, limit $EVAL_LIMIT)"
