@@ -454,6 +454,24 @@ def test_graph_capture_auto_uses_history(ffn):
     check(static_y, x2, wg, wu, wd, True)
 
 
+def test_decode_down_copy_only_where_a_capture_goes_sparse(ffn):
+    """Eager decode-size calls keep W_d's neuron-major copy for a later capture, but not where the table sends this M
+    dense at the known activity (23 MB per layer at the 1.5B shape); once a measurement puts the layer under its
+    crossover, the next eager call makes it."""
+    K, N, M = 2048, 5632, 8
+    x, wg, wu, wd = make_problem(M, K, N, 0.004, seed=36, adversarial=False)
+    above = new_plan(crossover="1:0.01", activity_hint=0.2)
+    below = new_plan(crossover="1:0.01", activity_hint=0.004)
+    check(run(ffn, x, wg, wu, wd, plan=above), x, wg, wu, wd, True)
+    check(run(ffn, x, wg, wu, wd, plan=below), x, wg, wu, wd, True)
+    torch.cuda.synchronize()
+    assert above.info()["path"] == "dense" and above.info()["down_copy_bytes"] == 0
+    assert below.info()["down_copy_bytes"] == N * K * 2
+    run(ffn, x, wg, wu, wd, plan=above)  # its first call measured p = 0.004 < 0.01
+    torch.cuda.synchronize()
+    assert above.info()["p"] < 0.01 and above.info()["down_copy_bytes"] == N * K * 2
+
+
 def test_model_stats_accumulate_on_every_path(ffn):
     """The stats buffer adds up over calls on the dense, eager sparse, sync-free and fused-decode paths."""
     K, N = 576, 1536

@@ -143,20 +143,22 @@ def _ffn_fwd_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor
     dev, dt = x.device, x.dtype
     ext = load_ext()
     ell_col, ell_a, nnz, flag, summary = _compact_cuda(x, first, width, max(1, int(chunk_rows)), ext)
-    # queued before the read-back below, so that the GPU has work while the host waits and right after
+    # The light rows need nothing from the host: queue them before the read-back below, so that the GPU computes
+    # them while the host waits (ell_u at the full width, shrunk with the ELL afterwards)
     wdt = ext.transpose(w_down)  # neuron-major: each active neuron's W_d column is a contiguous row
     y = torch.empty(M, K, device=dev, dtype=dt)
     rowabs = torch.empty(M, device=dev, dtype=torch.float32)
+    ell_u = torch.empty(M if gated else 0, width if gated else 0, device=dev, dtype=torch.float32)
+    ext.fwd_rows(gated, x, w_up, wdt, ell_col, ell_a, nnz, flag, ell_u, y, rowabs)
+    l1 = rowabs.sum(dtype=torch.float32)
     R, wlight = summary.tolist()  # the one host sync of the forward: backup size and the widest light row
-    w = width
     if shrink and M > 0:
         w = _shrunk_width(wlight, width)  # adaptive ELL width
         if w < width:
             ell_col, ell_a = ell_col[:, :w].contiguous(), ell_a[:, :w].contiguous()
-    backup_rows = flag.nonzero().squeeze(1) if R else torch.empty(0, device=dev, dtype=torch.int64)
-    ell_u = torch.empty(M if gated else 0, w if gated else 0, device=dev, dtype=torch.float32)
-    ext.fwd_rows(gated, x, w_up, wdt, ell_col, ell_a, nnz, flag, ell_u, y, rowabs)
-    l1 = rowabs.sum(dtype=torch.float32)
+            if gated:
+                ell_u = ell_u[:, :w].contiguous()
+    backup_rows = torch.nonzero_static(flag, size=R).squeeze(1)  # R is known: no second sync (nonzero's count)
     backup = torch.empty(0, N, device=dev, dtype=dt)
     if R:  # dense backup rows, exact: the reference's dense-row ops (the same as the dense block)
         xb = x.index_select(0, backup_rows)

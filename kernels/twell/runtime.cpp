@@ -611,20 +611,20 @@ at::Tensor ffn_cuda(const at::Tensor& x_in, const c10::optional<at::Tensor>& w_g
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   Call c{P, x, w_gate.has_value() ? &wg : nullptr, wu, wd, u64(stats), stream, capturing(stream), M, K, N};
   const bool sync_free = c.capture || M <= P.cfg.decode_max_m;
-  // decode sizes are what CUDA graphs capture, after eager warm-up calls that may all have run dense (self-timing
-  // times dense first): make W_d's neuron-major copy here, outside any capture, so that a captured sparse call finds
-  // it instead of transposing W_d inside the graph on every replay
-  if (!c.capture && M <= P.cfg.decode_max_m && P.cfg.mode != kDense) P.down_t(wd, stream, false);
-
   bool sparse = P.cfg.mode == kSparse, table_dense = false, timed = false;
   int bucket = 0;
+  if (P.cfg.mode == kAuto && !c.capture) P.poll();  // event queries are not allowed while capturing
   if (P.cfg.mode == kAuto) {
-    if (!c.capture) P.poll();  // event queries are not allowed while capturing: the graph keeps this choice
     const bool known = P.p >= 0 || P.cfg.activity_hint > 0;
     const double p = P.p >= 0 ? P.p : P.cfg.activity_hint, f = P.p >= 0 ? P.f : 0.0;
     const double xo = P.crossover(M);
     sparse = known && p <= xo && (sync_free || f <= P.cfg.flagged_dense_above);
     table_dense = known && p > xo;
+    // decode sizes are what CUDA graphs capture, after eager warm-up calls that may all have run dense (self-timing
+    // times dense first): make W_d's neuron-major copy here, outside any capture, so that a captured sparse call
+    // finds it instead of transposing W_d inside the graph on every replay; not where the table (which a capture
+    // follows) sends this M dense at the measured activity: 23 MB per layer at the 1.5B shape
+    if (!c.capture && M <= P.cfg.decode_max_m && !table_dense) P.down_t(wd, stream, false);
     if (P.cfg.self_timing && !c.capture) {  // event timing is not possible while capturing: graphs keep the table
       bucket = 64 - __builtin_clzll((unsigned long long)M);
       P.poll_timings();
@@ -721,6 +721,7 @@ py::dict plan_info(int64_t id) {
   d["path"] = P.last_path.empty() ? py::none() : py::cast(P.last_path);
   d["d2t"] = P.last_d2t.empty() ? py::none() : py::cast(P.last_d2t);
   d["flagged_rows"] = P.last_flagged >= 0 ? py::cast(P.last_flagged) : py::none();
+  d["down_copy_bytes"] = P.wdt.defined() ? P.wdt.numel() * P.wdt.element_size() : 0;  // W_d's neuron-major copy
   py::dict t;
   for (const auto& kv : P.times) {
     t[py::make_tuple(kv.first.first, kv.first.second ? "sparse" : "dense")] =
