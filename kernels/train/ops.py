@@ -143,15 +143,22 @@ def _ffn_fwd_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor
     dev, dt = x.device, x.dtype
     ext = load_ext()
     ell_col, ell_a, nnz, flag, summary = _compact_cuda(x, first, width, max(1, int(chunk_rows)), ext)
-    # The light rows need nothing from the host: queue them before the read-back below, so that the GPU computes
-    # them while the host waits (ell_u at the full width, shrunk with the ELL afterwards)
+    # The read-back: (backup size, widest light row) to pinned memory, an event after it. The light rows need nothing
+    # from the host, so they are queued before the wait: the GPU computes them while the host waits for the event
+    # (a plain .tolist() here would wait for them too, leaving the GPU idle until the host catches up). ell_u is
+    # allocated at the full width and shrunk with the ELL afterwards.
+    host = torch.empty(2, dtype=torch.int32, pin_memory=True)
+    host.copy_(summary, non_blocking=True)
+    summary_ready = torch.cuda.Event()
+    summary_ready.record()
     wdt = ext.transpose(w_down)  # neuron-major: each active neuron's W_d column is a contiguous row
     y = torch.empty(M, K, device=dev, dtype=dt)
     rowabs = torch.empty(M, device=dev, dtype=torch.float32)
     ell_u = torch.empty(M if gated else 0, width if gated else 0, device=dev, dtype=torch.float32)
     ext.fwd_rows(gated, x, w_up, wdt, ell_col, ell_a, nnz, flag, ell_u, y, rowabs)
     l1 = rowabs.sum(dtype=torch.float32)
-    R, wlight = summary.tolist()  # the one host sync of the forward: backup size and the widest light row
+    summary_ready.synchronize()  # the one host wait of the forward, for the compaction only
+    R, wlight = host.tolist()
     if shrink and M > 0:
         w = _shrunk_width(wlight, width)  # adaptive ELL width
         if w < width:

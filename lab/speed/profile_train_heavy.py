@@ -54,6 +54,8 @@ def main() -> None:
                 torch.cuda.synchronize()
                 step()
             torch.cuda.synchronize()
+        kern = sum(e.self_device_time_total for e in prof.key_averages()) / 5 / 1000
+        print(f"   device time per step (sum over kernels) {kern:.3f} ms: idle ~{statistics.median(times) - kern:.3f} ms")
         print(prof.key_averages().table(sort_by="device_time_total", row_limit=30, max_name_column_width=70))
 
 
