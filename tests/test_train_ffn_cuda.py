@@ -505,3 +505,21 @@ def test_last_active_sparse_path_equals_dense_path():
     _, _, ss = sparse_gated_ffn_train(x, wg, wu, wd, mode="sparse", width=32, want_last_active=True)
     assert ss["path"] == "sparse" and ss["backup_rows"] > 0
     assert torch.equal(sd["last_active_row"], ss["last_active_row"])
+
+
+@pytest.mark.parametrize("M,N,p,width", [(1, 256, 0.05, 8), (5000, 5632, 0.005, 64), (2049, 1024, 0.2, 16)])
+def test_last_active_ell_kernel_equals_reference(M, N, p, width):
+    """The ELL tracker kernel gives the reference's valid-entry mask result (light rows only, shrunk and full widths,
+    rows above the width and non-finite rows excluded)."""
+    from sfl.kernels.train import ops
+    from sfl.kernels.train_ffn import _last_active_sparse
+
+    x, wg, wu, wd = make_problem(M, 256, N, p, 11, heavy_frac=0.02)
+    if M > 2:
+        x[M // 2, 7] = float("nan")  # a non-finite row: a backup row, not in the ELL
+    for shrink in (True, False):
+        out = ops.ffn_fwd(x, wg, wu, wd, width, 1.0, 1 << 20, shrink, "cuda")
+        ell_col, ell_a, _, nnz, flag, brow, bk = out[2:9]
+        ref = _last_active_sparse(ell_col, ell_a, nnz, flag, brow, bk, N, "torch")
+        got = _last_active_sparse(ell_col, ell_a, nnz, flag, brow, bk, N, "cuda")
+        assert torch.equal(got, ref)

@@ -27,6 +27,8 @@ cudaError_t sfltrain_dw_launch(int gated, int nb, const void* x, const void* dy,
                                const void* add_d, void* dwg, void* dwu, void* dwdt, cudaStream_t stream);
 cudaError_t sfltrain_last_active_launch(const void* a, long long lda, int rows, int N, int64_t* last,
                                         cudaStream_t stream);
+cudaError_t sfltrain_last_active_ell_launch(const int32_t* ell_col, int W, const int32_t* nnz, const int32_t* flag,
+                                            int rows, int N, int64_t* last, cudaStream_t stream);
 cudaError_t sfltrain_transpose_launch(const void* src, long long lds, int R, int C, void* dst, cudaStream_t stream);
 int sfltrain_csr_rows_per_block(int M);
 long long sfltrain_csr_smem_bytes(int N, int W);
@@ -232,6 +234,23 @@ at::Tensor last_active(const at::Tensor& a) {
   return last;
 }
 
+// The same from the sparse path's ELL (ell_col int32 [M, W], nnz, flag int32 [M]) over its light rows: int64 [N].
+at::Tensor last_active_ell(const at::Tensor& ell_col, const at::Tensor& nnz, const at::Tensor& flag, int64_t N) {
+  req(ell_col, "ell_col", at::kInt, 2);
+  req(nnz, "nnz", at::kInt, 1);
+  req(flag, "flag", at::kInt, 1);
+  TORCH_CHECK(ell_col.is_contiguous() && nnz.size(0) == ell_col.size(0) && flag.size(0) == ell_col.size(0),
+              "last_active_ell: ell_col must be contiguous [M, W], nnz and flag [M]");
+  TORCH_CHECK(N >= 0 && N < (1LL << 31), "last_active_ell: N out of range");
+  auto last = at::empty({N}, ell_col.options().dtype(at::kLong));
+  const c10::cuda::CUDAGuard guard(ell_col.device());
+  check(sfltrain_last_active_ell_launch(ell_col.data_ptr<int32_t>(), (int)ell_col.size(1), nnz.data_ptr<int32_t>(),
+                                        flag.data_ptr<int32_t>(), (int)ell_col.size(0), (int)N,
+                                        last.data_ptr<int64_t>(), stream()),
+        "last_active_ell");
+  return last;
+}
+
 // src: bf16 [R, C] with unit column stride -> [C, R] contiguous (R, C and the row stride multiples of 8).
 at::Tensor transpose(const at::Tensor& src) {
   TORCH_CHECK(src.is_cuda() && src.scalar_type() == at::kBFloat16 && src.dim() == 2 && src.stride(1) == 1,
@@ -285,6 +304,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dw", &dw, "neuron-major weight gradients from the CSR-by-neuron transpose");
   m.def("dense_bwd", &dense_bwd, "dense path backward elementwise: dh + L1 term -> dg (in place), du");
   m.def("last_active", &last_active, "per column, the last row where a bf16 matrix is relu-active (-1 if none)");
+  m.def("last_active_ell", &last_active_ell, "per neuron, the last light row of the sparse path's ELL using it (-1 if none)");
   m.def("transpose", &transpose, "bf16 [R, C] -> [C, R] contiguous (tiled, 16-byte accesses)");
   m.def("csr_supported", &csr_supported, "whether csr_by_neuron takes N neurons at ELL width W");
   m.def("csr_by_neuron", &csr_by_neuron, "light ELL entries sorted by neuron (perm, colptr), deterministic order");

@@ -608,6 +608,22 @@ __global__ void __launch_bounds__(256) last_active_kernel(const __nv_bfloat16* _
     if (found[i] >= 0) atomicMax(last + c + i, (long long)found[i]);
 }
 
+// last_active_ell: the same tracker from the sparse path's saved ELL (light rows only; the caller adds the backup
+// rows): one thread per (row, slot), atomicMax of the row into its column. A stored entry's column is one of the
+// row's active neurons, so the atomics spread over the active columns (no shared spare column: the scatter that
+// sent every invalid slot to one address lost 14% at model level, lab/README.md). Replaces nonzero(), a host sync.
+__global__ void __launch_bounds__(256) last_active_ell_kernel(const int32_t* __restrict__ ell_col, int W,
+                                                              const int32_t* __restrict__ nnz,
+                                                              const int32_t* __restrict__ flag, int rows,
+                                                              long long* last) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (long long)rows * W) return;
+  const int r = (int)(i / W), s = (int)(i % W);
+  if (flag[r] || s >= min(nnz[r], W)) return;
+  const int j = ell_col[i];
+  if (last[j] < r) atomicMax(last + j, (long long)r);  // a plain read first: most atomics are skipped
+}
+
 inline unsigned blocks_for(long long warps, int threads) {
   return (unsigned)((warps * 32 + threads - 1) / threads);
 }
@@ -820,6 +836,18 @@ cudaError_t sfltrain_csr_by_neuron_launch(const int32_t* ell_col, int W, const i
 }
 
 // last: int64 [N], set to -1 here; a: bf16 [rows, N], row stride lda; N, lda multiples of 8, a 16-byte aligned.
+cudaError_t sfltrain_last_active_ell_launch(const int32_t* ell_col, int W, const int32_t* nnz, const int32_t* flag,
+                                            int rows, int N, int64_t* last, cudaStream_t stream) {
+  if (N <= 0) return cudaSuccess;
+  cudaError_t e = cudaMemsetAsync(last, 0xff, (size_t)N * sizeof(int64_t), stream);  // all bits set: -1
+  if (e != cudaSuccess || rows <= 0 || W <= 0) return e;
+  const long long n = (long long)rows * W;
+  if ((n + 255) / 256 > 0x7fffffffLL) return cudaErrorInvalidValue;
+  sfltrain::last_active_ell_kernel<<<(unsigned)((n + 255) / 256), 256, 0, stream>>>(
+      ell_col, W, nnz, flag, rows, reinterpret_cast<long long*>(last));
+  return cudaGetLastError();
+}
+
 cudaError_t sfltrain_last_active_launch(const void* a, long long lda, int rows, int N, int64_t* last,
                                         cudaStream_t stream) {
   if (N <= 0) return cudaSuccess;
