@@ -27,9 +27,11 @@ FUSED_DECODE_MAX_M = 8  # the fused decode kernel takes at most 8 rows
 DEFAULT_CROSSOVER = ("1:0.1987,2:0.1183,5:0.0225,9:0.0019,17:0.002,33:0.0019,"
                      "256:0,1024:0,4096:0.0025,8192:0.0025,16384:0.0045,32768:0.0055,65536:0.0069")
 # The non-gated block (no up-projection gather, so sparse wins to higher activity), calibrated the same way at
-# K = 2048, N = 8192 (calib_nongated_h100_r9.jsonl).
-DEFAULT_CROSSOVER_NONGATED = ("1:0.0164,4:0.0184,8:0,16:0.0021,32:0,64:0.0018,256:0,1024:0.0025,4096:0.0044,"
-                              "8192:0.0054,16384:0.0082,32768:0.0095,65536:0.0105")
+# K = 2048, N = 8192 (calib_nongated_h100_r9.jsonl); its decode buckets extended to 25% activity like the gated ones
+# (calib_decode_nongated_h100_r16{a,b}.jsonl, decode_crossover.py --kind nongated): ~12% at M = 1, ~6% at M = 2-4, and
+# sparse loses at M = 5-8 at every activity measured (r9's grid and r16's); M = 9-64 keep r9's crossings.
+DEFAULT_CROSSOVER_NONGATED = ("1:0.1217,2:0.0637,5:0,9:0.0021,17:0,33:0.0018,"
+                              "256:0,1024:0.0025,4096:0.0044,8192:0.0054,16384:0.0082,32768:0.0095,65536:0.0105")
 
 MODES = ("auto", "sparse", "dense")
 D2T_VARIANTS = ("fused", "cublas")
