@@ -8,8 +8,9 @@
 - l1 = the layer's L1 term exactly as models.sparsity.l1_penalty(h, l1_reduction) with h the tensor fed to
   down_proj: "mean" = sum |h| / (M N), "sum" = sum |h| / M. 0-dim fp32, differentiable.
 - Both are differentiable w.r.t. x and every weight; gradients are exact (no dropped rows, ever).
-- stats: {"path": "sparse" | "dense", "nnz_per_token": int32 [M] (detached), "backup_rows": int (rows kept
-  dense), "width": ELL width kept, "kept_bytes": bytes saved for backward by the block (sparse path)}.
+- stats: {"path": "sparse" | "dense", "nnz_per_token": int32 [M] (detached), "backup_rows": rows kept dense (a
+  0-dim device tensor on the cuda backend: reading it is a host sync; an int on torch), "width": ELL width kept,
+  "kept_bytes": bytes saved for backward by the block (sparse path)}.
   With want_last_active=True also "last_active_row": int64 [N] (last token row where each neuron fired, -1 if
   none; feed it to update_tokens_since_fire_sparse).
 
@@ -72,8 +73,9 @@ class DispatchState:
         self.backup_frac: float | None = None  # fraction of rows with nnz > width
         self.last_path: str | None = None
         self.last_forward_path: str | None = None
+        self.widest_light: int | None = None  # the widest row with nnz <= width (sparse calls only)
         self.last_kept_bytes: int | None = None   # bytes the sparse path's last forward saved for backward
-        self.last_backup_rows: int | None = None  # rows its last forward kept dense (nnz > width)
+        self.last_backup_rows: Tensor | int | None = None  # rows its last forward kept dense (device count on cuda)
         self._pending: tuple[Any, int, int] | None = None  # (event or None, rows, n_cols)
         self._host: Tensor | None = None
 
@@ -83,8 +85,11 @@ class DispatchState:
         ev, rows, n = self._pending
         if ev is not None and not ev.query():
             return  # not finished yet: keep the previous decision (no host sync)
-        light_nnz, heavy = self._host.tolist()
+        vals = self._host.tolist()
+        light_nnz, heavy = vals[0], vals[1]
         light_rows = rows - heavy
+        if len(vals) > 2 and light_rows > 0:
+            self.widest_light = vals[2]
         if rows > 0:
             # activity of the rows the sparse kernels would take; heavy rows are priced by backup_frac
             self.activity = light_nnz / (max(1, light_rows) * n)
@@ -97,14 +102,31 @@ class DispatchState:
         if nnz.numel() == 0 or self._busy():
             return
         light = nnz <= width
-        self._queue(torch.stack([torch.where(light, nnz, 0).sum(dtype=torch.int64), (~light).sum(dtype=torch.int64)]),
-                    nnz.numel(), n_cols)
+        light_nnz = torch.where(light, nnz, 0)
+        self._queue(torch.stack([light_nnz.sum(dtype=torch.int64), (~light).sum(dtype=torch.int64),
+                                 light_nnz.max().to(torch.int64)]), nnz.numel(), n_cols)
 
     def record_pair(self, stats: Tensor, rows: int, n_cols: int) -> None:
         """The same from a device int64 [2] = (nnz of light rows, heavy rows) already reduced (fused dense path)."""
         if rows == 0 or self._busy():
             return
         self._queue(stats, rows, n_cols)
+
+    def call_width(self, width: int, shrink: bool) -> int:
+        """The ELL width of the next sparse call: with shrink, the widest light row measured so far plus a quarter,
+        rounded up to 8 (rows above it are exact backup rows; the next measurement adapts), else `width`. Known on
+        the host without a sync: the measurement of an earlier call."""
+        self._poll()
+        if not shrink or self.widest_light is None:
+            return width
+        return min(width, max(8, -(-(self.widest_light * 5 // 4 + 1) // 8) * 8))
+
+    def backup_capacity(self, m: int) -> int:
+        """Rows of the next sparse call's dense cuBLAS backup block: the measured backup fraction plus a quarter and
+        32 rows (M/16 before any measurement). Rows beyond it are still exact (a slower CUDA-core kernel)."""
+        frac = self.backup_frac
+        cap = m // 16 if frac is None else int(frac * m * 1.25) + 32
+        return min(m, -(-cap // 32) * 32)
 
     def _busy(self) -> bool:
         self._poll()
@@ -149,25 +171,25 @@ def _state_for(key: Tensor) -> DispatchState:
 
 class _SparseFFN(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w_gate, w_up, w_down, width, scale, chunk_rows, shrink, dw_nb, backend):
-        out = _ops.ffn_fwd(x, w_gate, w_up, w_down, width, scale, chunk_rows, shrink, backend)
-        y, l1, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup = out
-        ctx.save_for_backward(x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup)
+    def forward(ctx, x, w_gate, w_up, w_down, width, scale, chunk_rows, backup_cap, want_last, dw_nb, backend):
+        out = _ops.ffn_fwd(x, w_gate, w_up, w_down, width, scale, chunk_rows, backup_cap, want_last, backend)
+        y, l1, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup, host, last = out
+        ctx.save_for_backward(x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup, host)
         ctx.scale, ctx.dw_nb, ctx.backend = scale, dw_nb, backend
-        ctx.mark_non_differentiable(ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup)
+        ctx.mark_non_differentiable(ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup, host, last)
         ctx.set_materialize_grads(False)
         return out
 
     @staticmethod
     def backward(ctx, gy, gl1, *_):
-        x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup = ctx.saved_tensors
+        x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup, host = ctx.saved_tensors
         if gy is None:
             gy = torch.zeros_like(x)
         if gl1 is None:
             gl1 = torch.zeros((), device=x.device, dtype=torch.float32)
         dx, dwg, dwu, dwd = _ops.ffn_bwd(gy, gl1, x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag,
-                                         backup_rows, backup, ctx.scale, ctx.dw_nb, ctx.backend)
-        return dx, (dwg if w_gate is not None else None), dwu, dwd, None, None, None, None, None, None
+                                         backup_rows, backup, host, ctx.scale, ctx.dw_nb, ctx.backend)
+        return dx, (dwg if w_gate is not None else None), dwu, dwd, None, None, None, None, None, None, None
 
 
 def _check(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, l1_reduction: str) -> None:
@@ -318,22 +340,6 @@ def _last_active_rows(a: Tensor) -> Tensor:
     return _last_active_dense((a > 0) | torch.isnan(a))
 
 
-def _last_active_sparse(ell_col, ell_a, nnz, flag, backup_rows, backup, N, backend) -> Tensor:
-    """The same from the saved Hybrid form: on "cuda" our ELL kernel (one atomicMax per stored entry, no host sync),
-    else the reference's valid-entry mask (nonzero(): a host sync), then the backup rows by a column max."""
-    if backend == "cuda":
-        last = _ops.load_ext().last_active_ell(ell_col, nnz, flag, N)
-    else:
-        hy = _ops.saved_hybrid(ell_col, ell_a, nnz, backup_rows, backup, N)
-        r, s = hy.valid_mask().nonzero(as_tuple=True)
-        last = torch.full((N,), -1, dtype=torch.int64, device=ell_col.device)
-        last.scatter_reduce_(0, ell_col[r, s].long(), r, reduce="amax")
-    if backup_rows.numel():
-        rb = torch.where(backup != 0, backup_rows.unsqueeze(1), -1).amax(0)
-        last = torch.maximum(last, rb)
-    return last
-
-
 def update_tokens_since_fire_sparse(tokens_since_fire: Tensor, last_active_row: Tensor, n_tokens: int) -> None:
     """Same update as models.sparsity.update_tokens_since_fire, from stats['last_active_row'] (no [M, N] mask)."""
     with torch.no_grad():
@@ -387,17 +393,19 @@ def _run(x, w_gate, w_up, w_down, l1_reduction, mode, state, width, backend, wan
         else:
             x2 = x2.contiguous()
             wsc = [w.contiguous() if w is not None else None for w in ws]
-            out = _SparseFFN.apply(x2, wsc[0], wsc[1], wsc[2], width, scale, kn["chunk_rows"], kn["shrink"],
-                                   kn["dw_nb"], backend)
-            y, l1, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup = out
-            st.record(nnz, N, width)
+            w_call = st.call_width(width, kn["shrink"])  # from earlier measurements: no sync
+            out = _SparseFFN.apply(x2, wsc[0], wsc[1], wsc[2], w_call, scale, kn["chunk_rows"],
+                                   st.backup_capacity(M), want_last_active, kn["dw_nb"], backend)
+            y, l1, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup, _, last = out
+            st.record(nnz, N, width)  # against the configured width: dispatch and the next call's width
             kept = sum(t.numel() * t.element_size() for t in (ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup))
-            stats = {"path": "sparse", "nnz_per_token": nnz, "backup_rows": int(backup_rows.numel()),
-                     "width": int(ell_col.shape[1]), "kept_bytes": int(kept), "backend": backend}
-            st.last_kept_bytes, st.last_backup_rows = stats["kept_bytes"], stats["backup_rows"]
+            # backup rows: a device count on "cuda" (reading it here would be a host sync), an int on "torch"
+            n_backup = flag.sum() if backend == "cuda" else int(backup_rows.numel())
+            stats = {"path": "sparse", "nnz_per_token": nnz, "backup_rows": n_backup, "width": w_call,
+                     "kept_bytes": int(kept), "backend": backend}
+            st.last_kept_bytes, st.last_backup_rows = stats["kept_bytes"], n_backup
             if want_last_active:
-                stats["last_active_row"] = _last_active_sparse(ell_col, ell_a, nnz, flag, backup_rows, backup, N,
-                                                               backend)
+                stats["last_active_row"] = last
     return y.reshape(*lead, y.shape[-1]), l1, stats
 
 

@@ -101,8 +101,9 @@ def test_all_rows_backup_and_nan_rows():
 
 def test_saved_hybrid_format_and_transpose():
     x, wg, wu, wd = problem(30, 16, 64, 1.2, 4, heavy_rows=(2,))
-    out = ops.ffn_fwd(x, wg, wu, wd, 10, 1.0, 7, False, "torch")
-    y, l1, ell_col, ell_a, ell_u, nnz, flag, brow, backup = out
+    out = ops.ffn_fwd(x, wg, wu, wd, 10, 1.0, 7, 0, False, "torch")
+    y, l1, ell_col, ell_a, ell_u, nnz, flag, brow, backup, host, last = out
+    assert int(host[0]) == brow.numel() and last.numel() == 0
     a = F.relu(F.linear(x, wg))
     nnz_ref = (a != 0).sum(1, dtype=torch.int32)
     assert torch.equal(nnz, nnz_ref)
@@ -131,12 +132,28 @@ def test_saved_hybrid_format_and_transpose():
         assert torch.equal(rows, expect)
 
 
-def test_shrink_keeps_widest_light_row():
+def test_shrink_takes_the_widest_light_row_of_earlier_calls():
+    """The ELL width of a sparse call comes from the layer's history (no host sync): the configured width until a
+    measurement, then the widest light row plus a quarter, rounded up to 8; rows above it are exact backup rows."""
+    from sfl.kernels.train_ffn import DispatchState
+
     x, wg, wu, wd = problem(20, 16, 64, 1.5, 5)
-    out = ops.ffn_fwd(x, wg, wu, wd, 128, 1.0, 1024, True, "torch")
-    nnz, flag = out[5], out[6]
-    w = out[2].shape[1]
-    assert w % 8 == 0 and w >= int(nnz[flag == 0].max()) and w <= 128
+    st = DispatchState()
+    assert st.call_width(128, True) == 128 and st.backup_capacity(1000) == 64   # nothing measured yet: M / 16
+    _, _, s1 = sparse_gated_ffn_train(x, wg, wu, wd, mode="sparse", backend="torch", state=st)
+    widest = int(s1["nnz_per_token"][s1["nnz_per_token"] <= 128].max())
+    w = st.call_width(128, True)
+    assert s1["width"] == 128 and st.widest_light == widest
+    assert w % 8 == 0 and widest < w <= 128 and w >= widest * 5 // 4 and st.call_width(128, False) == 128
+    y2, _, s2 = sparse_gated_ffn_train(x, wg, wu, wd, mode="sparse", backend="torch", state=st)
+    assert s2["width"] == w and s2["backup_rows"] == 0
+    yd, _, _ = dense_ref(x, wg, wu, wd, "mean")
+    assert torch.allclose(y2.double(), yd.double(), atol=1e-10)
+    st.call_width(128, True)   # takes the second call's measurement in
+    st.widest_light = 2   # a narrower history: rows above the width become backup rows, still exact
+    y3, _, s3 = sparse_gated_ffn_train(x, wg, wu, wd, mode="sparse", backend="torch", state=st)
+    assert s3["width"] == 8 and s3["backup_rows"] > 0
+    assert torch.allclose(y3.double(), yd.double(), atol=1e-10)
 
 
 def test_last_active_rows_and_tracker():
@@ -249,12 +266,14 @@ def test_fake_impls_shapes():
         x = torch.empty(10, 64, dtype=torch.bfloat16, device="cuda" if False else "cpu")
         wg = torch.empty(256, 64, dtype=torch.bfloat16)
         wd = torch.empty(64, 256, dtype=torch.bfloat16)
-        out = torch.ops.sfl_train.ffn_fwd(x, wg, wg, wd, 128, 1.0, 4096, True, "cuda")
-        assert out[0].shape == (10, 64) and out[2].shape[0] == 10 and out[8].shape[1] == 256
-        g = torch.ops.sfl_train.ffn_bwd(out[0], out[1], x, wg, wg, wd, *out[2:9], 1.0, 4, "cuda")
+        out = torch.ops.sfl_train.ffn_fwd(x, wg, wg, wd, 72, 1.0, 4096, 16, True, "cuda")
+        # cuda: static shapes (no data-dependent size: no host sync to trace around)
+        assert out[0].shape == (10, 64) and out[2].shape == (10, 72) and out[4].shape == (10, 72)
+        assert out[7].shape == (0,) and out[8].shape == (0, 256) and out[9].shape == (2,) and out[10].shape == (256,)
+        g = torch.ops.sfl_train.ffn_bwd(out[0], out[1], x, wg, wg, wd, *out[2:10], 1.0, 4, "cuda")
         assert g[0].shape == (10, 64) and g[1].shape == (256, 64) and g[3].shape == (64, 256)  # dW_d as w_down
-        out2 = torch.ops.sfl_train.ffn_fwd(x, None, wg, wd, 128, 1.0, 4096, False, "cuda")
-        assert out2[2].shape == (10, 128) and out2[4].numel() == 0
+        out2 = torch.ops.sfl_train.ffn_fwd(x, None, wg, wd, 128, 1.0, 4096, 0, False, "cuda")
+        assert out2[2].shape == (10, 128) and out2[4].numel() == 0 and out2[10].numel() == 0
 
 
 def test_recompute_in_backward_reuses_forward_path():

@@ -80,7 +80,7 @@ def grads(fn, inputs, gy, coef):
 
 
 def check_case(M, K, N, p, seed, gated=True, heavy_frac=0.0, reduction="sum", coef=1.0, gy_zero=False,
-               mode="sparse", width=None, adversarial=True, config=None):
+               mode="sparse", width=None, adversarial=True, config=None, state=None):
     from sfl.kernels.train_ffn import sparse_gated_ffn_train, sparse_nongated_ffn_train
 
     x, wg, wu, wd = make_problem(M, K, N, p, seed, gated, heavy_frac, adversarial)
@@ -95,9 +95,10 @@ def check_case(M, K, N, p, seed, gated=True, heavy_frac=0.0, reduction="sum", co
     bf = grads(d, ins, gy, coef)
 
     def ours_fn(*t):
+        kw = dict(l1_reduction=reduction, mode=mode, width=width, config=config, state=state)
         if gated:
-            return sparse_gated_ffn_train(*t, l1_reduction=reduction, mode=mode, width=width, config=config)
-        return sparse_nongated_ffn_train(*t, l1_reduction=reduction, mode=mode, width=width, config=config)
+            return sparse_gated_ffn_train(*t, **kw)
+        return sparse_nongated_ffn_train(*t, **kw)
 
     poison()
     y, l1, gs = grads(ours_fn, ins, gy, coef)
@@ -208,21 +209,23 @@ def test_saved_format_matches_reference():
     from sfl.kernels.train import ops
 
     x, wg, wu, wd = make_problem(3000, 1024, 2048, 0.01, 6)
-    out = ops.ffn_fwd(x, wg, wu, wd, 128, 1.0, 1 << 20, False, "cuda")
-    y, l1, ell_col, ell_a, ell_u, nnz, flag, brow, backup = out
+    out = ops.ffn_fwd(x, wg, wu, wd, 128, 1.0, 1 << 20, 64, False, "cuda")
+    y, l1, ell_col, ell_a, ell_u, nnz, flag, brow, backup, host, last = out
     from sfl.kernels import reference as ref
 
     a = F.relu(F.linear(x, wg))
     hy_r = ref.d2h(a, 128)   # finite inputs: the backup rows are exactly the heavy rows
     assert torch.equal(nnz, hy_r.nnz)
-    assert torch.equal(brow, hy_r.backup_rows)
     assert torch.equal(flag.bool(), hy_r.backup_mask())
+    # the backup rows are not kept (the backward recomputes them); their count reaches the host without a sync
+    assert brow.numel() == 0 and backup.shape == (0, 2048) and last.numel() == 0
+    torch.cuda.synchronize()
+    assert host.is_pinned() and int(host[0]) == hy_r.backup_rows.numel() > 0
     light = flag == 0
-    valid = ops.saved_hybrid(ell_col, ell_a, nnz, brow, backup, a.shape[1]).valid_mask()
+    valid = ops.saved_hybrid(ell_col, ell_a, nnz, hy_r.backup_rows, a[hy_r.backup_rows], a.shape[1]).valid_mask()
     assert torch.equal(torch.where(valid, ell_col, -1)[light], torch.where(valid, hy_r.ell_col, -1)[light])
     assert torch.equal(torch.where(valid, ell_a.float(), 0.0)[light],
                        torch.where(valid, hy_r.ell_val.float(), 0.0)[light])
-    assert torch.equal(backup, a[brow])
     u = F.linear(x.float(), wu.float())
     ue = torch.gather(u, 1, ell_col.clamp(min=0).long())
     assert (ue - ell_u)[valid].abs().max().item() < 1e-3
@@ -422,9 +425,10 @@ def test_csr_by_neuron_kernel_equals_reference(M, N, W, p, seed):
     x, wg, wu, wd = make_problem(M, 256, N, p, seed)
     if M >= 12:
         x[5, 7] = float("nan")
-    out = ops.ffn_fwd(x, wg, wu, wd, W, 1.0, 1 << 20, False, "cuda")
-    y, l1, ell_col, ell_a, ell_u, nnz, flag, brow, backup = out
-    hy = ops.saved_hybrid(ell_col, ell_a, nnz, brow, backup, N)
+    out = ops.ffn_fwd(x, wg, wu, wd, W, 1.0, 1 << 20, M, False, "cuda")
+    y, l1, ell_col, ell_a, ell_u, nnz, flag = out[:7]
+    brow = flag.nonzero().squeeze(1)
+    hy = ops.saved_hybrid(ell_col, ell_a, nnz, brow, F.relu(F.linear(x[brow], wg)), N)
     perm_r, colptr_r = ref.csr_by_neuron(hy)
     poison()
     perm, colptr = ops.load_ext().csr_by_neuron(ell_col, nnz, flag, N)
@@ -441,8 +445,9 @@ def test_csr_by_neuron_falls_back_beyond_shared_memory():
     ext = ops.load_ext()
     assert ext.csr_supported(5632, 128) and not ext.csr_supported(40000, 128)
     x, wg, wu, wd = make_problem(100, 64, 40000, 0.001, 5)
-    out = ops.ffn_fwd(x, wg, wu, wd, 128, 1.0, 1 << 20, False, "cuda")
-    hy = ops.saved_hybrid(out[2], out[3], out[5], out[7], out[8], 40000)
+    out = ops.ffn_fwd(x, wg, wu, wd, 128, 1.0, 1 << 20, 100, False, "cuda")
+    brow = out[6].nonzero().squeeze(1)
+    hy = ops.saved_hybrid(out[2], out[3], out[5], brow, F.relu(F.linear(x[brow], wg)), 40000)
     perm, colptr = ops.csr_by_neuron_cuda(hy, out[6], ext)
     perm_r, colptr_r = ref.csr_by_neuron(hy)
     assert torch.equal(colptr, colptr_r) and torch.equal(perm, perm_r)
@@ -495,7 +500,7 @@ def test_last_active_kernel_equals_torch_mask(rows, N, pad):
 
 
 def test_last_active_sparse_path_equals_dense_path():
-    """The sparse path's dead-neuron tracker (from the saved Hybrid form, no host sync) gives the dense path's rows,
+    """The sparse path's dead-neuron tracker (computed inside the op, no host sync) gives the dense path's rows,
     backup rows (heavy, full, non-finite) included."""
     from sfl.kernels.train_ffn import sparse_gated_ffn_train
 
@@ -508,18 +513,30 @@ def test_last_active_sparse_path_equals_dense_path():
 
 
 @pytest.mark.parametrize("M,N,p,width", [(1, 256, 0.05, 8), (5000, 5632, 0.005, 64), (2049, 1024, 0.2, 16)])
-def test_last_active_ell_kernel_equals_reference(M, N, p, width):
-    """The ELL tracker kernel gives the reference's valid-entry mask result (light rows only, shrunk and full widths,
-    rows above the width and non-finite rows excluded)."""
+@pytest.mark.parametrize("cap", [0, 3, None])
+def test_tracker_of_the_op_equals_the_dense_mask(M, N, p, width, cap):
+    """The op's dead-neuron tracker (want_last: the ELL kernel, the backup block's rows, the overflow kernel's rows)
+    equals the dense mask's, whatever share of the backup rows goes past the block (cap 0: all of them)."""
     from sfl.kernels.train import ops
-    from sfl.kernels.train_ffn import _last_active_sparse
+    from sfl.kernels.train_ffn import _last_active_dense
 
     x, wg, wu, wd = make_problem(M, 256, N, p, 11, heavy_frac=0.02)
     if M > 2:
         x[M // 2, 7] = float("nan")  # a non-finite row: a backup row, not in the ELL
-    for shrink in (True, False):
-        out = ops.ffn_fwd(x, wg, wu, wd, width, 1.0, 1 << 20, shrink, "cuda")
-        ell_col, ell_a, _, nnz, flag, brow, bk = out[2:9]
-        ref = _last_active_sparse(ell_col, ell_a, nnz, flag, brow, bk, N, "torch")
-        got = _last_active_sparse(ell_col, ell_a, nnz, flag, brow, bk, N, "cuda")
-        assert torch.equal(got, ref)
+    out = ops.ffn_fwd(x, wg, wu, wd, width, 1.0, 1 << 20, M if cap is None else cap, True, "cuda")
+    g = F.linear(x, wg)
+    assert torch.equal(out[10], _last_active_dense((g > 0) | torch.isnan(g)))
+
+
+@pytest.mark.parametrize("cap", [0, 7, None])
+@pytest.mark.parametrize("gated", [True, False])
+def test_backup_rows_past_the_capacity_are_exact(cap, gated):
+    """The backup rows beyond the dense block's capacity (a CUDA-core kernel) give y, L1 and every gradient within
+    the error budget, heavy, full, non-finite rows included, with the capacity from the history or forced."""
+    from sfl.kernels.train_ffn import DispatchState
+
+    st = DispatchState()
+    if cap is not None:
+        st.backup_capacity = lambda m: cap
+    s1, _ = check_case(1500, 1024, 2048, 0.01, seed=17, gated=gated, heavy_frac=0.03, state=st)
+    assert int(s1["backup_rows"]) > 7

@@ -151,7 +151,7 @@ def run_config(M, K, N, p, heavy, reps, timer, check_fp32, cfg=None):
     t_fwd = timer.time(fwd_only, reps)
     return {
         "M": M, "K": K, "N": N, "p": p, "heavy_frac": heavy,
-        "nnz_mean": nnz.mean().item(), "nnz_max": nnz.max().item(), "backup_rows": st_sp["backup_rows"],
+        "nnz_mean": nnz.mean().item(), "nnz_max": nnz.max().item(), "backup_rows": int(st_sp["backup_rows"]),
         "ell_width": st_sp["width"],
         "dense_ms": t_dense, "dense_noL1_ms": t_dense_nol1, "sparse_ms": t_sparse, "auto_ms": t_auto,
         "auto_path": auto_path, "sparse_fwd_nograd_ms": t_fwd,
@@ -173,8 +173,13 @@ def profile_phases(M, K, N, p, reps, timer):
 
     ext = ops.load_ext()
     x, (wg, wu, wd), gy = make_case(M, K, N, p, 0.0, seed=7)
-    out = ops.ffn_fwd(x, wg, wu, wd, 128, 1.0 / (M * N), M, True, "cuda")
-    y, l1, ell_col, ell_a, ell_u, nnz, flag, brow, backup = out
+    from sfl.kernels.train_ffn import DispatchState
+
+    nnz0 = ops.ffn_fwd(x, wg, wu, wd, 128, 1.0 / (M * N), M, M, False, "cuda")[5]
+    st = DispatchState()
+    st.widest_light = int(nnz0[nnz0 <= 128].max())  # the width a layer's second call takes (call_width)
+    out = ops.ffn_fwd(x, wg, wu, wd, st.call_width(128, True), 1.0 / (M * N), M, M, False, "cuda")
+    y, l1, ell_col, ell_a, ell_u, nnz, flag, brow, backup = out[:9]
     W = ell_col.shape[1]
     E = int(nnz.sum())
     wdt = wd.t().contiguous()

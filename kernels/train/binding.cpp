@@ -27,6 +27,11 @@ cudaError_t sfltrain_dw_launch(int gated, int nb, const void* x, const void* dy,
                                const void* add_d, void* dwg, void* dwu, void* dwdt, cudaStream_t stream);
 cudaError_t sfltrain_last_active_launch(const void* a, long long lda, int rows, int N, int64_t* last,
                                         cudaStream_t stream);
+cudaError_t sfltrain_scatter_rows_launch(const void* src, const int64_t* idx, int n, int K, void* dst,
+                                         cudaStream_t stream);
+cudaError_t sfltrain_dense_rows_fwd_launch(int gated, const void* x, const void* wf, const void* wu, const void* wdt,
+                                           int M, int K, int N, const int64_t* rows, const int32_t* count, int start,
+                                           void* y, float* rowabs, int64_t* last, int grid, cudaStream_t stream);
 cudaError_t sfltrain_last_active_ell_launch(const int32_t* ell_col, int W, const int32_t* nnz, const int32_t* flag,
                                             int rows, int N, int64_t* last, cudaStream_t stream);
 cudaError_t sfltrain_transpose_launch(const void* src, long long lds, int R, int C, void* dst, cudaStream_t stream);
@@ -234,6 +239,49 @@ at::Tensor last_active(const at::Tensor& a) {
   return last;
 }
 
+// dst[idx[i]] = src[i] for idx[i] >= 0: bf16 rows (src [n, K], dst [M, K], idx int64 [n]).
+void scatter_rows(const at::Tensor& src, const at::Tensor& idx, at::Tensor dst) {
+  req(src, "src", at::kBFloat16, 2);
+  req(idx, "idx", at::kLong, 1);
+  req(dst, "dst", at::kBFloat16, 2);
+  TORCH_CHECK(src.is_contiguous() && dst.is_contiguous() && idx.size(0) == src.size(0) && src.size(1) == dst.size(1),
+              "scatter_rows: src [n, K] and dst [M, K] contiguous, idx [n]");
+  const c10::cuda::CUDAGuard guard(src.device());
+  check(sfltrain_scatter_rows_launch(src.data_ptr(), idx.data_ptr<int64_t>(), (int)src.size(0), (int)src.size(1),
+                                     dst.data_ptr(), stream()),
+        "scatter_rows");
+}
+
+// The flagged rows rows[start .. *count) of x computed densely on CUDA cores into y and rowabs (and `last`, int64 [N],
+// when defined): the capacity-overflow path of the sync-free forward. grid: CTAs (each loops over rows).
+void dense_rows_fwd(bool gated, const at::Tensor& x, const at::Tensor& wf, const at::Tensor& wu, const at::Tensor& wdt,
+                    const at::Tensor& rows, const at::Tensor& count, int64_t start, at::Tensor y, at::Tensor rowabs,
+                    at::Tensor last, int64_t grid) {
+  req(x, "x", at::kBFloat16, 2);
+  req(wf, "w_first", at::kBFloat16, 2);
+  req(wu, "w_up", at::kBFloat16, 2);
+  req(wdt, "w_down_t", at::kBFloat16, 2);
+  req(rows, "rows", at::kLong, 1);
+  req(count, "count", at::kInt, 1);
+  req(y, "y", at::kBFloat16, 2);
+  req(rowabs, "rowabs", at::kFloat, 1);
+  const int64_t M = x.size(0), K = x.size(1), N = wf.size(0);
+  TORCH_CHECK(wf.size(1) == K && wu.size(1) == K && wdt.size(1) == K && wdt.size(0) == N && wu.size(0) == N,
+              "dense_rows_fwd: weight shapes");
+  TORCH_CHECK(rows.size(0) == M && y.size(0) == M && y.size(1) == K && rowabs.size(0) == M, "dense_rows_fwd: rows");
+  int64_t* lp = nullptr;
+  if (last.defined() && last.numel() > 0) {
+    req(last, "last", at::kLong, 1);
+    TORCH_CHECK(last.size(0) == N, "dense_rows_fwd: last must be [N]");
+    lp = last.data_ptr<int64_t>();
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  check(sfltrain_dense_rows_fwd_launch(gated, x.data_ptr(), wf.data_ptr(), wu.data_ptr(), wdt.data_ptr(), (int)M,
+                                       (int)K, (int)N, rows.data_ptr<int64_t>(), count.data_ptr<int32_t>(),
+                                       (int)start, y.data_ptr(), rowabs.data_ptr<float>(), lp, (int)grid, stream()),
+        "dense_rows_fwd");
+}
+
 // The same from the sparse path's ELL (ell_col int32 [M, W], nnz, flag int32 [M]) over its light rows: int64 [N].
 at::Tensor last_active_ell(const at::Tensor& ell_col, const at::Tensor& nnz, const at::Tensor& flag, int64_t N) {
   req(ell_col, "ell_col", at::kInt, 2);
@@ -304,6 +352,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dw", &dw, "neuron-major weight gradients from the CSR-by-neuron transpose");
   m.def("dense_bwd", &dense_bwd, "dense path backward elementwise: dh + L1 term -> dg (in place), du");
   m.def("last_active", &last_active, "per column, the last row where a bf16 matrix is relu-active (-1 if none)");
+  m.def("scatter_rows", &scatter_rows, "dst[idx[i]] = src[i] for idx[i] >= 0 (bf16 rows)");
+  m.def("dense_rows_fwd", &dense_rows_fwd, "flagged rows beyond the backup capacity, dense on CUDA cores");
   m.def("last_active_ell", &last_active_ell, "per neuron, the last light row of the sparse path's ELL using it (-1 if none)");
   m.def("transpose", &transpose, "bf16 [R, C] -> [C, R] contiguous (tiled, 16-byte accesses)");
   m.def("csr_supported", &csr_supported, "whether csr_by_neuron takes N neurons at ELL width W");

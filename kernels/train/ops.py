@@ -2,22 +2,30 @@
 the backward, two backends, and the extension loader.
 
 Ops (namespace ``sfl_train``):
-- ``ffn_fwd(x, w_gate?, w_up, w_down, width, scale, chunk_rows, shrink, backend)
-      -> (y, l1, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup)``
-- ``ffn_bwd(dy, gl1, x, w_gate?, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup, scale,
+- ``ffn_fwd(x, w_gate?, w_up, w_down, width, scale, chunk_rows, backup_cap, want_last, backend)
+      -> (y, l1, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup, host, last)``
+- ``ffn_bwd(dy, gl1, x, w_gate?, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup, host, scale,
             dw_nb, backend) -> (dx, dw_gate, dw_up, dw_down)``  (dw_gate is empty for the non-gated block)
 
-What the forward keeps for the backward is the Hybrid form of a = relu(gate) (FORMAT.md): ELL rows of width
-w (<= `width`, shrunk to the widest light row when `shrink`), plus ell_u = x . W_u[j] (fp32, gated only) for
-every stored entry, plus the dense backup rows. A row goes to the dense backup when nnz > width (Hybrid rule)
-or when its gate pre-activation has a non-finite value (so NaN/Inf propagate exactly as in dense). The backup
-has no capacity: however many rows, all are computed exactly with dense math. Nothing is ever dropped.
+What the forward keeps for the backward is the Hybrid form of a = relu(gate) (FORMAT.md): ELL rows of `width`
+slots (the caller picks it, kernels/train_ffn.py from the layer's history), plus ell_u = x . W_u[j] (fp32, gated
+only) for every stored entry. A row is a backup row (`flag`) when nnz > width (Hybrid rule) or when its gate
+pre-activation has a non-finite value (so NaN/Inf propagate as in dense). Backup rows have no capacity: however
+many, all are computed exactly with dense math. Nothing is ever dropped.
+
+No host synchronisation on the "cuda" backend: every output shape is known before the call. The first `backup_cap`
+backup rows (the caller's estimate) take dense cuBLAS math on a gathered block, any beyond it an exact dense kernel
+on CUDA cores (dense_rows_fwd); the backup count reaches the host through pinned memory for the backward, which
+recomputes those rows' activations from x (the forward keeps no [R, N] tensor; "cuda" returns backup_rows and backup
+empty). `last` (want_last): per neuron the last row where it fired, the model's dead-neuron tracker, computed inside.
+`host`: int32 [2] on the CPU (pinned on "cuda"; its first value is the backup-row count once the copy has landed).
 
 Backends: "cuda" = the kernels of train_kernels.cu (bf16, CUDA) + cuBLAS for the gate GEMM and backup rows;
 "torch" = the pure-PyTorch reference itself (kernels/reference.py: train_ffn_forward / train_ffn_backward; any
-device and dtype; the CPU tests and a slow fallback). Both take their dense-row math (backup rows, forward and
-backward) from the reference, so there is one definition of it; the CSR-by-neuron transpose is the reference's
-csr_by_neuron on "torch" and counting-sort kernels on "cuda", GPU-tested to give the same perm and colptr.
+device and dtype; the CPU tests and a slow fallback; its backup_rows and backup are the Hybrid's, exact).
+Both take their dense-row math (backup rows, forward and backward) from the reference, so there is one definition
+of it; the CSR-by-neuron transpose is the reference's csr_by_neuron on "torch" and counting-sort kernels on "cuda",
+GPU-tested to give the same perm and colptr.
 """
 from __future__ import annotations
 
@@ -83,11 +91,6 @@ def saved_hybrid(ell_col: Tensor, ell_a: Tensor, nnz: Tensor, backup_rows: Tenso
     return Hybrid(ell_col, ell_a, nnz, backup_rows, backup, n_cols, ell_col.shape[1])
 
 
-def _shrunk_width(widest_light_row: int, width: int) -> int:
-    """The kept ELL width: the widest light row rounded up to a multiple of 8 (at least 8, at most width)."""
-    return min(width, max(8, -(-int(widest_light_row) // 8) * 8))
-
-
 def _compact_cuda(x: Tensor, first: Tensor, width: int, chunk: int, ext):
     """Gate GEMM (chunked) + compaction; also (flagged rows, widest light row) on the device, int32 [2]."""
     M, N = x.shape[0], first.shape[0]
@@ -117,25 +120,72 @@ def csr_by_neuron_cuda(hy: Hybrid, flag: Tensor, ext) -> tuple[Tensor, Tensor]:
 
 
 # ----------------------------------------------------------------------------------------------- forward
+def _last_active_reference(hy: Hybrid, dev: torch.device) -> Tensor:
+    """Per neuron the last row where a = relu(g) is active (-1 if none), from a Hybrid: the reference tracker."""
+    r, s = hy.valid_mask().nonzero(as_tuple=True)
+    last = torch.full((hy.n_cols,), -1, dtype=torch.int64, device=dev)
+    last.scatter_reduce_(0, hy.ell_col[r, s].long(), r, reduce="amax")
+    if hy.backup_rows.numel():
+        last = torch.maximum(last, torch.where(hy.backup != 0, hy.backup_rows.unsqueeze(1), -1).amax(0))
+    return last
+
+
 def _ffn_fwd_torch(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, width: int, scale: float,
-                   shrink: bool):
-    """The torch backend: the reference forward, its state unpacked into the op's tensors (chunk_rows unused)."""
+                   want_last: bool):
+    """The torch backend: the reference forward, its state unpacked into the op's tensors (chunk_rows, backup_cap
+    unused: the backup rows are exact here, computed on the host's knowledge)."""
     y, l1, saved = ref.train_ffn_forward(x, w_gate, w_up, w_down, width, scale)
-    hy, ell_u = saved.hy, saved.ell_u
+    hy = saved.hy
     flag = hy.backup_mask().to(torch.int32)
-    ell_col, ell_a = hy.ell_col, hy.ell_val
-    if shrink and x.shape[0] > 0:
-        w = _shrunk_width(int(torch.where(flag != 0, 0, hy.nnz).max()), width)
-        ell_col, ell_a = ell_col[:, :w].contiguous(), ell_a[:, :w].contiguous()
-        if w_gate is not None:
-            ell_u = ell_u[:, :w].contiguous()
-    return y, l1, ell_col, ell_a, ell_u, hy.nnz, flag, hy.backup_rows, hy.backup
+    host = torch.tensor([hy.backup_rows.numel(), 0], dtype=torch.int32)
+    last = _last_active_reference(hy, x.device) if want_last else torch.empty(0, dtype=torch.int64, device=x.device)
+    return y, l1, hy.ell_col, hy.ell_val, saved.ell_u, hy.nnz, flag, hy.backup_rows, hy.backup, host, last
+
+
+# The backward needs the forward's backup-row count R on the host. The forward copies it to pinned memory and records
+# an event; the backward, which runs much later, waits on that event (complete by then: no stall) instead of a
+# stream synchronisation, which would drain everything queued before it. Keyed by the pinned buffer's address (a
+# freed buffer's key is overwritten when the allocator hands the address out again).
+_COUNT_READY: dict[int, torch.cuda.Event] = {}
+
+
+def _backup_count(host: Tensor) -> int:
+    ev = _COUNT_READY.pop(host.data_ptr(), None) if host.is_pinned() else None
+    if ev is not None:
+        ev.synchronize()
+    elif host.is_pinned():  # no event known for this buffer: wait for everything queued (exact, slower)
+        torch.cuda.current_stream().synchronize()
+    return int(host[0])
+
+
+def _backup_rows_cuda(gated: bool, x: Tensor, first: Tensor, w_up: Tensor, w_down: Tensor, wdt: Tensor, flag: Tensor,
+                      summary: Tensor, cap: int, y: Tensor, rowabs: Tensor, last: Tensor, ext) -> Tensor:
+    """The flagged rows, exactly, with no host sync: the first `cap` (host-known, from the layer's history) by dense
+    cuBLAS math on a gathered block whose unused rows are zero, the rest by dense_rows_fwd on CUDA cores. Returns the
+    L1 part of the block (fp32, 0-dim); dense_rows_fwd writes its rows' |h| sums into rowabs."""
+    M = x.shape[0]
+    rows = torch.nonzero_static(flag, size=M, fill_value=-1).squeeze(1)  # flagged rows ascending, then -1
+    l1_block = torch.zeros((), device=x.device, dtype=torch.float32)
+    if cap > 0:
+        idx = rows[:cap]
+        valid = idx >= 0
+        xb = torch.where(valid.unsqueeze(1), x.index_select(0, idx.clamp_min(0)), 0)
+        ab = F.relu(F.linear(xb, first))
+        hb, yb = ref.dense_rows_forward(xb, ab, w_up if gated else None, w_down)
+        ext.scatter_rows(yb.contiguous(), idx, y)
+        l1_block = torch.where(valid, hb.abs().sum(1, dtype=torch.float32), 0).sum()
+        if last.numel():
+            last.copy_(torch.maximum(last, torch.where((ab != 0) & valid.unsqueeze(1), idx.unsqueeze(1), -1).amax(0)))
+    if cap < M:  # one CTA per overflow row, up to two per SM; none runs unless the count exceeds cap
+        grid = min(M - cap, 2 * torch.cuda.get_device_properties(x.device).multi_processor_count)
+        ext.dense_rows_fwd(gated, x, first, w_up, wdt, rows, summary, cap, y, rowabs, last, grid)
+    return l1_block
 
 
 def _ffn_fwd_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, width: int, scale: float,
-                  chunk_rows: int, shrink: bool, backend: str):
+                  chunk_rows: int, backup_cap: int, want_last: bool, backend: str):
     if backend != "cuda":
-        return _ffn_fwd_torch(x, w_gate, w_up, w_down, width, scale, shrink)
+        return _ffn_fwd_torch(x, w_gate, w_up, w_down, width, scale, want_last)
     gated = w_gate is not None
     first = w_gate if gated else w_up
     M, K = x.shape
@@ -143,83 +193,78 @@ def _ffn_fwd_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor
     dev, dt = x.device, x.dtype
     ext = load_ext()
     ell_col, ell_a, nnz, flag, summary = _compact_cuda(x, first, width, max(1, int(chunk_rows)), ext)
-    # The read-back: (backup size, widest light row) to pinned memory, an event after it. The light rows need nothing
-    # from the host, so they are queued before the wait: the GPU computes them while the host waits for the event
-    # (a plain .tolist() here would wait for them too, leaving the GPU idle until the host catches up). ell_u is
-    # allocated at the full width and shrunk with the ELL afterwards.
+    # the backup-row count for the backward (see _backup_count); nothing here waits for it
     host = torch.empty(2, dtype=torch.int32, pin_memory=True)
     host.copy_(summary, non_blocking=True)
-    summary_ready = torch.cuda.Event()
-    summary_ready.record()
+    ready = torch.cuda.Event()
+    ready.record()
+    _COUNT_READY[host.data_ptr()] = ready
     wdt = ext.transpose(w_down)  # neuron-major: each active neuron's W_d column is a contiguous row
     y = torch.empty(M, K, device=dev, dtype=dt)
     rowabs = torch.empty(M, device=dev, dtype=torch.float32)
     ell_u = torch.empty(M if gated else 0, width if gated else 0, device=dev, dtype=torch.float32)
-    ext.fwd_rows(gated, x, w_up, wdt, ell_col, ell_a, nnz, flag, ell_u, y, rowabs)
-    l1 = rowabs.sum(dtype=torch.float32)
-    summary_ready.synchronize()  # the one host wait of the forward, for the compaction only
-    R, wlight = host.tolist()
-    if shrink and M > 0:
-        w = _shrunk_width(wlight, width)  # adaptive ELL width
-        if w < width:
-            ell_col, ell_a = ell_col[:, :w].contiguous(), ell_a[:, :w].contiguous()
-            if gated:
-                ell_u = ell_u[:, :w].contiguous()
-    backup_rows = torch.nonzero_static(flag, size=R).squeeze(1)  # R is known: no second sync (nonzero's count)
-    backup = torch.empty(0, N, device=dev, dtype=dt)
-    if R:  # dense backup rows, exact: the reference's dense-row ops (the same as the dense block)
-        xb = x.index_select(0, backup_rows)
-        backup = F.relu(F.linear(xb, first))
-        hb, yb = ref.dense_rows_forward(xb, backup, w_up if gated else None, w_down)
-        y.index_copy_(0, backup_rows, yb)
-        l1 = l1 + hb.abs().sum(dtype=torch.float32)
-    return y, l1 * scale, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup
+    ext.fwd_rows(gated, x, w_up, wdt, ell_col, ell_a, nnz, flag, ell_u, y, rowabs)  # light rows
+    last = (ext.last_active_ell(ell_col, nnz, flag, N) if want_last
+            else torch.empty(0, device=dev, dtype=torch.int64))
+    l1_block = _backup_rows_cuda(gated, x, first, w_up, w_down, wdt, flag, summary, min(M, max(0, int(backup_cap))), y,
+                                 rowabs, last, ext) if M else torch.zeros((), device=dev)
+    l1 = rowabs.sum(dtype=torch.float32) + l1_block
+    no_rows = torch.empty(0, device=dev, dtype=torch.int64)
+    return (y, l1 * scale, ell_col, ell_a, ell_u, nnz, flag, no_rows, torch.empty(0, N, device=dev, dtype=dt), host,
+            last)
 
 
 @torch.library.custom_op("sfl_train::ffn_fwd", mutates_args=())
 def ffn_fwd(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, width: int, scale: float,
-            chunk_rows: int, shrink: bool, backend: str
-            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _ffn_fwd_impl(x, w_gate, w_up, w_down, width, scale, chunk_rows, shrink, backend)
+            chunk_rows: int, backup_cap: int, want_last: bool, backend: str
+            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _ffn_fwd_impl(x, w_gate, w_up, w_down, width, scale, chunk_rows, backup_cap, want_last, backend)
 
 
 @ffn_fwd.register_fake
-def _(x, w_gate, w_up, w_down, width, scale, chunk_rows, shrink, backend):
-    ctx = torch.library.get_ctx()
+def _(x, w_gate, w_up, w_down, width, scale, chunk_rows, backup_cap, want_last, backend):
     M, K = x.shape
     N = w_up.shape[0]
-    w = ctx.new_dynamic_size() if shrink else width
-    R = ctx.new_dynamic_size()
     gated = w_gate is not None
     acc = _acc_dtype(x.dtype)
+    # cuda: every shape is known before the call (no host sync inside); torch: the backup rows are data-dependent
+    R = torch.library.get_ctx().new_dynamic_size() if backend == "torch" else 0
     return (x.new_empty(M, K), x.new_empty((), dtype=acc if backend == "torch" else torch.float32),
-            x.new_empty(M, w, dtype=torch.int32), x.new_empty(M, w),
-            x.new_empty(M if gated else 0, w if gated else 0, dtype=acc), x.new_empty(M, dtype=torch.int32),
-            x.new_empty(M, dtype=torch.int32), x.new_empty(R, dtype=torch.int64), x.new_empty(R, N))
+            x.new_empty(M, width, dtype=torch.int32), x.new_empty(M, width),
+            x.new_empty(M if gated else 0, width if gated else 0, dtype=acc if backend == "torch" else torch.float32),
+            x.new_empty(M, dtype=torch.int32), x.new_empty(M, dtype=torch.int32), x.new_empty(R, dtype=torch.int64),
+            x.new_empty(R, N), torch.empty(2, dtype=torch.int32, device="cpu"),
+            x.new_empty(N if want_last else 0, dtype=torch.int64))
 
 
 # ----------------------------------------------------------------------------------------------- backward
 def _ffn_bwd_impl(dy: Tensor, gl1: Tensor, x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor,
                   ell_col: Tensor, ell_a: Tensor, ell_u: Tensor, nnz: Tensor, flag: Tensor, backup_rows: Tensor,
-                  backup: Tensor, scale: float, dw_nb: int, backend: str):
+                  backup: Tensor, host: Tensor, scale: float, dw_nb: int, backend: str):
     gated = w_gate is not None
     M, K = x.shape
     N = w_up.shape[0]
-    hy = saved_hybrid(ell_col, ell_a, nnz, backup_rows, backup, N)
     if backend != "cuda":  # the reference backward (dW_d comes back in nn.Linear layout [K, N])
+        hy = saved_hybrid(ell_col, ell_a, nnz, backup_rows, backup, N)
         dx, dwg, dwu, dwd = ref.train_ffn_backward(dy, gl1, x, w_gate, w_up, w_down, ref.TrainSaved(hy, ell_u),
                                                    scale)
         return dx, (dwg if gated else x.new_empty(0, K)), dwu, dwd
     dev, dt = x.device, x.dtype
+    first = w_gate if gated else w_up
     dy = dy.to(dt).contiguous()
     c = (gl1.reshape(1).to(torch.float32) * scale).contiguous()  # dL/d|h| factor, read on the device: no sync
     dx = torch.empty(M, K, device=dev, dtype=dt)
-    # dense backup rows first (the reference's ops): their weight-gradient contributions are the kernels' addends
+    # dense backup rows first (the reference's ops): their weight-gradient contributions are the kernels' addends.
+    # Their activations are recomputed from x (the forward keeps none of them: no [R, N] tensor between the passes).
     adds: list[Tensor | None] = [None, None, None]
-    if backup_rows.numel():
-        xb, dyb = x.index_select(0, backup_rows), dy.index_select(0, backup_rows)
-        dxb, dwgb, dwub, dwdtb = ref.dense_rows_backward(xb, backup, dyb, w_gate, w_up, w_down, c.reshape(()))
-        dx.index_copy_(0, backup_rows, dxb)
+    R = _backup_count(host)
+    rows = torch.nonzero_static(flag, size=R).squeeze(1)
+    ab = x.new_empty(0, N)
+    if R:
+        xb, dyb = x.index_select(0, rows), dy.index_select(0, rows)
+        ab = F.relu(F.linear(xb, first))
+        dxb, dwgb, dwub, dwdtb = ref.dense_rows_backward(xb, ab, dyb, w_gate, w_up, w_down, c.reshape(()))
+        dx.index_copy_(0, rows, dxb)
         adds = [dwgb, dwub, dwdtb]
     ext = load_ext()
     wdt = ext.transpose(w_down)
@@ -227,6 +272,7 @@ def _ffn_bwd_impl(dy: Tensor, gl1: Tensor, x: Tensor, w_gate: Tensor | None, w_u
     cg = torch.empty(M, w, device=dev, dtype=torch.float32)
     cu = torch.empty(M if gated else 0, w if gated else 0, device=dev, dtype=torch.float32)
     ext.bwd_rows(gated, dy, w_gate if gated else w_up, w_up, wdt, ell_col, ell_a, ell_u, nnz, flag, c, cg, cu, dx)
+    hy = saved_hybrid(ell_col, ell_a, nnz, rows, ab, N)
     perm, colptr = csr_by_neuron_cuda(hy, flag, ext)
     dwg = torch.empty(N if gated else 0, K, device=dev, dtype=dt)
     dwu = torch.empty(N, K, device=dev, dtype=dt)
@@ -239,14 +285,15 @@ def _ffn_bwd_impl(dy: Tensor, gl1: Tensor, x: Tensor, w_gate: Tensor | None, w_u
 @torch.library.custom_op("sfl_train::ffn_bwd", mutates_args=())
 def ffn_bwd(dy: Tensor, gl1: Tensor, x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor,
             ell_col: Tensor, ell_a: Tensor, ell_u: Tensor, nnz: Tensor, flag: Tensor, backup_rows: Tensor,
-            backup: Tensor, scale: float, dw_nb: int, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+            backup: Tensor, host: Tensor, scale: float, dw_nb: int, backend: str
+            ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx, dw_gate [N, K] (empty if non-gated), dw_up [N, K], dw_down [K, N]): nn.Linear layouts."""
     return _ffn_bwd_impl(dy, gl1, x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup,
-                         scale, dw_nb, backend)
+                         host, scale, dw_nb, backend)
 
 
 @ffn_bwd.register_fake
-def _(dy, gl1, x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup, scale, dw_nb,
+def _(dy, gl1, x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup, host, scale, dw_nb,
       backend):
     M, K = x.shape
     N = w_up.shape[0]

@@ -624,6 +624,104 @@ __global__ void __launch_bounds__(256) last_active_ell_kernel(const int32_t* __r
   if (last[j] < r) atomicMax(last + j, (long long)r);  // a plain read first: most atomics are skipped
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// The sync-free forward's backup rows (flagged: nnz > W or a non-finite gate value). `rows` lists the flagged rows
+// ascending, -1 after the last; `count` (device) is how many there are. The caller computes rows[0 .. cap) with dense
+// cuBLAS math on a gathered block (cap from the layer's history, host-known) and scatters them with scatter_rows;
+// rows[cap .. count) go through dense_rows_fwd, exact on CUDA cores, so no row is dropped whatever count is.
+
+// scatter_rows: dst[idx[i]] = src[i] for idx[i] >= 0 (bf16 rows of K, 16-byte chunks; one warp per row).
+__global__ void __launch_bounds__(256) scatter_rows_kernel(const uint4* __restrict__ src, const int64_t* __restrict__ idx,
+                                                           int n, int K8, uint4* __restrict__ dst) {
+  const long long w = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  if (w >= n) return;
+  const long long r = idx[w];
+  if (r < 0) return;
+  for (int c = threadIdx.x & 31; c < K8; c += 32) dst[r * K8 + c] = src[w * K8 + c];
+}
+
+// dense_rows_fwd: one CTA per flagged row rows[start + b], b < count - start (grid-stride). Every warp holds x in
+// registers and walks neurons j = warp, warp + 8, ...: g = x . W_first[j] rounded to bf16 (as the cuBLAS output
+// would be), active as relu keeps it (> 0, +Inf, NaN); then u = x . W_u[j] (gated, fp32), h = g u (non-gated: h = g),
+// y += h W_dT[j] in fp32 registers, |h| summed, last[j] = max(last[j], row) when tracking. The 8 warps' partial rows
+// are added in a fixed order through shared memory (deterministic). Writes y[row] (bf16) and rowabs[row].
+// Cost: all of W_first per row (23 MB at 2048 x 5632, L2-resident when rows run together): the capacity-overflow
+// path, not the common one.
+template <int NI, bool GATED>
+__global__ void __launch_bounds__(256, 1) dense_rows_fwd_kernel(
+    const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ wf, const __nv_bfloat16* __restrict__ wu,
+    const __nv_bfloat16* __restrict__ wdt, int K, int N, const int64_t* __restrict__ rows,
+    const int32_t* __restrict__ count, int start, __nv_bfloat16* __restrict__ y, float* __restrict__ rowabs,
+    long long* last) {
+  extern __shared__ float part[];  // [8][K] partial rows, then [8] |h| sums
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int K8 = K >> 3;
+  const int n = *count;
+  for (int b = start + blockIdx.x; b < n; b += gridDim.x) {
+    const long long row = rows[b];
+    uint4 xv[NI];
+    load_row<NI>(xv, x + row * K, K);
+    float acc[NI * 8];
+#pragma unroll
+    for (int i = 0; i < NI * 8; ++i) acc[i] = 0.f;
+    float absacc = 0.f;
+#pragma unroll 1
+    for (int j = warp; j < N; j += 8) {
+      const uint4* wr = reinterpret_cast<const uint4*>(wf + (long long)j * K);
+      float d = 0.f;
+#pragma unroll
+      for (int i = 0; i < NI; ++i) {
+        const int c = lane + 32 * i;
+        if (c < K8) d = dot8(xv[i], __ldg(wr + c), d);
+      }
+      const uint32_t gb = (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(warp_sum(d)));
+      if (!relu_active(gb)) continue;  // warp-uniform: every lane holds the same sum
+      if (last != nullptr && lane == 0) atomicMax(last + j, row);
+      float h = __uint_as_float(gb << 16);
+      if (GATED) {
+        const uint4* ur = reinterpret_cast<const uint4*>(wu + (long long)j * K);
+        float e = 0.f;
+#pragma unroll
+        for (int i = 0; i < NI; ++i) {
+          const int c = lane + 32 * i;
+          if (c < K8) e = dot8(xv[i], __ldg(ur + c), e);
+        }
+        h *= warp_sum(e);
+      }
+      absacc += fabsf(h);
+      const uint4* dr = reinterpret_cast<const uint4*>(wdt + (long long)j * K);
+#pragma unroll
+      for (int i = 0; i < NI; ++i) {
+        const int c = lane + 32 * i;
+        if (c < K8) axpy8(h, __ldg(dr + c), acc + 8 * i);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < NI; ++i) {
+      const int c = lane + 32 * i;
+      if (c < K8) {
+#pragma unroll
+        for (int q = 0; q < 8; ++q) part[warp * K + c * 8 + q] = acc[8 * i + q];
+      }
+    }
+    if (lane == 0) part[8 * K + warp] = absacc;
+    __syncthreads();
+    for (int k = threadIdx.x; k < K; k += blockDim.x) {
+      float t = 0.f;
+#pragma unroll
+      for (int w = 0; w < 8; ++w) t += part[w * K + k];
+      y[row * K + k] = __float2bfloat16_rn(t);
+    }
+    if (threadIdx.x == 0) {
+      float t = 0.f;
+#pragma unroll
+      for (int w = 0; w < 8; ++w) t += part[8 * K + w];
+      rowabs[row] = t;
+    }
+    __syncthreads();  // part is reused by the next row
+  }
+}
+
 inline unsigned blocks_for(long long warps, int threads) {
   return (unsigned)((warps * 32 + threads - 1) / threads);
 }
@@ -836,6 +934,51 @@ cudaError_t sfltrain_csr_by_neuron_launch(const int32_t* ell_col, int W, const i
 }
 
 // last: int64 [N], set to -1 here; a: bf16 [rows, N], row stride lda; N, lda multiples of 8, a 16-byte aligned.
+cudaError_t sfltrain_scatter_rows_launch(const void* src, const int64_t* idx, int n, int K, void* dst,
+                                         cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  if (K % 8 != 0 || (reinterpret_cast<uintptr_t>(src) & 15) || (reinterpret_cast<uintptr_t>(dst) & 15))
+    return cudaErrorInvalidValue;
+  sfltrain::scatter_rows_kernel<<<sfltrain::blocks_for(n, 256), 256, 0, stream>>>(
+      reinterpret_cast<const uint4*>(src), idx, n, K / 8, reinterpret_cast<uint4*>(dst));
+  return cudaGetLastError();
+}
+
+cudaError_t sfltrain_dense_rows_fwd_launch(int gated, const void* x, const void* wf, const void* wu, const void* wdt,
+                                           int M, int K, int N, const int64_t* rows, const int32_t* count, int start,
+                                           void* y, float* rowabs, int64_t* last, int grid, cudaStream_t stream) {
+  if (M <= 0 || start >= M || grid <= 0) return cudaSuccess;
+  if (K % 8 != 0 || K > 3072) return cudaErrorInvalidValue;
+  const int ni = (K / 8 + 31) / 32;
+  const size_t smem = (size_t)(8 * K + 8) * sizeof(float);
+  const auto* xb = reinterpret_cast<const __nv_bfloat16*>(x);
+  const auto* wfb = reinterpret_cast<const __nv_bfloat16*>(wf);
+  const auto* wub = reinterpret_cast<const __nv_bfloat16*>(wu);
+  const auto* wdb = reinterpret_cast<const __nv_bfloat16*>(wdt);
+  auto* yb = reinterpret_cast<__nv_bfloat16*>(y);
+  auto* lb = reinterpret_cast<long long*>(last);
+  cudaError_t e = cudaSuccess;
+#define SFL_DR_CASE(NI_)                                                                                         \
+  case NI_:                                                                                                      \
+    if (gated) {                                                                                                 \
+      e = cudaFuncSetAttribute(sfltrain::dense_rows_fwd_kernel<NI_, true>,                                      \
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);                          \
+      if (e == cudaSuccess)                                                                                      \
+        sfltrain::dense_rows_fwd_kernel<NI_, true><<<grid, 256, smem, stream>>>(xb, wfb, wub, wdb, K, N, rows,   \
+                                                                               count, start, yb, rowabs, lb);   \
+    } else {                                                                                                     \
+      e = cudaFuncSetAttribute(sfltrain::dense_rows_fwd_kernel<NI_, false>,                                     \
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);                          \
+      if (e == cudaSuccess)                                                                                      \
+        sfltrain::dense_rows_fwd_kernel<NI_, false><<<grid, 256, smem, stream>>>(xb, wfb, wub, wdb, K, N, rows,  \
+                                                                                count, start, yb, rowabs, lb);  \
+    }                                                                                                            \
+    break;
+  SFL_NI_SWITCH(ni, SFL_DR_CASE)
+#undef SFL_DR_CASE
+  return e != cudaSuccess ? e : cudaGetLastError();
+}
+
 cudaError_t sfltrain_last_active_ell_launch(const int32_t* ell_col, int W, const int32_t* nnz, const int32_t* flag,
                                             int rows, int N, int64_t* last, cudaStream_t stream) {
   if (N <= 0) return cudaSuccess;
