@@ -14,7 +14,7 @@ import time
 import torch
 
 SYNC_NAMES = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense",
-              "aten::nonzero", "aten::item")
+              "aten::nonzero", "aten::item", "cudaMemcpy", "cudaMemcpyAsync", "aten::nonzero_static")
 
 
 def busy_ms(events) -> float:
@@ -32,6 +32,21 @@ def busy_ms(events) -> float:
     if cur_e is not None:
         total += cur_e - cur_s
     return total / 1000
+
+
+def gaps(events, min_us: float = 30.0, top: int = 15) -> list[tuple[float, int, str]]:
+    """Device idle gaps longer than min_us, summed by (kernel before -> kernel after): where the GPU waits."""
+    ks = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    agg: dict[str, list[float]] = collections.defaultdict(list)
+    end, prev = None, None
+    for s, e, n in ks:
+        if end is not None and s - end > min_us:
+            agg[f"{prev[:60]} -> {n[:60]}"].append(s - end)
+        if end is None or e > end:
+            end, prev = e, n
+    out = sorted(((sum(v), len(v), k) for k, v in agg.items()), reverse=True)
+    return out[:top]
 
 
 def repo_frame(stack: list[str]) -> str:
@@ -86,6 +101,8 @@ def main() -> None:
                 syncs[(e.name, repo_frame(e.stack or []))] += 1
         for (name, where), n in syncs.most_common(25):
             print(f"   {n / a.steps:6.1f}/step  {name:28s} {where}")
+        for total, n, k in gaps(ev):
+            print(f"   gap {total / 1000 / a.steps:7.2f} ms/step in {n / a.steps:5.1f}/step: {k}")
 
 
 if __name__ == "__main__":
