@@ -80,12 +80,19 @@ def main() -> None:
     for side in a.sides:
         for _ in range(3):
             tr.step(side, a.micro_batch)
+        host = []
+        for _ in range(3):  # host time: until the step's last launch returns (the GPU may still be working)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            tr.step(side, a.micro_batch)
+            host.append((time.perf_counter() - t0) * 1000)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(3):
             tr.step(side, a.micro_batch)
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / 3 * 1000
+        print(f"   host time to issue one step (after a sync): {min(host):.1f} ms")
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA], with_stack=True) as prof:
             for _ in range(a.steps):
