@@ -75,7 +75,8 @@ def ffn_dispatch(model) -> list[dict[str, Any]]:
         st = getattr(m, "_train_state", None)
         out.append({"path": (st and st.last_forward_path) or "dense",
                     "activity": st and st.activity, "backup_frac": st and st.backup_frac,
-                    "kept_bytes": st and st.last_kept_bytes, "backup_rows": None if st is None or st.last_backup_rows is None else int(st.last_backup_rows)})
+                    "kept_bytes": st and st.last_kept_bytes,
+                    "backup_rows": None if st is None or st.last_backup_rows is None else int(st.last_backup_rows)})
     return out
 
 

@@ -29,6 +29,7 @@ GPU-tested to give the same perm and colptr.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
 from pathlib import Path
@@ -158,6 +159,11 @@ def _backup_count(host: Tensor) -> int:
     return int(host[0])
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _backup_rows_cuda(gated: bool, x: Tensor, first: Tensor, w_up: Tensor, w_down: Tensor, wdt: Tensor, flag: Tensor,
                       summary: Tensor, cap: int, y: Tensor, rowabs: Tensor, last: Tensor, ext) -> Tensor:
     """The flagged rows, exactly, with no host sync: the first `cap` (host-known, from the layer's history) by dense
@@ -177,7 +183,7 @@ def _backup_rows_cuda(gated: bool, x: Tensor, first: Tensor, w_up: Tensor, w_dow
         if last.numel():
             last.copy_(torch.maximum(last, torch.where((ab != 0) & valid.unsqueeze(1), idx.unsqueeze(1), -1).amax(0)))
     if cap < M:  # one CTA per overflow row, up to two per SM; none runs unless the count exceeds cap
-        grid = min(M - cap, 2 * torch.cuda.get_device_properties(x.device).multi_processor_count)
+        grid = min(M - cap, 2 * _sm_count(x.device))
         ext.dense_rows_fwd(gated, x, first, w_up, wdt, rows, summary, cap, y, rowabs, last, grid)
     return l1_block
 
