@@ -123,8 +123,11 @@ class DispatchState:
 
     def backup_capacity(self, m: int) -> int:
         """Rows of the next sparse call's dense cuBLAS backup block: the measured backup fraction plus a quarter and
-        32 rows (M/16 before any measurement). Rows beyond it are still exact (a slower CUDA-core kernel)."""
+        32 rows (M/16 before any measurement), none where the last measurement saw no backup row (the block's ~10
+        launches would be host time for nothing). Rows beyond it are still exact (a slower CUDA-core kernel)."""
         frac = self.backup_frac
+        if frac == 0:
+            return 0
         cap = m // 16 if frac is None else int(frac * m * 1.25) + 32
         return min(m, -(-cap // 32) * 32)
 

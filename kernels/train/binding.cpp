@@ -27,8 +27,10 @@ cudaError_t sfltrain_dw_launch(int gated, int nb, const void* x, const void* dy,
                                const void* add_d, void* dwg, void* dwu, void* dwdt, cudaStream_t stream);
 cudaError_t sfltrain_last_active_launch(const void* a, long long lda, int rows, int N, int64_t* last,
                                         cudaStream_t stream);
-cudaError_t sfltrain_scatter_rows_launch(const void* src, const int64_t* idx, int n, int K, void* dst,
-                                         cudaStream_t stream);
+cudaError_t sfltrain_gather_rows_launch(const void* src, const int64_t* idx, int n, int K, void* dst,
+                                        cudaStream_t stream);
+cudaError_t sfltrain_scatter_rows_launch(const void* yb, const void* hb, const void* ab, const int64_t* idx, int n,
+                                         int K, int N, void* y, float* rowabs, int64_t* last, cudaStream_t stream);
 cudaError_t sfltrain_dense_rows_fwd_launch(int gated, const void* x, const void* wf, const void* wu, const void* wdt,
                                            int M, int K, int N, const int64_t* rows, const int32_t* count, int start,
                                            void* y, float* rowabs, int64_t* last, int grid, cudaStream_t stream);
@@ -239,16 +241,44 @@ at::Tensor last_active(const at::Tensor& a) {
   return last;
 }
 
-// dst[idx[i]] = src[i] for idx[i] >= 0: bf16 rows (src [n, K], dst [M, K], idx int64 [n]).
-void scatter_rows(const at::Tensor& src, const at::Tensor& idx, at::Tensor dst) {
+// dst [n, K] = src rows idx (a zero row where idx < 0): the backup block's input.
+at::Tensor gather_rows(const at::Tensor& src, const at::Tensor& idx) {
   req(src, "src", at::kBFloat16, 2);
   req(idx, "idx", at::kLong, 1);
-  req(dst, "dst", at::kBFloat16, 2);
-  TORCH_CHECK(src.is_contiguous() && dst.is_contiguous() && idx.size(0) == src.size(0) && src.size(1) == dst.size(1),
-              "scatter_rows: src [n, K] and dst [M, K] contiguous, idx [n]");
+  TORCH_CHECK(src.is_contiguous(), "gather_rows: src must be contiguous");
+  auto dst = at::empty({idx.size(0), src.size(1)}, src.options());
   const c10::cuda::CUDAGuard guard(src.device());
-  check(sfltrain_scatter_rows_launch(src.data_ptr(), idx.data_ptr<int64_t>(), (int)src.size(0), (int)src.size(1),
-                                     dst.data_ptr(), stream()),
+  check(sfltrain_gather_rows_launch(src.data_ptr(), idx.data_ptr<int64_t>(), (int)idx.size(0), (int)src.size(1),
+                                    dst.data_ptr(), stream()),
+        "gather_rows");
+  return dst;
+}
+
+// The backup block's rows back into the batch (block row i with idx[i] >= 0): y[idx[i]] = yb[i], rowabs[idx[i]] =
+// sum |hb[i]|, and when `last` is defined (int64 [N]) last[j] = max(last[j], idx[i]) where ab[i, j] is active.
+void scatter_rows(const at::Tensor& yb, const at::Tensor& hb, const at::Tensor& ab, const at::Tensor& idx,
+                  at::Tensor y, at::Tensor rowabs, at::Tensor last) {
+  req(yb, "yb", at::kBFloat16, 2);
+  req(hb, "hb", at::kBFloat16, 2);
+  req(ab, "ab", at::kBFloat16, 2);
+  req(idx, "idx", at::kLong, 1);
+  req(y, "y", at::kBFloat16, 2);
+  req(rowabs, "rowabs", at::kFloat, 1);
+  const int64_t n = idx.size(0);
+  TORCH_CHECK(yb.is_contiguous() && hb.is_contiguous() && ab.is_contiguous() && y.is_contiguous() &&
+                  yb.size(0) == n && hb.size(0) == n && ab.sizes() == hb.sizes() && yb.size(1) == y.size(1) &&
+                  rowabs.size(0) == y.size(0),
+              "scatter_rows: yb [n, K], hb and ab [n, N] contiguous, y [M, K], rowabs [M], idx [n]");
+  int64_t* lp = nullptr;
+  if (last.defined() && last.numel() > 0) {
+    req(last, "last", at::kLong, 1);
+    TORCH_CHECK(last.size(0) == hb.size(1), "scatter_rows: last must be [N]");
+    lp = last.data_ptr<int64_t>();
+  }
+  const c10::cuda::CUDAGuard guard(y.device());
+  check(sfltrain_scatter_rows_launch(yb.data_ptr(), hb.data_ptr(), ab.data_ptr(), idx.data_ptr<int64_t>(), (int)n,
+                                     (int)yb.size(1), (int)hb.size(1), y.data_ptr(), rowabs.data_ptr<float>(), lp,
+                                     stream()),
         "scatter_rows");
 }
 
@@ -352,7 +382,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dw", &dw, "neuron-major weight gradients from the CSR-by-neuron transpose");
   m.def("dense_bwd", &dense_bwd, "dense path backward elementwise: dh + L1 term -> dg (in place), du");
   m.def("last_active", &last_active, "per column, the last row where a bf16 matrix is relu-active (-1 if none)");
-  m.def("scatter_rows", &scatter_rows, "dst[idx[i]] = src[i] for idx[i] >= 0 (bf16 rows)");
+  m.def("gather_rows", &gather_rows, "src rows idx, zero rows where idx < 0 (bf16)");
+  m.def("scatter_rows", &scatter_rows, "the backup block's rows back into y, rowabs and the tracker");
   m.def("dense_rows_fwd", &dense_rows_fwd, "flagged rows beyond the backup capacity, dense on CUDA cores");
   m.def("last_active_ell", &last_active_ell, "per neuron, the last light row of the sparse path's ELL using it (-1 if none)");
   m.def("transpose", &transpose, "bf16 [R, C] -> [C, R] contiguous (tiled, 16-byte accesses)");

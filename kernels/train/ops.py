@@ -165,27 +165,21 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _backup_rows_cuda(gated: bool, x: Tensor, first: Tensor, w_up: Tensor, w_down: Tensor, wdt: Tensor, flag: Tensor,
-                      summary: Tensor, cap: int, y: Tensor, rowabs: Tensor, last: Tensor, ext) -> Tensor:
+                      summary: Tensor, cap: int, y: Tensor, rowabs: Tensor, last: Tensor, ext) -> None:
     """The flagged rows, exactly, with no host sync: the first `cap` (host-known, from the layer's history) by dense
-    cuBLAS math on a gathered block whose unused rows are zero, the rest by dense_rows_fwd on CUDA cores. Returns the
-    L1 part of the block (fp32, 0-dim); dense_rows_fwd writes its rows' |h| sums into rowabs."""
+    cuBLAS math on a gathered block whose unused rows are zero, any beyond it by dense_rows_fwd on CUDA cores. Both
+    write y, rowabs (their |h| sums) and the tracker `last` of their rows."""
     M = x.shape[0]
     rows = torch.nonzero_static(flag, size=M, fill_value=-1).squeeze(1)  # flagged rows ascending, then -1
-    l1_block = torch.zeros((), device=x.device, dtype=torch.float32)
     if cap > 0:
         idx = rows[:cap]
-        valid = idx >= 0
-        xb = torch.where(valid.unsqueeze(1), x.index_select(0, idx.clamp_min(0)), 0)
+        xb = ext.gather_rows(x, idx)
         ab = F.relu(F.linear(xb, first))
         hb, yb = ref.dense_rows_forward(xb, ab, w_up if gated else None, w_down)
-        ext.scatter_rows(yb.contiguous(), idx, y)
-        l1_block = torch.where(valid, hb.abs().sum(1, dtype=torch.float32), 0).sum()
-        if last.numel():
-            last.copy_(torch.maximum(last, torch.where((ab != 0) & valid.unsqueeze(1), idx.unsqueeze(1), -1).amax(0)))
+        ext.scatter_rows(yb, hb, ab, idx, y, rowabs, last)
     if cap < M:  # one CTA per overflow row, up to two per SM; none runs unless the count exceeds cap
         grid = min(M - cap, 2 * _sm_count(x.device))
         ext.dense_rows_fwd(gated, x, first, w_up, wdt, rows, summary, cap, y, rowabs, last, grid)
-    return l1_block
 
 
 def _ffn_fwd_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, width: int, scale: float,
@@ -212,9 +206,10 @@ def _ffn_fwd_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor
     ext.fwd_rows(gated, x, w_up, wdt, ell_col, ell_a, nnz, flag, ell_u, y, rowabs)  # light rows
     last = (ext.last_active_ell(ell_col, nnz, flag, N) if want_last
             else torch.empty(0, device=dev, dtype=torch.int64))
-    l1_block = _backup_rows_cuda(gated, x, first, w_up, w_down, wdt, flag, summary, min(M, max(0, int(backup_cap))), y,
-                                 rowabs, last, ext) if M else torch.zeros((), device=dev)
-    l1 = rowabs.sum(dtype=torch.float32) + l1_block
+    if M:
+        _backup_rows_cuda(gated, x, first, w_up, w_down, wdt, flag, summary, min(M, max(0, int(backup_cap))), y,
+                          rowabs, last, ext)
+    l1 = rowabs.sum(dtype=torch.float32)
     no_rows = torch.empty(0, device=dev, dtype=torch.int64)
     return (y, l1 * scale, ell_col, ell_a, ell_u, nnz, flag, no_rows, torch.empty(0, N, device=dev, dtype=dt), host,
             last)

@@ -630,14 +630,44 @@ __global__ void __launch_bounds__(256) last_active_ell_kernel(const int32_t* __r
 // cuBLAS math on a gathered block (cap from the layer's history, host-known) and scatters them with scatter_rows;
 // rows[cap .. count) go through dense_rows_fwd, exact on CUDA cores, so no row is dropped whatever count is.
 
-// scatter_rows: dst[idx[i]] = src[i] for idx[i] >= 0 (bf16 rows of K, 16-byte chunks; one warp per row).
-__global__ void __launch_bounds__(256) scatter_rows_kernel(const uint4* __restrict__ src, const int64_t* __restrict__ idx,
-                                                           int n, int K8, uint4* __restrict__ dst) {
+// gather_rows: dst[i] = src[idx[i]], a zero row where idx[i] < 0 (bf16 rows of K, 16-byte chunks; one warp per row).
+__global__ void __launch_bounds__(256) gather_rows_kernel(const uint4* __restrict__ src, const int64_t* __restrict__ idx,
+                                                          int n, int K8, uint4* __restrict__ dst) {
   const long long w = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   if (w >= n) return;
   const long long r = idx[w];
-  if (r < 0) return;
-  for (int c = threadIdx.x & 31; c < K8; c += 32) dst[r * K8 + c] = src[w * K8 + c];
+  for (int c = threadIdx.x & 31; c < K8; c += 32) dst[w * K8 + c] = r >= 0 ? src[r * K8 + c] : make_uint4(0, 0, 0, 0);
+}
+
+// scatter_rows: the block's results back into the batch, for every block row i with idx[i] >= 0: y[idx[i]] = yb[i],
+// rowabs[idx[i]] = sum |hb[i, :]| (fp32, a fixed order: deterministic), and with `last` the tracker, last[j] =
+// max(last[j], idx[i]) for every relu-active ab[i, j]. One warp per block row; hb, ab bf16 [n, N] (N % 8 == 0).
+__global__ void __launch_bounds__(256) scatter_rows_kernel(const uint4* __restrict__ yb, const uint4* __restrict__ hb,
+                                                           const uint4* __restrict__ ab,
+                                                           const int64_t* __restrict__ idx, int n, int K8, int N8,
+                                                           uint4* __restrict__ y, float* __restrict__ rowabs,
+                                                           long long* last) {
+  const long long w = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  if (w >= n) return;
+  const long long r = idx[w];
+  if (r < 0) return;  // warp-uniform
+  const int lane = threadIdx.x & 31;
+  for (int c = lane; c < K8; c += 32) y[r * K8 + c] = yb[w * K8 + c];
+  float t = 0.f;
+  for (int c = lane; c < N8; c += 32) {
+    const uint4 v = hb[w * N8 + c];
+    t += fabsf(bf16lo(v.x)) + fabsf(bf16hi(v.x)) + fabsf(bf16lo(v.y)) + fabsf(bf16hi(v.y)) + fabsf(bf16lo(v.z)) +
+         fabsf(bf16hi(v.z)) + fabsf(bf16lo(v.w)) + fabsf(bf16hi(v.w));
+    if (last != nullptr) {
+      bool nf = false;
+      const unsigned act = relu_mask8(ab[w * N8 + c], nf);
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        if ((act >> i) & 1u) atomicMax(last + 8LL * c + i, r);
+    }
+  }
+  t = warp_sum(t);
+  if (lane == 0) rowabs[r] = t;
 }
 
 // dense_rows_fwd: one CTA per flagged row rows[start + b], b < count - start (grid-stride). Every warp holds x in
@@ -934,13 +964,25 @@ cudaError_t sfltrain_csr_by_neuron_launch(const int32_t* ell_col, int W, const i
 }
 
 // last: int64 [N], set to -1 here; a: bf16 [rows, N], row stride lda; N, lda multiples of 8, a 16-byte aligned.
-cudaError_t sfltrain_scatter_rows_launch(const void* src, const int64_t* idx, int n, int K, void* dst,
-                                         cudaStream_t stream) {
+cudaError_t sfltrain_gather_rows_launch(const void* src, const int64_t* idx, int n, int K, void* dst,
+                                        cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   if (K % 8 != 0 || (reinterpret_cast<uintptr_t>(src) & 15) || (reinterpret_cast<uintptr_t>(dst) & 15))
     return cudaErrorInvalidValue;
-  sfltrain::scatter_rows_kernel<<<sfltrain::blocks_for(n, 256), 256, 0, stream>>>(
+  sfltrain::gather_rows_kernel<<<sfltrain::blocks_for(n, 256), 256, 0, stream>>>(
       reinterpret_cast<const uint4*>(src), idx, n, K / 8, reinterpret_cast<uint4*>(dst));
+  return cudaGetLastError();
+}
+
+cudaError_t sfltrain_scatter_rows_launch(const void* yb, const void* hb, const void* ab, const int64_t* idx, int n,
+                                         int K, int N, void* y, float* rowabs, int64_t* last, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  if (K % 8 != 0 || N % 8 != 0) return cudaErrorInvalidValue;
+  for (const void* p : {yb, hb, ab, (const void*)y})
+    if (reinterpret_cast<uintptr_t>(p) & 15) return cudaErrorInvalidValue;
+  sfltrain::scatter_rows_kernel<<<sfltrain::blocks_for(n, 256), 256, 0, stream>>>(
+      reinterpret_cast<const uint4*>(yb), reinterpret_cast<const uint4*>(hb), reinterpret_cast<const uint4*>(ab), idx,
+      n, K / 8, N / 8, reinterpret_cast<uint4*>(y), rowabs, reinterpret_cast<long long*>(last));
   return cudaGetLastError();
 }
 
