@@ -76,20 +76,20 @@ class DispatchState:
         self.widest_light: int | None = None  # the widest row with nnz <= width (sparse calls only)
         self.last_kept_bytes: int | None = None   # bytes the sparse path's last forward saved for backward
         self.last_backup_rows: Tensor | int | None = None  # rows its last forward kept dense (device count on cuda)
-        self._pending: tuple[Any, int, int] | None = None  # (event or None, rows, n_cols)
+        self._pending: tuple[Any, int, int, tuple[int, int, int]] | None = None  # (event, rows, n_cols, layout)
         self._host: Tensor | None = None
 
     def _poll(self) -> None:
         if self._pending is None:
             return
-        ev, rows, n = self._pending
+        ev, rows, n, (i_light, i_heavy, i_widest) = self._pending
         if ev is not None and not ev.query():
             return  # not finished yet: keep the previous decision (no host sync)
         vals = self._host.tolist()
-        light_nnz, heavy = vals[0], vals[1]
+        light_nnz, heavy = vals[i_light], vals[i_heavy]
         light_rows = rows - heavy
-        if len(vals) > 2 and light_rows > 0:
-            self.widest_light = vals[2]
+        if i_widest >= 0 and light_rows > 0:
+            self.widest_light = vals[i_widest]
         if rows > 0:
             # activity of the rows the sparse kernels would take; heavy rows are priced by backup_frac
             self.activity = light_nnz / (max(1, light_rows) * n)
@@ -104,13 +104,21 @@ class DispatchState:
         light = nnz <= width
         light_nnz = torch.where(light, nnz, 0)
         self._queue(torch.stack([light_nnz.sum(dtype=torch.int64), (~light).sum(dtype=torch.int64),
-                                 light_nnz.max().to(torch.int64)]), nnz.numel(), n_cols)
+                                 light_nnz.max().to(torch.int64)]), nnz.numel(), n_cols, (0, 1, 2))
+
+    def record_summary(self, host: Tensor, rows: int, n_cols: int) -> None:
+        """The same from the sparse op's own summary (ops.host_summary's layout), already on its way to pinned memory:
+        no reduction and no copy of ours."""
+        if rows == 0 or self._busy():
+            return
+        self._host = host
+        self._pending = (_ops.count_event(host), rows, n_cols, (2, 3, 1))
 
     def record_pair(self, stats: Tensor, rows: int, n_cols: int) -> None:
         """The same from a device int64 [2] = (nnz of light rows, heavy rows) already reduced (fused dense path)."""
         if rows == 0 or self._busy():
             return
-        self._queue(stats, rows, n_cols)
+        self._queue(stats, rows, n_cols, (0, 1, -1))
 
     def call_width(self, width: int, shrink: bool) -> int:
         """The ELL width of the next sparse call: with shrink, the widest light row measured so far plus a quarter,
@@ -135,18 +143,19 @@ class DispatchState:
         self._poll()
         return self._pending is not None
 
-    def _queue(self, dev: Tensor, rows: int, n_cols: int) -> None:
-        """Copy the int64 stats `dev` to (pinned) host memory without a sync; _poll reads them once landed."""
+    def _queue(self, dev: Tensor, rows: int, n_cols: int, layout: tuple[int, int, int]) -> None:
+        """Copy the int64 stats `dev` to (pinned) host memory without a sync; _poll reads them once landed. layout:
+        the positions of (light non-zeros, heavy rows, widest light row or -1)."""
         if not dev.is_cuda:
             self._host = dev
-            self._pending = (None, rows, n_cols)
+            self._pending = (None, rows, n_cols, layout)
             return
         if self._host is None or self._host.numel() != dev.numel() or not self._host.is_pinned():
             self._host = torch.empty(dev.numel(), dtype=torch.int64, pin_memory=True)
         self._host.copy_(dev, non_blocking=True)
         ev = torch.cuda.Event()
         ev.record()
-        self._pending = (ev, rows, n_cols)
+        self._pending = (ev, rows, n_cols, layout)
 
     def choose(self, kn: dict[str, Any], m: int) -> str:
         self._poll()
@@ -173,9 +182,15 @@ def _state_for(key: Tensor) -> DispatchState:
 
 
 class _SparseFFN(torch.autograd.Function):
+    """The training op under autograd. In eager mode it calls the ops' implementations directly: the custom ops'
+    Python dispatch costs tens of microseconds per call, host time a step at a small micro-batch waits for; under
+    torch.compile it calls the custom ops, which it traces."""
+
     @staticmethod
-    def forward(ctx, x, w_gate, w_up, w_down, width, scale, chunk_rows, backup_cap, want_last, dw_nb, backend):
-        out = _ops.ffn_fwd(x, w_gate, w_up, w_down, width, scale, chunk_rows, backup_cap, want_last, backend)
+    def forward(ctx, x, w_gate, w_up, w_down, width, measure_width, scale, chunk_rows, backup_cap, want_last, dw_nb,
+                backend):
+        fwd = _ops.ffn_fwd if torch.compiler.is_compiling() else _ops._ffn_fwd_impl
+        out = fwd(x, w_gate, w_up, w_down, width, measure_width, scale, chunk_rows, backup_cap, want_last, backend)
         y, l1, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup, host, last = out
         ctx.save_for_backward(x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup, host)
         ctx.scale, ctx.dw_nb, ctx.backend = scale, dw_nb, backend
@@ -190,9 +205,10 @@ class _SparseFFN(torch.autograd.Function):
             gy = torch.zeros_like(x)
         if gl1 is None:
             gl1 = torch.zeros((), device=x.device, dtype=torch.float32)
-        dx, dwg, dwu, dwd = _ops.ffn_bwd(gy, gl1, x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag,
-                                         backup_rows, backup, host, ctx.scale, ctx.dw_nb, ctx.backend)
-        return dx, (dwg if w_gate is not None else None), dwu, dwd, None, None, None, None, None, None, None
+        bwd = _ops.ffn_bwd if torch.compiler.is_compiling() else _ops._ffn_bwd_impl
+        dx, dwg, dwu, dwd = bwd(gy, gl1, x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup,
+                                host, ctx.scale, ctx.dw_nb, ctx.backend)
+        return dx, (dwg if w_gate is not None else None), dwu, dwd, None, None, None, None, None, None, None, None
 
 
 def _check(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, l1_reduction: str) -> None:
@@ -397,10 +413,10 @@ def _run(x, w_gate, w_up, w_down, l1_reduction, mode, state, width, backend, wan
             x2 = x2.contiguous()
             wsc = [w.contiguous() if w is not None else None for w in ws]
             w_call = st.call_width(width, kn["shrink"])  # from earlier measurements: no sync
-            out = _SparseFFN.apply(x2, wsc[0], wsc[1], wsc[2], w_call, scale, kn["chunk_rows"],
+            out = _SparseFFN.apply(x2, wsc[0], wsc[1], wsc[2], w_call, width, scale, kn["chunk_rows"],
                                    st.backup_capacity(M), want_last_active, kn["dw_nb"], backend)
-            y, l1, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup, _, last = out
-            st.record(nnz, N, width)  # against the configured width: dispatch and the next call's width
+            y, l1, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup, host, last = out
+            st.record_summary(host, M, N)  # measured against the configured width: dispatch, the next call's width
             kept = sum(t.numel() * t.element_size() for t in (ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup))
             # backup rows: a device count on "cuda" (reading it here would be a host sync), an int on "torch"
             n_backup = flag.sum() if backend == "cuda" else int(backup_rows.numel())

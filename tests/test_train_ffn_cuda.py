@@ -209,7 +209,7 @@ def test_saved_format_matches_reference():
     from sfl.kernels.train import ops
 
     x, wg, wu, wd = make_problem(3000, 1024, 2048, 0.01, 6)
-    out = ops.ffn_fwd(x, wg, wu, wd, 128, 1.0, 1 << 20, 64, False, "cuda")
+    out = ops.ffn_fwd(x, wg, wu, wd, 128, 128, 1.0, 1 << 20, 64, False, "cuda")
     y, l1, ell_col, ell_a, ell_u, nnz, flag, brow, backup, host, last = out
     from sfl.kernels import reference as ref
 
@@ -425,7 +425,7 @@ def test_csr_by_neuron_kernel_equals_reference(M, N, W, p, seed):
     x, wg, wu, wd = make_problem(M, 256, N, p, seed)
     if M >= 12:
         x[5, 7] = float("nan")
-    out = ops.ffn_fwd(x, wg, wu, wd, W, 1.0, 1 << 20, M, False, "cuda")
+    out = ops.ffn_fwd(x, wg, wu, wd, W, W, 1.0, 1 << 20, M, False, "cuda")
     y, l1, ell_col, ell_a, ell_u, nnz, flag = out[:7]
     brow = flag.nonzero().squeeze(1)
     hy = ops.saved_hybrid(ell_col, ell_a, nnz, brow, F.relu(F.linear(x[brow], wg)), N)
@@ -445,7 +445,7 @@ def test_csr_by_neuron_falls_back_beyond_shared_memory():
     ext = ops.load_ext()
     assert ext.csr_supported(5632, 128) and not ext.csr_supported(40000, 128)
     x, wg, wu, wd = make_problem(100, 64, 40000, 0.001, 5)
-    out = ops.ffn_fwd(x, wg, wu, wd, 128, 1.0, 1 << 20, 100, False, "cuda")
+    out = ops.ffn_fwd(x, wg, wu, wd, 128, 128, 1.0, 1 << 20, 100, False, "cuda")
     brow = out[6].nonzero().squeeze(1)
     hy = ops.saved_hybrid(out[2], out[3], out[5], brow, F.relu(F.linear(x[brow], wg)), 40000)
     perm, colptr = ops.csr_by_neuron_cuda(hy, out[6], ext)
@@ -457,18 +457,22 @@ def test_csr_by_neuron_falls_back_beyond_shared_memory():
 
 @pytest.mark.parametrize("chunk", [1 << 20, 700])
 def test_compact_summary_counts_flagged_and_widest_light_row(chunk):
-    """The forward's one read-back (flagged rows, widest light row) accumulates over gate chunks."""
+    """The compaction's device summary (backup rows; against the configured width: widest light row, light
+    non-zeros, other rows) accumulates over gate chunks and equals the torch backend's."""
     from sfl.kernels.train import ops
 
     x, wg, wu, wd = make_problem(3000, 512, 2048, 0.01, 7, heavy_frac=0.01)
     x[11, 5] = float("inf")
     poison()
-    ell_col, ell_a, nnz, flag, summary = ops._compact_cuda(x, wg, 64, chunk, ops.load_ext())
+    ell_col, ell_a, nnz, flag, summary = ops._compact_cuda(x, wg, 64, chunk, ops.load_ext(), 96)
     g = torch.cat([torch.mm(x[c0:c0 + chunk], wg.t()) for c0 in range(0, x.shape[0], chunk)])  # the same GEMMs
     n_ref = (F.relu(g) != 0).sum(1, dtype=torch.int32)
     flag_ref = (n_ref > 64) | ~torch.isfinite(g).all(1)
     assert torch.equal(nnz[~flag_ref], n_ref[~flag_ref]) and torch.equal(flag.bool(), flag_ref)
-    assert summary.tolist() == [int(flag_ref.sum()), int(n_ref[~flag_ref].max())]
+    light96 = (n_ref <= 96) & torch.isfinite(g).all(1)   # the measurement counts against measure_width 96
+    assert summary.tolist() == [int(flag_ref.sum()), int(n_ref[light96].max()), int(n_ref[light96].sum()),
+                                int((~light96).sum())]
+    assert summary.tolist() == ops.host_summary(nnz, flag, 64, 96).tolist()   # the torch backend's summary
 
 
 @pytest.mark.parametrize("rows,N,pad", [(1, 8, 0), (5, 264, 8), (127, 512, 0), (129, 5632, 0), (20000, 1024, 16)])
@@ -523,7 +527,7 @@ def test_tracker_of_the_op_equals_the_dense_mask(M, N, p, width, cap):
     x, wg, wu, wd = make_problem(M, 256, N, p, 11, heavy_frac=0.02)
     if M > 2:
         x[M // 2, 7] = float("nan")  # a non-finite row: a backup row, not in the ELL
-    out = ops.ffn_fwd(x, wg, wu, wd, width, 1.0, 1 << 20, M if cap is None else cap, True, "cuda")
+    out = ops.ffn_fwd(x, wg, wu, wd, width, width, 1.0, 1 << 20, M if cap is None else cap, True, "cuda")
     g = F.linear(x, wg)
     assert torch.equal(out[10], _last_active_dense((g > 0) | torch.isnan(g)))
 

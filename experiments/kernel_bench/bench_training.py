@@ -175,10 +175,10 @@ def profile_phases(M, K, N, p, reps, timer):
     x, (wg, wu, wd), gy = make_case(M, K, N, p, 0.0, seed=7)
     from sfl.kernels.train_ffn import DispatchState
 
-    nnz0 = ops.ffn_fwd(x, wg, wu, wd, 128, 1.0 / (M * N), M, M, False, "cuda")[5]
+    nnz0 = ops.ffn_fwd(x, wg, wu, wd, 128, 128, 1.0 / (M * N), M, M, False, "cuda")[5]
     st = DispatchState()
     st.widest_light = int(nnz0[nnz0 <= 128].max())  # the width a layer's second call takes (call_width)
-    out = ops.ffn_fwd(x, wg, wu, wd, st.call_width(128, True), 1.0 / (M * N), M, M, False, "cuda")
+    out = ops.ffn_fwd(x, wg, wu, wd, st.call_width(128, True), 128, 1.0 / (M * N), M, M, False, "cuda")
     y, l1, ell_col, ell_a, ell_u, nnz, flag, brow, backup = out[:9]
     W = ell_col.shape[1]
     E = int(nnz.sum())

@@ -7,8 +7,8 @@
 #include <cuda_runtime.h>
 
 extern "C" {
-cudaError_t sfltrain_compact_launch(const void* g, long long ldg, int rows, int N, int W, int32_t* ell_col,
-                                    void* ell_a, int32_t* nnz, int32_t* flag, int32_t* summary,
+cudaError_t sfltrain_compact_launch(const void* g, long long ldg, int rows, int N, int W, int Wm, int32_t* ell_col,
+                                    void* ell_a, int32_t* nnz, int32_t* flag, int64_t* summary,
                                     cudaStream_t stream);
 cudaError_t sfltrain_count_launch(const void* a, long long lda, int rows, int N, int32_t* nnz, cudaStream_t stream);
 cudaError_t sfltrain_fwd_rows_launch(int gated, const void* x, const void* wu, const void* wdt, int M, int K, int W,
@@ -32,7 +32,7 @@ cudaError_t sfltrain_gather_rows_launch(const void* src, const int64_t* idx, int
 cudaError_t sfltrain_scatter_rows_launch(const void* yb, const void* hb, const void* ab, const int64_t* idx, int n,
                                          int K, int N, void* y, float* rowabs, int64_t* last, cudaStream_t stream);
 cudaError_t sfltrain_dense_rows_fwd_launch(int gated, const void* x, const void* wf, const void* wu, const void* wdt,
-                                           int M, int K, int N, const int64_t* rows, const int32_t* count, int start,
+                                           int M, int K, int N, const int64_t* rows, const int64_t* count, int start,
                                            void* y, float* rowabs, int64_t* last, int grid, cudaStream_t stream);
 cudaError_t sfltrain_last_active_ell_launch(const int32_t* ell_col, int W, const int32_t* nnz, const int32_t* flag,
                                             int rows, int N, int64_t* last, cudaStream_t stream);
@@ -75,8 +75,10 @@ const void* opt(const c10::optional<at::Tensor>& t, const char* name, int64_t N,
 
 // g: bf16 [rows, >=N] with unit column stride (a view of the chunk scratch); outputs are row slices.
 // summary (optional): int32 [2] accumulating (flagged rows, widest light row); the caller zeroes it once per call.
+// summary (optional int64 [4]): see compact_kernel; measure_width: the configured width (>= the ELL's, 0: the ELL's)
+// the dispatch measurement counts against.
 void compact(const at::Tensor& g, int64_t N, at::Tensor ell_col, at::Tensor ell_a, at::Tensor nnz, at::Tensor flag,
-             const c10::optional<at::Tensor>& summary) {
+             const c10::optional<at::Tensor>& summary, int64_t measure_width) {
   TORCH_CHECK(g.is_cuda() && g.scalar_type() == at::kBFloat16 && g.dim() == 2 && g.stride(1) == 1,
               "compact: g must be a CUDA bf16 [rows, N] tensor with unit column stride");
   const int64_t rows = g.size(0);
@@ -86,15 +88,17 @@ void compact(const at::Tensor& g, int64_t N, at::Tensor ell_col, at::Tensor ell_
   req(flag, "flag", at::kInt, 1);
   TORCH_CHECK(ell_col.size(0) == rows && ell_a.sizes() == ell_col.sizes() && nnz.size(0) == rows &&
                   flag.size(0) == rows, "compact: row mismatch");
-  int32_t* sp = nullptr;
+  int64_t* sp = nullptr;
   if (summary.has_value() && summary->defined()) {
-    req(*summary, "summary", at::kInt, 1);
-    TORCH_CHECK(summary->numel() == 2, "compact: summary must be int32 [2]");
-    sp = i32(*summary);
+    req(*summary, "summary", at::kLong, 1);
+    TORCH_CHECK(summary->numel() == 4, "compact: summary must be int64 [4]");
+    sp = summary->data_ptr<int64_t>();
   }
+  if (measure_width <= 0) measure_width = ell_col.size(1);  // default: measure against the ELL's own width
+  TORCH_CHECK(measure_width >= ell_col.size(1), "compact: measure_width must be >= the ELL width");
   const c10::cuda::CUDAGuard guard(g.device());
-  check(sfltrain_compact_launch(g.data_ptr(), g.stride(0), (int)rows, (int)N, (int)ell_col.size(1), i32(ell_col),
-                                ell_a.data_ptr(), i32(nnz), i32(flag), sp, stream()),
+  check(sfltrain_compact_launch(g.data_ptr(), g.stride(0), (int)rows, (int)N, (int)ell_col.size(1), (int)measure_width,
+                                i32(ell_col), ell_a.data_ptr(), i32(nnz), i32(flag), sp, stream()),
         "compact");
 }
 
@@ -292,7 +296,7 @@ void dense_rows_fwd(bool gated, const at::Tensor& x, const at::Tensor& wf, const
   req(wu, "w_up", at::kBFloat16, 2);
   req(wdt, "w_down_t", at::kBFloat16, 2);
   req(rows, "rows", at::kLong, 1);
-  req(count, "count", at::kInt, 1);
+  req(count, "count", at::kLong, 1);
   req(y, "y", at::kBFloat16, 2);
   req(rowabs, "rowabs", at::kFloat, 1);
   const int64_t M = x.size(0), K = x.size(1), N = wf.size(0);
@@ -307,7 +311,7 @@ void dense_rows_fwd(bool gated, const at::Tensor& x, const at::Tensor& wf, const
   }
   const c10::cuda::CUDAGuard guard(x.device());
   check(sfltrain_dense_rows_fwd_launch(gated, x.data_ptr(), wf.data_ptr(), wu.data_ptr(), wdt.data_ptr(), (int)M,
-                                       (int)K, (int)N, rows.data_ptr<int64_t>(), count.data_ptr<int32_t>(),
+                                       (int)K, (int)N, rows.data_ptr<int64_t>(), count.data_ptr<int64_t>(),
                                        (int)start, y.data_ptr(), rowabs.data_ptr<float>(), lp, (int)grid, stream()),
         "dense_rows_fwd");
 }
@@ -376,7 +380,7 @@ std::string source_hash() { return SFL_STR(SFL_SRC_HASH); }
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compact", &compact, "bf16 gate pre-activation rows -> ReLU -> ELL (ell_col, ell_a, nnz, flag)",
         pybind11::arg("g"), pybind11::arg("N"), pybind11::arg("ell_col"), pybind11::arg("ell_a"), pybind11::arg("nnz"),
-        pybind11::arg("flag"), pybind11::arg("summary") = pybind11::none());
+        pybind11::arg("flag"), pybind11::arg("summary") = pybind11::none(), pybind11::arg("measure_width") = 0);
   m.def("fwd_rows", &fwd_rows, "light rows: u, h = a u, y = h W_d^T, per-row sum |h|");
   m.def("bwd_rows", &bwd_rows, "light rows: dh, per-entry dgate / dup coefficients, dx");
   m.def("dw", &dw, "neuron-major weight gradients from the CSR-by-neuron transpose");

@@ -2,7 +2,7 @@
 the backward, two backends, and the extension loader.
 
 Ops (namespace ``sfl_train``):
-- ``ffn_fwd(x, w_gate?, w_up, w_down, width, scale, chunk_rows, backup_cap, want_last, backend)
+- ``ffn_fwd(x, w_gate?, w_up, w_down, width, measure_width, scale, chunk_rows, backup_cap, want_last, backend)
       -> (y, l1, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup, host, last)``
 - ``ffn_bwd(dy, gl1, x, w_gate?, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup, host, scale,
             dw_nb, backend) -> (dx, dw_gate, dw_up, dw_down)``  (dw_gate is empty for the non-gated block)
@@ -18,7 +18,9 @@ backup rows (the caller's estimate) take dense cuBLAS math on a gathered block, 
 on CUDA cores (dense_rows_fwd); the backup count reaches the host through pinned memory for the backward, which
 recomputes those rows' activations from x (the forward keeps no [R, N] tensor; "cuda" returns backup_rows and backup
 empty). `last` (want_last): per neuron the last row where it fired, the model's dead-neuron tracker, computed inside.
-`host`: int32 [2] on the CPU (pinned on "cuda"; its first value is the backup-row count once the copy has landed).
+`host`: int64 [4] on the CPU (pinned on "cuda", final once count_event(host) has completed): the backup-row count,
+then against `measure_width` (the configured width, >= width) the widest light row, the light rows' non-zeros and
+the other rows: the dispatch's measurement, with no reduction of its own.
 
 Backends: "cuda" = the kernels of train_kernels.cu (bf16, CUDA) + cuBLAS for the gate GEMM and backup rows;
 "torch" = the pure-PyTorch reference itself (kernels/reference.py: train_ffn_forward / train_ffn_backward; any
@@ -92,15 +94,16 @@ def saved_hybrid(ell_col: Tensor, ell_a: Tensor, nnz: Tensor, backup_rows: Tenso
     return Hybrid(ell_col, ell_a, nnz, backup_rows, backup, n_cols, ell_col.shape[1])
 
 
-def _compact_cuda(x: Tensor, first: Tensor, width: int, chunk: int, ext):
-    """Gate GEMM (chunked) + compaction; also (flagged rows, widest light row) on the device, int32 [2]."""
+def _compact_cuda(x: Tensor, first: Tensor, width: int, chunk: int, ext, measure_width: int = 0):
+    """Gate GEMM (chunked) + compaction; also a device summary, int64 [4]: (flagged rows, and against measure_width
+    (default: width) the widest light row, the light rows' non-zeros, the other rows): train_kernels.cu, compact."""
     M, N = x.shape[0], first.shape[0]
     dev = x.device
     ell_col = torch.empty(M, width, device=dev, dtype=torch.int32)
     ell_a = torch.empty(M, width, device=dev, dtype=x.dtype)
     nnz = torch.empty(M, device=dev, dtype=torch.int32)
     flag = torch.empty(M, device=dev, dtype=torch.int32)
-    summary = torch.zeros(2, device=dev, dtype=torch.int32)
+    summary = torch.zeros(4, device=dev, dtype=torch.int64)
     if M == 0:
         return ell_col, ell_a, nnz, flag, summary
     scratch = torch.empty(min(chunk, M), N, device=dev, dtype=x.dtype)  # gate pre-activations, reused
@@ -108,7 +111,7 @@ def _compact_cuda(x: Tensor, first: Tensor, width: int, chunk: int, ext):
         c1 = min(M, c0 + chunk)
         g = scratch[: c1 - c0]
         torch.mm(x[c0:c1], first.t(), out=g)
-        ext.compact(g, N, ell_col[c0:c1], ell_a[c0:c1], nnz[c0:c1], flag[c0:c1], summary)
+        ext.compact(g, N, ell_col[c0:c1], ell_a[c0:c1], nnz[c0:c1], flag[c0:c1], summary, measure_width or width)
     return ell_col, ell_a, nnz, flag, summary
 
 
@@ -131,16 +134,31 @@ def _last_active_reference(hy: Hybrid, dev: torch.device) -> Tensor:
     return last
 
 
-def _ffn_fwd_torch(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, width: int, scale: float,
-                   want_last: bool):
+def _ffn_fwd_torch(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, width: int, measure_width: int,
+                   scale: float, want_last: bool):
     """The torch backend: the reference forward, its state unpacked into the op's tensors (chunk_rows, backup_cap
     unused: the backup rows are exact here, computed on the host's knowledge)."""
     y, l1, saved = ref.train_ffn_forward(x, w_gate, w_up, w_down, width, scale)
     hy = saved.hy
     flag = hy.backup_mask().to(torch.int32)
-    host = torch.tensor([hy.backup_rows.numel(), 0], dtype=torch.int32)
+    host = host_summary(hy.nnz, flag, width, measure_width)
     last = _last_active_reference(hy, x.device) if want_last else torch.empty(0, dtype=torch.int64, device=x.device)
     return y, l1, hy.ell_col, hy.ell_val, saved.ell_u, hy.nnz, flag, hy.backup_rows, hy.backup, host, last
+
+
+def host_summary(nnz: Tensor, flag: Tensor, width: int, measure_width: int) -> Tensor:
+    """The compact kernel's summary computed by torch (CPU int64 [4]): backup rows, and against measure_width the
+    widest light row, the light rows' non-zeros and the other rows (a non-finite row is never light)."""
+    nonfinite = (flag != 0) & (nnz <= width)
+    light = ~((nnz > max(width, measure_width)) | nonfinite)
+    lit = nnz[light].to(torch.int64)
+    return torch.tensor([int((flag != 0).sum()), int(lit.max()) if lit.numel() else 0, int(lit.sum()),
+                         int((~light).sum())], dtype=torch.int64)
+
+
+def count_event(host: Tensor) -> "torch.cuda.Event | None":
+    """The event after which the forward's pinned summary `host` holds its values (None: already final)."""
+    return _COUNT_READY.get(host.data_ptr()) if host.is_pinned() else None
 
 
 # The backward needs the forward's backup-row count R on the host. The forward copies it to pinned memory and records
@@ -182,19 +200,21 @@ def _backup_rows_cuda(gated: bool, x: Tensor, first: Tensor, w_up: Tensor, w_dow
         ext.dense_rows_fwd(gated, x, first, w_up, wdt, rows, summary, cap, y, rowabs, last, grid)
 
 
-def _ffn_fwd_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, width: int, scale: float,
-                  chunk_rows: int, backup_cap: int, want_last: bool, backend: str):
+def _ffn_fwd_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, width: int, measure_width: int,
+                  scale: float, chunk_rows: int, backup_cap: int, want_last: bool, backend: str):
     if backend != "cuda":
-        return _ffn_fwd_torch(x, w_gate, w_up, w_down, width, scale, want_last)
+        return _ffn_fwd_torch(x, w_gate, w_up, w_down, width, measure_width, scale, want_last)
     gated = w_gate is not None
     first = w_gate if gated else w_up
     M, K = x.shape
     N = w_up.shape[0]
     dev, dt = x.device, x.dtype
     ext = load_ext()
-    ell_col, ell_a, nnz, flag, summary = _compact_cuda(x, first, width, max(1, int(chunk_rows)), ext)
-    # the backup-row count for the backward (see _backup_count); nothing here waits for it
-    host = torch.empty(2, dtype=torch.int32, pin_memory=True)
+    ell_col, ell_a, nnz, flag, summary = _compact_cuda(x, first, width, max(1, int(chunk_rows)), ext,
+                                                       max(width, measure_width))
+    # the summary to the host: the backward's backup-row count (see _backup_count) and the dispatch's measurement;
+    # nothing here waits for it
+    host = torch.empty(4, dtype=torch.int64, pin_memory=True)
     host.copy_(summary, non_blocking=True)
     ready = torch.cuda.Event()
     ready.record()
@@ -216,14 +236,15 @@ def _ffn_fwd_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor
 
 
 @torch.library.custom_op("sfl_train::ffn_fwd", mutates_args=())
-def ffn_fwd(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, width: int, scale: float,
-            chunk_rows: int, backup_cap: int, want_last: bool, backend: str
+def ffn_fwd(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, width: int, measure_width: int,
+            scale: float, chunk_rows: int, backup_cap: int, want_last: bool, backend: str
             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _ffn_fwd_impl(x, w_gate, w_up, w_down, width, scale, chunk_rows, backup_cap, want_last, backend)
+    return _ffn_fwd_impl(x, w_gate, w_up, w_down, width, measure_width, scale, chunk_rows, backup_cap, want_last,
+                         backend)
 
 
 @ffn_fwd.register_fake
-def _(x, w_gate, w_up, w_down, width, scale, chunk_rows, backup_cap, want_last, backend):
+def _(x, w_gate, w_up, w_down, width, measure_width, scale, chunk_rows, backup_cap, want_last, backend):
     M, K = x.shape
     N = w_up.shape[0]
     gated = w_gate is not None
@@ -234,7 +255,7 @@ def _(x, w_gate, w_up, w_down, width, scale, chunk_rows, backup_cap, want_last, 
             x.new_empty(M, width, dtype=torch.int32), x.new_empty(M, width),
             x.new_empty(M if gated else 0, width if gated else 0, dtype=acc if backend == "torch" else torch.float32),
             x.new_empty(M, dtype=torch.int32), x.new_empty(M, dtype=torch.int32), x.new_empty(R, dtype=torch.int64),
-            x.new_empty(R, N), torch.empty(2, dtype=torch.int32, device="cpu"),
+            x.new_empty(R, N), torch.empty(4, dtype=torch.int64, device="cpu"),
             x.new_empty(N if want_last else 0, dtype=torch.int64))
 
 

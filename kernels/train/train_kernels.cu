@@ -38,13 +38,17 @@ __device__ __forceinline__ long long warp_id() {
 
 // ---------------------------------------------------------------------------------------------------------
 // compact: one warp per row; 256 columns per step (8 per lane, one 16-byte load). N % 8 == 0.
-// summary (optional int32 [2], zeroed by the caller): += flagged rows, max= widest light row; one atomic per block.
+// summary (optional int64 [4], zeroed by the caller), one atomic each per block: [0] += flagged rows (nnz > W or a
+// non-finite value: the backup rows), and against the configured width Wm >= W, what the dispatch measures:
+// [1] max= the widest finite row with nnz <= Wm, [2] += the non-zeros of those rows, [3] += the other rows.
 __global__ void __launch_bounds__(256) compact_kernel(const __nv_bfloat16* __restrict__ g, long long ldg, int rows,
-                                                      int N, int W, int32_t* __restrict__ ell_col,
+                                                      int N, int W, int Wm, int32_t* __restrict__ ell_col,
                                                       __nv_bfloat16* __restrict__ ell_a, int32_t* __restrict__ nnz,
-                                                      int32_t* __restrict__ flag, int32_t* __restrict__ summary) {
-  __shared__ int32_t s_flagged, s_widest;
-  if (threadIdx.x == 0) { s_flagged = 0; s_widest = 0; }
+                                                      int32_t* __restrict__ flag,
+                                                      unsigned long long* __restrict__ summary) {
+  __shared__ int32_t s_flagged, s_widest, s_heavy;
+  __shared__ unsigned long long s_light;
+  if (threadIdx.x == 0) { s_flagged = 0; s_widest = 0; s_heavy = 0; s_light = 0ull; }
   __syncthreads();
   const long long row = warp_id();
   const int lane = threadIdx.x & 31;
@@ -86,15 +90,22 @@ __global__ void __launch_bounds__(256) compact_kernel(const __nv_bfloat16* __res
       flag[row] = flagged ? 1 : 0;
       if (summary != nullptr) {
         if (flagged) atomicAdd(&s_flagged, 1);
-        else atomicMax(&s_widest, base);
+        if (base > Wm || any_nf) {
+          atomicAdd(&s_heavy, 1);
+        } else {
+          atomicMax(&s_widest, base);
+          atomicAdd(&s_light, (unsigned long long)base);
+        }
       }
     }
   }
   if (summary == nullptr) return;
   __syncthreads();
   if (threadIdx.x == 0) {
-    if (s_flagged) atomicAdd(&summary[0], s_flagged);
-    atomicMax(&summary[1], s_widest);
+    if (s_flagged) atomicAdd(&summary[0], (unsigned long long)s_flagged);
+    atomicMax(&summary[1], (unsigned long long)s_widest);
+    if (s_light) atomicAdd(&summary[2], s_light);
+    if (s_heavy) atomicAdd(&summary[3], (unsigned long long)s_heavy);
   }
 }
 
@@ -681,13 +692,13 @@ template <int NI, bool GATED>
 __global__ void __launch_bounds__(256, 1) dense_rows_fwd_kernel(
     const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ wf, const __nv_bfloat16* __restrict__ wu,
     const __nv_bfloat16* __restrict__ wdt, int K, int N, const int64_t* __restrict__ rows,
-    const int32_t* __restrict__ count, int start, __nv_bfloat16* __restrict__ y, float* __restrict__ rowabs,
+    const int64_t* __restrict__ count, int start, __nv_bfloat16* __restrict__ y, float* __restrict__ rowabs,
     long long* last) {
   extern __shared__ float part[];  // [8][K] partial rows, then [8] |h| sums
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int K8 = K >> 3;
-  const int n = *count;
-  for (int b = start + blockIdx.x; b < n; b += gridDim.x) {
+  const long long n = *count;
+  for (long long b = start + blockIdx.x; b < n; b += gridDim.x) {
     const long long row = rows[b];
     uint4 xv[NI];
     load_row<NI>(xv, x + row * K, K);
@@ -761,14 +772,14 @@ inline unsigned blocks_for(long long warps, int threads) {
 // ============================== extern launchers (called from binding.cpp) ==============================
 extern "C" {
 
-cudaError_t sfltrain_compact_launch(const void* g, long long ldg, int rows, int N, int W, int32_t* ell_col,
-                                    void* ell_a, int32_t* nnz, int32_t* flag, int32_t* summary,
+cudaError_t sfltrain_compact_launch(const void* g, long long ldg, int rows, int N, int W, int Wm, int32_t* ell_col,
+                                    void* ell_a, int32_t* nnz, int32_t* flag, int64_t* summary,
                                     cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
-  if (N % 8 != 0 || ldg % 8 != 0 || W < 1) return cudaErrorInvalidValue;
+  if (N % 8 != 0 || ldg % 8 != 0 || W < 1 || Wm < W) return cudaErrorInvalidValue;
   sfltrain::compact_kernel<<<sfltrain::blocks_for(rows, 256), 256, 0, stream>>>(
-      reinterpret_cast<const __nv_bfloat16*>(g), ldg, rows, N, W, ell_col,
-      reinterpret_cast<__nv_bfloat16*>(ell_a), nnz, flag, summary);
+      reinterpret_cast<const __nv_bfloat16*>(g), ldg, rows, N, W, Wm, ell_col,
+      reinterpret_cast<__nv_bfloat16*>(ell_a), nnz, flag, reinterpret_cast<unsigned long long*>(summary));
   return cudaGetLastError();
 }
 
@@ -987,7 +998,7 @@ cudaError_t sfltrain_scatter_rows_launch(const void* yb, const void* hb, const v
 }
 
 cudaError_t sfltrain_dense_rows_fwd_launch(int gated, const void* x, const void* wf, const void* wu, const void* wdt,
-                                           int M, int K, int N, const int64_t* rows, const int32_t* count, int start,
+                                           int M, int K, int N, const int64_t* rows, const int64_t* count, int start,
                                            void* y, float* rowabs, int64_t* last, int grid, cudaStream_t stream) {
   if (M <= 0 || start >= M || grid <= 0) return cudaSuccess;
   if (K % 8 != 0 || K > 3072) return cudaErrorInvalidValue;
