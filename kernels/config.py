@@ -16,7 +16,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 TILE_N = 256          # TwELL tile width (columns per tile); fixed by the kernels
-FUSED_DECODE_MAX_M = 8  # the fused decode kernel takes at most 8 rows
+FUSED_DECODE_MAX_M_LIMIT = 8  # the fused decode kernel takes at most 8 rows
+FUSED_DECODE_MAX_M = 8        # ... and serves up to this many by default (measured: kernels/README.md, Decode)
+GATHERED_DECODE_MAX_M = 64    # decode_gathered (cuBLAS gate) serves the sync-free calls above that, up to 64
 
 # Crossover per M bucket, "m:p,...": for M >= m (largest such m) auto runs sparse when the layer's measured activity
 # is <= p. Calibrated on the H100 at K = 2048, N = 5632 against our dense path with the fused d2t (the elementwise
@@ -65,8 +67,12 @@ class KernelConfig:
         mode: "auto" (per-layer measured dispatch between the TwELL path and our dense path), "sparse", "dense".
         slots: TwELL slots S per (row, 256-column tile) on the eager path (compression C = 256 / S); a row with a
             fuller tile is flagged and computed exactly by the dense backup.
-        decode_max_m: M at or below this takes the sync-free path (S = 256, lossless; M <= 8: the fused decode
-            kernel). Larger values cost M * N * 8 bytes of TwELL buffers.
+        decode_max_m: M at or below this takes the sync-free path (S = 256, lossless). Larger values cost
+            M * N * 8 bytes of TwELL buffers above gathered_decode_max_m.
+        fused_decode_max_m: sync-free calls of at most this many rows (0..8) take the fused decode kernel (gate
+            products on CUDA cores, W_g read once).
+        gathered_decode_max_m: above fused_decode_max_m, sync-free calls of at most this many rows (0..64) take the
+            cuBLAS gate GEMM and the decode_gathered kernel (ReLU, up and down per active neuron).
         crossover / crossover_nongated: dispatch tables ("m:p,...", see DEFAULT_CROSSOVER).
         flagged_dense_above: eager auto runs dense when more than this fraction of rows was flagged last time.
         self_timing: eager auto times both paths per M bucket: above decode_max_m it leaves sparse where it measured
@@ -105,6 +111,8 @@ class KernelConfig:
     gate_scratch_mb: int = 1024
     down_nb: int = 4
     decode_tiles_per_warp: int = 4
+    fused_decode_max_m: int = FUSED_DECODE_MAX_M
+    gathered_decode_max_m: int = GATHERED_DECODE_MAX_M
     train_width: int = 128
     train_dense_above: float = 0.007
     train_backup_dense_above: float = 0.15  # model-level: layers at 1.5-12.9% backup rows still won (train/README)
@@ -136,6 +144,10 @@ class KernelConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise bad(name, "must be an integer >= 0")
+        for name, top in (("fused_decode_max_m", FUSED_DECODE_MAX_M_LIMIT), ("gathered_decode_max_m", 64)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= top:
+                raise bad(name, f"must be an integer in 0..{top} (the kernel's row limit)")
         if self.slots > TILE_N:
             raise bad("slots", f"must be <= {TILE_N} (one tile holds {TILE_N} columns)")
         if self.down_nb not in (1, 2, 4, 8):

@@ -1,0 +1,80 @@
+"""Decode-size FFN calls (M <= 64) as CUDA-graph replays, every sync-free path side by side: our dense path, the
+fused decode kernel (M <= 8), decode_gathered (cuBLAS gate + per-neuron up/down) and the TwELL sync-free path
+(d2t -> gated_up -> down -> finalize), plus the cuBLAS gate GEMM alone. L2 flushed before each replay (a model's
+24 layers do not fit in L2), paths timed in rotation, medians. Lab: decides KernelConfig.fused_decode_max_m.
+
+    PYTHONPATH=. python lab/speed/decode_paths.py OUT.jsonl
+"""
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from sfl.experiments.kernel_bench.bench_inference import Timer, graphed, make_case, make_weights, rel_err
+from sfl.experiments.provenance import collect
+from sfl.kernels.config import KernelConfig
+from sfl.kernels.ffn import sparse_gated_ffn
+from sfl.kernels.twell import ops
+
+BF = torch.bfloat16
+
+
+def rotate(timer: Timer, fns: dict, reps: int) -> dict:
+    times = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, fn in fns.items():
+            timer.flush_buf.zero_()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            times[k].append(s.elapsed_time(e))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main(out: str) -> int:
+    K, N = 2048, 5632
+    wg32, wu32, wd32 = make_weights(K, N)
+    wu, wd = wu32.to(BF), wd32.to(BF)
+    base = KernelConfig(mode="sparse")
+    cfgs = {"dense": base.replace(mode="dense"),
+            "fused": base.replace(fused_decode_max_m=8),
+            "gathered": base.replace(fused_decode_max_m=0),
+            "twell": base.replace(fused_decode_max_m=0, gathered_decode_max_m=0)}
+    plans = {k: ops.Plan(c) for k, c in cfgs.items()}
+    prov = collect({"kernel_config": base.to_dict(), "lab": "decode_paths"})
+    timer = Timer()
+    f = open(out, "w")
+    t0 = time.time()
+    for M in (1, 2, 4, 8, 16, 32, 64):
+        for pattern in ("uniform", "paper"):
+            for p in (0.005, 0.01, 0.02, 0.05, 0.1):
+                x, wg = make_case(wg32, M, K, N, pattern, p, 0.0, seed=int(p * 1e5) + M)
+                fns, outs = {}, {}
+                for k, plan in plans.items():
+                    if k == "fused" and M > 8:
+                        continue
+                    fns[k], outs[k] = graphed(lambda plan=plan: sparse_gated_ffn(x, wg, wu, wd, plan=plan))
+                fns["gate_gemm"], _ = graphed(lambda: x @ wg.t())
+                t = rotate(timer, fns, 30)
+                ref = outs["dense"].float()
+                h = torch.relu(x @ wg.t())
+                row = {"provenance": prov, "M": M, "K": K, "N": N, "pattern": pattern, "activity": p,
+                       "p_measured": (h != 0).float().mean().item(),
+                       "ms": t, "speedup_vs_dense": {k: t["dense"] / v for k, v in t.items() if k != "dense"},
+                       "rel_err_vs_dense": {k: rel_err(o, ref) for k, o in outs.items() if k != "dense"},
+                       "timing": "cuda_graph_replay, L2 flushed, rotation, median of 30"}
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                print(f"[{time.time() - t0:.0f}s] M={M} {pattern} p={p} meas={row['p_measured']:.4f} "
+                      + " ".join(f"{k}={v * 1000:.1f}us" for k, v in t.items()), flush=True)
+                del fns, outs
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
