@@ -18,7 +18,7 @@ from typing import Any, Mapping
 TILE_N = 256          # TwELL tile width (columns per tile); fixed by the kernels
 FUSED_DECODE_MAX_M_LIMIT = 8  # the fused decode kernel takes at most 8 rows
 FUSED_DECODE_MAX_M = 8        # ... and serves up to this many by default (measured: kernels/README.md, Decode)
-GATHERED_DECODE_MAX_M = 64    # decode_gathered (cuBLAS gate) serves the sync-free calls above that, up to 64
+ROWS_DECODE_MAX_M = 64        # decode_rows (cuBLAS gate) serves the sync-free calls above that, up to this many
 
 # Crossover per M bucket, "m:p,...": for M >= m (largest such m) auto runs sparse when the layer's measured activity
 # is <= p. Calibrated on the H100 at K = 2048, N = 5632 against our dense path with the fused d2t (the elementwise
@@ -68,11 +68,11 @@ class KernelConfig:
         slots: TwELL slots S per (row, 256-column tile) on the eager path (compression C = 256 / S); a row with a
             fuller tile is flagged and computed exactly by the dense backup.
         decode_max_m: M at or below this takes the sync-free path (S = 256, lossless). Larger values cost
-            M * N * 8 bytes of TwELL buffers above gathered_decode_max_m.
+            M * N * 8 bytes of TwELL buffers above rows_decode_max_m.
         fused_decode_max_m: sync-free calls of at most this many rows (0..8) take the fused decode kernel (gate
             products on CUDA cores, W_g read once).
-        gathered_decode_max_m: above fused_decode_max_m, sync-free calls of at most this many rows (0..64) take the
-            cuBLAS gate GEMM and the decode_gathered kernel (ReLU, up and down per active neuron).
+        rows_decode_max_m: above fused_decode_max_m, sync-free calls of at most this many rows take the cuBLAS
+            gate GEMM and the decode_rows kernel (compaction, up and down per row; 0: off).
         crossover / crossover_nongated: dispatch tables ("m:p,...", see DEFAULT_CROSSOVER).
         flagged_dense_above: eager auto runs dense when more than this fraction of rows was flagged last time.
         self_timing: eager auto times both paths per M bucket: above decode_max_m it leaves sparse where it measured
@@ -112,7 +112,7 @@ class KernelConfig:
     down_nb: int = 4
     decode_tiles_per_warp: int = 4
     fused_decode_max_m: int = FUSED_DECODE_MAX_M
-    gathered_decode_max_m: int = GATHERED_DECODE_MAX_M
+    rows_decode_max_m: int = ROWS_DECODE_MAX_M
     train_width: int = 128
     train_dense_above: float = 0.007
     train_backup_dense_above: float = 0.15  # model-level: layers at 1.5-12.9% backup rows still won (train/README)
@@ -140,14 +140,13 @@ class KernelConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise bad(name, "must be a positive integer")
-        for name in ("d2t_max_ctas", "train_sparse_min_m"):
+        for name in ("d2t_max_ctas", "train_sparse_min_m", "rows_decode_max_m"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise bad(name, "must be an integer >= 0")
-        for name, top in (("fused_decode_max_m", FUSED_DECODE_MAX_M_LIMIT), ("gathered_decode_max_m", 64)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= top:
-                raise bad(name, f"must be an integer in 0..{top} (the kernel's row limit)")
+        v = self.fused_decode_max_m
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= FUSED_DECODE_MAX_M_LIMIT:
+            raise bad("fused_decode_max_m", f"must be an integer in 0..{FUSED_DECODE_MAX_M_LIMIT} (the kernel's row limit)")
         if self.slots > TILE_N:
             raise bad("slots", f"must be <= {TILE_N} (one tile holds {TILE_N} columns)")
         if self.down_nb not in (1, 2, 4, 8):

@@ -115,6 +115,7 @@ def test_source_hash_covers_the_shared_header(tmp_path, monkeypatch):
     (dict(self_timing=1), "self_timing"), (dict(train_width=0), "train_width"),
     (dict(train_sparse_min_m=-1), "train_sparse_min_m"), (dict(crossover="garbage"), "crossover"),
     (dict(crossover_nongated="1:2.0"), "crossover_nongated"),
+    (dict(fused_decode_max_m=9), "fused_decode_max_m"), (dict(rows_decode_max_m=-1), "rows_decode_max_m"),
 ])
 def test_kernel_config_validation_names_the_field(kw, field):
     from sfl.kernels.config import KernelConfig
@@ -206,7 +207,7 @@ def test_plan_args_layout():
 
     cfg = KernelConfig(mode="sparse", slots=16, decode_max_m=32, self_timing=False, measure_every=7, d2t="cublas",
                        d2t_overlap_min_k=2048, d2t_max_ctas=3, gate_scratch_mb=64, down_nb=2,
-                       decode_tiles_per_warp=5, fused_decode_max_m=4, gathered_decode_max_m=48,
+                       decode_tiles_per_warp=5, fused_decode_max_m=4, rows_decode_max_m=48,
                        flagged_dense_above=0.1, activity_hint=0.03,
                        crossover="1:0.01,64:0.002", crossover_nongated="8:0.2")
     ints, floats = ops.plan_args(cfg)

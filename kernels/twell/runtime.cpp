@@ -22,8 +22,8 @@
 //               computed exactly by dense GEMMs; their number comes back through a pinned copy waited on only after
 //               up/down are queued (the GPU stays busy).
 //   sync-free : M <= decode_max_m or CUDA-graph capture: S = 256 (no row can overflow), non-finite rows NaN;
-//               M <= fused_decode_max_m: the fused decode kernel; M <= gathered_decode_max_m (at most 64): a cuBLAS
-//               gate GEMM and decode_gathered.
+//               M <= fused_decode_max_m (at most 8): the fused decode kernel; M <= rows_decode_max_m: a cuBLAS
+//               gate GEMM, then decode_rows (one block per row and K slice: compaction, up and down).
 #include <torch/extension.h>
 #include <torch/library.h>
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -47,7 +47,8 @@
 namespace sfl_runtime {
 
 constexpr int kTileN = 256;
-constexpr int kDecodeMaxRows = 64;  // the decode kernels' workspace rows (decode_gathered takes at most 64)
+constexpr int kFusedDecodeMaxM = 8;   // the fused decode kernel's row limit (its workspace rows)
+constexpr int kRowsDecodeMaxN = 24576;  // decode_rows keeps a row's active list in shared memory
 constexpr int kTimingKeep = 3;       // timing samples kept per (bucket, path); decisions use their minimum
 constexpr int kReprobeEvery = 256;   // a vetoed bucket runs sparse again every this many calls
 constexpr int kRetimeEvery = 64;     // a bucket's samples are refreshed every this many calls
@@ -102,7 +103,7 @@ at::Tensor kept_empty(at::IntArrayRef size, const at::TensorOptions& opts, cudaS
 // KernelConfig, as the op receives it (kernels/twell/ops.py: plan_args)
 struct Config {
   int mode = kAuto, slots = 32, decode_max_m = 64, measure_every = 16, d2t_overlap_min_k = 4096, d2t_max_ctas = 0;
-  int down_nb = 4, decode_tiles_per_warp = 4, fused_decode_max_m = 8, gathered_decode_max_m = 64;
+  int down_nb = 4, decode_tiles_per_warp = 4, fused_decode_max_m = 8, rows_decode_max_m = 64;
   bool self_timing = true, fused_d2t = true;
   int64_t gate_scratch_mb = 1024;
   double flagged_dense_above = 0.05, activity_hint = 0.0;
@@ -117,7 +118,7 @@ Config parse_config(at::IntArrayRef ic, at::ArrayRef<double> fc) {
   c.mode = (int)ic[0]; c.slots = (int)ic[1]; c.decode_max_m = (int)ic[2]; c.self_timing = ic[3] != 0;
   c.measure_every = (int)ic[4]; c.fused_d2t = ic[5] != 0; c.d2t_overlap_min_k = (int)ic[6];
   c.d2t_max_ctas = (int)ic[7]; c.gate_scratch_mb = ic[8]; c.down_nb = (int)ic[9]; c.decode_tiles_per_warp = (int)ic[10];
-  c.fused_decode_max_m = (int)ic[11]; c.gathered_decode_max_m = (int)ic[12];
+  c.fused_decode_max_m = (int)ic[11]; c.rows_decode_max_m = (int)ic[12];
   c.flagged_dense_above = fc[0];
   c.activity_hint = fc[1];
   size_t i = 2;
@@ -150,8 +151,8 @@ struct Plan {
   std::vector<Timed> timed_pending;
   std::vector<std::pair<cudaEvent_t, cudaEvent_t>> free_events;
   std::map<int, int64_t> bucket_calls;
-  // the decode paths' workspace: fp32 yacc [64, K] then int32 nnz [64], flag [64], ticket [1]; zeroed once,
-  // re-zeroed by each call's decode_finish; used by eager calls on one stream (captures and other streams allocate their own)
+  // the fused decode path's workspace: fp32 yacc [8, K] then int32 nnz [8], flag [8]; zeroed once, re-zeroed by
+  // each call's decode_finish; used by eager calls on one stream (captures and other streams allocate their own)
   at::Tensor decode_ws;
   cudaStream_t decode_ws_stream = nullptr;
   bool decode_ws_dirty = false;         // a call was cut off between its two kernels: zero before reuse
@@ -291,11 +292,9 @@ struct Plan {
     return ev;
   }
 
-  static int64_t decode_workspace_floats(int64_t K) { return kDecodeMaxRows * (K + 2) + 1; }
-
   // the persistent decode workspace for K, or an undefined tensor where a call must allocate its own
   at::Tensor decode_workspace(const at::Tensor& x, cudaStream_t stream) {
-    const int64_t need = decode_workspace_floats(x.size(1));
+    const int64_t K = x.size(1), need = kFusedDecodeMaxM * K + 2 * kFusedDecodeMaxM;
     if (decode_ws.defined() && stream != decode_ws_stream) return at::Tensor();  // in use in another stream's order
     if (!decode_ws.defined() || decode_ws.numel() != need) {
       decode_ws = kept_empty({need}, x.options().dtype(at::kFloat), stream);
@@ -495,35 +494,23 @@ void d2t_into(const at::Tensor& x, const at::Tensor& w, at::Tensor& packed, at::
   if (variant) *variant = "cublas";
 }
 
-// The decode paths (sync-free, M <= 64): two kernels per call, or three with a cuBLAS gate, then one finish that
-// converts, measures, counts and re-zeroes the workspace. M <= fused_decode_max_m: the fused decode kernel (gate
-// products on CUDA cores, W_g read once); above it the gate GEMM runs on tensor cores (cuBLAS) and decode_gathered
-// does ReLU, up and down per active neuron.
-at::Tensor decode_path(Call& c, const at::Tensor& wdt, bool measure) {
+at::Tensor fused_decode(Call& c, const at::Tensor& wdt, bool measure) {
+  // two launches per call: the decode kernel and its finish (convert, measure, count, re-zero the workspace)
   Plan& P = c.P;
   const int64_t M = c.M, K = c.K;
-  const bool fused = M <= P.cfg.fused_decode_max_m;
   at::Tensor ws = c.capture ? at::Tensor() : P.decode_workspace(c.x, c.stream);
   const bool own = !ws.defined();
-  if (own) ws = at::zeros({Plan::decode_workspace_floats(K)}, c.x.options().dtype(at::kFloat));
+  if (own) ws = at::zeros({kFusedDecodeMaxM * K + 2 * kFusedDecodeMaxM}, c.x.options().dtype(at::kFloat));
   float* yacc = ws.data_ptr<float>();
-  int32_t* nnz = reinterpret_cast<int32_t*>(yacc + kDecodeMaxRows * K);
-  int32_t* flag = nnz + kDecodeMaxRows;
-  int32_t* ticket = flag + kDecodeMaxRows;
-  at::Tensor g = fused ? at::Tensor() : at::mm(c.x, c.gate_w().t());  // before the workspace is marked in use
+  int32_t* nnz = reinterpret_cast<int32_t*>(yacc + kFusedDecodeMaxM * K);
+  int32_t* flag = nnz + kFusedDecodeMaxM;
   at::Tensor y = at::empty({M, K}, c.x.options());
   at::Tensor st = measure ? P.measurement_slot(true, c.stream) : at::Tensor();
   if (!own) P.decode_ws_dirty = true;
-  const void* wu = c.wg ? c.wu.data_ptr() : nullptr;
-  if (fused)
-    check(twell_decode_fused_launch(c.x.data_ptr(), c.gate_w().data_ptr(), wu, wdt.data_ptr(), (int)M, (int)K,
-                                    (int)c.N, yacc, nnz, flag, c.stream),
-          "decode_fused");
-  else
-    check(twell_decode_gathered_launch(g.data_ptr(), g.stride(0), c.x.data_ptr(), wu, wdt.data_ptr(), (int)M, (int)K,
-                                       (int)c.N, yacc, nnz, flag, c.stream),
-          "decode_gathered");
-  check(twell_decode_finish_launch(yacc, nnz, flag, ticket, (int)M, (int)K, y.data_ptr(),
+  check(twell_decode_fused_launch(c.x.data_ptr(), c.gate_w().data_ptr(), c.wg ? c.wu.data_ptr() : nullptr,
+                                  wdt.data_ptr(), (int)M, (int)K, (int)c.N, yacc, nnz, flag, c.stream),
+        "decode_fused");
+  check(twell_decode_finish_launch(yacc, nnz, flag, (int)M, (int)K, y.data_ptr(),
                                    measure ? reinterpret_cast<unsigned long long*>(i64(st)) : nullptr, c.acc, c.stream),
         "decode_finish");
   if (!own) P.decode_ws_dirty = false;
@@ -534,7 +521,30 @@ at::Tensor decode_path(Call& c, const at::Tensor& wdt, bool measure) {
     P.pending_n = c.N;
   }
   P.last_path = "sparse-syncfree";
-  P.last_d2t = fused ? "decode-fused" : "decode-gathered";
+  P.last_d2t = "decode-fused";
+  P.last_flagged = -1;
+  return y;
+}
+
+// Few rows, gate products on tensor cores: the cuBLAS gate GEMM (the dense path's bits), then decode_rows does
+// ReLU, compaction, up, down, the measurement and the statistics per (row, K slice). Two launches, no workspace.
+at::Tensor rows_decode(Call& c, const at::Tensor& wdt, bool measure) {
+  Plan& P = c.P;
+  at::Tensor g = at::mm(c.x, c.gate_w().t());
+  at::Tensor y = at::empty({c.M, c.K}, c.x.options());
+  at::Tensor st = measure ? P.measurement_slot(true, c.stream) : at::Tensor();
+  check(twell_decode_rows_launch(g.data_ptr(), g.stride(0), c.x.data_ptr(), c.wg ? c.wu.data_ptr() : nullptr,
+                                 wdt.data_ptr(), (int)c.M, (int)c.K, (int)c.N, y.data_ptr(),
+                                 measure ? reinterpret_cast<unsigned long long*>(i64(st)) : nullptr, c.acc, c.stream),
+        "decode_rows");
+  if (measure) {
+    P.to_host(st, true, c.stream);
+    P.pending = true;
+    P.pending_rows = c.M;
+    P.pending_n = c.N;
+  }
+  P.last_path = "sparse-syncfree";
+  P.last_d2t = "decode-rows";
   P.last_flagged = -1;
   return y;
 }
@@ -547,8 +557,8 @@ at::Tensor sparse_path(Call& c, bool sync_free) {
   // the eager path always measures (it needs the flagged-row count); sync-free calls every measure_every-th call
   // (the read-back is a few small operations, comparable to a decode-size call)
   const bool measure = !c.capture && (!sync_free || (!P.pending && P.sparse_calls % P.cfg.measure_every == 1 % P.cfg.measure_every));
-  if (sync_free && (M <= P.cfg.fused_decode_max_m || M <= std::min(P.cfg.gathered_decode_max_m, kDecodeMaxRows)))
-    return decode_path(c, wdt, measure);
+  if (sync_free && M <= std::min(P.cfg.fused_decode_max_m, kFusedDecodeMaxM)) return fused_decode(c, wdt, measure);
+  if (sync_free && M <= P.cfg.rows_decode_max_m && N % 8 == 0 && N <= kRowsDecodeMaxN) return rows_decode(c, wdt, measure);
   const int S = sync_free ? kTileN : P.cfg.slots;
   const auto i32o = c.x.options().dtype(at::kInt);
   at::Tensor packed = at::empty({M, T, S}, i32o);

@@ -14,8 +14,8 @@
 //   finalize  : fp32 accumulator -> bf16 output (NaN rows for flagged rows in sync-free mode).
 //   relu_mul_stats : the dense path's relu(g) * u in one pass (in place), measuring activity on the way.
 //   row_stats : activity measurement of a sparse call for the dispatch history (kernels/README.md, Dispatch).
-//   decode_gathered : rows <= 64: ReLU + (gated) up + down from a cuBLAS gate output, per neuron (fp32 atomics).
-//   decode_finish : the decode paths' epilogue: convert, measure, count, and re-zero their workspace.
+//   decode_rows : few rows: ReLU + (gated) up + down from a cuBLAS gate output, one block per (row, K slice).
+//   decode_finish : the fused decode path's epilogue: convert, measure, count, and re-zero its workspace.
 // All launchers take the stream, return the cudaError_t of the launch, and never exit.
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -370,97 +370,6 @@ __global__ void __launch_bounds__(384, 1) decode_fused_kernel(const __nv_bfloat1
   }
 }
 
-// ---------------------------------------------------------------------------------------------
-// decode_gathered (rows <= 64): the decode path whose gate products run on tensor cores. g = x W_g^T [rows, N]
-// comes from cuBLAS (so the ReLU test sees the dense path's bits exactly); this kernel does the rest in one pass.
-// A block stages g[:, j0 .. j0 + 31] in shared memory (coalesced 64-byte row pieces); each warp then takes 4 of
-// those neurons and, for a neuron active in any row, reads W_u[j] and W_dT[j] once (loads issued together), computes
-// u = x_r . W_u[j] for each active row r (x from L2), h = g * u in fp32, and adds h * W_dT[j] into the fp32
-// accumulator yacc[r, :] with float4 atomics. Bytes: the union of the active rows' W_u/W_dT rows (at 0.5% activity
-// and 64 rows, 28% of the neurons) instead of all three matrices. Non-gated (wu == nullptr): h = the stored bf16
-// relu value, as PyTorch. nnz[r] += active entries (NaN counts); flag[r] = 1 on a non-finite g (finish NaN-fills the
-// row, as on the sync-free path). yacc, nnz and flag must be zeroed by the caller.
-constexpr int kGatheredRows = 64;      // rows per call (two per lane)
-constexpr int kGatheredNeurons = 32;   // neurons per block step: 8 warps x 4
-template <int NI, bool GATED>
-__global__ void __launch_bounds__(256) decode_gathered_kernel(const __nv_bfloat16* __restrict__ g, long long ldg,
-                                                            const __nv_bfloat16* __restrict__ x,
-                                                            const __nv_bfloat16* __restrict__ wu,
-                                                            const __nv_bfloat16* __restrict__ wdt, int M, int K,
-                                                            int N, float* __restrict__ yacc,
-                                                            int32_t* __restrict__ nnz, int32_t* __restrict__ flag) {
-  // +2 columns: a row stride of 17 words keeps the column reads (one row per lane) free of bank conflicts
-  __shared__ uint16_t gs[kGatheredRows][kGatheredNeurons + 2];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int K8 = K >> 3;
-  const uint16_t* gb = reinterpret_cast<const uint16_t*>(g);
-  for (int j0 = blockIdx.x * kGatheredNeurons; j0 < N; j0 += gridDim.x * kGatheredNeurons) {
-    __syncthreads();  // the previous step's reads of gs are done
-    for (int i = threadIdx.x; i < M * kGatheredNeurons; i += blockDim.x) {
-      const int r = i / kGatheredNeurons, c = i % kGatheredNeurons;
-      gs[r][c] = j0 + c < N ? gb[(long long)r * ldg + j0 + c] : (uint16_t)0;
-    }
-    __syncthreads();
-#pragma unroll 1
-    for (int q = 0; q < kGatheredNeurons / 8; ++q) {
-      const int c = warp * (kGatheredNeurons / 8) + q, j = j0 + c;
-      if (j >= N) break;  // warp-uniform
-      const uint32_t b0 = lane < M ? gs[lane][c] : 0u, b1 = lane + 32 < M ? gs[lane + 32][c] : 0u;
-      const bool a0 = lane < M && relu_active(b0), a1 = lane + 32 < M && relu_active(b1);
-      if (a0) atomicAdd(nnz + lane, 1);
-      if (a1) atomicAdd(nnz + lane + 32, 1);
-      if (lane < M && bf16_nonfinite(b0)) flag[lane] = 1;  // benign race: every writer stores 1
-      if (lane + 32 < M && bf16_nonfinite(b1)) flag[lane + 32] = 1;
-      unsigned long long active = (unsigned long long)__ballot_sync(0xffffffffu, a0) |
-                                  ((unsigned long long)__ballot_sync(0xffffffffu, a1) << 32);
-      if (!active) continue;  // warp-uniform
-      uint4 wd[NI], w[NI];
-      const uint4* dr = reinterpret_cast<const uint4*>(wdt + (long long)j * K);
-      const uint4* ur = reinterpret_cast<const uint4*>(GATED ? wu + (long long)j * K : wdt);
-#pragma unroll
-      for (int i = 0; i < NI; ++i) {
-        const int k = lane + 32 * i;
-        wd[i] = k < K8 ? __ldg(dr + k) : make_uint4(0, 0, 0, 0);
-        if (GATED) w[i] = k < K8 ? __ldg(ur + k) : make_uint4(0, 0, 0, 0);
-      }
-      const float g0 = bf16lo(b0), g1 = bf16lo(b1);
-      while (active) {  // warp-uniform loop over the neuron's active rows
-        const int r = __ffsll((long long)active) - 1;
-        active &= active - 1;
-        const float gr = __shfl_sync(0xffffffffu, r < 32 ? g0 : g1, r & 31);
-        float h = gr;
-        if (GATED) {
-          const uint4* xr = reinterpret_cast<const uint4*>(x + (long long)r * K);
-          float t = 0.f;
-#pragma unroll
-          for (int i = 0; i < NI; ++i) {
-            const int k = lane + 32 * i;
-            if (k < K8) t = dot8(w[i], __ldg(xr + k), t);
-          }
-          h = gr * warp_sum(t);  // identical on every lane
-        }
-#pragma unroll
-        for (int i = 0; i < NI; ++i) {
-          const int k = lane + 32 * i;
-          if (k >= K8) continue;
-          float v[8];
-#pragma unroll
-          for (int e = 0; e < 8; ++e) v[e] = 0.f;
-          axpy8(h, wd[i], v);
-          float* dst = yacc + (long long)r * K + (long long)k * 8;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-          atomicAdd(reinterpret_cast<float4*>(dst), make_float4(v[0], v[1], v[2], v[3]));
-          atomicAdd(reinterpret_cast<float4*>(dst + 4), make_float4(v[4], v[5], v[6], v[7]));
-#else
-#pragma unroll
-          for (int e = 0; e < 8; ++e) atomicAdd(dst + e, v[e]);
-#endif
-        }
-      }
-    }
-  }
-}
-
 // fp32 accumulator -> bf16 (4 elements per thread); flagged rows become NaN when nan_fill, else untouched.
 __global__ void finalize_kernel(const float* __restrict__ yacc, const int32_t* __restrict__ flag, int rows, int K,
                                 int nan_fill, __nv_bfloat16* __restrict__ y) {
@@ -491,49 +400,168 @@ __device__ __forceinline__ void add_model_stats(unsigned long long* acc, unsigne
 }
 
 // ---------------------------------------------------------------------------------------------
-// decode_finish: the decode paths' one epilogue (rows <= 64): yacc -> bf16 y (NaN for flagged rows), the activity
-// measurement (out, as row_stats: unflagged counts and flagged rows; null to skip) and the model's statistics (acc,
-// or null), then yacc, nnz and flag are zeroed for the next call. So the runtime keeps one workspace per layer,
-// zeroed once, instead of a fill kernel, a statistics kernel and a convert kernel per call. A grid converts; the
-// last block to finish (ticket, a counter the same block resets) reads and zeroes nnz and flag, after every block's
-// reads of flag (each block's __syncthreads and __threadfence precede its ticket).
-__global__ void __launch_bounds__(256) decode_finish_kernel(float* __restrict__ yacc, int32_t* __restrict__ nnz,
-                                                            int32_t* __restrict__ flag, int32_t* __restrict__ ticket,
-                                                            int rows, int K, __nv_bfloat16* __restrict__ y,
-                                                            unsigned long long* __restrict__ out,
-                                                            unsigned long long* __restrict__ acc) {
+// decode_finish: the fused decode path's one epilogue (rows <= 8, one block): yacc -> bf16 y (NaN for flagged rows),
+// the activity measurement (out, as row_stats: unflagged counts and flagged rows; null to skip) and the model's
+// statistics (acc, or null), then yacc, nnz and flag are zeroed for the next call. So the runtime keeps one
+// workspace per layer, zeroed once, instead of a fill kernel, a statistics kernel and a convert kernel per call.
+// One block: every read of flag precedes the __syncthreads that orders the zeroing (a grid would need a last-block
+// handshake for the same guarantee; at <= 8 x 4096 elements one block is as fast).
+__global__ void __launch_bounds__(1024) decode_finish_kernel(float* __restrict__ yacc, int32_t* __restrict__ nnz,
+                                                             int32_t* __restrict__ flag, int rows, int K,
+                                                             __nv_bfloat16* __restrict__ y,
+                                                             unsigned long long* __restrict__ out,
+                                                             unsigned long long* __restrict__ acc) {
   const int k4 = K / 4, n4 = rows * k4;
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += gridDim.x * blockDim.x) {
+  for (int i = threadIdx.x; i < n4; i += blockDim.x) {
     float4* a = reinterpret_cast<float4*>(yacc) + i;
     const float4 v = *a;
     reinterpret_cast<uint2*>(y)[i] = flag[i / k4] ? make_uint2(0x7fc07fc0u, 0x7fc07fc0u)
                                                   : make_uint2(pack2(v.x, v.y), pack2(v.z, v.w));
     *a = make_float4(0.f, 0.f, 0.f, 0.f);
   }
-  __shared__ bool last;
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence();
-    last = atomicAdd(ticket, 1) == (int)gridDim.x - 1;
+    unsigned long long ok = 0, flagged = 0, all = 0, mx = 0;
+    for (int r = 0; r < rows; ++r) {
+      const unsigned long long c = (unsigned long long)nnz[r];
+      all += c;
+      mx = c > mx ? c : mx;
+      if (flag[r]) ++flagged; else ok += c;
+      nnz[r] = 0;
+      flag[r] = 0;
+    }
+    if (out != nullptr) {
+      atomicAdd(out, ok);
+      atomicAdd(out + 1, flagged);
+    }
+    if (acc != nullptr) add_model_stats(acc, all, mx, (unsigned long long)rows);
   }
-  __syncthreads();
-  if (!last || threadIdx.x != 0) return;
-  __threadfence();
-  unsigned long long ok = 0, flagged = 0, all = 0, mx = 0;
-  for (int r = 0; r < rows; ++r) {
-    const unsigned long long c = (unsigned long long)nnz[r];
-    all += c;
-    mx = c > mx ? c : mx;
-    if (flag[r]) ++flagged; else ok += c;
-    nnz[r] = 0;
-    flag[r] = 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// decode_rows (sync-free, few rows): the decode path whose gate products run on tensor cores. g = x W_g^T [rows, N]
+// comes from cuBLAS (so the ReLU test sees the dense path's bits exactly); one block per (row, K slice) does the
+// rest with no atomics on y and no workspace:
+//   1. compacts the row's active gate values into a shared list (j, g) in column order (a block scan per 2048
+//      columns), counting them and testing for non-finite values;
+//   2. (gated) h = g * (x_r . W_u[j]) per entry, one warp per entry, x_r held in registers;
+//   3. y[r, slice] = sum_e h_e W_dT[j_e, slice] in fp32: each thread owns one 8-column chunk of the slice and a
+//      share of the entries (strided), the shares are summed in shared memory, then one bf16 store (NaN for a
+//      flagged row, as on the sync-free path).
+// Slices > 1 give few rows enough blocks: each slice repeats steps 1-2 (the extra W_u reads come from L2) and
+// writes its own columns. The slice-0 block adds the row to the measurement (out: unflagged counts, flagged rows;
+// null to skip) and the model's statistics (acc, or null). Against decode_gathered (one neuron per warp, fp32
+// atomics into an accumulator; kernels/lab/README.md), a pair costs one W_dT row read instead of 512 float4 atomics.
+constexpr int kRowsThreads = 256;
+template <int NI, bool GATED>
+__global__ void __launch_bounds__(kRowsThreads) decode_rows_kernel(const __nv_bfloat16* __restrict__ g, long long ldg,
+                                                                  const __nv_bfloat16* __restrict__ x,
+                                                                  const __nv_bfloat16* __restrict__ wu,
+                                                                  const __nv_bfloat16* __restrict__ wdt, int K, int N,
+                                                                  int slices, __nv_bfloat16* __restrict__ y,
+                                                                  unsigned long long* __restrict__ out,
+                                                                  unsigned long long* __restrict__ acc) {
+  extern __shared__ int list_j[];                              // [N] active columns, then
+  float* list_h = reinterpret_cast<float*>(list_j + N);        // [N] their g, then h
+  __shared__ float red[kRowsThreads * 8];                      // step 3's partial sums
+  __shared__ int warp_total[kRowsThreads / 32];
+  const int r = blockIdx.x / slices, s = blockIdx.x % slices;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int K8 = K >> 3, N8 = N >> 3;
+  // 1. compaction, 256 chunks of 8 columns per round, in column order
+  const uint4* grow = reinterpret_cast<const uint4*>(g + (long long)r * ldg);
+  int count = 0;
+  bool nonfinite = false;
+  for (int c0 = 0; c0 < N8; c0 += kRowsThreads) {
+    const int c = c0 + threadIdx.x;
+    const uint4 v = c < N8 ? __ldg(grow + c) : make_uint4(0, 0, 0, 0);
+    const unsigned act = relu_mask8(v, nonfinite);
+    const int mine = __popc(act), incl = warp_inclusive_sum(mine);
+    if (lane == 31) warp_total[warp] = incl;
+    __syncthreads();
+    int base = count;
+    for (int w = 0; w < warp; ++w) base += warp_total[w];
+    int pos = base + incl - mine;
+    for (unsigned a = act; a; a &= a - 1) {
+      const int i = __ffs(a) - 1;
+      list_j[pos] = c * 8 + i;
+      list_h[pos] = bf16lo(bf16_at(v, i));
+      ++pos;
+    }
+    for (int w = 0; w < kRowsThreads / 32; ++w) count += warp_total[w];
+    __syncthreads();  // warp_total is rewritten next round
   }
-  *ticket = 0;
-  if (out != nullptr) {
-    atomicAdd(out, ok);
-    atomicAdd(out + 1, flagged);
+  const bool flagged = __syncthreads_or(nonfinite) != 0;
+  if (s == 0 && threadIdx.x == 0) {
+    if (out != nullptr) {
+      atomicAdd(out, flagged ? 0ull : (unsigned long long)count);
+      atomicAdd(out + 1, flagged ? 1ull : 0ull);
+    }
+    if (acc != nullptr) add_model_stats(acc, (unsigned long long)count, (unsigned long long)count, 1ull);
   }
-  if (acc != nullptr) add_model_stats(acc, all, mx, (unsigned long long)rows);
+  // this block's columns: chunks [k0, k1) of 8
+  const int per = (K8 + slices - 1) / slices, k0 = s * per, k1 = min(K8, k0 + per), chunks = k1 - k0;
+  uint4* yrow = reinterpret_cast<uint4*>(y + (long long)r * K);
+  if (flagged) {  // NaN-filled, as on the sync-free path (dense gives NaN/+-Inf there)
+    for (int c = k0 + threadIdx.x; c < k1; c += kRowsThreads) yrow[c] = make_uint4(0x7fc07fc0u, 0x7fc07fc0u,
+                                                                                  0x7fc07fc0u, 0x7fc07fc0u);
+    return;
+  }
+  // 2. h = g * (x_r . W_u[j]), one warp per entry
+  if (GATED) {
+    uint4 xr[NI];
+    const uint4* xp = reinterpret_cast<const uint4*>(x + (long long)r * K);
+#pragma unroll
+    for (int i = 0; i < NI; ++i) xr[i] = lane + 32 * i < K8 ? __ldg(xp + lane + 32 * i) : make_uint4(0, 0, 0, 0);
+    for (int e = warp; e < count; e += kRowsThreads / 32) {
+      const uint4* ur = reinterpret_cast<const uint4*>(wu + (long long)list_j[e] * K);
+      float t = 0.f;
+#pragma unroll
+      for (int i = 0; i < NI; ++i)
+        if (lane + 32 * i < K8) t = dot8(xr[i], __ldg(ur + lane + 32 * i), t);
+      t = warp_sum(t);
+      if (lane == 0) list_h[e] *= t;
+    }
+    __syncthreads();
+  }
+  // 3. down: thread -> (chunk, share of the entries)
+  const int width = max(chunks, 1), tid = (int)threadIdx.x;
+  const int groups = chunks >= kRowsThreads ? 1 : kRowsThreads / width;
+  const int grp = groups == 1 ? 0 : (tid / width < groups ? tid / width : -1);
+  for (int cc = groups == 1 ? tid : tid % width; cc < chunks; cc += kRowsThreads) {
+    float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (grp >= 0) {
+      const uint4* col = reinterpret_cast<const uint4*>(wdt) + k0 + cc;
+      int e = grp;
+      for (; e + 3 * groups < count; e += 4 * groups) {  // four loads in flight
+        const uint4 w0 = __ldg(col + (long long)list_j[e] * K8);
+        const uint4 w1 = __ldg(col + (long long)list_j[e + groups] * K8);
+        const uint4 w2 = __ldg(col + (long long)list_j[e + 2 * groups] * K8);
+        const uint4 w3 = __ldg(col + (long long)list_j[e + 3 * groups] * K8);
+        axpy8(list_h[e], w0, a);
+        axpy8(list_h[e + groups], w1, a);
+        axpy8(list_h[e + 2 * groups], w2, a);
+        axpy8(list_h[e + 3 * groups], w3, a);
+      }
+      for (; e < count; e += groups) axpy8(list_h[e], __ldg(col + (long long)list_j[e] * K8), a);
+    }
+    if (groups == 1) {
+      yrow[k0 + cc] = pack8(a);
+      continue;
+    }
+    if (grp >= 0) {
+#pragma unroll
+      for (int q = 0; q < 8; ++q) red[(grp * chunks + cc) * 8 + q] = a[q];
+    }
+    __syncthreads();
+    if (grp == 0) {
+      for (int o = 1; o < groups; ++o) {
+#pragma unroll
+        for (int q = 0; q < 8; ++q) a[q] += red[(o * chunks + cc) * 8 + q];
+      }
+      yrow[k0 + cc] = pack8(a);
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -737,16 +765,32 @@ static cudaError_t decode_ni(int ni, const __nv_bfloat16* x, const __nv_bfloat16
   return launch_decode<MR, 16, G>(x, wg, wu, wdt, rows, K, N, yacc, nnz, flag, stream);
 }
 
-template <int NI>
-static cudaError_t launch_gathered(unsigned blocks, const __nv_bfloat16* g, long long ldg, const __nv_bfloat16* x,
-                                   const __nv_bfloat16* wu, const __nv_bfloat16* wdt, int rows, int K, int N,
-                                   float* yacc, int32_t* nnz, int32_t* flag, cudaStream_t stream) {
-  if (wu != nullptr)
-    twell::decode_gathered_kernel<NI, true><<<blocks, 256, 0, stream>>>(g, ldg, x, wu, wdt, rows, K, N, yacc, nnz, flag);
-  else
-    twell::decode_gathered_kernel<NI, false><<<blocks, 256, 0, stream>>>(g, ldg, x, wu, wdt, rows, K, N, yacc, nnz,
-                                                                         flag);
+constexpr int kRowsMaxN = 24576;  // decode_rows keeps the row's active list in shared memory: 8 bytes per column
+
+template <int NI, bool G>
+static cudaError_t launch_rows(unsigned blocks, int slices, const __nv_bfloat16* g, long long ldg,
+                               const __nv_bfloat16* x, const __nv_bfloat16* wu, const __nv_bfloat16* wdt, int K, int N,
+                               __nv_bfloat16* y, unsigned long long* out, unsigned long long* acc,
+                               cudaStream_t stream) {
+  static bool attr_set = false;  // one per instantiation: room for the largest N served
+  if (!attr_set) {
+    const cudaError_t e = cudaFuncSetAttribute(twell::decode_rows_kernel<NI, G>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, kRowsMaxN * 8);
+    if (e != cudaSuccess) return e;
+    attr_set = true;
+  }
+  twell::decode_rows_kernel<NI, G><<<blocks, twell::kRowsThreads, (size_t)N * 8, stream>>>(g, ldg, x, wu, wdt, K, N,
+                                                                                           slices, y, out, acc);
   return cudaGetLastError();
+}
+
+template <int NI>
+static cudaError_t rows_gated(bool gated, unsigned blocks, int slices, const __nv_bfloat16* g, long long ldg,
+                              const __nv_bfloat16* x, const __nv_bfloat16* wu, const __nv_bfloat16* wdt, int K, int N,
+                              __nv_bfloat16* y, unsigned long long* out, unsigned long long* acc,
+                              cudaStream_t stream) {
+  if (gated) return launch_rows<NI, true>(blocks, slices, g, ldg, x, wu, wdt, K, N, y, out, acc, stream);
+  return launch_rows<NI, false>(blocks, slices, g, ldg, x, wu, wdt, K, N, y, out, acc, stream);
 }
 
 template <bool G>
@@ -859,36 +903,41 @@ cudaError_t twell_finalize_launch(const float* yacc, const int32_t* flag, int ro
   return cudaGetLastError();
 }
 
-cudaError_t twell_decode_finish_launch(float* yacc, int32_t* nnz, int32_t* flag, int32_t* ticket, int rows, int K,
-                                       void* y, unsigned long long* out, unsigned long long* acc, cudaStream_t stream) {
+cudaError_t twell_decode_finish_launch(float* yacc, int32_t* nnz, int32_t* flag, int rows, int K, void* y,
+                                       unsigned long long* out, unsigned long long* acc, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
-  if (rows > twell::kGatheredRows || K % 4 != 0) return cudaErrorInvalidValue;
-  const int n4 = rows * (K / 4), cap = twell::sm_count();
-  const int blocks = (n4 + 255) / 256 < cap ? (n4 + 255) / 256 : cap;
-  twell::decode_finish_kernel<<<blocks, 256, 0, stream>>>(yacc, nnz, flag, ticket, rows, K,
-                                                         reinterpret_cast<__nv_bfloat16*>(y), out, acc);
+  if (rows > 8 || K % 4 != 0) return cudaErrorInvalidValue;
+  twell::decode_finish_kernel<<<1, 1024, 0, stream>>>(yacc, nnz, flag, rows, K, reinterpret_cast<__nv_bfloat16*>(y),
+                                                      out, acc);
   return cudaGetLastError();
 }
 
-// decode_gathered: rows <= 64, K % 64 == 0, K <= 4096, any N; g [rows, N] bf16 with row stride ldg (the gate
-// GEMM's output, W_u x for non-gated blocks, whose wu is then nullptr). yacc [rows, K] fp32, nnz [rows], flag
-// [rows] int32: all zeroed by the caller; decode_finish converts.
-cudaError_t twell_decode_gathered_launch(const void* g, long long ldg, const void* x, const void* wu, const void* wdt,
-                                         int rows, int K, int N, float* yacc, int32_t* nnz, int32_t* flag,
-                                         cudaStream_t stream) {
+// decode_rows: K % 64 == 0, K <= 4096, N % 8 == 0, N <= 24576; g [rows, N] bf16 with row stride ldg (a multiple of 8;
+// the gate GEMM's output, W_u x for non-gated blocks, whose wu is then nullptr). Writes y [rows, K] bf16; out (the
+// measurement, zeroed by the caller) and acc (the model's statistics) are optional.
+cudaError_t twell_decode_rows_launch(const void* g, long long ldg, const void* x, const void* wu, const void* wdt,
+                                     int rows, int K, int N, void* y, unsigned long long* out, unsigned long long* acc,
+                                     cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
-  if (rows > twell::kGatheredRows || K % 64 != 0 || K > 4096 || N <= 0 || ldg < N) return cudaErrorInvalidValue;
-  const int steps = (N + twell::kGatheredNeurons - 1) / twell::kGatheredNeurons, cap = 4 * twell::sm_count();
-  const unsigned blocks = steps < cap ? steps : cap;
+  if (K % 64 != 0 || K > 4096 || N % 8 != 0 || N <= 0 || N > kRowsMaxN || ldg % 8 != 0 || ldg < N)
+    return cudaErrorInvalidValue;
+  // about 128 blocks, each slice at least 32 chunks of 8 columns
+  int slices = (128 + rows - 1) / rows;
+  slices = slices < 8 ? slices : 8;
+  slices = slices < K / 256 ? slices : (K / 256 > 0 ? K / 256 : 1);
+  const long long blocks = (long long)rows * slices;
+  if (blocks > 0x7fffffffLL) return cudaErrorInvalidValue;
   const auto* gb = reinterpret_cast<const __nv_bfloat16*>(g);
   const auto* xb = reinterpret_cast<const __nv_bfloat16*>(x);
   const auto* ub = reinterpret_cast<const __nv_bfloat16*>(wu);
   const auto* db = reinterpret_cast<const __nv_bfloat16*>(wdt);
+  auto* yb = reinterpret_cast<__nv_bfloat16*>(y);
+  const bool gated = wu != nullptr;
   const int ni = (K / 8 + 31) / 32;
-  if (ni <= 2) return launch_gathered<2>(blocks, gb, ldg, xb, ub, db, rows, K, N, yacc, nnz, flag, stream);
-  if (ni <= 4) return launch_gathered<4>(blocks, gb, ldg, xb, ub, db, rows, K, N, yacc, nnz, flag, stream);
-  if (ni <= 8) return launch_gathered<8>(blocks, gb, ldg, xb, ub, db, rows, K, N, yacc, nnz, flag, stream);
-  return launch_gathered<16>(blocks, gb, ldg, xb, ub, db, rows, K, N, yacc, nnz, flag, stream);
+  if (ni <= 2) return rows_gated<2>(gated, (unsigned)blocks, slices, gb, ldg, xb, ub, db, K, N, yb, out, acc, stream);
+  if (ni <= 4) return rows_gated<4>(gated, (unsigned)blocks, slices, gb, ldg, xb, ub, db, K, N, yb, out, acc, stream);
+  if (ni <= 8) return rows_gated<8>(gated, (unsigned)blocks, slices, gb, ldg, xb, ub, db, K, N, yb, out, acc, stream);
+  return rows_gated<16>(gated, (unsigned)blocks, slices, gb, ldg, xb, ub, db, K, N, yb, out, acc, stream);
 }
 
 cudaError_t twell_row_stats_launch(const int32_t* counts, const int32_t* flag, int rows, int N,

@@ -1,5 +1,5 @@
 """Decode-size FFN calls (M <= 64) as CUDA-graph replays, every sync-free path side by side: our dense path, the
-fused decode kernel (M <= 8), decode_gathered (cuBLAS gate + per-neuron up/down) and the TwELL sync-free path
+fused decode kernel (M <= 8), decode_rows (cuBLAS gate, then one block per (row, K slice)) and the TwELL sync-free path
 (d2t -> gated_up -> down -> finalize), plus the cuBLAS gate GEMM alone. L2 flushed before each replay (a model's
 24 layers do not fit in L2), paths timed in rotation, medians. Lab: decides KernelConfig.fused_decode_max_m.
 
@@ -42,8 +42,8 @@ def main(out: str) -> int:
     base = KernelConfig(mode="sparse")
     cfgs = {"dense": base.replace(mode="dense"),
             "fused": base.replace(fused_decode_max_m=8),
-            "gathered": base.replace(fused_decode_max_m=0),
-            "twell": base.replace(fused_decode_max_m=0, gathered_decode_max_m=0)}
+            "rows": base.replace(fused_decode_max_m=0),
+            "twell": base.replace(fused_decode_max_m=0, rows_decode_max_m=0)}
     plans = {k: ops.Plan(c) for k, c in cfgs.items()}
     prov = collect({"kernel_config": base.to_dict(), "lab": "decode_paths"})
     timer = Timer()
