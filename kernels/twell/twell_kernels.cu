@@ -19,6 +19,7 @@
 // All launchers take the stream, return the cudaError_t of the launch, and never exit.
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
+#include <cooperative_groups.h>
 #include <stdint.h>
 
 #include "../common/bf16.cuh"
@@ -448,13 +449,14 @@ __global__ void __launch_bounds__(1024) decode_finish_kernel(float* __restrict__
 //   3. y[r, slice] = sum_e h_e W_dT[j_e, slice] in fp32: each thread owns one 8-column chunk of the slice and a
 //      share of the entries (strided), the shares are summed in shared memory, then one bf16 store (NaN for a
 //      flagged row, as on the sync-free path).
-// Slices > 1 give few rows enough blocks: each slice repeats steps 1-2 (the extra W_u reads come from L2) and
+// Slices > 1 give few rows enough blocks: the slices of a row form a thread-block cluster, each compacts the row
+// (11 KB from L2 at N = 5632), computes its share of step 2 and reads the rest from its peers' shared memory, and
 // writes its own columns. The slice-0 block adds the row to the measurement (out: unflagged counts, flagged rows;
 // null to skip) and the model's statistics (acc, or null). Against decode_gathered (one neuron per warp, fp32
 // atomics into an accumulator; kernels/lab/README.md), a pair costs one W_dT row read instead of 512 float4 atomics.
 constexpr int kRowsThreads = 256;
 template <int NI, bool GATED>
-__global__ void __launch_bounds__(kRowsThreads) decode_rows_kernel(const __nv_bfloat16* __restrict__ g, long long ldg,
+__global__ void __launch_bounds__(kRowsThreads, NI <= 8 ? 2 : 1) decode_rows_kernel(const __nv_bfloat16* __restrict__ g, long long ldg,
                                                                   const __nv_bfloat16* __restrict__ x,
                                                                   const __nv_bfloat16* __restrict__ wu,
                                                                   const __nv_bfloat16* __restrict__ wdt, int K, int N,
@@ -507,13 +509,15 @@ __global__ void __launch_bounds__(kRowsThreads) decode_rows_kernel(const __nv_bf
                                                                                   0x7fc07fc0u, 0x7fc07fc0u);
     return;
   }
-  // 2. h = g * (x_r . W_u[j]), one warp per entry
+  // 2. h = g * (x_r . W_u[j]). The row's slices form a cluster and split the entries (entry e belongs to slice
+  // e % slices; at 0.5% activity a warp gets about one), then each block copies the other slices' h
+  // from their shared memory (cluster.sync before and after: written before read, read before any block exits).
   if (GATED) {
     uint4 xr[NI];
     const uint4* xp = reinterpret_cast<const uint4*>(x + (long long)r * K);
 #pragma unroll
     for (int i = 0; i < NI; ++i) xr[i] = lane + 32 * i < K8 ? __ldg(xp + lane + 32 * i) : make_uint4(0, 0, 0, 0);
-    for (int e = warp; e < count; e += kRowsThreads / 32) {
+    for (int e = s + slices * warp; e < count; e += slices * (kRowsThreads / 32)) {
       const uint4* ur = reinterpret_cast<const uint4*>(wu + (long long)list_j[e] * K);
       float t = 0.f;
 #pragma unroll
@@ -522,7 +526,18 @@ __global__ void __launch_bounds__(kRowsThreads) decode_rows_kernel(const __nv_bf
       t = warp_sum(t);
       if (lane == 0) list_h[e] *= t;
     }
-    __syncthreads();
+    if (slices > 1) {
+      namespace cg = cooperative_groups;
+      cg::cluster_group cluster = cg::this_cluster();
+      cluster.sync();
+      for (int e = threadIdx.x; e < count; e += kRowsThreads) {
+        const int owner = e % slices;
+        if (owner != s) list_h[e] = cluster.map_shared_rank(list_h, owner)[e];
+      }
+      cluster.sync();
+    } else {
+      __syncthreads();
+    }
   }
   // 3. down: thread -> (chunk, share of the entries)
   const int width = max(chunks, 1), tid = (int)threadIdx.x;
@@ -532,16 +547,14 @@ __global__ void __launch_bounds__(kRowsThreads) decode_rows_kernel(const __nv_bf
     float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     if (grp >= 0) {
       const uint4* col = reinterpret_cast<const uint4*>(wdt) + k0 + cc;
+      constexpr int kU = 8;  // loads in flight per thread
       int e = grp;
-      for (; e + 3 * groups < count; e += 4 * groups) {  // four loads in flight
-        const uint4 w0 = __ldg(col + (long long)list_j[e] * K8);
-        const uint4 w1 = __ldg(col + (long long)list_j[e + groups] * K8);
-        const uint4 w2 = __ldg(col + (long long)list_j[e + 2 * groups] * K8);
-        const uint4 w3 = __ldg(col + (long long)list_j[e + 3 * groups] * K8);
-        axpy8(list_h[e], w0, a);
-        axpy8(list_h[e + groups], w1, a);
-        axpy8(list_h[e + 2 * groups], w2, a);
-        axpy8(list_h[e + 3 * groups], w3, a);
+      for (; e + (kU - 1) * groups < count; e += kU * groups) {
+        uint4 w[kU];
+#pragma unroll
+        for (int u = 0; u < kU; ++u) w[u] = __ldg(col + (long long)list_j[e + u * groups] * K8);
+#pragma unroll
+        for (int u = 0; u < kU; ++u) axpy8(list_h[e + u * groups], w[u], a);
       }
       for (; e < count; e += groups) axpy8(list_h[e], __ldg(col + (long long)list_j[e] * K8), a);
     }
@@ -710,6 +723,17 @@ __global__ void __launch_bounds__(256) row_stats_kernel(const int32_t* __restric
 inline bool too_many_warps(long long warps) { return warps >= (1LL << 31) / 64; }
 inline unsigned blocks_for_warps(long long warps) { return (unsigned)((warps * 32 + 127) / 128); }
 
+inline bool clusters_supported() {
+  static int v[64] = {0};  // 0 unknown, 1 yes, 2 no
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
+  if (v[dev] == 0) {
+    int major = 0;
+    v[dev] = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9 ? 1 : 2;
+  }
+  return v[dev] == 1;
+}
+
 inline int sm_count() {
   static int n[64] = {0};
   int dev = 0;
@@ -779,9 +803,19 @@ static cudaError_t launch_rows(unsigned blocks, int slices, const __nv_bfloat16*
     if (e != cudaSuccess) return e;
     attr_set = true;
   }
-  twell::decode_rows_kernel<NI, G><<<blocks, twell::kRowsThreads, (size_t)N * 8, stream>>>(g, ldg, x, wu, wdt, K, N,
-                                                                                           slices, y, out, acc);
-  return cudaGetLastError();
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(blocks);
+  cfg.blockDim = dim3(twell::kRowsThreads);
+  cfg.dynamicSmemBytes = (size_t)N * 8;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;  // a row's slices: one cluster
+  attr[0].val.clusterDim.x = (unsigned)slices;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = slices > 1 ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, twell::decode_rows_kernel<NI, G>, g, ldg, x, wu, wdt, K, N, slices, y, out, acc);
 }
 
 template <int NI>
@@ -921,10 +955,8 @@ cudaError_t twell_decode_rows_launch(const void* g, long long ldg, const void* x
   if (rows <= 0) return cudaSuccess;
   if (K % 64 != 0 || K > 4096 || N % 8 != 0 || N <= 0 || N > kRowsMaxN || ldg % 8 != 0 || ldg < N)
     return cudaErrorInvalidValue;
-  // about 128 blocks, each slice at least 32 chunks of 8 columns
-  int slices = (128 + rows - 1) / rows;
-  slices = slices < 8 ? slices : 8;
-  slices = slices < K / 256 ? slices : (K / 256 > 0 ? K / 256 : 1);
+  // a row's K slices form a cluster (sm_90: at most 8 blocks, each at least 8 chunks of 8 columns); elsewhere one
+  int slices = twell::clusters_supported() ? (K / 64 < 8 ? K / 64 : 8) : 1;
   const long long blocks = (long long)rows * slices;
   if (blocks > 0x7fffffffLL) return cudaErrorInvalidValue;
   const auto* gb = reinterpret_cast<const __nv_bfloat16*>(g);
