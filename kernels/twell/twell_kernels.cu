@@ -474,24 +474,35 @@ __global__ void __launch_bounds__(kRowsThreads, NI <= 8 ? 2 : 1) decode_rows_ker
   const uint4* grow = reinterpret_cast<const uint4*>(g + (long long)r * ldg);
   int count = 0;
   bool nonfinite = false;
-  for (int c0 = 0; c0 < N8; c0 += kRowsThreads) {
-    const int c = c0 + threadIdx.x;
-    const uint4 v = c < N8 ? __ldg(grow + c) : make_uint4(0, 0, 0, 0);
-    const unsigned act = relu_mask8(v, nonfinite);
-    const int mine = __popc(act), incl = warp_inclusive_sum(mine);
-    if (lane == 31) warp_total[warp] = incl;
-    __syncthreads();
-    int base = count;
-    for (int w = 0; w < warp; ++w) base += warp_total[w];
-    int pos = base + incl - mine;
-    for (unsigned a = act; a; a &= a - 1) {
-      const int i = __ffs(a) - 1;
-      list_j[pos] = c * 8 + i;
-      list_h[pos] = bf16lo(bf16_at(v, i));
-      ++pos;
+  constexpr int kPre = 4;  // rounds whose loads are issued together (N <= 8192 in one batch)
+  for (int b0 = 0; b0 < N8; b0 += kPre * kRowsThreads) {
+    uint4 vb[kPre];
+#pragma unroll
+    for (int q = 0; q < kPre; ++q) {
+      const int c = b0 + q * kRowsThreads + threadIdx.x;
+      vb[q] = c < N8 ? __ldg(grow + c) : make_uint4(0, 0, 0, 0);
     }
-    for (int w = 0; w < kRowsThreads / 32; ++w) count += warp_total[w];
-    __syncthreads();  // warp_total is rewritten next round
+#pragma unroll
+    for (int q = 0; q < kPre; ++q) {
+      if (b0 + q * kRowsThreads >= N8) break;  // block-uniform
+      const int c = b0 + q * kRowsThreads + threadIdx.x;
+      const uint4 v = vb[q];
+      const unsigned act = relu_mask8(v, nonfinite);
+      const int mine = __popc(act), incl = warp_inclusive_sum(mine);
+      if (lane == 31) warp_total[warp] = incl;
+      __syncthreads();
+      int base = count;
+      for (int w = 0; w < warp; ++w) base += warp_total[w];
+      int pos = base + incl - mine;
+      for (unsigned a = act; a; a &= a - 1) {
+        const int i = __ffs(a) - 1;
+        list_j[pos] = c * 8 + i;
+        list_h[pos] = bf16lo(bf16_at(v, i));
+        ++pos;
+      }
+      for (int w = 0; w < kRowsThreads / 32; ++w) count += warp_total[w];
+      __syncthreads();  // warp_total is rewritten next round
+    }
   }
   const bool flagged = __syncthreads_or(nonfinite) != 0;
   if (s == 0 && threadIdx.x == 0) {
@@ -955,8 +966,14 @@ cudaError_t twell_decode_rows_launch(const void* g, long long ldg, const void* x
   if (rows <= 0) return cudaSuccess;
   if (K % 64 != 0 || K > 4096 || N % 8 != 0 || N <= 0 || N > kRowsMaxN || ldg % 8 != 0 || ldg < N)
     return cudaErrorInvalidValue;
-  // a row's K slices form a cluster (sm_90: at most 8 blocks, each at least 8 chunks of 8 columns); elsewhere one
-  int slices = twell::clusters_supported() ? (K / 64 < 8 ? K / 64 : 8) : 1;
+  // a row's K slices form a cluster (sm_90: at most 8 blocks, each at least 8 chunks of 8 columns; about one wave of
+  // two blocks per SM: 8 slices up to 33 rows, 4 at 64 on an H100); elsewhere one
+  int slices = 1;
+  if (twell::clusters_supported()) {
+    slices = 2 * twell::sm_count() / rows;
+    slices = slices < 8 ? (slices > 1 ? slices : 1) : 8;
+    slices = slices < K / 64 ? slices : K / 64;
+  }
   const long long blocks = (long long)rows * slices;
   if (blocks > 0x7fffffffLL) return cudaErrorInvalidValue;
   const auto* gb = reinterpret_cast<const __nv_bfloat16*>(g);
