@@ -23,16 +23,15 @@ ROWS_DECODE_MAX_M = 64        # decode_rows (cuBLAS gate) serves the sync-free c
 # Crossover per M bucket, "m:p,...": for M >= m (largest such m) auto runs sparse when the layer's measured activity
 # is <= p. Calibrated on the H100 at K = 2048, N = 5632 against our dense path with the fused d2t (the elementwise
 # minimum of two runs, results/kernel_bench/calibration/calib_h100_r9{a,b}.jsonl; kernels/README.md, Dispatch). The
-# decode buckets (M <= 64) add an activity grid up to 25% (calib_decode_h100_r15{a,b}.jsonl, merged by
-# experiments/kernel_bench/decode_crossover.py): the fused decode kernel wins to ~20% activity at M = 1 and ~12% at
-# M = 4, where the 2% end of the r9 grid had capped the table.
-DEFAULT_CROSSOVER = ("1:0.1987,2:0.1183,5:0.0225,9:0.0019,17:0.002,33:0.0019,"
+# decode buckets (M <= 64) come from calib_decode_h100_r17{a,b}.jsonl (M = 1, 2, 4, 8, 16, 32, 64 at 0.1-25%
+# activity, the fused decode kernel to M = 2 and decode_rows above; merged by experiments/kernel_bench/
+# decode_crossover.py): sparse wins to ~20% activity at M = 1, ~10% at M = 3-8, ~7% at 9-16, ~1.5% at 33-64.
+DEFAULT_CROSSOVER = ("1:0.2032,2:0.1736,3:0.1066,5:0.0975,9:0.0708,17:0.0271,33:0.0149,"
                      "256:0,1024:0,4096:0.0025,8192:0.0025,16384:0.0045,32768:0.0055,65536:0.0069")
 # The non-gated block (no up-projection gather, so sparse wins to higher activity), calibrated the same way at
-# K = 2048, N = 8192 (calib_nongated_h100_r9.jsonl); its decode buckets extended to 25% activity like the gated ones
-# (calib_decode_nongated_h100_r16{a,b}.jsonl, decode_crossover.py --kind nongated): ~12% at M = 1, ~6% at M = 2-4, and
-# sparse loses at M = 5-8 at every activity measured (r9's grid and r16's); M = 9-64 keep r9's crossings.
-DEFAULT_CROSSOVER_NONGATED = ("1:0.1217,2:0.0637,5:0,9:0.0021,17:0,33:0.0018,"
+# K = 2048, N = 8192 (calib_nongated_h100_r9.jsonl); its decode buckets from calib_decode_nongated_h100_r17{a,b}.jsonl
+# (decode_crossover.py --kind nongated): ~12% at M = 1, ~9-11% at M = 2-8, ~7% at 9-16, ~1.4% at 33-64.
+DEFAULT_CROSSOVER_NONGATED = ("1:0.121,2:0.0908,3:0.1167,5:0.1017,9:0.0669,17:0.0443,33:0.0138,"
                               "256:0,1024:0.0025,4096:0.0044,8192:0.0054,16384:0.0082,32768:0.0095,65536:0.0105")
 
 MODES = ("auto", "sparse", "dense")

@@ -264,27 +264,27 @@ def test_fake_impls_shapes():
 
 def test_default_crossover_is_derived_from_the_calibration_logs():
     """DEFAULT_CROSSOVER is what experiments/kernel_bench/decode_crossover.py derives from the committed calibration
-    logs (r9 for every bucket, r15 extending the decode buckets' activity grid): a hand-edited table fails here."""
+    logs (r9 for every bucket, r17 measuring the decode buckets afresh to 25% activity): a hand-edited table fails."""
     from pathlib import Path
 
     from sfl.experiments.kernel_bench.decode_crossover import BASE, decode_table
     from sfl.kernels.config import DEFAULT_CROSSOVER
 
     root = Path(__file__).resolve().parents[1]
-    new = [str(root / f"results/kernel_bench/calibration/calib_decode_h100_r15{r}.jsonl") for r in "ab"]
+    new = [str(root / f"results/kernel_bench/calibration/calib_decode_h100_r17{r}.jsonl") for r in "ab"]
     base = [str(root / BASE.format(r)) for r in "ab"]
     assert decode_table(new, base) == DEFAULT_CROSSOVER
 
 
 def test_nongated_crossover_is_its_calibration():
     """DEFAULT_CROSSOVER_NONGATED is decode_crossover.py --kind nongated of the committed logs (r9's non-gated run for
-    every bucket, r16 extending the decode buckets to 25% activity): a hand-edited table fails here."""
+    every bucket, r17 measuring the decode buckets afresh to 25% activity): a hand-edited table fails here."""
     from pathlib import Path
 
     from sfl.experiments.kernel_bench.decode_crossover import BASE_NONGATED, decode_table
     from sfl.kernels.config import DEFAULT_CROSSOVER_NONGATED
 
     root = Path(__file__).resolve().parents[1]
-    new = [str(root / f"results/kernel_bench/calibration/calib_decode_nongated_h100_r16{r}.jsonl") for r in "ab"]
+    new = [str(root / f"results/kernel_bench/calibration/calib_decode_nongated_h100_r17{r}.jsonl") for r in "ab"]
     base = [str(root / BASE_NONGATED)] * 2
     assert decode_table(new, base, kind="nongated") == DEFAULT_CROSSOVER_NONGATED
