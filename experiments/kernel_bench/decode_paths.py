@@ -1,9 +1,9 @@
 """Decode-size FFN calls (M <= 64) as CUDA-graph replays, every sync-free path side by side: our dense path, the
-fused decode kernel (M <= 8), decode_rows (cuBLAS gate, then one block per (row, K slice)) and the TwELL sync-free path
+fused decode kernel (M <= 8), the row decode (cuBLAS gate GEMM, then decode_rows) and the TwELL sync-free path
 (d2t -> gated_up -> down -> finalize), plus the cuBLAS gate GEMM alone. L2 flushed before each replay (a model's
-24 layers do not fit in L2), paths timed in rotation, medians. Lab: decides KernelConfig.fused_decode_max_m.
+layers do not fit in L2), paths timed in rotation, medians of 30. It sets kernels/config.py's FUSED_DECODE_MAX_M.
 
-    PYTHONPATH=. python lab/speed/decode_paths.py OUT.jsonl
+    python -m sfl.experiments.kernel_bench.decode_paths results/kernel_bench/decode_paths_<gpu>.jsonl
 """
 import json
 import statistics
@@ -45,7 +45,7 @@ def main(out: str) -> int:
             "rows": base.replace(fused_decode_max_m=0),
             "twell": base.replace(fused_decode_max_m=0, rows_decode_max_m=0)}
     plans = {k: ops.Plan(c) for k, c in cfgs.items()}
-    prov = collect({"kernel_config": base.to_dict(), "lab": "decode_paths"})
+    prov = collect({"kernel_config": base.to_dict(), "benchmark": "decode_paths"})
     timer = Timer()
     f = open(out, "w")
     t0 = time.time()
