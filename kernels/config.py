@@ -72,6 +72,8 @@ class KernelConfig:
             products on CUDA cores, W_g read once).
         rows_decode_max_m: above fused_decode_max_m, sync-free calls of at most this many rows take the cuBLAS
             gate GEMM and the decode_rows kernel (compaction, up and down per row; 0: off).
+        decode_rows_slices: K slices (blocks) per row in decode_rows, 1..8 (a thread-block cluster on sm_90); 0: about
+            one block per SM.
         crossover / crossover_nongated: dispatch tables ("m:p,...", see DEFAULT_CROSSOVER).
         flagged_dense_above: eager auto runs dense when more than this fraction of rows was flagged last time.
         self_timing: eager auto times both paths per M bucket: above decode_max_m it leaves sparse where it measured
@@ -112,6 +114,7 @@ class KernelConfig:
     decode_tiles_per_warp: int = 4
     fused_decode_max_m: int = FUSED_DECODE_MAX_M
     rows_decode_max_m: int = ROWS_DECODE_MAX_M
+    decode_rows_slices: int = 0
     train_width: int = 128
     train_dense_above: float = 0.007
     train_backup_dense_above: float = 0.15  # model-level: layers at 1.5-12.9% backup rows still won (train/README)
@@ -143,9 +146,10 @@ class KernelConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise bad(name, "must be an integer >= 0")
-        v = self.fused_decode_max_m
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= FUSED_DECODE_MAX_M_LIMIT:
-            raise bad("fused_decode_max_m", f"must be an integer in 0..{FUSED_DECODE_MAX_M_LIMIT} (the kernel's row limit)")
+        for name, top in (("fused_decode_max_m", FUSED_DECODE_MAX_M_LIMIT), ("decode_rows_slices", 8)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= top:
+                raise bad(name, f"must be an integer in 0..{top}")
         if self.slots > TILE_N:
             raise bad("slots", f"must be <= {TILE_N} (one tile holds {TILE_N} columns)")
         if self.down_nb not in (1, 2, 4, 8):

@@ -4,6 +4,7 @@ fused decode kernel (M <= 8), the row decode (cuBLAS gate GEMM, then decode_rows
 layers do not fit in L2), paths timed in rotation, medians of 30. It sets kernels/config.py's FUSED_DECODE_MAX_M.
 
     python -m sfl.experiments.kernel_bench.decode_paths results/kernel_bench/decode_paths_<gpu>.jsonl
+    python -m sfl.experiments.kernel_bench.decode_paths OUT.jsonl --slices-sweep   # decode_rows_slices 0/1/2/4/8
 """
 import json
 import statistics
@@ -35,15 +36,19 @@ def rotate(timer: Timer, fns: dict, reps: int) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def main(out: str) -> int:
+def main(out: str, slices_sweep: bool = False) -> int:
     K, N = 2048, 5632
     wg32, wu32, wd32 = make_weights(K, N)
     wu, wd = wu32.to(BF), wd32.to(BF)
     base = KernelConfig(mode="sparse")
-    cfgs = {"dense": base.replace(mode="dense"),
-            "fused": base.replace(fused_decode_max_m=8),
-            "rows": base.replace(fused_decode_max_m=0),
-            "twell": base.replace(fused_decode_max_m=0, rows_decode_max_m=0)}
+    if slices_sweep:  # the row decode at every decode_rows_slices (0 = the automatic choice)
+        cfgs = {"dense": base.replace(mode="dense")}
+        cfgs.update({f"rows_s{n}": base.replace(fused_decode_max_m=0, decode_rows_slices=n) for n in (0, 1, 2, 4, 8)})
+    else:
+        cfgs = {"dense": base.replace(mode="dense"),
+                "fused": base.replace(fused_decode_max_m=8),
+                "rows": base.replace(fused_decode_max_m=0),
+                "twell": base.replace(fused_decode_max_m=0, rows_decode_max_m=0)}
     plans = {k: ops.Plan(c) for k, c in cfgs.items()}
     prov = collect({"kernel_config": base.to_dict(), "benchmark": "decode_paths"})
     timer = Timer()
@@ -77,4 +82,4 @@ def main(out: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1], "--slices-sweep" in sys.argv[2:]))

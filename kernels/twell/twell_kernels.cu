@@ -524,16 +524,13 @@ __global__ void __launch_bounds__(kRowsThreads, NI <= 8 ? 2 : 1) decode_rows_ker
   // e % slices; at 0.5% activity a warp gets about one), then each block copies the other slices' h
   // from their shared memory (cluster.sync before and after: written before read, read before any block exits).
   if (GATED) {
-    uint4 xr[NI];
     const uint4* xp = reinterpret_cast<const uint4*>(x + (long long)r * K);
-#pragma unroll
-    for (int i = 0; i < NI; ++i) xr[i] = lane + 32 * i < K8 ? __ldg(xp + lane + 32 * i) : make_uint4(0, 0, 0, 0);
     for (int e = s + slices * warp; e < count; e += slices * (kRowsThreads / 32)) {
       const uint4* ur = reinterpret_cast<const uint4*>(wu + (long long)list_j[e] * K);
-      float t = 0.f;
+      float t = 0.f;  // x_r comes from L2 with each entry (a warp has about one): fewer registers, more blocks per SM
 #pragma unroll
       for (int i = 0; i < NI; ++i)
-        if (lane + 32 * i < K8) t = dot8(xr[i], __ldg(ur + lane + 32 * i), t);
+        if (lane + 32 * i < K8) t = dot8(__ldg(xp + lane + 32 * i), __ldg(ur + lane + 32 * i), t);
       t = warp_sum(t);
       if (lane == 0) list_h[e] *= t;
     }
@@ -961,19 +958,21 @@ cudaError_t twell_decode_finish_launch(float* yacc, int32_t* nnz, int32_t* flag,
 // the gate GEMM's output, W_u x for non-gated blocks, whose wu is then nullptr). Writes y [rows, K] bf16; out (the
 // measurement, zeroed by the caller) and acc (the model's statistics) are optional.
 cudaError_t twell_decode_rows_launch(const void* g, long long ldg, const void* x, const void* wu, const void* wdt,
-                                     int rows, int K, int N, void* y, unsigned long long* out, unsigned long long* acc,
-                                     cudaStream_t stream) {
+                                     int rows, int K, int N, int slices, void* y, unsigned long long* out,
+                                     unsigned long long* acc, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
-  if (K % 64 != 0 || K > 4096 || N % 8 != 0 || N <= 0 || N > kRowsMaxN || ldg % 8 != 0 || ldg < N)
+  if (K % 64 != 0 || K > 4096 || N % 8 != 0 || N <= 0 || N > kRowsMaxN || ldg % 8 != 0 || ldg < N || slices < 0 ||
+      slices > 8)
     return cudaErrorInvalidValue;
-  // a row's K slices form a cluster (sm_90: at most 8 blocks, each at least 8 chunks of 8 columns; about one wave of
-  // two blocks per SM: 8 slices up to 33 rows, 4 at 64 on an H100); elsewhere one
-  int slices = 1;
-  if (twell::clusters_supported()) {
-    slices = 2 * twell::sm_count() / rows;
+  // a row's K slices form a cluster (sm_90: at most 8 blocks, each at least 8 chunks of 8 columns); slices = 0:
+  // about one block per SM (clusters that do not fit at once would run as a second wave); elsewhere one
+  if (!twell::clusters_supported()) {
+    slices = 1;
+  } else if (slices == 0) {
+    slices = twell::sm_count() / rows;
     slices = slices < 8 ? (slices > 1 ? slices : 1) : 8;
-    slices = slices < K / 64 ? slices : K / 64;
   }
+  slices = slices < K / 64 ? slices : K / 64;
   const long long blocks = (long long)rows * slices;
   if (blocks > 0x7fffffffLL) return cudaErrorInvalidValue;
   const auto* gb = reinterpret_cast<const __nv_bfloat16*>(g);
