@@ -524,13 +524,18 @@ __global__ void __launch_bounds__(kRowsThreads, NI <= 8 ? 2 : 1) decode_rows_ker
   // e % slices; at 0.5% activity a warp gets about one), then each block copies the other slices' h
   // from their shared memory (cluster.sync before and after: written before read, read before any block exits).
   if (GATED) {
+    // x_r in registers, loaded before the entries (loading it with each entry instead measured 2-3 us slower at
+    // every M: decode_paths, b35c7e8)
+    uint4 xr[NI];
     const uint4* xp = reinterpret_cast<const uint4*>(x + (long long)r * K);
+#pragma unroll
+    for (int i = 0; i < NI; ++i) xr[i] = lane + 32 * i < K8 ? __ldg(xp + lane + 32 * i) : make_uint4(0, 0, 0, 0);
     for (int e = s + slices * warp; e < count; e += slices * (kRowsThreads / 32)) {
       const uint4* ur = reinterpret_cast<const uint4*>(wu + (long long)list_j[e] * K);
-      float t = 0.f;  // x_r comes from L2 with each entry (a warp has about one): fewer registers, more blocks per SM
+      float t = 0.f;
 #pragma unroll
       for (int i = 0; i < NI; ++i)
-        if (lane + 32 * i < K8) t = dot8(__ldg(xp + lane + 32 * i), __ldg(ur + lane + 32 * i), t);
+        if (lane + 32 * i < K8) t = dot8(xr[i], __ldg(ur + lane + 32 * i), t);
       t = warp_sum(t);
       if (lane == 0) list_h[e] *= t;
     }
@@ -965,11 +970,12 @@ cudaError_t twell_decode_rows_launch(const void* g, long long ldg, const void* x
       slices > 8)
     return cudaErrorInvalidValue;
   // a row's K slices form a cluster (sm_90: at most 8 blocks, each at least 8 chunks of 8 columns); slices = 0:
-  // about one block per SM (clusters that do not fit at once would run as a second wave); elsewhere one
+  // 2 * SMs / rows, at most 8 (8 to M = 33, 4 at M = 64 on an H100; decode_paths --slices-sweep: 8 is best or
+  // within noise up to M = 32, at M = 64 4 is best for uniform activity, 8 for the paper-like profile); elsewhere one
   if (!twell::clusters_supported()) {
     slices = 1;
   } else if (slices == 0) {
-    slices = twell::sm_count() / rows;
+    slices = 2 * twell::sm_count() / rows;
     slices = slices < 8 ? (slices > 1 ? slices : 1) : 8;
   }
   slices = slices < K / 64 ? slices : K / 64;
