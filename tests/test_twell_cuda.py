@@ -720,6 +720,23 @@ def test_rows_decode_vs_fp32(ffn, K, N, gated, M, fused_max):
     assert int(stats[0]) == int(nnz.sum()) and int(stats[1]) == int(nnz.max()) and int(stats[2]) == M
 
 
+@pytest.mark.parametrize("K,N,gated", SHAPES)
+@pytest.mark.parametrize("M,slices", [(1, 1), (9, 1), (64, 1), (5, 3), (33, 3)])
+def test_rows_decode_slices(ffn, K, N, gated, M, slices):
+    """decode_rows with a set number of K slices per row: 1 (no cluster; a thread owns several chunks at K >= 2048)
+    and 3 (slices of unequal width, a cluster of 3): exact, and the statistics as dense's."""
+    x, wg, wu, wd = _decode_problem(M, K, N, 0.01, seed=900 + 7 * M + K + N + slices, gated=gated)
+    poison()
+    plan = new_plan(mode="sparse", fused_decode_max_m=0, decode_rows_slices=slices)
+    stats = torch.zeros(3, device=DEV, dtype=torch.int64)
+    y = run(ffn, x, wg, wu, wd, gated, plan=plan, stats=stats)
+    torch.cuda.synchronize()
+    assert plan.info()["d2t"] == "decode-rows"
+    check(y, x, wg, wu, wd, gated)
+    nnz = (F.relu(F.linear(x, wg if gated else wu)) != 0).sum(1)
+    assert int(stats[0]) == int(nnz.sum()) and int(stats[2]) == M
+
+
 @pytest.mark.parametrize("M", [16, 64])
 def test_rows_decode_graph_replay(ffn, M):
     """decode_rows under CUDA-graph capture (cuBLAS gate inside the graph): replays with new inputs, a heavy row
