@@ -531,10 +531,9 @@ at::Tensor fused_decode(Call& c, const at::Tensor& wdt, bool measure) {
 // ReLU, compaction, up, down, the measurement and the statistics per (row, K slice). Two launches, no workspace.
 at::Tensor rows_decode(Call& c, const at::Tensor& wdt, bool measure) {
   Plan& P = c.P;
-  // the measurement slot's memset first: decode_rows is launched as a programmatic dependent of the GEMM itself
-  at::Tensor st = measure ? P.measurement_slot(true, c.stream) : at::Tensor();
-  at::Tensor y = at::empty({c.M, c.K}, c.x.options());
   at::Tensor g = at::mm(c.x, c.gate_w().t());
+  at::Tensor y = at::empty({c.M, c.K}, c.x.options());
+  at::Tensor st = measure ? P.measurement_slot(true, c.stream) : at::Tensor();
   check(twell_decode_rows_launch(g.data_ptr(), g.stride(0), c.x.data_ptr(), c.wg ? c.wu.data_ptr() : nullptr,
                                  wdt.data_ptr(), (int)c.M, (int)c.K, (int)c.N, P.cfg.decode_rows_slices, y.data_ptr(),
                                  measure ? reinterpret_cast<unsigned long long*>(i64(st)) : nullptr, c.acc, c.stream),

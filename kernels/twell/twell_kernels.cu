@@ -467,11 +467,6 @@ __global__ void __launch_bounds__(kRowsThreads, NI <= 8 ? 2 : 1) decode_rows_ker
   float* list_h = reinterpret_cast<float*>(list_j + N);        // [N] their g, then h
   __shared__ float red[kRowsThreads * 8];                      // step 3's partial sums
   __shared__ int warp_total[kRowsThreads / 32];
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // launched as a programmatic dependent of the gate GEMM (sm_90): the blocks are placed while the GEMM drains and
-  // wait here, before any memory access, until it has completed and its g is visible
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
   const int r = blockIdx.x / slices, s = blockIdx.x % slices;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int K8 = K >> 3, N8 = N >> 3;
@@ -826,22 +821,13 @@ static cudaError_t launch_rows(unsigned blocks, int slices, const __nv_bfloat16*
   cfg.blockDim = dim3(twell::kRowsThreads);
   cfg.dynamicSmemBytes = (size_t)N * 8;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[2];
-  unsigned n = 0;
-  if (slices > 1) {
-    attr[n].id = cudaLaunchAttributeClusterDimension;  // a row's slices: one cluster
-    attr[n].val.clusterDim.x = (unsigned)slices;
-    attr[n].val.clusterDim.y = 1;
-    attr[n].val.clusterDim.z = 1;
-    ++n;
-  }
-  if (twell::clusters_supported()) {  // sm_90: may launch before the gate GEMM ends (the kernel waits on it first)
-    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[n].val.programmaticStreamSerializationAllowed = 1;
-    ++n;
-  }
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;  // a row's slices: one cluster
+  attr[0].val.clusterDim.x = (unsigned)slices;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = n;
+  cfg.numAttrs = slices > 1 ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, twell::decode_rows_kernel<NI, G>, g, ldg, x, wu, wdt, K, N, slices, y, out, acc);
 }
 
