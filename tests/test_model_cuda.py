@@ -96,20 +96,21 @@ def test_static_cache_generate_compiled(batch: int, mode: str) -> None:
 @pytest.mark.parametrize("train_mode", ["sparse", "auto"])
 def test_compiled_training_steps_match_eager(train_mode: str) -> None:
     """torch.compile of the model in training with the cuda training op (forward with labels, the loss with its L1
-    term, backward): the loss and every gradient equal eager's within bf16 rounding at every step, and once the
-    layers' dispatch history has settled (two steps) further steps of one shape compile nothing new."""
+    term, backward): at every step the loss and every gradient are as close to fp32 math (the same weights, dense
+    MLP) as eager bf16's, within 2x its error, and once the layers' dispatch history has settled (two steps) further
+    steps of one shape compile nothing new."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
     from sfl.kernels.config import KernelConfig
 
-    def make() -> SparseLlamaForCausalLM:
+    def make(impl: str = "cuda", dtype=torch.bfloat16) -> SparseLlamaForCausalLM:
         torch.manual_seed(5)
         cfg = SparseLlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                                 tie_word_embeddings=True, hidden_act="relu", l1_coeff=1e-3)
-        m = SparseLlamaForCausalLM(cfg).to(DEV, torch.bfloat16).train()
-        m.set_mlp_impl("cuda")
+        m = SparseLlamaForCausalLM(cfg).to(DEV, torch.bfloat16).to(dtype).train()  # the same (bf16) weights
+        m.set_mlp_impl(impl)
         m.set_kernel_config(KernelConfig(train_mode=train_mode, train_sparse_min_m=0))
         return m
 
@@ -120,21 +121,23 @@ def test_compiled_training_steps_match_eager(train_mode: str) -> None:
         return float(loss.detach()), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
 
     x = torch.randint(0, VOCAB, (4, 64), device=DEV)
+    ref_loss, ref = step(*(2 * [make("dense", torch.float32)]), x)
     eager, compiled_model = make(), make()
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(compiled_model)
-    frames_after_warmup = None
+    graphs_after_warmup = None
     try:
         for i in range(6):
             want_loss, want = step(eager, eager, x)
             got_loss, got = step(compiled, compiled_model, x)
-            assert abs(got_loss - want_loss) <= 0.02 * abs(want_loss), (i, got_loss, want_loss)
-            assert got.keys() == want.keys()
-            for name in want:
-                assert rel_err(got[name], want[name]) < 0.05, (i, name, rel_err(got[name], want[name]))
+            assert abs(got_loss - ref_loss) <= 2 * abs(want_loss - ref_loss) + 1e-3 * abs(ref_loss), (i, got_loss, want_loss, ref_loss)
+            assert got.keys() == want.keys() == ref.keys()
+            for name in ref:
+                e_got, e_want = rel_err(got[name], ref[name]), rel_err(want[name], ref[name])
+                assert e_got <= 2 * e_want + 0.005, (i, name, e_got, e_want)
             if i == 1:
-                frames_after_warmup = counters["stats"]["unique_graphs"]
-        assert counters["stats"]["unique_graphs"] == frames_after_warmup, dict(counters["stats"])
+                graphs_after_warmup = counters["stats"]["unique_graphs"]
+        assert counters["stats"]["unique_graphs"] == graphs_after_warmup, dict(counters["stats"])
     finally:
         torch._dynamo.reset()
