@@ -259,6 +259,10 @@ class SparseLlamaMLP(nn.Module):
             self._cast_cache = cache
         return cache[1]
 
+    # Under torch.compile this runs eagerly (a graph break around each MLP): its dispatch reads the layer's measured
+    # history (activity, widest row, backup fraction: host values that change every step), on which a traced
+    # region would specialise and recompile each step until dynamo's recompile limit sent the whole frame to eager.
+    @torch.compiler.disable
     def _forward_cuda_train(self, x2: torch.Tensor, l1_mode: str | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Training through the hybrid-format op of kernels/train_ffn.py: exact y, L1 and gradients."""
         try:

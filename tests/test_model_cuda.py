@@ -97,8 +97,8 @@ def test_static_cache_generate_compiled(batch: int, mode: str) -> None:
 def test_compiled_training_steps_match_eager(train_mode: str) -> None:
     """torch.compile of the model in training with the cuda training op (forward with labels, the loss with its L1
     term, backward): at every step the loss and every gradient are as close to fp32 math (the same weights, dense
-    MLP) as eager bf16's, within 2x its error, and once the layers' dispatch history has settled (two steps) further
-    steps of one shape compile nothing new."""
+    MLP) as eager bf16's, within 2x its error, and after the first two steps nothing new is compiled (the MLPs run
+    eagerly between compiled regions; traced, their dispatch history recompiled the model at every step)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
