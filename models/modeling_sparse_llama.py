@@ -191,7 +191,12 @@ class SparseLlamaMLP(nn.Module):
         elif impl == "reference":
             y, l1 = self._forward_reference(x2, l1_mode)
         elif impl == "cuda":
-            y, l1 = self._forward_cuda_train(x2, l1_mode)
+            # under torch.compile the training forward runs eagerly (a graph break around each MLP): its dispatch reads
+            # the layer's measured history (activity, widest row, backup fraction: host values that change every
+            # step), on which a traced region would specialise and recompile each step until dynamo's recompile limit
+            # sent the whole frame to eager; outside compile the plain method runs (no wrapper on the hot path)
+            fwd = _eager_cuda_train if torch.compiler.is_compiling() else SparseLlamaMLP._forward_cuda_train
+            y, l1 = fwd(self, x2, l1_mode)
         else:
             raise ValueError(f"config.mlp_impl={impl!r} is invalid: must be one of {MLP_IMPLS}")
         return y.reshape(*shape[:-1], y.shape[-1]), l1
@@ -259,10 +264,6 @@ class SparseLlamaMLP(nn.Module):
             self._cast_cache = cache
         return cache[1]
 
-    # Under torch.compile this runs eagerly (a graph break around each MLP): its dispatch reads the layer's measured
-    # history (activity, widest row, backup fraction: host values that change every step), on which a traced
-    # region would specialise and recompile each step until dynamo's recompile limit sent the whole frame to eager.
-    @torch.compiler.disable
     def _forward_cuda_train(self, x2: torch.Tensor, l1_mode: str | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Training through the hybrid-format op of kernels/train_ffn.py: exact y, L1 and gradients."""
         try:
@@ -289,6 +290,9 @@ class SparseLlamaMLP(nn.Module):
 
     def extra_repr(self) -> str:
         return f"gated={self.gated}, impl={self.config.mlp_impl}, act={self.config.hidden_act}"
+
+
+_eager_cuda_train = torch.compiler.disable(SparseLlamaMLP._forward_cuda_train)
 
 
 class SparseLlamaDecoderLayer(LlamaDecoderLayer):
