@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 TILE_N = 256          # TwELL tile width (columns per tile); fixed by the kernels
 FUSED_DECODE_MAX_M_LIMIT = 8  # the fused decode kernel takes at most 8 rows
-FUSED_DECODE_MAX_M = 2        # ... and serves up to this many by default (decode_rows wins above: kernels/README.md, Decode)
+FUSED_DECODE_MAX_M = 2        # ... and serves up to this many (decode_rows is faster above: kernels/README.md, 5b)
 ROWS_DECODE_MAX_M = 64        # decode_rows (cuBLAS gate) serves the sync-free calls above that, up to this many
 
 # Crossover per M bucket, "m:p,...": for M >= m (largest such m) auto runs sparse when the layer's measured activity

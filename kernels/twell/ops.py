@@ -110,8 +110,8 @@ class Plan:
     def info(self) -> dict:
         """The layer's dispatch state and its last call: p (measured activity), f (flagged-row fraction),
         measurements, sparse_calls, dense_calls, path ("dense" | "sparse" | "sparse-syncfree"), d2t
-        ("fused" | "cublas" | "decode-fused" | "decode-rows"), flagged_rows (eager sparse calls), timings. Empty before the first
-        call."""
+        ("fused" | "cublas" | "decode-fused" | "decode-rows"), flagged_rows (eager sparse calls), timings. Empty
+        before the first call."""
         return dict(load().plan_info(self.id))
 
     def reset(self) -> None:
