@@ -105,6 +105,21 @@ __device__ __forceinline__ void store_row(__nv_bfloat16* __restrict__ row, const
   }
 }
 
+// One dot product over the warp: v (a K-vector as NI 16-byte chunks per lane, as load_row leaves it) . w_row,
+// summed over the 32 lanes (every lane gets it). All 32 lanes call it.
+template <int NI>
+__device__ __forceinline__ float row_dot(const uint4 (&v)[NI], const __nv_bfloat16* __restrict__ w_row, int K) {
+  const int lane = threadIdx.x & 31;
+  const uint4* r = reinterpret_cast<const uint4*>(w_row);
+  float d = 0.f;
+#pragma unroll
+  for (int i = 0; i < NI; ++i) {
+    const int c = lane + 32 * i;
+    if (c < (K >> 3)) d = dot8(v[i], __ldg(r + c), d);
+  }
+  return warp_sum(d);
+}
+
 // Gathered dot products (the sparse kernels' inner loop): lane e < ne (<= 32) names row `row` of w [*, K]; on
 // lane e this returns w[row] . v, with v a K-vector held as NI 16-byte chunks per lane (chunk i at lane + 32 i;
 // zero past K). Lanes >= ne get 0. Two rows' loads are in flight per step. All 32 lanes call it.

@@ -708,27 +708,12 @@ __global__ void __launch_bounds__(256, 1) dense_rows_fwd_kernel(
     float absacc = 0.f;
 #pragma unroll 1
     for (int j = warp; j < N; j += 8) {
-      const uint4* wr = reinterpret_cast<const uint4*>(wf + (long long)j * K);
-      float d = 0.f;
-#pragma unroll
-      for (int i = 0; i < NI; ++i) {
-        const int c = lane + 32 * i;
-        if (c < K8) d = dot8(xv[i], __ldg(wr + c), d);
-      }
-      const uint32_t gb = (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(warp_sum(d)));
+      const float g = row_dot<NI>(xv, wf + (long long)j * K, K);
+      const uint32_t gb = (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(g));
       if (!relu_active(gb)) continue;  // warp-uniform: every lane holds the same sum
       if (last != nullptr && lane == 0) atomicMax(last + j, row);
       float h = __uint_as_float(gb << 16);
-      if (GATED) {
-        const uint4* ur = reinterpret_cast<const uint4*>(wu + (long long)j * K);
-        float e = 0.f;
-#pragma unroll
-        for (int i = 0; i < NI; ++i) {
-          const int c = lane + 32 * i;
-          if (c < K8) e = dot8(xv[i], __ldg(ur + c), e);
-        }
-        h *= warp_sum(e);
-      }
+      if (GATED) h *= row_dot<NI>(xv, wu + (long long)j * K, K);
       absacc += fabsf(h);
       const uint4* dr = reinterpret_cast<const uint4*>(wdt + (long long)j * K);
 #pragma unroll

@@ -527,17 +527,10 @@ __global__ void __launch_bounds__(kRowsThreads, NI <= 8 ? 2 : 1) decode_rows_ker
     // x_r in registers, loaded before the entries (loading it with each entry instead measured 2-3 us slower at
     // every M: decode_paths, b35c7e8)
     uint4 xr[NI];
-    const uint4* xp = reinterpret_cast<const uint4*>(x + (long long)r * K);
-#pragma unroll
-    for (int i = 0; i < NI; ++i) xr[i] = lane + 32 * i < K8 ? __ldg(xp + lane + 32 * i) : make_uint4(0, 0, 0, 0);
+    load_row<NI>(xr, x + (long long)r * K, K);
     for (int e = s + slices * warp; e < count; e += slices * (kRowsThreads / 32)) {
-      const uint4* ur = reinterpret_cast<const uint4*>(wu + (long long)list_j[e] * K);
-      float t = 0.f;
-#pragma unroll
-      for (int i = 0; i < NI; ++i)
-        if (lane + 32 * i < K8) t = dot8(xr[i], __ldg(ur + lane + 32 * i), t);
-      t = warp_sum(t);
-      if (lane == 0) list_h[e] *= t;
+      const float u = row_dot<NI>(xr, wu + (long long)list_j[e] * K, K);
+      if (lane == 0) list_h[e] *= u;
     }
     if (slices > 1) {
       namespace cg = cooperative_groups;
