@@ -10,7 +10,8 @@ Per side, one step as experiments/train.py runs it (forward with the L1 loss und
   saved as they are are counted apart (they are held anyway), autocast's weight casts are counted with the module;
 - on CUDA: memory allocated before the step, at the end of the forward (what backward will consume) and the
   step's peak, from torch.cuda's allocator counters;
-- the FFN path each layer took (the training dispatch is per layer: a layer above train_dense_above runs dense).
+- the FFN path each layer took and what the dispatch decided it from (the training dispatch is per layer: a layer
+  above train_dense_above, above train_backup_dense_above, or with fewer than train_sparse_min_m rows runs dense).
 Sides: "dense" (the model's dense MLP with its L1 term and statistics), "dense L1=0" (the paper's baseline: no
 penalty, no statistics), "sparse auto" (mlp_impl cuda, the model's KernelConfig) and "sparse forced" (train_mode
 sparse, train_sparse_min_m 1).
@@ -27,7 +28,7 @@ from typing import Any, Iterator
 import torch
 
 from ..provenance import collect
-from .train_throughput import as_side, ffn_paths
+from .train_throughput import as_side, ffn_dispatch, ffn_paths
 
 CATEGORIES = ("ffn", "attention", "norm", "embedding", "lm_head+loss", "parameters")
 
@@ -98,6 +99,8 @@ def one_step(model, ids: torch.Tensor, l1_coeff: float) -> dict[str, Any]:
         torch.cuda.synchronize()
         row["peak_over_start_bytes"] = torch.cuda.max_memory_allocated() - before
     row["ffn_paths"] = ffn_paths(model)
+    row["ffn_dispatch"] = ffn_dispatch(model)  # what auto decided from: measured activity, backup fraction per layer
+    row["ffn_rows"] = int(ids[:, :-1].numel())   # the FFN's M (train_sparse_min_m applies to it)
     model.zero_grad(set_to_none=True)
     return row
 
