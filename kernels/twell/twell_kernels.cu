@@ -456,13 +456,11 @@ __global__ void __launch_bounds__(1024) decode_finish_kernel(float* __restrict__
 // atomics into an accumulator; kernels/lab/README.md), a pair costs one W_dT row read instead of 512 float4 atomics.
 constexpr int kRowsThreads = 256;
 template <int NI, bool GATED>
-__global__ void __launch_bounds__(kRowsThreads, NI <= 8 ? 2 : 1) decode_rows_kernel(const __nv_bfloat16* __restrict__ g, long long ldg,
-                                                                  const __nv_bfloat16* __restrict__ x,
-                                                                  const __nv_bfloat16* __restrict__ wu,
-                                                                  const __nv_bfloat16* __restrict__ wdt, int K, int N,
-                                                                  int slices, __nv_bfloat16* __restrict__ y,
-                                                                  unsigned long long* __restrict__ out,
-                                                                  unsigned long long* __restrict__ acc) {
+__global__ void __launch_bounds__(kRowsThreads, NI <= 8 ? 2 : 1)
+    decode_rows_kernel(const __nv_bfloat16* __restrict__ g, long long ldg, const __nv_bfloat16* __restrict__ x,
+                       const __nv_bfloat16* __restrict__ wu, const __nv_bfloat16* __restrict__ wdt, int K, int N,
+                       int slices, __nv_bfloat16* __restrict__ y, unsigned long long* __restrict__ out,
+                       unsigned long long* __restrict__ acc) {
   extern __shared__ int list_j[];                              // [N] active columns, then
   float* list_h = reinterpret_cast<float*>(list_j + N);        // [N] their g, then h
   __shared__ float red[kRowsThreads * 8];                      // step 3's partial sums
