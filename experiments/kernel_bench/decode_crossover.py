@@ -7,7 +7,8 @@ The default calibration grid (bench_inference --calib) ends at 2% activity, wher
 at M = 1..8: its table entries were the grid's end, not a measured crossing. The extension runs
 (`bench_inference --calib --calib-ms 1 2 4 8 16 32 64 --calib-acts 0.001 ... 0.25`) are merged with the base runs'
 rows (run a with a, b with b; where both measured a size and activity, the extension's row replaces the base's),
-each pair gives crossover_spec's per-M crossing, and the table takes their minimum. A bucket between two measured sizes takes the larger size's value (the sparse path's cost grows with M), so
+each pair gives crossover_spec's per-M crossing, and the table takes their minimum. A bucket between two measured
+sizes takes the larger size's value (the sparse path's cost grows with M), so
 M = 2..4 use M = 4's crossing, 5..8 use M = 8's, and so on; buckets above 64 come from the base runs alone, as
 calibrate.sh makes them. Prints the whole table (KernelConfig.crossover's format; tests/test_kernels_cpu.py checks
 that it is DEFAULT_CROSSOVER). `--kind nongated`: the same for KernelConfig.crossover_nongated, whose base is r9's one
@@ -29,16 +30,12 @@ def rows(path: str) -> list[dict]:
     return [json.loads(line) for line in open(path)]
 
 
-def acts_of(rows_: list[dict], m: int) -> set[float]:
-    return {r["activity"] for r in rows_ if r["M"] == m}
-
-
 def decode_table(new: list[str], base: list[str], max_m: int = 64, kind: str = "gated") -> str:
     per_run = []
     for n, b in zip(new, base):
         fresh = [r for r in rows(n) if r["M"] <= max_m]
-        measured = {r["M"] for r in fresh}   # sizes the extension runs measured replace the base run's rows there
-        merged = [r for r in rows(b) if r["M"] not in measured or r["activity"] not in acts_of(fresh, r["M"])] + fresh
+        measured = {(r["M"], r["activity"]) for r in fresh}  # these replace the base run's rows at the same point
+        merged = [r for r in rows(b) if (r["M"], r["activity"]) not in measured] + fresh
         per_run.append({int(m): float(p) for m, p in (kv.split(":") for kv in crossover_spec(merged).split(","))})
     ms = sorted(per_run[0])
     cross = {m: min(run[m] for run in per_run) for m in ms}
