@@ -123,6 +123,24 @@ def test_calibration_hits_targets_with_heavy_tail_and_dead_neurons() -> None:
     assert (never > 0.2).all(), never
 
 
+
+def test_calibration_holds_under_autocast() -> None:
+    """An fp32 model calibrated under bf16 autocast (how memory_breakdown trains): autocast caches its weight casts,
+    so the bias writes must reach the counted GEMM; the model's own autocast forward then shows the targets."""
+    torch.manual_seed(0)
+    vocab = 500
+    model = small_paper_like_model(3, 128, 512, 4, vocab, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    heavy = torch.randperm(vocab, generator=g)[:10]
+    calib = torch.randint(0, vocab, (8, 64), generator=g)
+    targets = [4.0, 12.0, 8.0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        returned = calibrate_paper_model(model, targets, calib, heavy_ids=heavy)
+        got = activity(model, calib)["nnz_mean_per_layer"]
+    for t, v, r in zip(targets, got, returned):
+        assert v == pytest.approx(t, rel=CALIB_TOL / 2)
+        assert r == pytest.approx(v, rel=1e-6)
+
 def test_block_order_interleaves_and_balances() -> None:
     o = block_order(4)
     assert o == [0, 1, 1, 0, 0, 1, 1, 0]

@@ -519,6 +519,9 @@ def calibrate_paper_model(model, targets: list[float], calib_ids: torch.Tensor, 
     for layer in model.model.layers:
         layer.self_attn.o_proj.weight[0, :] = 0
         layer.mlp.down_proj.weight[0, :] = 0
+    # Under autocast the model's weights are cast once per autocast region and cached (leaf tensors requiring grad):
+    # every in-place write below must drop that cache, or the counts (and the next layer's inputs) see stale weights.
+    torch.clear_autocast_cache()
     n = model.config.intermediate_size
     delta = (spread * torch.randn(n, generator=g))
     dead = torch.rand(n, generator=g) < dead_frac
@@ -539,6 +542,7 @@ def calibrate_paper_model(model, targets: list[float], calib_ids: torch.Tensor, 
 
         def nnz(alpha: float) -> float:
             wg[:, 0] = bias(alpha).to(wg.dtype)
+            torch.clear_autocast_cache()
             cnt = torch.zeros((), device=x.device, dtype=torch.float64)
             for i in range(0, x.shape[0], 16384):  # bounded transient memory at 32 x 2048 tokens
                 cnt += (F.linear(x[i:i + 16384], wg) > 0).sum(dtype=torch.float64)
