@@ -82,8 +82,7 @@ class KernelConfig:
         measure_every: dense calls of a layer measured above its crossover re-measure activity only every this many
             calls (the read-back costs a few small operations per call; non-gated, the measuring pass is also ~8%
             slower than torch's relu); a fall in activity is then seen up to this many calls late.
-        d2t: "fused" (sm_90: our gate GEMMs: the one whose epilogue writes TwELL, and the skinny one of the row
-            decode) or "cublas" (cuBLAS gate GEMM, then compaction or decode_rows).
+        d2t: "fused" (sm_90: the gate GEMM's epilogue writes TwELL) or "cublas" (gate GEMM, then compaction).
         d2t_overlap_min_k: fused d2t: K at or above which compaction warps overlap the next tile's mainloop.
         d2t_max_ctas: > 0 caps the fused d2t's persistent grid (tests); 0 = one CTA per SM.
         gate_scratch_mb: cuBLAS d2t only: bf16 gate-output scratch budget (rows are chunked beyond it).

@@ -1,7 +1,6 @@
 """Decode-size FFN calls (M <= 64) as CUDA-graph replays, every sync-free path side by side: our dense path, the
-fused decode kernel (M <= 8), the row decode (skinny gate GEMM, then decode_rows; "rows_cublas": its gate GEMM
-through cuBLAS) and the TwELL sync-free path (d2t -> gated_up -> down -> finalize), plus the gate GEMM alone
-(cuBLAS: gate_gemm, ours: gate_skinny). L2 flushed before each replay (a model's
+fused decode kernel (M <= 8), the row decode (cuBLAS gate GEMM, then decode_rows) and the TwELL sync-free path
+(d2t -> gated_up -> down -> finalize), plus the cuBLAS gate GEMM alone. L2 flushed before each replay (a model's
 layers do not fit in L2), paths timed in rotation, medians of 30. It sets kernels/config.py's FUSED_DECODE_MAX_M.
 
     python -m sfl.experiments.kernel_bench.decode_paths results/kernel_bench/decode_paths_<gpu>.jsonl
@@ -18,7 +17,6 @@ from sfl.experiments.kernel_bench.bench_inference import Timer, graphed, make_ca
 from sfl.experiments.provenance import collect
 from sfl.kernels.config import KernelConfig
 from sfl.kernels.ffn import sparse_gated_ffn
-from sfl.kernels.loader import load_twell
 from sfl.kernels.twell import ops
 
 BF = torch.bfloat16
@@ -50,10 +48,8 @@ def main(out: str, slices_sweep: bool = False) -> int:
         cfgs = {"dense": base.replace(mode="dense"),
                 "fused": base.replace(fused_decode_max_m=8),
                 "rows": base.replace(fused_decode_max_m=0),
-                "rows_cublas": base.replace(fused_decode_max_m=0, d2t="cublas"),
                 "twell": base.replace(fused_decode_max_m=0, rows_decode_max_m=0)}
     plans = {k: ops.Plan(c) for k, c in cfgs.items()}
-    ext = load_twell()
     prov = collect({"kernel_config": base.to_dict(), "benchmark": "decode_paths"})
     timer = Timer()
     f = open(out, "w")
@@ -68,8 +64,6 @@ def main(out: str, slices_sweep: bool = False) -> int:
                         continue
                     fns[k], outs[k] = graphed(lambda plan=plan: sparse_gated_ffn(x, wg, wu, wd, plan=plan))
                 fns["gate_gemm"], _ = graphed(lambda: x @ wg.t())
-                gbuf = torch.empty(M, N, device=x.device, dtype=BF)
-                fns["gate_skinny"], _ = graphed(lambda: ext.skinny_gemm(x, wg, gbuf))
                 t = rotate(timer, fns, 30)
                 ref = outs["dense"].float()
                 h = torch.relu(x @ wg.t())

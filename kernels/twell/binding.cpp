@@ -228,23 +228,6 @@ void d2t_gemm(const at::Tensor& x, const at::Tensor& w, at::Tensor packed, at::T
 
 bool d2t_gemm_supported(int64_t device) { return twell_d2t_gemm_supported((int)device) != 0; }
 
-// Skinny GEMM (skinny_gemm.cu; the row decode's gate): out[M, N] = bf16(x[M, K] . w[N, K]^T) for M <= 64.
-// Returns false, writing nothing, for a shape or GPU it does not serve (the runtime then calls cuBLAS).
-bool skinny_gemm(const at::Tensor& x, const at::Tensor& w, at::Tensor out) {
-  req(x, "x", at::kBFloat16, 2);
-  req(w, "w", at::kBFloat16, 2);
-  req(out, "out", at::kBFloat16, 2);
-  TORCH_CHECK(w.size(1) == x.size(1) && out.size(0) == x.size(0) && out.size(1) == w.size(0),
-              "skinny_gemm: needs x [M, K], w [N, K], out [M, N]");
-  const c10::cuda::CUDAGuard guard(x.device());
-  const cudaError_t e = twell_skinny_gemm_launch(x.data_ptr(), x.stride(0), w.data_ptr(), (int)x.size(0),
-                                                 (int)w.size(0), (int)x.size(1), out.data_ptr(), out.stride(0),
-                                                 c10::cuda::getCurrentCUDAStream().stream());
-  if (e == cudaErrorInvalidValue) return false;
-  check(e, "skinny_gemm");
-  return true;
-}
-
 std::string source_hash() { return TWELL_STR(TWELL_SRC_HASH); }
 
 }  // namespace
@@ -259,7 +242,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compact", &compact, "bf16 gate pre-activation rows -> ReLU -> TwELL (packed, counts, flag)");
   m.def("d2t_gemm", &d2t_gemm, "fused d2t (sm_90a): tensor-core gate GEMM whose epilogue writes TwELL");
   m.def("d2t_gemm_supported", &d2t_gemm_supported, "whether this device can run d2t_gemm (sm_90 + tensor-map encoder)");
-  m.def("skinny_gemm", &skinny_gemm, "M <= 64: bf16 x . w^T on the tensor cores, W streamed once (False: not served)");
   m.def("decode_fused", &decode_fused, "rows <= 8: fused gate GEMV + up + down into an fp32 accumulator");
   m.def("gated_up", &gated_up, "h = g * (x . W_u[j]) for every stored TwELL entry (fp32)");
   m.def("down", &down, "y = TwELL(h) @ W_d^T (fp32 accumulate)");

@@ -30,8 +30,6 @@ cudaError_t twell_decode_fused_launch(const void* x, const void* wg, const void*
 cudaError_t twell_decode_rows_launch(const void* g, long long ldg, const void* x, const void* wu, const void* wdt,
                                      int rows, int K, int N, int slices, void* y, unsigned long long* out,
                                      unsigned long long* acc, cudaStream_t stream);
-cudaError_t twell_skinny_gemm_launch(const void* x, long long ldx, const void* w, int M, int N, int K, void* g,
-                                     long long ldg, cudaStream_t stream);
 cudaError_t twell_decode_finish_launch(float* yacc, int32_t* nnz, int32_t* flag, int rows, int K, void* y,
                                        unsigned long long* out, unsigned long long* acc, cudaStream_t stream);
 }

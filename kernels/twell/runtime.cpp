@@ -22,7 +22,7 @@
 //               computed exactly by dense GEMMs; their number comes back through a pinned copy waited on only after
 //               up/down are queued (the GPU stays busy).
 //   sync-free : M <= decode_max_m or CUDA-graph capture: S = 256 (no row can overflow), non-finite rows NaN;
-//               M <= fused_decode_max_m (at most 8): the fused decode kernel; M <= rows_decode_max_m: the skinny
+//               M <= fused_decode_max_m (at most 8): the fused decode kernel; M <= rows_decode_max_m: a cuBLAS
 //               gate GEMM, then decode_rows (one block per row and K slice: compaction, up and down).
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -527,19 +527,11 @@ at::Tensor fused_decode(Call& c, const at::Tensor& wdt, bool measure) {
   return y;
 }
 
-// Few rows, gate products on tensor cores: the skinny gate GEMM (skinny_gemm.cu; cuBLAS with d2t = "cublas" or
-// for a shape it does not serve), then decode_rows does ReLU, compaction, up, down, the measurement and the
-// statistics per (row, K slice). Two launches, no workspace.
+// Few rows, gate products on tensor cores: the cuBLAS gate GEMM (the dense path's bits), then decode_rows does
+// ReLU, compaction, up, down, the measurement and the statistics per (row, K slice). Two launches, no workspace.
 at::Tensor rows_decode(Call& c, const at::Tensor& wdt, bool measure) {
   Plan& P = c.P;
-  const at::Tensor& wg = c.gate_w();
-  at::Tensor g = at::empty({c.M, c.N}, c.x.options());
-  const cudaError_t e = P.cfg.fused_d2t ? twell_skinny_gemm_launch(c.x.data_ptr(), c.x.stride(0), wg.data_ptr(),
-                                                                   (int)c.M, (int)c.N, (int)c.K, g.data_ptr(),
-                                                                   g.stride(0), c.stream)
-                                        : cudaErrorInvalidValue;
-  if (e == cudaErrorInvalidValue) at::mm_out(g, c.x, wg.t());
-  else check(e, "skinny_gemm");
+  at::Tensor g = at::mm(c.x, c.gate_w().t());
   at::Tensor y = at::empty({c.M, c.K}, c.x.options());
   at::Tensor st = measure ? P.measurement_slot(true, c.stream) : at::Tensor();
   check(twell_decode_rows_launch(g.data_ptr(), g.stride(0), c.x.data_ptr(), c.wg ? c.wu.data_ptr() : nullptr,
