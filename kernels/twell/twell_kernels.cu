@@ -518,6 +518,15 @@ __global__ void __launch_bounds__(kRowsThreads, NI <= 8 ? 2 : 1)
                                                                                   0x7fc07fc0u, 0x7fc07fc0u);
     return;
   }
+  // the down step's W_dT lines (this block's columns of every entry's row) are requested into L2 now: they arrive
+  // while the up products and the cluster exchange run, and step 3 then waits on L2 instead of HBM
+  {
+    const int first = k0 >> 3, lines = chunks > 0 ? ((k1 - 1) >> 3) - first + 1 : 0;  // 128-byte lines = 8 chunks
+    for (int i = threadIdx.x; i < count * lines; i += kRowsThreads) {
+      const uint4* line = reinterpret_cast<const uint4*>(wdt + (long long)list_j[i / lines] * K) + 8 * (first + i % lines);
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(line));
+    }
+  }
   // 2. h = g * (x_r . W_u[j]). The row's slices form a cluster and split the entries (entry e belongs to slice
   // e % slices; at 0.5% activity a warp gets about one), then each block copies the other slices' h
   // from their shared memory (cluster.sync before and after: written before read, read before any block exits).
