@@ -560,18 +560,16 @@ __global__ void __launch_bounds__(kRowsThreads, NI <= 8 ? 2 : 1)
     float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     if (grp >= 0) {
       const uint4* col = reinterpret_cast<const uint4*>(wdt) + k0 + cc;
-      constexpr int kU = 8;  // loads in flight per thread; a short last batch is predicated, not a serial tail
-      for (int e = grp; e < count; e += kU * groups) {
+      constexpr int kU = 8;  // loads in flight per thread
+      int e = grp;
+      for (; e + (kU - 1) * groups < count; e += kU * groups) {
         uint4 w[kU];
 #pragma unroll
-        for (int u = 0; u < kU; ++u) {
-          const int eu = e + u * groups;
-          w[u] = eu < count ? __ldg(col + (long long)list_j[eu] * K8) : make_uint4(0, 0, 0, 0);
-        }
+        for (int u = 0; u < kU; ++u) w[u] = __ldg(col + (long long)list_j[e + u * groups] * K8);
 #pragma unroll
-        for (int u = 0; u < kU; ++u)
-          if (e + u * groups < count) axpy8(list_h[e + u * groups], w[u], a);
+        for (int u = 0; u < kU; ++u) axpy8(list_h[e + u * groups], w[u], a);
       }
+      for (; e < count; e += groups) axpy8(list_h[e], __ldg(col + (long long)list_j[e] * K8), a);
     }
     if (groups == 1) {
       yrow[k0 + cc] = pack8(a);
