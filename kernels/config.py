@@ -73,7 +73,7 @@ class KernelConfig:
         rows_decode_max_m: above fused_decode_max_m, sync-free calls of at most this many rows take the cuBLAS
             gate GEMM and the decode_rows kernel (compaction, up and down per row; 0: off).
         decode_rows_slices: K slices (blocks) per row in decode_rows, 1..8 (a thread-block cluster on sm_90); 0:
-            2 x SMs / M, at most 8.
+            2 x SMs / M, at most 8, fewer where the M clusters would not all be resident at once.
         crossover / crossover_nongated: dispatch tables ("m:p,...", see DEFAULT_CROSSOVER).
         flagged_dense_above: eager auto runs dense when more than this fraction of rows was flagged last time.
         self_timing: eager auto times both paths per M bucket: above decode_max_m it leaves sparse where it measured

@@ -4,7 +4,7 @@ fused decode kernel (M <= 8), the row decode (cuBLAS gate GEMM, then decode_rows
 layers do not fit in L2), paths timed in rotation, medians of 30. It sets kernels/config.py's FUSED_DECODE_MAX_M.
 
     python -m sfl.experiments.kernel_bench.decode_paths results/kernel_bench/decode_paths_<gpu>.jsonl
-    python -m sfl.experiments.kernel_bench.decode_paths OUT.jsonl --slices-sweep   # decode_rows_slices 0/1/2/4/8
+    python -m sfl.experiments.kernel_bench.decode_paths OUT.jsonl --slices-sweep   # decode_rows_slices 0/1/2/3/4/6/8
 """
 import json
 import statistics
@@ -43,7 +43,7 @@ def main(out: str, slices_sweep: bool = False) -> int:
     base = KernelConfig(mode="sparse")
     if slices_sweep:  # the row decode at every decode_rows_slices (0 = the automatic choice)
         cfgs = {"dense": base.replace(mode="dense")}
-        cfgs.update({f"rows_s{n}": base.replace(fused_decode_max_m=0, decode_rows_slices=n) for n in (0, 1, 2, 4, 8)})
+        cfgs.update({f"rows_s{n}": base.replace(fused_decode_max_m=0, decode_rows_slices=n) for n in (0, 1, 2, 3, 4, 6, 8)})
     else:
         cfgs = {"dense": base.replace(mode="dense"),
                 "fused": base.replace(fused_decode_max_m=8),

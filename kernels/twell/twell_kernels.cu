@@ -22,6 +22,10 @@
 #include <cooperative_groups.h>
 #include <stdint.h>
 
+#include <map>
+#include <mutex>
+#include <tuple>
+
 #include "../common/bf16.cuh"
 
 namespace twell {
@@ -804,8 +808,44 @@ static cudaError_t decode_ni(int ni, const __nv_bfloat16* x, const __nv_bfloat16
 
 constexpr int kRowsMaxN = 24576;  // decode_rows keeps the row's active list in shared memory: 8 bytes per column
 
+// The most clusters of `slices` blocks of decode_rows<NI, G> with `smem` bytes that can be resident at once.
+// Clusters are placed inside one GPC, so this is below SM slots / slices: on an H100 at two blocks per SM, 30
+// clusters of 8 and 62 of 4 (Nsight Compute, lab/results/kernel_bench/ncu_rows_h100_b06d4e3.txt). 0: unknown.
 template <int NI, bool G>
-static cudaError_t launch_rows(unsigned blocks, int slices, const __nv_bfloat16* g, long long ldg,
+static int rows_max_clusters(int slices, size_t smem) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, int, size_t>, int> cache;  // (device, slices, smem) -> clusters
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+  const std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_tuple(dev, slices, smem);
+  const auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)slices);
+  cfg.blockDim = dim3(twell::kRowsThreads);
+  cfg.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = (unsigned)slices;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, twell::decode_rows_kernel<NI, G>, &cfg) != cudaSuccess || n < 0) {
+    (void)cudaGetLastError();  // a failed query is not the launch's error
+    n = 0;
+  }
+  cache[key] = n;
+  return n;
+}
+
+// slices = 0: 2 * SMs / rows (at most 8), lowered until the rows' clusters all fit in one wave (a cluster that does
+// not fit waits for a whole row to finish: M = 32 at 8 slices took 21.7 instead of 12.4 us, M = 64 at 4 slices 24
+// instead of ~12; ncu_rows_h100_b06d4e3.txt). Without clusters (before sm_90) one slice per row.
+template <int NI, bool G>
+static cudaError_t launch_rows(int rows, int slices, const __nv_bfloat16* g, long long ldg,
                                const __nv_bfloat16* x, const __nv_bfloat16* wu, const __nv_bfloat16* wdt, int K, int N,
                                __nv_bfloat16* y, unsigned long long* out, unsigned long long* acc,
                                cudaStream_t stream) {
@@ -816,10 +856,25 @@ static cudaError_t launch_rows(unsigned blocks, int slices, const __nv_bfloat16*
     if (e != cudaSuccess) return e;
     attr_set = true;
   }
+  const size_t smem = (size_t)N * 8;
+  if (!twell::clusters_supported()) {
+    slices = 1;
+  } else if (slices == 0) {
+    slices = 2 * twell::sm_count() / rows;
+    slices = slices < 8 ? (slices > 1 ? slices : 1) : 8;
+    while (slices > 1) {
+      const int fit = rows_max_clusters<NI, G>(slices, smem);
+      if (fit <= 0 || rows <= fit) break;
+      --slices;
+    }
+  }
+  slices = slices < K / 64 ? slices : K / 64;
+  const long long blocks = (long long)rows * slices;
+  if (blocks > 0x7fffffffLL) return cudaErrorInvalidValue;
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(blocks);
+  cfg.gridDim = dim3((unsigned)blocks);
   cfg.blockDim = dim3(twell::kRowsThreads);
-  cfg.dynamicSmemBytes = (size_t)N * 8;
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;  // a row's slices: one cluster
@@ -832,12 +887,12 @@ static cudaError_t launch_rows(unsigned blocks, int slices, const __nv_bfloat16*
 }
 
 template <int NI>
-static cudaError_t rows_gated(bool gated, unsigned blocks, int slices, const __nv_bfloat16* g, long long ldg,
+static cudaError_t rows_gated(bool gated, int rows, int slices, const __nv_bfloat16* g, long long ldg,
                               const __nv_bfloat16* x, const __nv_bfloat16* wu, const __nv_bfloat16* wdt, int K, int N,
                               __nv_bfloat16* y, unsigned long long* out, unsigned long long* acc,
                               cudaStream_t stream) {
-  if (gated) return launch_rows<NI, true>(blocks, slices, g, ldg, x, wu, wdt, K, N, y, out, acc, stream);
-  return launch_rows<NI, false>(blocks, slices, g, ldg, x, wu, wdt, K, N, y, out, acc, stream);
+  if (gated) return launch_rows<NI, true>(rows, slices, g, ldg, x, wu, wdt, K, N, y, out, acc, stream);
+  return launch_rows<NI, false>(rows, slices, g, ldg, x, wu, wdt, K, N, y, out, acc, stream);
 }
 
 template <bool G>
@@ -970,17 +1025,7 @@ cudaError_t twell_decode_rows_launch(const void* g, long long ldg, const void* x
       slices > 8)
     return cudaErrorInvalidValue;
   // a row's K slices form a cluster (sm_90: at most 8 blocks, each at least 8 chunks of 8 columns); slices = 0:
-  // 2 * SMs / rows, at most 8 (8 to M = 33, 4 at M = 64 on an H100; decode_paths --slices-sweep: 8 is best or
-  // within noise up to M = 32, at M = 64 4 is best for uniform activity, 8 for the paper-like profile); elsewhere one
-  if (!twell::clusters_supported()) {
-    slices = 1;
-  } else if (slices == 0) {
-    slices = 2 * twell::sm_count() / rows;
-    slices = slices < 8 ? (slices > 1 ? slices : 1) : 8;
-  }
-  slices = slices < K / 64 ? slices : K / 64;
-  const long long blocks = (long long)rows * slices;
-  if (blocks > 0x7fffffffLL) return cudaErrorInvalidValue;
+  // automatic (launch_rows: 2 * SMs / rows, at most 8, and every row's cluster resident at once)
   const auto* gb = reinterpret_cast<const __nv_bfloat16*>(g);
   const auto* xb = reinterpret_cast<const __nv_bfloat16*>(x);
   const auto* ub = reinterpret_cast<const __nv_bfloat16*>(wu);
@@ -988,10 +1033,10 @@ cudaError_t twell_decode_rows_launch(const void* g, long long ldg, const void* x
   auto* yb = reinterpret_cast<__nv_bfloat16*>(y);
   const bool gated = wu != nullptr;
   const int ni = (K / 8 + 31) / 32;
-  if (ni <= 2) return rows_gated<2>(gated, (unsigned)blocks, slices, gb, ldg, xb, ub, db, K, N, yb, out, acc, stream);
-  if (ni <= 4) return rows_gated<4>(gated, (unsigned)blocks, slices, gb, ldg, xb, ub, db, K, N, yb, out, acc, stream);
-  if (ni <= 8) return rows_gated<8>(gated, (unsigned)blocks, slices, gb, ldg, xb, ub, db, K, N, yb, out, acc, stream);
-  return rows_gated<16>(gated, (unsigned)blocks, slices, gb, ldg, xb, ub, db, K, N, yb, out, acc, stream);
+  if (ni <= 2) return rows_gated<2>(gated, rows, slices, gb, ldg, xb, ub, db, K, N, yb, out, acc, stream);
+  if (ni <= 4) return rows_gated<4>(gated, rows, slices, gb, ldg, xb, ub, db, K, N, yb, out, acc, stream);
+  if (ni <= 8) return rows_gated<8>(gated, rows, slices, gb, ldg, xb, ub, db, K, N, yb, out, acc, stream);
+  return rows_gated<16>(gated, rows, slices, gb, ldg, xb, ub, db, K, N, yb, out, acc, stream);
 }
 
 cudaError_t twell_row_stats_launch(const int32_t* counts, const int32_t* flag, int rows, int N,
