@@ -841,9 +841,10 @@ static int rows_max_clusters(int slices, size_t smem) {
   return n;
 }
 
-// slices = 0: 2 * SMs / rows (at most 8), lowered until the rows' clusters all fit in one wave (a cluster that does
-// not fit waits for a whole row to finish: M = 32 at 8 slices took 21.7 instead of 12.4 us, M = 64 at 4 slices 24
-// instead of ~12; ncu_rows_h100_b06d4e3.txt). Without clusters (before sm_90) one slice per row.
+// slices = 0: 2 * SMs / rows (at most 8), lowered (to 4 at the least) until the rows' clusters all fit in one wave:
+// a cluster that does not fit waits for a whole row to finish (M = 32 at 8 slices: 21.7 instead of 12.4 us for
+// M = 16, ncu_rows_h100_b06d4e3.txt; 6 slices measured 24.8 against 30.0 us at 8, decode_paths --slices-sweep on
+// an H200). Without clusters (before sm_90) one slice per row.
 template <int NI, bool G>
 static cudaError_t launch_rows(int rows, int slices, const __nv_bfloat16* g, long long ldg,
                                const __nv_bfloat16* x, const __nv_bfloat16* wu, const __nv_bfloat16* wdt, int K, int N,
@@ -862,7 +863,7 @@ static cudaError_t launch_rows(int rows, int slices, const __nv_bfloat16* g, lon
   } else if (slices == 0) {
     slices = 2 * twell::sm_count() / rows;
     slices = slices < 8 ? (slices > 1 ? slices : 1) : 8;
-    while (slices > 1) {
+    while (slices > 4) {  // not below 4: a heavy row needs the split (paper-like M = 64: 46.6 us at 3, 41.4 at 4)
       const int fit = rows_max_clusters<NI, G>(slices, smem);
       if (fit <= 0 || rows <= fit) break;
       --slices;
