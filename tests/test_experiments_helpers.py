@@ -123,7 +123,6 @@ def test_calibration_hits_targets_with_heavy_tail_and_dead_neurons() -> None:
     assert (never > 0.2).all(), never
 
 
-
 def test_calibration_holds_under_autocast() -> None:
     """An fp32 model calibrated under bf16 autocast (how memory_breakdown trains): autocast caches its weight casts,
     so the bias writes must reach the counted GEMM; the model's own autocast forward then shows the targets."""
@@ -140,6 +139,7 @@ def test_calibration_holds_under_autocast() -> None:
     for t, v, r in zip(targets, got, returned):
         assert v == pytest.approx(t, rel=CALIB_TOL / 2)
         assert r == pytest.approx(v, rel=1e-6)
+
 
 def test_block_order_interleaves_and_balances() -> None:
     o = block_order(4)

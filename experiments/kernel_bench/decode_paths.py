@@ -43,7 +43,8 @@ def main(out: str, slices_sweep: bool = False) -> int:
     base = KernelConfig(mode="sparse")
     if slices_sweep:  # the row decode at every decode_rows_slices (0 = the automatic choice)
         cfgs = {"dense": base.replace(mode="dense")}
-        cfgs.update({f"rows_s{n}": base.replace(fused_decode_max_m=0, decode_rows_slices=n) for n in (0, 1, 2, 3, 4, 6, 8)})
+        cfgs.update({f"rows_s{n}": base.replace(fused_decode_max_m=0, decode_rows_slices=n)
+                     for n in (0, 1, 2, 3, 4, 6, 8)})
     else:
         cfgs = {"dense": base.replace(mode="dense"),
                 "fused": base.replace(fused_decode_max_m=8),

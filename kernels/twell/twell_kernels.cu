@@ -527,7 +527,8 @@ __global__ void __launch_bounds__(kRowsThreads, NI <= 8 ? 2 : 1)
   {
     const int first = k0 >> 3, lines = chunks > 0 ? ((k1 - 1) >> 3) - first + 1 : 0;  // 128-byte lines = 8 chunks
     for (int i = threadIdx.x; i < count * lines; i += kRowsThreads) {
-      const uint4* line = reinterpret_cast<const uint4*>(wdt + (long long)list_j[i / lines] * K) + 8 * (first + i % lines);
+      const uint4* row = reinterpret_cast<const uint4*>(wdt + (long long)list_j[i / lines] * K);
+      const uint4* line = row + 8 * (first + i % lines);
       asm volatile("prefetch.global.L2 [%0];" ::"l"(line));
     }
   }

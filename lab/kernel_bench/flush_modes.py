@@ -36,7 +36,8 @@ def main(out: str) -> int:
     with open(out, "w") as f:
         for M in (1, 8, 32, 64):
             x, wg = make_case(wg32, M, K, N, "uniform", 0.005, 0.0, seed=M)
-            fns = {k: graphed(lambda plan=plan: sparse_gated_ffn(x, wg, wu, wd, plan=plan))[0] for k, plan in plans.items()}
+            fns = {k: graphed(lambda plan=plan: sparse_gated_ffn(x, wg, wu, wd, plan=plan))[0]
+                   for k, plan in plans.items()}
             fns["three_linear"] = graphed(lambda: torch.nn.functional.linear(
                 torch.relu(torch.nn.functional.linear(x, wg)) * torch.nn.functional.linear(x, wu), wd))[0]
             fns["gate_gemm"] = graphed(lambda: x @ wg.t())[0]
