@@ -460,18 +460,23 @@ __global__ void __launch_bounds__(1024) decode_finish_kernel(float* __restrict__
 // atomics into an accumulator; kernels/lab/README.md), a pair costs one W_dT row read instead of 512 float4 atomics.
 constexpr int kRowsThreads = 256;
 template <int NI, bool GATED>
-__global__ void __launch_bounds__(kRowsThreads, NI <= 8 ? 2 : 1)
+__global__ void __launch_bounds__(kRowsThreads, NI <= 8 ? 3 : 1)
     decode_rows_kernel(const __nv_bfloat16* __restrict__ g, long long ldg, const __nv_bfloat16* __restrict__ x,
                        const __nv_bfloat16* __restrict__ wu, const __nv_bfloat16* __restrict__ wdt, int K, int N,
                        int slices, __nv_bfloat16* __restrict__ y, unsigned long long* __restrict__ out,
                        unsigned long long* __restrict__ acc) {
   extern __shared__ int list_j[];                              // [N] active columns, then
-  float* list_h = reinterpret_cast<float*>(list_j + N);        // [N] their g, then h
+  float* list_h = reinterpret_cast<float*>(list_j + N);        // [N] their g, then h, then (gated)
+  uint4* xs = reinterpret_cast<uint4*>(list_h + N);            // [K / 8] x_r: one copy for the block's warps
   __shared__ float red[kRowsThreads * 8];                      // step 3's partial sums
   __shared__ int warp_total[kRowsThreads / 32];
   const int r = blockIdx.x / slices, s = blockIdx.x % slices;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int K8 = K >> 3, N8 = N >> 3;
+  if (GATED) {  // read by step 2, after the barriers of step 1
+    const uint4* xrow = reinterpret_cast<const uint4*>(x + (long long)r * K);
+    for (int c = threadIdx.x; c < K8; c += kRowsThreads) xs[c] = __ldg(xrow + c);
+  }
   // 1. compaction, 256 chunks of 8 columns per round, in column order
   const uint4* grow = reinterpret_cast<const uint4*>(g + (long long)r * ldg);
   int count = 0;
@@ -536,13 +541,25 @@ __global__ void __launch_bounds__(kRowsThreads, NI <= 8 ? 2 : 1)
   // e % slices; at 0.5% activity a warp gets about one), then each block copies the other slices' h
   // from their shared memory (cluster.sync before and after: written before read, read before any block exits).
   if (GATED) {
-    // x_r in registers, loaded before the entries (loading it with each entry instead measured 2-3 us slower at
-    // every M: decode_paths, b35c7e8)
-    uint4 xr[NI];
-    load_row<NI>(xr, x + (long long)r * K, K);
+    // x_r from shared memory (held in each warp's registers it cost 32 registers: two blocks per SM instead of
+    // three; loaded from global memory with each entry it measured 2-3 us slower at every M, b35c7e8); the same
+    // summation order as row_dot, so h is bit-identical to either
     for (int e = s + slices * warp; e < count; e += slices * (kRowsThreads / 32)) {
-      const float u = row_dot<NI>(xr, wu + (long long)list_j[e] * K, K);
-      if (lane == 0) list_h[e] *= u;
+      const uint4* wrow = reinterpret_cast<const uint4*>(wu + (long long)list_j[e] * K);
+      uint4 w[NI];
+#pragma unroll
+      for (int i = 0; i < NI; ++i) {
+        const int c = lane + 32 * i;
+        w[i] = c < K8 ? __ldg(wrow + c) : make_uint4(0, 0, 0, 0);
+      }
+      float d = 0.f;
+#pragma unroll
+      for (int i = 0; i < NI; ++i) {
+        const int c = lane + 32 * i;
+        if (c < K8) d = dot8(xs[c], w[i], d);
+      }
+      d = warp_sum(d);
+      if (lane == 0) list_h[e] *= d;
     }
     if (slices > 1) {
       namespace cg = cooperative_groups;
@@ -851,14 +868,18 @@ static cudaError_t launch_rows(int rows, int slices, const __nv_bfloat16* g, lon
                                const __nv_bfloat16* x, const __nv_bfloat16* wu, const __nv_bfloat16* wdt, int K, int N,
                                __nv_bfloat16* y, unsigned long long* out, unsigned long long* acc,
                                cudaStream_t stream) {
-  static bool attr_set = false;  // one per instantiation: room for the largest N served
+  static bool attr_set = false;  // one per instantiation: room for the largest N and K served
   if (!attr_set) {
-    const cudaError_t e = cudaFuncSetAttribute(twell::decode_rows_kernel<NI, G>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize, kRowsMaxN * 8);
+    cudaError_t e = cudaFuncSetAttribute(twell::decode_rows_kernel<NI, G>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, kRowsMaxN * 8 + 4096 * 2);
+    // all of the unified L1 as shared memory: three blocks per SM (the kernel reads nothing twice through L1)
+    if (e == cudaSuccess)
+      e = cudaFuncSetAttribute(twell::decode_rows_kernel<NI, G>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               (int)cudaSharedmemCarveoutMaxShared);
     if (e != cudaSuccess) return e;
     attr_set = true;
   }
-  const size_t smem = (size_t)N * 8;
+  const size_t smem = (size_t)N * 8 + (G ? (size_t)K * 2 : 0);  // the active list, and x_r (gated)
   if (!twell::clusters_supported()) {
     slices = 1;
   } else if (slices == 0) {
