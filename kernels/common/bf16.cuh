@@ -120,6 +120,27 @@ __device__ __forceinline__ float row_dot(const uint4 (&v)[NI], const __nv_bfloat
   return warp_sum(d);
 }
 
+// The same with v in shared memory (16-byte chunk c at v[c], read by lane c % 32): one copy for a block's warps
+// instead of NI registers per lane each. W's chunks are all loaded before the first product; same summation order.
+template <int NI>
+__device__ __forceinline__ float row_dot_shared(const uint4* v, const __nv_bfloat16* __restrict__ w_row, int K) {
+  const int lane = threadIdx.x & 31;
+  const uint4* r = reinterpret_cast<const uint4*>(w_row);
+  uint4 w[NI];
+#pragma unroll
+  for (int i = 0; i < NI; ++i) {
+    const int c = lane + 32 * i;
+    w[i] = c < (K >> 3) ? __ldg(r + c) : make_uint4(0, 0, 0, 0);
+  }
+  float d = 0.f;
+#pragma unroll
+  for (int i = 0; i < NI; ++i) {
+    const int c = lane + 32 * i;
+    if (c < (K >> 3)) d = dot8(v[c], w[i], d);
+  }
+  return warp_sum(d);
+}
+
 // Gathered dot products (the sparse kernels' inner loop): lane e < ne (<= 32) names row `row` of w [*, K]; on
 // lane e this returns w[row] . v, with v a K-vector held as NI 16-byte chunks per lane (chunk i at lane + 32 i;
 // zero past K). Lanes >= ne get 0. Two rows' loads are in flight per step. All 32 lanes call it.

@@ -542,24 +542,10 @@ __global__ void __launch_bounds__(kRowsThreads, NI <= 8 ? 3 : 1)
   // from their shared memory (cluster.sync before and after: written before read, read before any block exits).
   if (GATED) {
     // x_r from shared memory (held in each warp's registers it cost 32 registers: two blocks per SM instead of
-    // three; loaded from global memory with each entry it measured 2-3 us slower at every M, b35c7e8); the same
-    // summation order as row_dot, so h is bit-identical to either
+    // three; loaded from global memory with each entry it measured 2-3 us slower at every M, b35c7e8)
     for (int e = s + slices * warp; e < count; e += slices * (kRowsThreads / 32)) {
-      const uint4* wrow = reinterpret_cast<const uint4*>(wu + (long long)list_j[e] * K);
-      uint4 w[NI];
-#pragma unroll
-      for (int i = 0; i < NI; ++i) {
-        const int c = lane + 32 * i;
-        w[i] = c < K8 ? __ldg(wrow + c) : make_uint4(0, 0, 0, 0);
-      }
-      float d = 0.f;
-#pragma unroll
-      for (int i = 0; i < NI; ++i) {
-        const int c = lane + 32 * i;
-        if (c < K8) d = dot8(xs[c], w[i], d);
-      }
-      d = warp_sum(d);
-      if (lane == 0) list_h[e] *= d;
+      const float u = row_dot_shared<NI>(xs, wu + (long long)list_j[e] * K, K);
+      if (lane == 0) list_h[e] *= u;
     }
     if (slices > 1) {
       namespace cg = cooperative_groups;
