@@ -579,6 +579,58 @@ def test_capture_without_a_valid_down_copy(ffn):
         check(run(ffn, x2, wg, wu, wd, plan=plan), x2, wg, wu, wd, True)  # eager: the plan's own copy
 
 
+# ---------------------------------------------------------------- up_down: the large-M up and down in one kernel
+@pytest.mark.parametrize("K,N,gated", SHAPES + [(2048, 17408, True)])
+@pytest.mark.parametrize("S", [8, 32, 256])
+def test_up_down_kernel(ffn, K, N, gated, S):
+    """up_down (one block per row) from a TwELL of the bf16 gate output: every unflagged row within the bf16 budget
+    of float64 math, and bit-identical to the split kernels (gated_up + down) where one share of the entries covers
+    K (K >= 2048); flagged rows untouched (the eager path's backup writes them) or NaN (nan_fill). S = 256 runs
+    3-5 windows of 8 tiles per row, N = 17408 at S = 32 two windows of 64 tiles."""
+    from sfl.kernels.loader import load_twell
+
+    ext = load_twell()
+    M = 300
+    x, wg, wu, wd = make_problem(M, K, N, 0.02, seed=K + N + S, gated=gated)
+    x[20:40, 3:] *= 3   # more heavy rows: tiles above S = 8 / 32
+    g = F.linear(x, wg if gated else wu)
+    T = N // 256
+    packed = torch.empty(M, T, S, device=DEV, dtype=torch.int32)
+    counts = torch.empty(M, T, device=DEV, dtype=torch.int32)
+    flag = torch.zeros(M, device=DEV, dtype=torch.int32)
+    ext.compact(g, N, packed, counts, flag)
+    wdt = wd.t().contiguous()
+    none = torch.empty(0, device=DEV, dtype=BF)
+    ok = ~flag.bool()
+    assert ok.sum() > M // 2 and (~ok).sum() >= 5, "the problem should have both kinds of rows"
+    outs = {}
+    for nan_fill in (0, 1):
+        poison()
+        y = torch.full((M, K), 3.0, device=DEV, dtype=BF)
+        y[ok] = float("nan")   # every unflagged row must be written
+        ext.up_down(x if gated else none, wu if gated else none, wdt, packed, counts, flag, y, nan_fill)
+        torch.cuda.synchronize()
+        outs[nan_fill] = y
+        if nan_fill:
+            assert torch.isnan(y[~ok]).all(), "flagged rows must be NaN-filled"
+        else:
+            assert (y[~ok] == 3.0).all(), "flagged rows must be left to the dense backup"
+    y = outs[0]
+    assert torch.equal(y[ok], outs[1][ok])
+    ref32 = dense(x[ok].double(), wg.double() if gated else None, wu.double(), wd.double(), gated)
+    ref16 = dense(x[ok], wg, wu, wd, gated)
+    nrm = ref32.norm()
+    err, err16 = ((y[ok].double() - ref32).norm() / nrm).item(), ((ref16.double() - ref32).norm() / nrm).item()
+    assert err <= 2 * err16 + 1e-7, f"error {err:.3e} > 2 x bf16 PyTorch {err16:.3e}"
+    if K >= 2048:
+        hval = torch.empty(M, T, S, device=DEV, dtype=torch.float32) if gated else torch.empty(0, device=DEV)
+        if gated:
+            ext.gated_up(x, wu, packed, counts, flag, hval, T)
+        y2 = torch.full((M, K), 3.0, device=DEV, dtype=BF)
+        ext.down(wdt, packed, counts, flag, hval, y2, torch.empty(0, device=DEV), 4, T, 0)
+        assert torch.equal(y[ok], y2[ok]), "up_down differs from gated_up + down"
+
+
 # ---------------------------------------------------------------- round 3: compaction v2, grid cap, fused decode
 def test_compact_equals_reference(ffn):
     """The persistent compaction writes exactly what reference.d2t writes, on adversarial rows, strided row views

@@ -99,6 +99,31 @@ void down(const at::Tensor& wdt, const at::Tensor& packed, const at::Tensor& cou
         "down");
 }
 
+// up and down in one kernel (the op's large-M path): x/w_up empty for the non-gated op (h = the stored value).
+void up_down(const at::Tensor& x, const at::Tensor& wu, const at::Tensor& wdt, const at::Tensor& packed,
+             const at::Tensor& counts, const at::Tensor& flag, at::Tensor y, int64_t nan_fill) {
+  req(wdt, "w_down_t", at::kBFloat16, 2);
+  req(packed, "packed", at::kInt, 3);
+  req(counts, "counts", at::kInt, 2);
+  req(flag, "flag", at::kInt, 1);
+  req(y, "y", at::kBFloat16, 2);
+  const int64_t M = y.size(0), K = y.size(1), N = wdt.size(0);
+  TORCH_CHECK(wdt.size(1) == K, "w_down_t must be [N, K] (w_down transposed)");
+  TORCH_CHECK(packed.size(0) == M && packed.size(1) * 256 == N && counts.size(0) == M && counts.size(1) == packed.size(1),
+              "up_down: packed/counts shape mismatch");
+  const bool gated = x.numel() > 0;
+  if (gated) {
+    req(x, "x", at::kBFloat16, 2);
+    req(wu, "w_up", at::kBFloat16, 2);
+    TORCH_CHECK(x.sizes() == y.sizes() && wu.size(0) == N && wu.size(1) == K, "up_down: x/w_up shape mismatch");
+  }
+  const c10::cuda::CUDAGuard guard(y.device());
+  check(twell_up_down_launch(gated ? x.data_ptr() : nullptr, gated ? wu.data_ptr() : nullptr, wdt.data_ptr(), (int)M,
+                             (int)K, (int)N, (int)packed.size(2), (int)nan_fill, i32(packed), i32(counts), i32(flag),
+                             y.data_ptr(), c10::cuda::getCurrentCUDAStream().stream()),
+        "up_down");
+}
+
 void finalize(const at::Tensor& yacc, const at::Tensor& flag, at::Tensor y, int64_t nan_fill) {
   req(yacc, "yacc", at::kFloat, 2);
   req(flag, "flag", at::kInt, 1);
@@ -245,6 +270,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_fused", &decode_fused, "rows <= 8: fused gate GEMV + up + down into an fp32 accumulator");
   m.def("gated_up", &gated_up, "h = g * (x . W_u[j]) for every stored TwELL entry (fp32)");
   m.def("down", &down, "y = TwELL(h) @ W_d^T (fp32 accumulate)");
+  m.def("up_down", &up_down, "y = TwELL(h) @ W_d^T with h = g * (x . W_u[j]) (gated) in one kernel, one block per row");
   m.def("finalize", &finalize, "fp32 accumulator -> bf16 output");
   m.def("relu_mul_stats", &relu_mul_stats, "dense path: relu(g) * u (or relu(g)) in one pass, measuring activity (and the L1 sum)");
   m.def("row_stats", &row_stats, "sum of counts over unflagged rows and number of flagged rows (dispatch history)");

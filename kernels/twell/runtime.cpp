@@ -18,9 +18,9 @@
 //   slower one re-probed every 256th call); under CUDA-graph capture the table decides.
 // Paths:
 //   dense     : the GEMMs HF runs, relu(g)*u in one pass that measures activity and accumulates the model's stats.
-//   eager     : d2t (S = slots) -> gated_up -> down; rows flagged by d2t (a tile over S, or a non-finite gate) are
+//   eager     : d2t (S = slots) -> up_down (one block per row); rows flagged by d2t (a tile over S, or a non-finite gate) are
 //               computed exactly by dense GEMMs; their number comes back through a pinned copy waited on only after
-//               up/down are queued (the GPU stays busy).
+//               up_down is queued (the GPU stays busy).
 //   sync-free : M <= decode_max_m or CUDA-graph capture: S = 256 (no row can overflow), non-finite rows NaN;
 //               M <= fused_decode_max_m (at most 8): the fused decode kernel; M <= rows_decode_max_m: a cuBLAS
 //               gate GEMM, then decode_rows (one block per row and K slice: compaction, up and down).
@@ -575,28 +575,29 @@ at::Tensor sparse_path(Call& c, bool sync_free) {
           "row_stats");
     if (measure) ev = P.to_host(st, sync_free, c.stream);
   }
-  at::Tensor hval = c.wg ? at::empty({M, T, S}, c.x.options().dtype(at::kFloat)) : at::Tensor();
-  float* hv = c.wg ? hval.data_ptr<float>() : nullptr;
-  const bool small = M <= P.cfg.decode_max_m;
-  if (c.wg) {
-    check(twell_gated_up_launch(c.x.data_ptr(), c.wu.data_ptr(), (int)M, (int)K, (int)N, S, small ? 1 : (int)T,
-                                i32(packed), i32(counts), i32(flag), hv, c.stream),
-          "gated_up");
+  const int tpw = std::max(1, std::min((int)T, P.cfg.decode_tiles_per_warp));
+  if (sync_free && M <= P.cfg.decode_max_m && tpw < T) {
+    // few rows without the row decode (N above its limit, or it is off): tiles split across warps for
+    // parallelism, fp32 atomics into an accumulator, then a conversion
+    at::Tensor hval = c.wg ? at::empty({M, T, S}, c.x.options().dtype(at::kFloat)) : at::Tensor();
+    float* hv = c.wg ? hval.data_ptr<float>() : nullptr;
+    if (c.wg)
+      check(twell_gated_up_launch(c.x.data_ptr(), c.wu.data_ptr(), (int)M, (int)K, (int)N, S, 1, i32(packed),
+                                  i32(counts), i32(flag), hv, c.stream),
+            "gated_up");
+    at::Tensor yacc = zeroed({M, K}, c.x.options().dtype(at::kFloat), c.stream);
+    check(twell_down_launch(wdt.data_ptr(), (int)M, (int)K, (int)N, S, 1, tpw, 1, i32(packed), i32(counts), i32(flag),
+                            hv, y.data_ptr(), yacc.data_ptr<float>(), c.stream),
+          "down");
+    check(twell_finalize_launch(yacc.data_ptr<float>(), i32(flag), (int)M, (int)K, 1, y.data_ptr(), c.stream),
+          "finalize");
+  } else {  // one block per row: up and down in one kernel (flagged rows: NaN on the sync-free path, else backup)
+    check(twell_up_down_launch(c.wg ? c.x.data_ptr() : nullptr, c.wg ? c.wu.data_ptr() : nullptr, wdt.data_ptr(),
+                               (int)M, (int)K, (int)N, S, sync_free ? 1 : 0, i32(packed), i32(counts), i32(flag),
+                               y.data_ptr(), c.stream),
+          "up_down");
   }
   if (sync_free) {
-    const int tpw = std::max(1, std::min((int)T, P.cfg.decode_tiles_per_warp));
-    if (small && tpw < T) {  // few rows: split tiles across warps (parallelism), fp32 atomics, then convert
-      at::Tensor yacc = zeroed({M, K}, c.x.options().dtype(at::kFloat), c.stream);
-      check(twell_down_launch(wdt.data_ptr(), (int)M, (int)K, (int)N, S, 1, tpw, 1, i32(packed), i32(counts), i32(flag),
-                              hv, y.data_ptr(), yacc.data_ptr<float>(), c.stream),
-            "down");
-      check(twell_finalize_launch(yacc.data_ptr<float>(), i32(flag), (int)M, (int)K, 1, y.data_ptr(), c.stream),
-            "finalize");
-    } else {
-      check(twell_down_launch(wdt.data_ptr(), (int)M, (int)K, (int)N, S, small ? 1 : P.cfg.down_nb, (int)T, 1,
-                              i32(packed), i32(counts), i32(flag), hv, y.data_ptr(), nullptr, c.stream),
-            "down");
-    }
     if (measure) {
       P.pending = true;
       P.pending_rows = M;
@@ -606,10 +607,7 @@ at::Tensor sparse_path(Call& c, bool sync_free) {
     P.last_flagged = -1;
     return y;
   }
-  check(twell_down_launch(wdt.data_ptr(), (int)M, (int)K, (int)N, S, P.cfg.down_nb, (int)T, 0, i32(packed),
-                          i32(counts), i32(flag), hv, y.data_ptr(), nullptr, c.stream),
-        "down");
-  // up/down are queued; now wait for the (earlier) flagged-row count
+  // up_down is queued; now wait for the (earlier) flagged-row count
   check(cudaEventSynchronize(ev), "event wait");
   const int64_t nnz_ok = P.host_sync[0], R = P.host_sync[1];
   P.update(nnz_ok, R, M, N);

@@ -11,6 +11,7 @@
 //   gated_up  : h = g * (x . W_u[j]) for every stored entry (fp32 h). One warp per (row, group of tiles).
 //   down      : y = sum_j h_j W_dT[j, :] (fp32 accumulate). One warp per (row, K slice, group of tiles);
 //               direct bf16 store, or fp32 atomics into an accumulator when tiles are split across warps.
+//   up_down   : gated_up and down in one kernel, h kept in shared memory. One block per row (the large-M path).
 //   finalize  : fp32 accumulator -> bf16 output (NaN rows for flagged rows in sync-free mode).
 //   relu_mul_stats : the dense path's relu(g) * u in one pass (in place), measuring activity on the way.
 //   row_stats : activity measurement of a sparse call for the dispatch history (kernels/README.md, Dispatch).
@@ -234,6 +235,138 @@ __global__ void __launch_bounds__(128, 1) down_kernel(const __nv_bfloat16* __res
     }
   }
   }  // items
+}
+
+// ---------------------------------------------------------------------------------------------
+// up_down (the sparse path's up and down steps in one kernel): y[r] = sum_e h_e W_dT[j_e] for every unflagged row,
+// straight from TwELL. gated_up + down wrote h to device memory and down walked every tile's count and words a
+// second time (three dependent round trips per tile for ~1.3 entries at 0.5%); here one block owns a row and keeps
+// its entries in shared memory. Per window of tiles (window * S <= kUdCap entries):
+//   1. the window's capped tile counts -> block scan -> the entries as a shared list (j, g) in column order, one
+//      warp per tile reading its words in one coalesced load;
+//   2. (gated) h = g * (x_r . W_u[j]), one warp per entry, x_r staged once per row in shared memory (row_dot_shared:
+//      the same products in the same order as gated_up, so h is bit-identical);
+//   3. y[r] += sum_e h_e W_dT[j_e] in fp32 registers: a thread owns 8-column chunks (CPT of them) and, where
+//      K / 8 < the block's threads, a strided share of the entries; 8 loads in flight per thread.
+// Then the shares are summed in shared memory and y[r] is stored once as bf16 (entries in column order with one
+// share: the same sums as down). Flagged rows are left to the caller's dense backup, or NaN-filled (nan_fill: the
+// sync-free path, where only non-finite rows are flagged).
+constexpr int kUdThreads = 256;
+constexpr int kUdCap = 2048;  // entries per window (16 KB of shared memory)
+template <int NI, bool GATED>
+__global__ void __launch_bounds__(kUdThreads, NI <= 8 ? 3 : 2)
+    up_down_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ wu,
+                   const __nv_bfloat16* __restrict__ wdt, int K, int n_tiles, int S, int nan_fill,
+                   const int32_t* __restrict__ packed, const int32_t* __restrict__ counts,
+                   const int32_t* __restrict__ flag, __nv_bfloat16* __restrict__ y) {
+  extern __shared__ int list_j[];                                  // [kUdCap] active columns, then
+  float* list_h = reinterpret_cast<float*>(list_j + kUdCap);       // [kUdCap] their g, then h, then (gated)
+  uint4* xs = reinterpret_cast<uint4*>(list_h + kUdCap);           // [K / 8] x_r
+  __shared__ int tile_base[kUdThreads], tile_cnt[kUdThreads];
+  __shared__ int warp_total[kUdThreads / 32];
+  __shared__ float red[kUdThreads * 8];                            // the shares' partial sums
+  constexpr int CPT = (NI + 7) / 8;                                // chunks per thread (K / 8 > threads: K = 4096)
+  const int r = blockIdx.x;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
+  const int K8 = K >> 3;
+  uint4* yrow = reinterpret_cast<uint4*>(y + (long long)r * K);
+  if (flag[r]) {
+    if (nan_fill)
+      for (int c = tid; c < K8; c += kUdThreads) yrow[c] = make_uint4(0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u,
+                                                                      0x7fc07fc0u);
+    return;
+  }
+  if (GATED) {  // read by step 2, after the barriers of step 1
+    const uint4* xrow = reinterpret_cast<const uint4*>(x + (long long)r * K);
+    for (int c = tid; c < K8; c += kUdThreads) xs[c] = __ldg(xrow + c);
+  }
+  // step 3's layout: `groups` shares of the entries, each over K8 threads (one share once K8 >= threads)
+  const int groups = K8 >= kUdThreads ? 1 : kUdThreads / K8;
+  const int grp = groups == 1 ? 0 : (tid / K8 < groups ? tid / K8 : -1);
+  const int cc0 = groups == 1 ? tid : tid % K8;
+  float a[CPT * 8];
+#pragma unroll
+  for (int i = 0; i < CPT * 8; ++i) a[i] = 0.f;
+  const int window = min(kUdThreads, kUdCap / S);
+  for (int t0 = 0; t0 < n_tiles; t0 += window) {
+    const int nt = min(window, n_tiles - t0);
+    const long long rt0 = (long long)r * n_tiles + t0;
+    // 1. counts -> each tile's place in the list -> the words
+    const int c = tid < nt ? min(counts[rt0 + tid], S) : 0;
+    const int incl = warp_inclusive_sum(c);
+    if (lane == 31) warp_total[warp] = incl;
+    __syncthreads();
+    int base = 0, count = 0;
+#pragma unroll
+    for (int w = 0; w < kUdThreads / 32; ++w) {
+      if (w < warp) base += warp_total[w];
+      count += warp_total[w];
+    }
+    if (tid < nt) {
+      tile_base[tid] = base + incl - c;
+      tile_cnt[tid] = c;
+    }
+    __syncthreads();
+    for (int t = warp; t < nt; t += kUdThreads / 32) {
+      const int cnt = tile_cnt[t], b = tile_base[t];
+      const int32_t* words = packed + (rt0 + t) * S;
+      for (int i = lane; i < cnt; i += 32) {
+        const uint32_t wd = (uint32_t)words[i];
+        list_j[b + i] = (t0 + t) * kTileN + (int)(wd & 0xffffu);
+        list_h[b + i] = bf16hi(wd);
+      }
+    }
+    __syncthreads();
+    // 2. up
+    if (GATED) {
+      for (int e = warp; e < count; e += kUdThreads / 32) {
+        const float u = row_dot_shared<NI>(xs, wu + (long long)list_j[e] * K, K);
+        if (lane == 0) list_h[e] *= u;
+      }
+      __syncthreads();
+    }
+    // 3. down
+    if (grp >= 0) {
+#pragma unroll
+      for (int q = 0; q < CPT; ++q) {
+        const int cc = cc0 + q * kUdThreads;
+        if (cc < K8) {
+          const uint4* col = reinterpret_cast<const uint4*>(wdt) + cc;
+          constexpr int kU = 8;  // loads in flight per thread
+          int e = grp;
+          for (; e + (kU - 1) * groups < count; e += kU * groups) {
+            uint4 w[kU];
+#pragma unroll
+            for (int u = 0; u < kU; ++u) w[u] = __ldg(col + (long long)list_j[e + u * groups] * K8);
+#pragma unroll
+            for (int u = 0; u < kU; ++u) axpy8(list_h[e + u * groups], w[u], a + 8 * q);
+          }
+          for (; e < count; e += groups) axpy8(list_h[e], __ldg(col + (long long)list_j[e] * K8), a + 8 * q);
+        }
+      }
+    }
+    __syncthreads();  // the next window rewrites the list
+  }
+  if (groups == 1) {
+#pragma unroll
+    for (int q = 0; q < CPT; ++q) {
+      const int cc = cc0 + q * kUdThreads;
+      if (cc < K8) yrow[cc] = pack8(a + 8 * q);
+    }
+    return;
+  }
+  if (grp > 0) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) red[((grp - 1) * K8 + cc0) * 8 + i] = a[i];
+  }
+  __syncthreads();
+  if (grp == 0) {
+    for (int o = 1; o < groups; ++o) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) a[i] += red[((o - 1) * K8 + cc0) * 8 + i];
+    }
+    yrow[cc0] = pack8(a);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -915,6 +1048,22 @@ static cudaError_t decode_mr(int ni, const __nv_bfloat16* x, const __nv_bfloat16
 }
 
 // ============================== extern launchers (called from binding.cpp) ==============================
+// up_down: x/wu null for the non-gated op (h = the stored bf16 value). S <= 256. One block per row.
+template <int NI>
+static cudaError_t launch_up_down(bool gated, unsigned rows, cudaStream_t stream, const __nv_bfloat16* x,
+                                  const __nv_bfloat16* wu, const __nv_bfloat16* wdt, int K, int n_tiles, int S,
+                                  int nan_fill, const int32_t* packed, const int32_t* counts, const int32_t* flag,
+                                  __nv_bfloat16* y) {
+  const size_t smem = (size_t)twell::kUdCap * 8 + (gated ? (size_t)K * 2 : 0);
+  if (gated)
+    twell::up_down_kernel<NI, true><<<rows, twell::kUdThreads, smem, stream>>>(x, wu, wdt, K, n_tiles, S, nan_fill,
+                                                                               packed, counts, flag, y);
+  else
+    twell::up_down_kernel<NI, false><<<rows, twell::kUdThreads, smem, stream>>>(x, wu, wdt, K, n_tiles, S, nan_fill,
+                                                                                packed, counts, flag, y);
+  return cudaGetLastError();
+}
+
 extern "C" {
 
 cudaError_t twell_compact_launch(const void* g, long long ldg, int rows, int N, int S, int32_t* packed,
@@ -974,6 +1123,27 @@ cudaError_t twell_gated_up_launch(const void* x, const void* wu, int rows, int K
   return cudaGetLastError();
 }
 #undef TWELL_UP_CASE
+
+cudaError_t twell_up_down_launch(const void* x, const void* wu, const void* wdt, int rows, int K, int N, int S,
+                                 int nan_fill, const int32_t* packed, const int32_t* counts, const int32_t* flag,
+                                 void* y, cudaStream_t stream) {
+  if (rows <= 0) return cudaSuccess;
+  if (K % 64 != 0 || K > 4096 || N % twell::kTileN != 0 || N <= 0 || S < 1 || S > twell::kTileN)
+    return cudaErrorInvalidValue;
+  const int n_tiles = N / twell::kTileN, ni = (K / 8 + 31) / 32;
+  const bool gated = wu != nullptr;
+  const auto* xb = reinterpret_cast<const __nv_bfloat16*>(x);
+  const auto* ub = reinterpret_cast<const __nv_bfloat16*>(wu);
+  const auto* db = reinterpret_cast<const __nv_bfloat16*>(wdt);
+  auto* yb = reinterpret_cast<__nv_bfloat16*>(y);
+#define TWELL_UD(NI_) launch_up_down<NI_>(gated, (unsigned)rows, stream, xb, ub, db, K, n_tiles, S, nan_fill, packed, \
+                                          counts, flag, yb)
+  if (ni <= 2) return TWELL_UD(2);
+  if (ni <= 4) return TWELL_UD(4);
+  if (ni <= 8) return TWELL_UD(8);
+  return TWELL_UD(16);
+#undef TWELL_UD
+}
 
 // nb: 16-byte chunks per lane per K slice (1, 2, 4, 8). tiles_per_warp < n_tiles requires yacc (atomic path).
 cudaError_t twell_down_launch(const void* wdt, int rows, int K, int N, int S, int nb, int tiles_per_warp,
