@@ -602,13 +602,13 @@ def test_up_down_kernel(ffn, K, N, gated, S):
     wdt = wd.t().contiguous()
     none = torch.empty(0, device=DEV, dtype=BF)
     ok = ~flag.bool()
-    assert ok.sum() > M // 2 and (~ok).sum() >= 5, "the problem should have both kinds of rows"
+    assert ok.sum() >= 20 and (~ok).sum() >= 5, "the problem should have both kinds of rows"
     outs = {}
     for nan_fill in (0, 1):
         poison()
         y = torch.full((M, K), 3.0, device=DEV, dtype=BF)
         y[ok] = float("nan")   # every unflagged row must be written
-        ext.up_down(x if gated else none, wu if gated else none, wdt, packed, counts, flag, y, nan_fill)
+        ext.up_down(x if gated else none, wu if gated else none, wdt, packed, counts, flag, y, nan_fill, 3)
         torch.cuda.synchronize()
         outs[nan_fill] = y
         if nan_fill:

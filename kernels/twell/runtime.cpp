@@ -594,7 +594,7 @@ at::Tensor sparse_path(Call& c, bool sync_free) {
   } else {  // one block per row: up and down in one kernel (flagged rows: NaN on the sync-free path, else backup)
     check(twell_up_down_launch(c.wg ? c.x.data_ptr() : nullptr, c.wg ? c.wu.data_ptr() : nullptr, wdt.data_ptr(),
                                (int)M, (int)K, (int)N, S, sync_free ? 1 : 0, i32(packed), i32(counts), i32(flag),
-                               y.data_ptr(), c.stream),
+                               y.data_ptr(), 3, c.stream),
           "up_down");
   }
   if (sync_free) {

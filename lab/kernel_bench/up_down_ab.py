@@ -1,0 +1,93 @@
+"""A/B of the large-M up/down step on one TwELL input: gated_up + down (two kernels, fp32 h in device memory)
+against up_down (one block per row, h in shared memory) at 3 and 4 blocks per SM, timed in rotation with the L2
+flushed before each call (bench_inference's Timer), medians. The d2t and the dense FFN are timed beside them for
+scale. Writes JSONL rows with provenance.
+
+    PYTHONPATH=. python lab/kernel_bench/up_down_ab.py --out up_down_ab.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from sfl.experiments.kernel_bench.bench_inference import BF, DEV, Timer, dense_gated, make_case, make_weights
+from sfl.experiments.provenance import collect
+from sfl.kernels.loader import load_twell
+
+CASES = [(65536, "uniform", 0.0025, 0.0), (65536, "uniform", 0.005, 0.0), (65536, "uniform", 0.01, 0.0),
+         (65536, "uniform", 0.02, 0.0), (65536, "uniform", 0.005, 0.01), (65536, "paper", 0.005, 0.001),
+         (16384, "uniform", 0.005, 0.0), (16384, "paper", 0.005, 0.001), (4096, "uniform", 0.005, 0.0),
+         (4096, "paper", 0.005, 0.001)]
+
+
+def rotate(timer: Timer, fns: dict, reps: int) -> dict:
+    """Median ms of each function, called in rotation (one flush + one call each per round)."""
+    for fn in fns.values():
+        fn()
+    times = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, fn in fns.items():
+            timer.flush_buf.zero_()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            times[k].append(s.elapsed_time(e))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--reps", type=int, default=15)
+    args = ap.parse_args()
+    ext = load_twell()
+    timer = Timer()
+    K, N, S = 2048, 5632, 32
+    T = N // 256
+    wg32, wu32, wd32 = make_weights(K, N)
+    wu, wd = wu32.to(BF), wd32.to(BF)
+    wdt = wd.t().contiguous()
+    prov = collect({"what": "up_down A/B"})
+    empty = torch.empty(0, device=DEV)
+    with open(args.out, "w") as f:
+        for i, (M, pattern, p, heavy) in enumerate(CASES):
+            x, wg = make_case(wg32, M, K, N, pattern, p, heavy, seed=100 + i)
+            packed = torch.empty(M, T, S, device=DEV, dtype=torch.int32)
+            counts = torch.empty(M, T, device=DEV, dtype=torch.int32)
+            flag = torch.zeros(M, device=DEV, dtype=torch.int32)
+            ext.d2t_gemm(x, wg, packed, counts, flag, False, 0)
+            hval = torch.empty(M, T, S, device=DEV, dtype=torch.float32)
+            ys = {k: torch.empty(M, K, device=DEV, dtype=BF) for k in ("split", "ud3", "ud4")}
+
+            def split():
+                ext.gated_up(x, wu, packed, counts, flag, hval, T)
+                ext.down(wdt, packed, counts, flag, hval, ys["split"], empty, 4, T, 0)
+
+            fns = {"split": split,
+                   "ud3": lambda: ext.up_down(x, wu, wdt, packed, counts, flag, ys["ud3"], 0, 3),
+                   "ud4": lambda: ext.up_down(x, wu, wdt, packed, counts, flag, ys["ud4"], 0, 4),
+                   "d2t": lambda: ext.d2t_gemm(x, wg, packed, counts, flag, False, 0),
+                   "dense": lambda: dense_gated(x, wg, wu, wd)}
+            ms = rotate(timer, fns, args.reps)
+            ok = ~flag.bool()
+            same = all(torch.equal(ys[k][ok], ys["split"][ok]) for k in ("ud3", "ud4"))
+            nnz = counts.clamp(max=S).sum(1).float()
+            row = {**prov, "M": M, "K": K, "N": N, "S": S, "pattern": pattern, "activity": p, "heavy_frac": heavy,
+                   "nnz_mean": nnz[ok].mean().item(), "flagged_rows": int((~ok).sum()), "ms": ms,
+                   "same_bits": same}
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            print(f"M={M} {pattern} p={p} heavy={heavy} nnz={row['nnz_mean']:.1f} flagged={row['flagged_rows']} "
+                  + " ".join(f"{k}={v:.3f}" for k, v in ms.items()) + f" same={same}", flush=True)
+            del x, wg, packed, counts, flag, hval, ys
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
