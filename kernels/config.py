@@ -58,6 +58,11 @@ def crossover_at(spec: str, M: int) -> float:
     return ps[max(0, bisect.bisect_right(ms, M) - 1)]
 
 
+# Fields of earlier versions that no longer steer anything: dropped when an old config dict (a saved model's
+# config.json, a log row) is read. down_nb: the down kernel's chunks per lane, gone with the split up/down path.
+RETIRED_FIELDS = frozenset({"down_nb"})
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     """Settings of the sparse FFN kernels (inference and training). Defaults are the measured best on the H100.
@@ -86,7 +91,6 @@ class KernelConfig:
         d2t_overlap_min_k: fused d2t: K at or above which compaction warps overlap the next tile's mainloop.
         d2t_max_ctas: > 0 caps the fused d2t's persistent grid (tests); 0 = one CTA per SM.
         gate_scratch_mb: cuBLAS d2t only: bf16 gate-output scratch budget (rows are chunked beyond it).
-        down_nb: 16-byte chunks per lane per K slice in the down kernel (1, 2, 4 or 8).
         decode_tiles_per_warp: tiles per warp in the decode-size down kernel (fp32 atomic split).
     Training (kernels.train_ffn, mlp_impl="cuda" with grad):
         train_width: ELL width W kept for the backward (rows with more non-zeros go to the dense backup).
@@ -110,7 +114,6 @@ class KernelConfig:
     d2t_overlap_min_k: int = 4096
     d2t_max_ctas: int = 0
     gate_scratch_mb: int = 1024
-    down_nb: int = 4
     decode_tiles_per_warp: int = 4
     fused_decode_max_m: int = FUSED_DECODE_MAX_M
     rows_decode_max_m: int = ROWS_DECODE_MAX_M
@@ -152,8 +155,6 @@ class KernelConfig:
                 raise bad(name, f"must be an integer in 0..{top}")
         if self.slots > TILE_N:
             raise bad("slots", f"must be <= {TILE_N} (one tile holds {TILE_N} columns)")
-        if self.down_nb not in (1, 2, 4, 8):
-            raise bad("down_nb", "must be 1, 2, 4 or 8")
         for name in ("flagged_dense_above", "activity_hint", "train_dense_above", "train_backup_dense_above"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
@@ -178,7 +179,7 @@ class KernelConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> "KernelConfig":
-        d = dict(d or {})
+        d = {k: v for k, v in dict(d or {}).items() if k not in RETIRED_FIELDS}
         known = {f.name for f in fields(cls) if not f.name.startswith("_")}
         unknown = sorted(set(d) - known)
         if unknown:

@@ -110,7 +110,7 @@ def test_source_hash_covers_the_shared_header(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------------------------- KernelConfig
 @pytest.mark.parametrize("kw, field", [
     (dict(mode="fast"), "mode"), (dict(d2t="triton"), "d2t"), (dict(slots=0), "slots"), (dict(slots=512), "slots"),
-    (dict(slots=True), "slots"), (dict(down_nb=3), "down_nb"), (dict(d2t_max_ctas=-1), "d2t_max_ctas"),
+    (dict(slots=True), "slots"), (dict(decode_tiles_per_warp=0), "decode_tiles_per_warp"), (dict(d2t_max_ctas=-1), "d2t_max_ctas"),
     (dict(flagged_dense_above=1.5), "flagged_dense_above"), (dict(activity_hint=-0.1), "activity_hint"),
     (dict(self_timing=1), "self_timing"), (dict(train_width=0), "train_width"),
     (dict(train_sparse_min_m=-1), "train_sparse_min_m"), (dict(crossover="garbage"), "crossover"),
@@ -149,21 +149,21 @@ def test_kernel_config_from_env_reads_sfl_kernel_vars_once(monkeypatch):
         (16, False, 0.25, "1:0.5", "sparse")
     assert cfg.crossover_table(True) == ((1,), (0.5,))
     # a base is kept where no variable overrides it
-    base = KernelConfig(down_nb=2, slots=64)
+    base = KernelConfig(decode_tiles_per_warp=2, slots=64)
     assert KernelConfig.from_env(base, environ={"SFL_KERNEL_SLOTS": "8"}) == base.replace(slots=8)
     assert KernelConfig.from_env(base, environ={}) is base
     # os.environ by default; read at the call, never later (the config is plain data afterwards)
-    monkeypatch.setenv("SFL_KERNEL_DOWN_NB", "8")
+    monkeypatch.setenv("SFL_KERNEL_DECODE_TILES_PER_WARP", "8")
     cfg = KernelConfig.from_env()
-    monkeypatch.setenv("SFL_KERNEL_DOWN_NB", "1")
-    assert cfg.down_nb == 8
+    monkeypatch.setenv("SFL_KERNEL_DECODE_TILES_PER_WARP", "1")
+    assert cfg.decode_tiles_per_warp == 8
     # bad values name the variable and the field
     with pytest.raises(ValueError, match="SFL_KERNEL_SLOTS.*KernelConfig.slots"):
         KernelConfig.from_env(environ={"SFL_KERNEL_SLOTS": "many"})
     with pytest.raises(ValueError, match="SFL_KERNEL_TRAIN_SHRINK"):
         KernelConfig.from_env(environ={"SFL_KERNEL_TRAIN_SHRINK": "maybe"})
-    with pytest.raises(ValueError, match=r"KernelConfig\.down_nb"):
-        KernelConfig.from_env(environ={"SFL_KERNEL_DOWN_NB": "3"})
+    with pytest.raises(ValueError, match=r"KernelConfig\.decode_tiles_per_warp"):
+        KernelConfig.from_env(environ={"SFL_KERNEL_DECODE_TILES_PER_WARP": "0"})
 
 
 def test_kernel_config_dict_round_trip():
@@ -179,6 +179,8 @@ def test_kernel_config_dict_round_trip():
     assert KernelConfig.from_dict(None) == KernelConfig() == KernelConfig.from_dict({})
     with pytest.raises(ValueError, match="unknown KernelConfig field.*compact"):
         KernelConfig.from_dict({**d, "compact": 1})
+    # a retired field of an older config.json (down_nb: the split up/down path's setting) is dropped, not refused
+    assert KernelConfig.from_dict({**d, "down_nb": 4}) == cfg
 
 
 def test_parse_crossover_and_crossover_at():
@@ -201,18 +203,18 @@ def test_parse_crossover_and_crossover_at():
 
 
 def test_plan_args_layout():
-    """plan_args is what runtime.cpp's parse_config reads: 14 ints in a fixed order, then floats
+    """plan_args is what runtime.cpp's parse_config reads: 13 ints in a fixed order, then floats
     [flagged_dense_above, activity_hint, n, m1, p1, ..., n', m1', p1', ...] with the gated table first."""
     from sfl.kernels.config import KernelConfig
     from sfl.kernels.twell import ops
 
     cfg = KernelConfig(mode="sparse", slots=16, decode_max_m=32, self_timing=False, measure_every=7, d2t="cublas",
-                       d2t_overlap_min_k=2048, d2t_max_ctas=3, gate_scratch_mb=64, down_nb=2,
+                       d2t_overlap_min_k=2048, d2t_max_ctas=3, gate_scratch_mb=64,
                        decode_tiles_per_warp=5, fused_decode_max_m=4, rows_decode_max_m=48, decode_rows_slices=3,
                        flagged_dense_above=0.1, activity_hint=0.03,
                        crossover="1:0.01,64:0.002", crossover_nongated="8:0.2")
     ints, floats = ops.plan_args(cfg)
-    assert ints == [1, 16, 32, 0, 7, 0, 2048, 3, 64, 2, 5, 4, 48, 3]
+    assert ints == [1, 16, 32, 0, 7, 0, 2048, 3, 64, 5, 4, 48, 3]
     assert all(type(v) is int for v in ints) and all(type(v) is float for v in floats)
     assert floats == [0.1, 0.03, 2.0, 1.0, 0.01, 64.0, 0.002, 2.0, 1.0, 0.0, 8.0, 0.2]
     ints, _ = ops.plan_args(KernelConfig())

@@ -301,8 +301,8 @@ def overhead(cfg=None) -> int:
 
 def explore(cfg=None) -> int:
     """Timings of the variants a KernelConfig still selects (one line each): at M = 65536 the fused vs cuBLAS d2t,
-    the cuBLAS d2t chunked by gate_scratch_mb, and down_nb; at decode sizes (CUDA-graph replays) the sync-free
-    path's decode_tiles_per_warp. (Compaction v1, the up/down grid cap and the unfused decode path left the
+    the cuBLAS d2t chunked by gate_scratch_mb; at decode sizes (CUDA-graph replays) the sync-free TwELL path's
+    decode_tiles_per_warp (with the fused and row decode paths off, so that path runs). (Compaction v1, the up/down grid cap and the unfused decode path left the
     runtime: the round-3 comparisons that chose against them are in results/kernel_bench.)"""
     from sfl.kernels.ffn import twell_d2t
 
@@ -326,9 +326,6 @@ def explore(cfg=None) -> int:
         for rows in (4096, 16384):
             fn, _ = ffn_call(x, wg, wu, wd, sparse.replace(d2t="cublas", gate_scratch_mb=gate_scratch_mb_for(rows, N)))
             res[f"sparse_cublas_chunk{rows}"] = timer.time(fn, 10)
-        for nb in (1, 2, 4, 8):
-            fn, _ = ffn_call(x, wg, wu, wd, sparse.replace(down_nb=nb))
-            res[f"sparse_down_nb{nb}"] = timer.time(fn, 10)
         print(f"[explore] M={M} {pattern} p={p} " + " ".join(f"{k}={v:.3f}" for k, v in res.items()), flush=True)
         del x, wg
         torch.cuda.empty_cache()
@@ -338,7 +335,8 @@ def explore(cfg=None) -> int:
             rd, _ = graphed(lambda: dense_gated(x, wg, wu, wd))
             res = {"dense": timer.time(rd, 50)}
             for tpw in (1, 2, 4, 8):
-                fn, _ = ffn_call(x, wg, wu, wd, sparse.replace(decode_tiles_per_warp=tpw))
+                fn, _ = ffn_call(x, wg, wu, wd, sparse.replace(decode_tiles_per_warp=tpw, fused_decode_max_m=0,
+                                                                rows_decode_max_m=0))
                 rs, _ = graphed(fn)
                 res[f"tpw{tpw}"] = timer.time(rs, 50)
             print(f"[explore] M={M} {pattern} p={p} " + " ".join(f"{k}={v * 1000:.1f}us" for k, v in res.items()),
@@ -502,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calib-acts", type=float, nargs="*", help="--calib: activities instead of the default grid")
     ap.add_argument("--overhead", action="store_true", help="host cost per call and a profiler table")
     ap.add_argument("--explore", action="store_true",
-                    help="variant timings (d2t variant, cuBLAS d2t chunking, down_nb, decode tiles per warp)")
+                    help="variant timings (d2t variant, cuBLAS d2t chunking, decode tiles per warp)")
     ap.add_argument("--d2t", action="store_true", help="fused vs cuBLAS d2t, and the sparse block with each")
     ap.add_argument("--overlap-probe", action="store_true", help="chunked d2t beside the previous chunk's up/down")
     args = ap.parse_args(argv)

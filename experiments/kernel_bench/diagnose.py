@@ -228,9 +228,9 @@ def sparse(out_dir: str, cfg) -> None:
     T = N // 256
     wg32, wu32, wd32 = make_weights(K, N)
     wu, wd = wu32.to(BF), wd32.to(BF)
-    wdt = wd.t().contiguous()   # neuron-major W_d [N, K] for the bare down kernel (the op caches its own)
-    # the op as the bare sequence runs it: forced sparse, 32 slots, down_nb 4, the non-overlapped fused epilogue
-    op_cfg = cfg.replace(mode="sparse", slots=S, down_nb=4, d2t="fused", d2t_overlap_min_k=max(K + 1, 4096))
+    wdt = wd.t().contiguous()   # neuron-major W_d [N, K] for the bare up_down kernel (the op caches its own)
+    # the op as the bare sequence runs it: forced sparse, 32 slots, the non-overlapped fused epilogue
+    op_cfg = cfg.replace(mode="sparse", slots=S, d2t="fused", d2t_overlap_min_k=max(K + 1, 4096))
     rows = []
     for p in (0.0025, 0.005, 0.01):
         x, wg = make_case(wg32, M, K, N, "uniform", p, 0.0, seed=7)
@@ -239,11 +239,9 @@ def sparse(out_dir: str, cfg) -> None:
             packed = torch.empty(M, T, S, device=DEV, dtype=torch.int32)
             counts = torch.empty(M, T, device=DEV, dtype=torch.int32)
             flag = torch.zeros(M, device=DEV, dtype=torch.int32)
-            hval = torch.empty(M, T, S, device=DEV, dtype=torch.float32)
             y = torch.empty(M, K, device=DEV, dtype=BF)
             ext.d2t_gemm(x, wg, packed, counts, flag, False, 0)
-            ext.gated_up(x, wu, packed, counts, flag, hval, T)
-            ext.down(wdt, packed, counts, flag, hval, y, torch.empty(0, device=DEV), 4, T, 0)
+            ext.up_down(x, wu, wdt, packed, counts, flag, y, 0)
             return y
 
         op, _ = ffn_call(x, wg, wu, wd, op_cfg)

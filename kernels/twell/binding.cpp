@@ -101,8 +101,7 @@ void down(const at::Tensor& wdt, const at::Tensor& packed, const at::Tensor& cou
 
 // up and down in one kernel (the op's large-M path): x/w_up empty for the non-gated op (h = the stored value).
 void up_down(const at::Tensor& x, const at::Tensor& wu, const at::Tensor& wdt, const at::Tensor& packed,
-             const at::Tensor& counts, const at::Tensor& flag, at::Tensor y, int64_t nan_fill,
-             int64_t min_blocks) {
+             const at::Tensor& counts, const at::Tensor& flag, at::Tensor y, int64_t nan_fill) {
   req(wdt, "w_down_t", at::kBFloat16, 2);
   req(packed, "packed", at::kInt, 3);
   req(counts, "counts", at::kInt, 2);
@@ -121,7 +120,7 @@ void up_down(const at::Tensor& x, const at::Tensor& wu, const at::Tensor& wdt, c
   const c10::cuda::CUDAGuard guard(y.device());
   check(twell_up_down_launch(gated ? x.data_ptr() : nullptr, gated ? wu.data_ptr() : nullptr, wdt.data_ptr(), (int)M,
                              (int)K, (int)N, (int)packed.size(2), (int)nan_fill, i32(packed), i32(counts), i32(flag),
-                             y.data_ptr(), (int)min_blocks, c10::cuda::getCurrentCUDAStream().stream()),
+                             y.data_ptr(), c10::cuda::getCurrentCUDAStream().stream()),
         "up_down");
 }
 

@@ -16,7 +16,7 @@ cudaError_t twell_down_launch(const void* wdt, int rows, int K, int N, int S, in
                               const float* hval, void* y, float* yacc, cudaStream_t stream);
 cudaError_t twell_up_down_launch(const void* x, const void* wu, const void* wdt, int rows, int K, int N, int S,
                                  int nan_fill, const int32_t* packed, const int32_t* counts, const int32_t* flag,
-                                 void* y, int min_blocks, cudaStream_t stream);
+                                 void* y, cudaStream_t stream);
 cudaError_t twell_finalize_launch(const float* yacc, const int32_t* flag, int rows, int K, int nan_fill, void* y,
                                   cudaStream_t stream);
 cudaError_t twell_row_stats_launch(const int32_t* counts, const int32_t* flag, int rows, int N,

@@ -72,7 +72,7 @@ def _d2t_fake(x, w_gate, slots, variant, overlap_min_k, max_ctas):
 def plan_args(cfg: KernelConfig) -> tuple[list[int], list[float]]:
     """A KernelConfig as the op's two argument lists (runtime.cpp: parse_config reads them in this order)."""
     ints = [_MODE_CODE[cfg.mode], cfg.slots, cfg.decode_max_m, int(cfg.self_timing), cfg.measure_every,
-            int(cfg.d2t == "fused"), cfg.d2t_overlap_min_k, cfg.d2t_max_ctas, cfg.gate_scratch_mb, cfg.down_nb,
+            int(cfg.d2t == "fused"), cfg.d2t_overlap_min_k, cfg.d2t_max_ctas, cfg.gate_scratch_mb,
             cfg.decode_tiles_per_warp, cfg.fused_decode_max_m, cfg.rows_decode_max_m,
             cfg.decode_rows_slices]
     floats = [float(cfg.flagged_dense_above), float(cfg.activity_hint)]

@@ -103,7 +103,7 @@ at::Tensor kept_empty(at::IntArrayRef size, const at::TensorOptions& opts, cudaS
 // KernelConfig, as the op receives it (kernels/twell/ops.py: plan_args)
 struct Config {
   int mode = kAuto, slots = 32, decode_max_m = 64, measure_every = 16, d2t_overlap_min_k = 4096, d2t_max_ctas = 0;
-  int down_nb = 4, decode_tiles_per_warp = 4, fused_decode_max_m = 2, rows_decode_max_m = 64;
+  int decode_tiles_per_warp = 4, fused_decode_max_m = 2, rows_decode_max_m = 64;
   int decode_rows_slices = 0;
   bool self_timing = true, fused_d2t = true;
   int64_t gate_scratch_mb = 1024;
@@ -113,13 +113,13 @@ struct Config {
 };
 
 Config parse_config(at::IntArrayRef ic, at::ArrayRef<double> fc) {
-  TORCH_CHECK(ic.size() == 14 && fc.size() >= 4, "sfl_twell::ffn: malformed plan arguments (build them with "
+  TORCH_CHECK(ic.size() == 13 && fc.size() >= 4, "sfl_twell::ffn: malformed plan arguments (build them with "
               "kernels.twell.ops.plan_args)");
   Config c;
   c.mode = (int)ic[0]; c.slots = (int)ic[1]; c.decode_max_m = (int)ic[2]; c.self_timing = ic[3] != 0;
   c.measure_every = (int)ic[4]; c.fused_d2t = ic[5] != 0; c.d2t_overlap_min_k = (int)ic[6];
-  c.d2t_max_ctas = (int)ic[7]; c.gate_scratch_mb = ic[8]; c.down_nb = (int)ic[9]; c.decode_tiles_per_warp = (int)ic[10];
-  c.fused_decode_max_m = (int)ic[11]; c.rows_decode_max_m = (int)ic[12]; c.decode_rows_slices = (int)ic[13];
+  c.d2t_max_ctas = (int)ic[7]; c.gate_scratch_mb = ic[8]; c.decode_tiles_per_warp = (int)ic[9];
+  c.fused_decode_max_m = (int)ic[10]; c.rows_decode_max_m = (int)ic[11]; c.decode_rows_slices = (int)ic[12];
   c.flagged_dense_above = fc[0];
   c.activity_hint = fc[1];
   size_t i = 2;
@@ -594,7 +594,7 @@ at::Tensor sparse_path(Call& c, bool sync_free) {
   } else {  // one block per row: up and down in one kernel (flagged rows: NaN on the sync-free path, else backup)
     check(twell_up_down_launch(c.wg ? c.x.data_ptr() : nullptr, c.wg ? c.wu.data_ptr() : nullptr, wdt.data_ptr(),
                                (int)M, (int)K, (int)N, S, sync_free ? 1 : 0, i32(packed), i32(counts), i32(flag),
-                               y.data_ptr(), 3, c.stream),
+                               y.data_ptr(), c.stream),
           "up_down");
   }
   if (sync_free) {

@@ -253,8 +253,8 @@ __global__ void __launch_bounds__(128, 1) down_kernel(const __nv_bfloat16* __res
 // sync-free path, where only non-finite rows are flagged).
 constexpr int kUdThreads = 256;
 constexpr int kUdCap = 2048;  // entries per window (16 KB of shared memory)
-template <int NI, bool GATED, int MINB>
-__global__ void __launch_bounds__(kUdThreads, NI <= 8 ? MINB : 2)
+template <int NI, bool GATED>
+__global__ void __launch_bounds__(kUdThreads, NI <= 8 ? 4 : 2)
     up_down_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ wu,
                    const __nv_bfloat16* __restrict__ wdt, int K, int n_tiles, int S, int nan_fill,
                    const int32_t* __restrict__ packed, const int32_t* __restrict__ counts,
@@ -1049,17 +1049,17 @@ static cudaError_t decode_mr(int ni, const __nv_bfloat16* x, const __nv_bfloat16
 
 // ============================== extern launchers (called from binding.cpp) ==============================
 // up_down: x/wu null for the non-gated op (h = the stored bf16 value). S <= 256. One block per row.
-template <int NI, int MINB>
+template <int NI>
 static cudaError_t launch_up_down(bool gated, unsigned rows, cudaStream_t stream, const __nv_bfloat16* x,
                                   const __nv_bfloat16* wu, const __nv_bfloat16* wdt, int K, int n_tiles, int S,
                                   int nan_fill, const int32_t* packed, const int32_t* counts, const int32_t* flag,
                                   __nv_bfloat16* y) {
   const size_t smem = (size_t)twell::kUdCap * 8 + (gated ? (size_t)K * 2 : 0);
   if (gated)
-    twell::up_down_kernel<NI, true, MINB><<<rows, twell::kUdThreads, smem, stream>>>(x, wu, wdt, K, n_tiles, S,
+    twell::up_down_kernel<NI, true><<<rows, twell::kUdThreads, smem, stream>>>(x, wu, wdt, K, n_tiles, S,
                                                                                      nan_fill, packed, counts, flag, y);
   else
-    twell::up_down_kernel<NI, false, MINB><<<rows, twell::kUdThreads, smem, stream>>>(x, wu, wdt, K, n_tiles, S,
+    twell::up_down_kernel<NI, false><<<rows, twell::kUdThreads, smem, stream>>>(x, wu, wdt, K, n_tiles, S,
                                                                                       nan_fill, packed, counts, flag, y);
   return cudaGetLastError();
 }
@@ -1126,10 +1126,9 @@ cudaError_t twell_gated_up_launch(const void* x, const void* wu, int rows, int K
 
 cudaError_t twell_up_down_launch(const void* x, const void* wu, const void* wdt, int rows, int K, int N, int S,
                                  int nan_fill, const int32_t* packed, const int32_t* counts, const int32_t* flag,
-                                 void* y, int min_blocks, cudaStream_t stream) {
+                                 void* y, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
-  if (K % 64 != 0 || K > 4096 || N % twell::kTileN != 0 || N <= 0 || S < 1 || S > twell::kTileN ||
-      (min_blocks != 3 && min_blocks != 4))
+  if (K % 64 != 0 || K > 4096 || N % twell::kTileN != 0 || N <= 0 || S < 1 || S > twell::kTileN)
     return cudaErrorInvalidValue;
   const int n_tiles = N / twell::kTileN, ni = (K / 8 + 31) / 32;
   const bool gated = wu != nullptr;
@@ -1137,9 +1136,8 @@ cudaError_t twell_up_down_launch(const void* x, const void* wu, const void* wdt,
   const auto* ub = reinterpret_cast<const __nv_bfloat16*>(wu);
   const auto* db = reinterpret_cast<const __nv_bfloat16*>(wdt);
   auto* yb = reinterpret_cast<__nv_bfloat16*>(y);
-#define TWELL_UD(NI_) min_blocks == 4 ? launch_up_down<NI_, 4>(gated, (unsigned)rows, stream, xb, ub, db, K, n_tiles, S, \
-                                                             nan_fill, packed, counts, flag, yb) : launch_up_down<NI_, 3>(gated, (unsigned)rows, stream, xb, ub, db, K, n_tiles, S, nan_fill, packed, \
-                                          counts, flag, yb)
+#define TWELL_UD(NI_) \
+  launch_up_down<NI_>(gated, (unsigned)rows, stream, xb, ub, db, K, n_tiles, S, nan_fill, packed, counts, flag, yb)
   if (ni <= 2) return TWELL_UD(2);
   if (ni <= 4) return TWELL_UD(4);
   if (ni <= 8) return TWELL_UD(8);
