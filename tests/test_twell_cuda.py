@@ -602,7 +602,7 @@ def test_up_down_kernel(ffn, K, N, gated, S):
     wdt = wd.t().contiguous()
     none = torch.empty(0, device=DEV, dtype=BF)
     ok = ~flag.bool()
-    assert ok.sum() >= 20 and (~ok).sum() >= 5, "the problem should have both kinds of rows"
+    assert ok.sum() >= 20 and (~ok).sum() >= 3, "the problem should have both kinds of rows"
     outs = {}
     for nan_fill in (0, 1):
         poison()

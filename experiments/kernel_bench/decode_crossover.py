@@ -22,7 +22,7 @@ import json
 from sfl.experiments.kernel_bench.bench_inference import crossover_spec
 from sfl.kernels.config import KernelConfig
 
-BASE = "results/kernel_bench/calibration/calib_h100_r9{}.jsonl"
+BASE = "results/kernel_bench/calibration/calib_h100_r18{}.jsonl"
 BASE_NONGATED = "results/kernel_bench/calibration/calib_nongated_h100_r9.jsonl"
 
 
