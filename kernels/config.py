@@ -24,10 +24,11 @@ ROWS_DECODE_MAX_M = 64        # decode_rows (cuBLAS gate) serves the sync-free c
 # is <= p. Calibrated on the H100 at K = 2048, N = 5632 against our dense path with the fused d2t and up_down (the
 # elementwise minimum of two runs, results/kernel_bench/calibration/calib_h100_r18{a,b}.jsonl, M >= 256 at 0.1-2%
 # activity: sparse wins to ~1% from M = 16384 up, ~0.8% at 4096; kernels/README.md, Dispatch). The
-# decode buckets (M <= 64) come from calib_decode_h100_r17{a,b}.jsonl (M = 1, 2, 4, 8, 16, 32, 64 at 0.1-25%
+# decode buckets (M <= 64) come from calib_decode_h100_r21{a,b}.jsonl (M = 1, 2, 4, 8, 16, 32, 64 at 0.1-25%
 # activity, the fused decode kernel to M = 2 and decode_rows above; merged by experiments/kernel_bench/
-# decode_crossover.py): sparse wins to ~20% activity at M = 1, ~10% at M = 3-8, ~7% at 9-16, ~1.5% at 33-64.
-DEFAULT_CROSSOVER = ("1:0.2032,2:0.1736,3:0.1066,5:0.0975,9:0.0708,17:0.0271,33:0.0149,"
+# decode_crossover.py): sparse wins to ~20% activity at M = 1, ~10% at M = 3-8, ~6% at 9-16, ~4% at 17-32,
+# ~1.3% at 33-64.
+DEFAULT_CROSSOVER = ("1:0.198,2:0.1699,3:0.1112,5:0.0948,9:0.0592,17:0.0425,33:0.0134,"
                      "256:0,1024:0.0025,4096:0.0078,8192:0.0043,16384:0.0101,32768:0.0108,65536:0.0113")
 # The non-gated block (no up-projection gather, so sparse wins to higher activity), calibrated the same way at
 # K = 2048, N = 8192 (calib_nongated_h100_r9.jsonl); its decode buckets from calib_decode_nongated_h100_r17{a,b}.jsonl

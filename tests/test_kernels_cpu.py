@@ -267,14 +267,14 @@ def test_fake_impls_shapes():
 
 def test_default_crossover_is_derived_from_the_calibration_logs():
     """DEFAULT_CROSSOVER is what experiments/kernel_bench/decode_crossover.py derives from the committed calibration
-    logs (r9 for every bucket, r17 measuring the decode buckets afresh to 25% activity): a hand-edited table fails."""
+    logs (r18 from M = 256 up, r21 measuring the decode buckets to 25% activity): a hand-edited table fails."""
     from pathlib import Path
 
     from sfl.experiments.kernel_bench.decode_crossover import BASE, decode_table
     from sfl.kernels.config import DEFAULT_CROSSOVER
 
     root = Path(__file__).resolve().parents[1]
-    new = [str(root / f"results/kernel_bench/calibration/calib_decode_h100_r17{r}.jsonl") for r in "ab"]
+    new = [str(root / f"results/kernel_bench/calibration/calib_decode_h100_r21{r}.jsonl") for r in "ab"]
     base = [str(root / BASE.format(r)) for r in "ab"]
     assert decode_table(new, base) == DEFAULT_CROSSOVER
 
