@@ -400,6 +400,70 @@ def test_nonfinite_sparse_poisoned_neuron_forward(gated, where, value):
 
 
 # ----------------------------------------------------------------------------------- glue kernels of the op
+@pytest.mark.parametrize("K,N,W,gated", [(2048, 5632, 72, True), (2048, 5632, 128, False), (576, 1536, 64, True),
+                                         (3072, 2048, 1536, True)])
+def test_block_kernels_equal_warp_kernels(K, N, W, gated):
+    """fwd_block / bwd_block (one block per light row, what the op runs) against fwd_rows / bwd_rows (one warp per
+    row): u, the L1 row sums and the backward coefficients bit for bit at every shape; y and dx bit for bit where one
+    share covers K (K >= 2048), within 2x bf16 PyTorch's error of float64 elsewhere (K = 576: three shares). W = 1536
+    with a 1200-entry light row: two windows of entries. Flagged rows are left to the caller by both."""
+    from sfl.kernels.train import ops
+
+    ext = ops.load_ext()
+    M = 300
+    x, wg, wu, wd = make_problem(M, K, N, min(0.02, 0.4 * W / N), seed=K + W)   # most rows light
+    if W > 1024:
+        wg[:1200, 1] = 30.0   # row 3 (feature 1 on): 1200 active, a light row longer than one window
+    g = F.linear(x, wg if gated else wu)
+    ell_col = torch.empty(M, W, device=DEV, dtype=torch.int32)
+    ell_a = torch.empty(M, W, device=DEV, dtype=BF)
+    nnz = torch.empty(M, device=DEV, dtype=torch.int32)
+    flag = torch.empty(M, device=DEV, dtype=torch.int32)
+    ext.compact(g, N, ell_col, ell_a, nnz, flag, None, 0)
+    light = ~flag.bool()
+    assert light.sum() > M // 2 and (~light).sum() >= 1
+    if W > 1024:
+        assert int(nnz[light].max()) > 1024
+    valid = (torch.arange(W, device=DEV)[None, :] < nnz[:, None]) & light[:, None]
+    wdt = wd.t().contiguous()
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    dy = torch.randn(M, K, device=DEV, generator=gen).to(BF)
+    l1c = torch.tensor([0.3], device=DEV)
+    outs = {}
+    for name in ("rows", "block"):
+        poison()
+        ell_u = torch.full((M, W), float("nan"), device=DEV)
+        y = torch.full((M, K), float("nan"), device=DEV, dtype=BF)
+        rowabs = torch.full((M,), float("nan"), device=DEV)
+        getattr(ext, "fwd_" + name)(gated, x, wu, wdt, ell_col, ell_a, nnz, flag, ell_u, y, rowabs)
+        cg = torch.full((M, W), float("nan"), device=DEV)
+        cu = torch.full((M, W), float("nan"), device=DEV)
+        dx = torch.full((M, K), float("nan"), device=DEV, dtype=BF)
+        getattr(ext, "bwd_" + name)(gated, dy, wg, wu, wdt, ell_col, ell_a, ell_u, nnz, flag, l1c, cg, cu, dx)
+        torch.cuda.synchronize()
+        outs[name] = (ell_u, y, rowabs, cg, cu, dx)
+    (u0, y0, r0, g0, c0, d0), (u1, y1, r1, g1, c1, d1) = outs["rows"], outs["block"]
+    assert torch.equal(r0, r1) and bool((r1[~light] == 0).all())
+    assert torch.equal(g0[valid], g1[valid])
+    if gated:
+        assert torch.equal(u0[valid], u1[valid]) and torch.equal(c0[valid], c1[valid])
+    for a, b in ((y0, y1), (d0, d1)):
+        assert bool(torch.isfinite(b[light]).all()), "a light row was left unwritten"
+        if K >= 2048:
+            assert torch.equal(a[light], b[light])
+        else:   # the shares' sums in another order: rounding-level differences only
+            assert rel(b[light], a[light]) < 1e-2
+    if K < 2048:   # y against float64 math on the light rows (h from the stored bf16 a, as the kernels use it)
+        a64 = ell_a.double() * (u1.double() if gated else 1.0)
+        h = torch.zeros(M, N, device=DEV, dtype=torch.float64)
+        rows = torch.arange(M, device=DEV)[:, None].expand(M, W)
+        h[rows[valid], ell_col[valid].long()] = a64[valid]
+        ref = (h @ wd.double().t())[light]
+        ref16 = (h.to(BF) @ wd.t()).double()[light]
+        err, err16 = rel(y1[light], ref), rel(ref16, ref)
+        assert err <= 2 * err16 + 1e-6, (err, err16)
+
+
 @pytest.mark.parametrize("R,C,pad", [(8, 8, 0), (72, 136, 0), (2048, 5632, 0), (136, 64, 24), (1000, 8, 8)])
 def test_transpose_kernel_bit_exact(R, C, pad):
     from sfl.kernels.train import ops

@@ -15,6 +15,13 @@ cudaError_t sfltrain_fwd_rows_launch(int gated, const void* x, const void* wu, c
                                      const int32_t* ell_col, const void* ell_a, const int32_t* nnz,
                                      const int32_t* flag, float* ell_u, void* y, float* rowabs,
                                      cudaStream_t stream);
+cudaError_t sfltrain_fwd_block_launch(int gated, const void* x, const void* wu, const void* wdt, int M, int K, int W,
+                                      const int32_t* ell_col, const void* ell_a, const int32_t* nnz,
+                                      const int32_t* flag, float* ell_u, void* y, float* rowabs, cudaStream_t stream);
+cudaError_t sfltrain_bwd_block_launch(int gated, const void* dy, const void* wg, const void* wu, const void* wdt,
+                                      int M, int K, int W, const int32_t* ell_col, const void* ell_a,
+                                      const float* ell_u, const int32_t* nnz, const int32_t* flag, const float* l1c,
+                                      float* cg, float* cu, void* dx, cudaStream_t stream);
 cudaError_t sfltrain_bwd_rows_launch(int gated, const void* dy, const void* wg, const void* wu, const void* wdt,
                                      int M, int K, int W, const int32_t* ell_col, const void* ell_a,
                                      const float* ell_u, const int32_t* nnz, const int32_t* flag, const float* l1c,
@@ -102,9 +109,10 @@ void compact(const at::Tensor& g, int64_t N, at::Tensor ell_col, at::Tensor ell_
         "compact");
 }
 
-void fwd_rows(bool gated, const at::Tensor& x, const at::Tensor& wu, const at::Tensor& wdt, const at::Tensor& ell_col,
-              const at::Tensor& ell_a, const at::Tensor& nnz, const at::Tensor& flag, at::Tensor ell_u, at::Tensor y,
-              at::Tensor rowabs) {
+// block: one block per light row (fwd_block) instead of one warp (fwd_rows)
+void fwd_impl(bool block, bool gated, const at::Tensor& x, const at::Tensor& wu, const at::Tensor& wdt,
+              const at::Tensor& ell_col, const at::Tensor& ell_a, const at::Tensor& nnz, const at::Tensor& flag,
+              at::Tensor ell_u, at::Tensor y, at::Tensor rowabs) {
   req(x, "x", at::kBFloat16, 2);
   req(wu, "w_up", at::kBFloat16, 2);
   req(wdt, "w_down_t", at::kBFloat16, 2);
@@ -124,15 +132,17 @@ void fwd_rows(bool gated, const at::Tensor& x, const at::Tensor& wu, const at::T
     up = ell_u.data_ptr<float>();
   }
   const c10::cuda::CUDAGuard guard(x.device());
-  check(sfltrain_fwd_rows_launch(gated ? 1 : 0, x.data_ptr(), wu.data_ptr(), wdt.data_ptr(), (int)M, (int)K,
-                                 (int)ell_col.size(1), i32(ell_col), ell_a.data_ptr(), i32(nnz), i32(flag), up,
-                                 y.data_ptr(), rowabs.data_ptr<float>(), stream()),
-        "fwd_rows");
+  auto* launch = block ? sfltrain_fwd_block_launch : sfltrain_fwd_rows_launch;
+  check(launch(gated ? 1 : 0, x.data_ptr(), wu.data_ptr(), wdt.data_ptr(), (int)M, (int)K, (int)ell_col.size(1),
+               i32(ell_col), ell_a.data_ptr(), i32(nnz), i32(flag), up, y.data_ptr(), rowabs.data_ptr<float>(),
+               stream()),
+        block ? "fwd_block" : "fwd_rows");
 }
 
-void bwd_rows(bool gated, const at::Tensor& dy, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wdt,
-              const at::Tensor& ell_col, const at::Tensor& ell_a, const at::Tensor& ell_u, const at::Tensor& nnz,
-              const at::Tensor& flag, const at::Tensor& l1c, at::Tensor cg, at::Tensor cu, at::Tensor dx) {
+void bwd_impl(bool block, bool gated, const at::Tensor& dy, const at::Tensor& wg, const at::Tensor& wu,
+              const at::Tensor& wdt, const at::Tensor& ell_col, const at::Tensor& ell_a, const at::Tensor& ell_u,
+              const at::Tensor& nnz, const at::Tensor& flag, const at::Tensor& l1c, at::Tensor cg, at::Tensor cu,
+              at::Tensor dx) {
   req(dy, "dy", at::kBFloat16, 2);
   req(wu, "w_up", at::kBFloat16, 2);
   req(wdt, "w_down_t", at::kBFloat16, 2);
@@ -158,10 +168,11 @@ void bwd_rows(bool gated, const at::Tensor& dy, const at::Tensor& wg, const at::
     cup = cu.data_ptr<float>();
   }
   const c10::cuda::CUDAGuard guard(dy.device());
-  check(sfltrain_bwd_rows_launch(gated ? 1 : 0, dy.data_ptr(), wgp, wu.data_ptr(), wdt.data_ptr(), (int)M, (int)K,
-                                 (int)ell_col.size(1), i32(ell_col), ell_a.data_ptr(), up, i32(nnz), i32(flag),
-                                 l1c.data_ptr<float>(), cg.data_ptr<float>(), cup, dx.data_ptr(), stream()),
-        "bwd_rows");
+  auto* launch = block ? sfltrain_bwd_block_launch : sfltrain_bwd_rows_launch;
+  check(launch(gated ? 1 : 0, dy.data_ptr(), wgp, wu.data_ptr(), wdt.data_ptr(), (int)M, (int)K, (int)ell_col.size(1),
+               i32(ell_col), ell_a.data_ptr(), up, i32(nnz), i32(flag), l1c.data_ptr<float>(), cg.data_ptr<float>(),
+               cup, dx.data_ptr(), stream()),
+        block ? "bwd_block" : "bwd_rows");
 }
 
 void dw(bool gated, int64_t nb, const at::Tensor& x, const at::Tensor& dy, const at::Tensor& perm,
@@ -381,8 +392,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compact", &compact, "bf16 gate pre-activation rows -> ReLU -> ELL (ell_col, ell_a, nnz, flag)",
         pybind11::arg("g"), pybind11::arg("N"), pybind11::arg("ell_col"), pybind11::arg("ell_a"), pybind11::arg("nnz"),
         pybind11::arg("flag"), pybind11::arg("summary") = pybind11::none(), pybind11::arg("measure_width") = 0);
-  m.def("fwd_rows", &fwd_rows, "light rows: u, h = a u, y = h W_d^T, per-row sum |h|");
-  m.def("bwd_rows", &bwd_rows, "light rows: dh, per-entry dgate / dup coefficients, dx");
+  m.def("fwd_rows", [](bool gated, const at::Tensor& x, const at::Tensor& wu, const at::Tensor& wdt,
+                       const at::Tensor& ell_col, const at::Tensor& ell_a, const at::Tensor& nnz, const at::Tensor& flag,
+                       at::Tensor ell_u, at::Tensor y, at::Tensor rowabs) {
+    fwd_impl(false, gated, x, wu, wdt, ell_col, ell_a, nnz, flag, ell_u, y, rowabs);
+  }, "light rows, one warp each: u, h = a u, y = h W_d^T, per-row sum |h|");
+  m.def("fwd_block", [](bool gated, const at::Tensor& x, const at::Tensor& wu, const at::Tensor& wdt,
+                        const at::Tensor& ell_col, const at::Tensor& ell_a, const at::Tensor& nnz, const at::Tensor& flag,
+                        at::Tensor ell_u, at::Tensor y, at::Tensor rowabs) {
+    fwd_impl(true, gated, x, wu, wdt, ell_col, ell_a, nnz, flag, ell_u, y, rowabs);
+  }, "fwd_rows with one block per light row (the same results)");
+  m.def("bwd_rows", [](bool gated, const at::Tensor& dy, const at::Tensor& wg, const at::Tensor& wu,
+                       const at::Tensor& wdt, const at::Tensor& ell_col, const at::Tensor& ell_a,
+                       const at::Tensor& ell_u, const at::Tensor& nnz, const at::Tensor& flag, const at::Tensor& l1c,
+                       at::Tensor cg, at::Tensor cu, at::Tensor dx) {
+    bwd_impl(false, gated, dy, wg, wu, wdt, ell_col, ell_a, ell_u, nnz, flag, l1c, cg, cu, dx);
+  }, "light rows, one warp each: dh, per-entry dgate / dup coefficients, dx");
+  m.def("bwd_block", [](bool gated, const at::Tensor& dy, const at::Tensor& wg, const at::Tensor& wu,
+                        const at::Tensor& wdt, const at::Tensor& ell_col, const at::Tensor& ell_a,
+                        const at::Tensor& ell_u, const at::Tensor& nnz, const at::Tensor& flag, const at::Tensor& l1c,
+                        at::Tensor cg, at::Tensor cu, at::Tensor dx) {
+    bwd_impl(true, gated, dy, wg, wu, wdt, ell_col, ell_a, ell_u, nnz, flag, l1c, cg, cu, dx);
+  }, "bwd_rows with one block per light row (the same results)");
   m.def("dw", &dw, "neuron-major weight gradients from the CSR-by-neuron transpose");
   m.def("dense_bwd", &dense_bwd, "dense path backward elementwise: dh + L1 term -> dg (in place), du");
   m.def("last_active", &last_active, "per column, the last row where a bf16 matrix is relu-active (-1 if none)");

@@ -223,7 +223,7 @@ def _ffn_fwd_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor
     y = torch.empty(M, K, device=dev, dtype=dt)
     rowabs = torch.empty(M, device=dev, dtype=torch.float32)
     ell_u = torch.empty(M if gated else 0, width if gated else 0, device=dev, dtype=torch.float32)
-    ext.fwd_rows(gated, x, w_up, wdt, ell_col, ell_a, nnz, flag, ell_u, y, rowabs)  # light rows
+    ext.fwd_block(gated, x, w_up, wdt, ell_col, ell_a, nnz, flag, ell_u, y, rowabs)  # light rows
     last = (ext.last_active_ell(ell_col, nnz, flag, N) if want_last
             else torch.empty(0, device=dev, dtype=torch.int64))
     if M:
@@ -293,7 +293,7 @@ def _ffn_bwd_impl(dy: Tensor, gl1: Tensor, x: Tensor, w_gate: Tensor | None, w_u
     w = ell_col.shape[1]
     cg = torch.empty(M, w, device=dev, dtype=torch.float32)
     cu = torch.empty(M if gated else 0, w if gated else 0, device=dev, dtype=torch.float32)
-    ext.bwd_rows(gated, dy, w_gate if gated else w_up, w_up, wdt, ell_col, ell_a, ell_u, nnz, flag, c, cg, cu, dx)
+    ext.bwd_block(gated, dy, w_gate if gated else w_up, w_up, wdt, ell_col, ell_a, ell_u, nnz, flag, c, cg, cu, dx)
     hy = saved_hybrid(ell_col, ell_a, nnz, rows, ab, N)
     perm, colptr = csr_by_neuron_cuda(hy, flag, ext)
     dwg = torch.empty(N if gated else 0, K, device=dev, dtype=dt)

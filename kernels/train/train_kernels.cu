@@ -265,6 +265,209 @@ __global__ void __launch_bounds__(128, 1) bwd_rows_kernel(const __nv_bfloat16* _
 }
 
 // ---------------------------------------------------------------------------------------------------------
+// fwd_block / bwd_block: fwd_rows / bwd_rows with one block of 256 threads per light row instead of one warp (the
+// inference op's up_down layout, kernels/twell): the row's entries in shared memory, per window of kRbCap entries;
+// the gathered dot products one warp per entry against the row (x or dy) staged once in shared memory; the
+// accumulation over entries by threads that each own 8-column chunks of the output row (CPT of them; at K < 2048
+// the threads split the entries into shares, summed in shared memory at the end). Products and sums run in the
+// same order as the warp kernels, so at K >= 2048 every output is bit-identical to theirs.
+constexpr int kRbThreads = 256;
+constexpr int kRbCap = 1024;  // entries per window
+
+// y[r] += sum_e hv[e] * w[col[e]] over this thread's chunks and share; kU entries' loads in flight.
+template <int CPT, int kU>
+__device__ __forceinline__ void rows_axpy(float* acc, const __nv_bfloat16* __restrict__ w, const int* col,
+                                          const float* hv, int count, int K8, int cc0, int grp, int groups) {
+#pragma unroll
+  for (int q = 0; q < CPT; ++q) {
+    const int cc = cc0 + q * kRbThreads;
+    if (cc >= K8) continue;
+    const uint4* base = reinterpret_cast<const uint4*>(w) + cc;
+    int e = grp;
+    for (; e + (kU - 1) * groups < count; e += kU * groups) {
+      uint4 v[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) v[u] = __ldg(base + (long long)col[e + u * groups] * K8);
+#pragma unroll
+      for (int u = 0; u < kU; ++u) axpy8(hv[e + u * groups], v[u], acc + 8 * q);
+    }
+    for (; e < count; e += groups) axpy8(hv[e], __ldg(base + (long long)col[e] * K8), acc + 8 * q);
+  }
+}
+
+// The shares' sums -> one bf16 row (red: kRbThreads * 8 floats of shared memory). All threads call it.
+template <int CPT>
+__device__ __forceinline__ void rows_store(float* acc, float* red, uint4* out, int K8, int cc0, int grp, int groups) {
+  if (groups == 1) {
+#pragma unroll
+    for (int q = 0; q < CPT; ++q) {
+      const int cc = cc0 + q * kRbThreads;
+      if (cc < K8) out[cc] = pack8(acc + 8 * q);
+    }
+    return;
+  }
+  if (grp > 0) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) red[((grp - 1) * K8 + cc0) * 8 + i] = acc[i];
+  }
+  __syncthreads();
+  if (grp == 0) {
+    for (int o = 1; o < groups; ++o) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] += red[((o - 1) * K8 + cc0) * 8 + i];
+    }
+    out[cc0] = pack8(acc);
+  }
+}
+
+template <int NI, bool GATED>
+__global__ void __launch_bounds__(kRbThreads, NI <= 8 ? 4 : 2)
+    fwd_block_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ wu,
+                     const __nv_bfloat16* __restrict__ wdt, int K, int W, const int32_t* __restrict__ ell_col,
+                     const __nv_bfloat16* __restrict__ ell_a, const int32_t* __restrict__ nnz,
+                     const int32_t* __restrict__ flag, float* __restrict__ ell_u, __nv_bfloat16* __restrict__ y,
+                     float* __restrict__ rowabs) {
+  extern __shared__ int list_j[];                             // [kRbCap] columns, then
+  float* list_h = reinterpret_cast<float*>(list_j + kRbCap);  // [kRbCap] a, then h = a u
+  uint4* xs = reinterpret_cast<uint4*>(list_h + kRbCap);      // [K / 8] the x row (gated)
+  __shared__ float red[kRbThreads * 8];
+  constexpr int CPT = (NI + 7) / 8;
+  const long long row = blockIdx.x;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, K8 = K >> 3;
+  if (flag[row]) {  // dense backup row: y written by the caller; contributes its L1 separately
+    if (tid == 0) rowabs[row] = 0.f;
+    return;
+  }
+  const int n = nnz[row];
+  const long long rb = row * W;
+  const uint16_t* av = reinterpret_cast<const uint16_t*>(ell_a);
+  if (GATED)
+    for (int c = tid; c < K8; c += kRbThreads) xs[c] = __ldg(reinterpret_cast<const uint4*>(x + row * K) + c);
+  const int groups = K8 >= kRbThreads ? 1 : kRbThreads / K8;
+  const int grp = groups == 1 ? 0 : (tid / K8 < groups ? tid / K8 : -1);
+  const int cc0 = groups == 1 ? tid : tid % K8;
+  float acc[CPT * 8];
+#pragma unroll
+  for (int i = 0; i < CPT * 8; ++i) acc[i] = 0.f;
+  float absacc = 0.f;  // warp 0: lane l sums |h_e| for e = l mod 32, ascending (fwd_rows' order)
+  for (int e0 = 0; e0 < n; e0 += kRbCap) {
+    const int cnt = min(kRbCap, n - e0);
+    for (int i = tid; i < cnt; i += kRbThreads) {
+      list_j[i] = ell_col[rb + e0 + i];
+      list_h[i] = bf2f(av[rb + e0 + i]);
+    }
+    __syncthreads();
+    if (GATED) {
+      for (int e = warp; e < cnt; e += kRbThreads / 32) {
+        const float u = row_dot_shared<NI>(xs, wu + (long long)list_j[e] * K, K);
+        if (lane == 0) {
+          ell_u[rb + e0 + e] = u;
+          list_h[e] *= u;
+        }
+      }
+      __syncthreads();
+    }
+    if (warp == 0)
+      for (int e = lane; e < cnt; e += 32) absacc += fabsf(list_h[e]);
+    if (grp >= 0) rows_axpy<CPT, 8>(acc, wdt, list_j, list_h, cnt, K8, cc0, grp, groups);
+    __syncthreads();  // the next window rewrites the list
+  }
+  rows_store<CPT>(acc, red, reinterpret_cast<uint4*>(y + row * K), K8, cc0, grp, groups);
+  if (warp == 0) {
+    absacc = warp_sum(absacc);
+    if (lane == 0) rowabs[row] = absacc;
+  }
+}
+
+template <int NI, bool GATED>
+__global__ void __launch_bounds__(kRbThreads, NI <= 8 ? 4 : 2)
+    bwd_block_kernel(const __nv_bfloat16* __restrict__ dy, const __nv_bfloat16* __restrict__ wg,
+                     const __nv_bfloat16* __restrict__ wu, const __nv_bfloat16* __restrict__ wdt, int K, int W,
+                     const int32_t* __restrict__ ell_col, const __nv_bfloat16* __restrict__ ell_a,
+                     const float* __restrict__ ell_u, const int32_t* __restrict__ nnz,
+                     const int32_t* __restrict__ flag, const float* __restrict__ l1c, float* __restrict__ cg,
+                     float* __restrict__ cu, __nv_bfloat16* __restrict__ dx) {
+  extern __shared__ int list_j[];                             // [kRbCap] columns, then
+  float* list_g = reinterpret_cast<float*>(list_j + kRbCap);  // [kRbCap] a, then dg
+  float* list_u = list_g + kRbCap;                            // [kRbCap] u, then du (gated)
+  uint4* dys = reinterpret_cast<uint4*>(list_u + kRbCap);     // [K / 8] the dy row
+  __shared__ float red[kRbThreads * 8];
+  constexpr int CPT = (NI + 7) / 8;
+  const long long row = blockIdx.x;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, K8 = K >> 3;
+  if (flag[row]) return;  // dense backup row: dx written by the caller
+  const int n = nnz[row];
+  const long long rb = row * W;
+  const uint16_t* av = reinterpret_cast<const uint16_t*>(ell_a);
+  const float c1s = *l1c;
+  for (int c = tid; c < K8; c += kRbThreads) dys[c] = __ldg(reinterpret_cast<const uint4*>(dy + row * K) + c);
+  const int groups = K8 >= kRbThreads ? 1 : kRbThreads / K8;
+  const int grp = groups == 1 ? 0 : (tid / K8 < groups ? tid / K8 : -1);
+  const int cc0 = groups == 1 ? tid : tid % K8;
+  float acc[CPT * 8];
+#pragma unroll
+  for (int i = 0; i < CPT * 8; ++i) acc[i] = 0.f;
+  for (int e0 = 0; e0 < n; e0 += kRbCap) {
+    const int cnt = min(kRbCap, n - e0);
+    for (int i = tid; i < cnt; i += kRbThreads) {
+      list_j[i] = ell_col[rb + e0 + i];
+      list_g[i] = bf2f(av[rb + e0 + i]);
+      if (GATED) list_u[i] = ell_u[rb + e0 + i];
+    }
+    __syncthreads();
+    for (int e = warp; e < cnt; e += kRbThreads / 32) {
+      const float dh = row_dot_shared<NI>(dys, wdt + (long long)list_j[e] * K, K);
+      if (lane == 0) {
+        const long long g = rb + e0 + e;
+        const float a = list_g[e];
+        if (GATED) {
+          const float u = list_u[e];
+          const float d = dh + c1s * signf(a * u);
+          list_g[e] = cg[g] = d * u;  // d/d(gate pre-activation): relu' = 1 on stored (active) entries
+          list_u[e] = cu[g] = d * a;  // d/du
+        } else {
+          list_g[e] = cg[g] = dh + c1s * signf(a);
+        }
+      }
+    }
+    __syncthreads();
+    // dx += dg W_g[j] + du W_u[j] (non-gated: dg W_u[j]); per entry the W_g term first, as bwd_rows adds them
+    if (grp >= 0) {
+#pragma unroll
+      for (int q = 0; q < CPT; ++q) {
+        const int cc = cc0 + q * kRbThreads;
+        if (cc >= K8) continue;
+        const uint4* bg = reinterpret_cast<const uint4*>(GATED ? wg : wu) + cc;
+        const uint4* bu = reinterpret_cast<const uint4*>(wu) + cc;
+        constexpr int kU = 4;  // entries in flight (two loads each when gated)
+        int e = grp;
+        for (; e + (kU - 1) * groups < cnt; e += kU * groups) {
+          uint4 vg[kU], vu[kU];
+#pragma unroll
+          for (int u = 0; u < kU; ++u) {
+            const long long j = (long long)list_j[e + u * groups] * K8;
+            vg[u] = __ldg(bg + j);
+            if (GATED) vu[u] = __ldg(bu + j);
+          }
+#pragma unroll
+          for (int u = 0; u < kU; ++u) {
+            axpy8(list_g[e + u * groups], vg[u], acc + 8 * q);
+            if (GATED) axpy8(list_u[e + u * groups], vu[u], acc + 8 * q);
+          }
+        }
+        for (; e < cnt; e += groups) {
+          const long long j = (long long)list_j[e] * K8;
+          axpy8(list_g[e], __ldg(bg + j), acc + 8 * q);
+          if (GATED) axpy8(list_u[e], __ldg(bu + j), acc + 8 * q);
+        }
+      }
+    }
+    __syncthreads();  // the next window rewrites the lists
+  }
+  rows_store<CPT>(acc, red, reinterpret_cast<uint4*>(dx + row * K), K8, cc0, grp, groups);
+}
+
+// ---------------------------------------------------------------------------------------------------------
 // dw: one warp per (neuron j, K slice of 256*NB, part). part 0: rows of x with coefficients cg (and cu when
 // gated) -> dW_g / dW_u (non-gated: cg -> dW_u). part 1: rows of dy with coefficient h -> dW_dT.
 // perm: flat ELL indices (row * W + slot) sorted by neuron; colptr int64 [N + 1].
@@ -837,6 +1040,62 @@ cudaError_t sfltrain_bwd_rows_launch(int gated, const void* dy, const void* wg, 
     break;
   SFL_NI_SWITCH(ni, SFL_BWD_CASE)
 #undef SFL_BWD_CASE
+  return cudaGetLastError();
+}
+
+// fwd_block / bwd_block: one block per row (grid = M); NI buckets 2 / 4 / 8 / 16 (row_dot_shared's chunks per lane).
+cudaError_t sfltrain_fwd_block_launch(int gated, const void* x, const void* wu, const void* wdt, int M, int K, int W,
+                                      const int32_t* ell_col, const void* ell_a, const int32_t* nnz,
+                                      const int32_t* flag, float* ell_u, void* y, float* rowabs,
+                                      cudaStream_t stream) {
+  if (M <= 0) return cudaSuccess;
+  if (K % 8 != 0 || K > 3072 || W < 1) return cudaErrorInvalidValue;
+  const int ni = (K / 8 + 31) / 32;
+  const auto* xb = reinterpret_cast<const __nv_bfloat16*>(x);
+  const auto* wub = reinterpret_cast<const __nv_bfloat16*>(wu);
+  const auto* wdb = reinterpret_cast<const __nv_bfloat16*>(wdt);
+  const auto* ab = reinterpret_cast<const __nv_bfloat16*>(ell_a);
+  auto* yb = reinterpret_cast<__nv_bfloat16*>(y);
+  const size_t smem = (size_t)sfltrain::kRbCap * 8 + (gated ? (size_t)K * 2 : 0);
+#define SFL_FWDB(NI_)                                                                                          \
+  {                                                                                                            \
+    if (gated)                                                                                                 \
+      sfltrain::fwd_block_kernel<NI_, true><<<(unsigned)M, sfltrain::kRbThreads, smem, stream>>>(              \
+          xb, wub, wdb, K, W, ell_col, ab, nnz, flag, ell_u, yb, rowabs);                                      \
+    else                                                                                                       \
+      sfltrain::fwd_block_kernel<NI_, false><<<(unsigned)M, sfltrain::kRbThreads, smem, stream>>>(             \
+          xb, wub, wdb, K, W, ell_col, ab, nnz, flag, ell_u, yb, rowabs);                                      \
+  }
+  if (ni <= 2) SFL_FWDB(2) else if (ni <= 4) SFL_FWDB(4) else if (ni <= 8) SFL_FWDB(8) else SFL_FWDB(16)
+#undef SFL_FWDB
+  return cudaGetLastError();
+}
+
+cudaError_t sfltrain_bwd_block_launch(int gated, const void* dy, const void* wg, const void* wu, const void* wdt,
+                                      int M, int K, int W, const int32_t* ell_col, const void* ell_a,
+                                      const float* ell_u, const int32_t* nnz, const int32_t* flag, const float* l1c,
+                                      float* cg, float* cu, void* dx, cudaStream_t stream) {
+  if (M <= 0) return cudaSuccess;
+  if (K % 8 != 0 || K > 3072 || W < 1) return cudaErrorInvalidValue;
+  const int ni = (K / 8 + 31) / 32;
+  const auto* dyb = reinterpret_cast<const __nv_bfloat16*>(dy);
+  const auto* wgb = reinterpret_cast<const __nv_bfloat16*>(wg);
+  const auto* wub = reinterpret_cast<const __nv_bfloat16*>(wu);
+  const auto* wdb = reinterpret_cast<const __nv_bfloat16*>(wdt);
+  const auto* ab = reinterpret_cast<const __nv_bfloat16*>(ell_a);
+  auto* dxb = reinterpret_cast<__nv_bfloat16*>(dx);
+  const size_t smem = (size_t)sfltrain::kRbCap * 12 + (size_t)K * 2;
+#define SFL_BWDB(NI_)                                                                                          \
+  {                                                                                                            \
+    if (gated)                                                                                                 \
+      sfltrain::bwd_block_kernel<NI_, true><<<(unsigned)M, sfltrain::kRbThreads, smem, stream>>>(              \
+          dyb, wgb, wub, wdb, K, W, ell_col, ab, ell_u, nnz, flag, l1c, cg, cu, dxb);                          \
+    else                                                                                                       \
+      sfltrain::bwd_block_kernel<NI_, false><<<(unsigned)M, sfltrain::kRbThreads, smem, stream>>>(             \
+          dyb, wgb, wub, wdb, K, W, ell_col, ab, ell_u, nnz, flag, l1c, cg, cu, dxb);                          \
+  }
+  if (ni <= 2) SFL_BWDB(2) else if (ni <= 4) SFL_BWDB(4) else if (ni <= 8) SFL_BWDB(8) else SFL_BWDB(16)
+#undef SFL_BWDB
   return cudaGetLastError();
 }
 
