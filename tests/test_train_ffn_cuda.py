@@ -411,7 +411,7 @@ def test_block_kernels_equal_warp_kernels(K, N, W, gated):
 
     ext = ops.load_ext()
     M = 300
-    x, wg, wu, wd = make_problem(M, K, N, min(0.02, 0.4 * W / N), seed=K + W)   # most rows light
+    x, wg, wu, wd = make_problem(M, K, N, min(0.02, 0.4 * W / N), seed=K + W, gated=gated)   # most rows light
     if W > 1024:
         wg[:1200, 1] = 30.0   # row 3 (feature 1 on): 1200 active, a light row longer than one window
     g = F.linear(x, wg if gated else wu)
