@@ -7,10 +7,12 @@
 //   flag int32 [M] (1 = row goes through the dense backup: nnz > W or a non-finite gate pre-activation).
 // Flagged rows are never touched here (their y / dx rows are written by the dense backup in ops.py).
 //
-// Kernels (all one warp per work item, 16-byte loads, fp32 accumulation):
+// Kernels (one warp per work item unless said, 16-byte loads, fp32 accumulation):
 //   compact : bf16 gate pre-activations [rows, N] -> ReLU -> ELL (ascending columns) + nnz + flag, and
 //             optionally (flagged rows, widest light row) for the forward's one read-back.
 //   fwd_rows: light rows: u_e = x.W_u[j] (gated), h_e = a_e u_e, y = sum_e h_e W_dT[j], rowabs = sum |h_e|.
+//   fwd_block / bwd_block: fwd_rows / bwd_rows with one block per light row (what the op runs; the warp kernels
+//             stay as the tests' oracle: the block kernels match them bit for bit at K >= 2048).
 //   bwd_rows: light rows: dh_e = dy.W_dT[j] + c sign(h_e); dg_e = dh_e u_e, du_e = dh_e a_e (gated) or
 //             dg_e = dh_e (non-gated); dx = sum_e dg_e W_g[j] + du_e W_u[j] (non-gated: dg_e W_u[j]).
 //   dw      : neuron-major (CSR by neuron, built from the ELL): dW_g[j] = sum dg x_r, dW_u[j] = sum du x_r,
