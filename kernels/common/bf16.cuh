@@ -175,6 +175,51 @@ __device__ __forceinline__ float gather_dots(const uint4 (&v)[NI], const __nv_bf
   return mine;
 }
 
+// The entry sums of the row kernels (decode_rows, up_down, the training op's fwd_block): acc (8 floats) += hv[e] *
+// w[col[e]] at one 16-byte chunk (w_chunk = the chunk's address in row 0; rows are K8 chunks apart), over
+// e = first, first + stride, ... < count in ascending order, kU entries' loads in flight.
+template <int kU>
+__device__ __forceinline__ void gathered_axpy(float* acc, const uint4* w_chunk, const int* col, const float* hv,
+                                              int first, int stride, int count, int K8) {
+  int e = first;
+  for (; e + (kU - 1) * stride < count; e += kU * stride) {
+    uint4 v[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) v[u] = __ldg(w_chunk + (long long)col[e + u * stride] * K8);
+#pragma unroll
+    for (int u = 0; u < kU; ++u) axpy8(hv[e + u * stride], v[u], acc);
+  }
+  for (; e < count; e += stride) axpy8(hv[e], __ldg(w_chunk + (long long)col[e] * K8), acc);
+}
+
+// A block-per-row kernel's output row: a thread holds CPT chunks (cc0 + THREADS q) of one share `grp` of the
+// entries (groups shares, each over K8 threads, when K8 < THREADS; grp -1: idle thread). The shares are summed
+// through red ((groups - 1) K8 8 floats of shared memory) and each chunk stored once as bf16. All threads call it.
+template <int CPT, int THREADS>
+__device__ __forceinline__ void store_shares(float* acc, float* red, uint4* out, int K8, int cc0, int grp,
+                                             int groups) {
+  if (groups == 1) {
+#pragma unroll
+    for (int q = 0; q < CPT; ++q) {
+      const int cc = cc0 + q * THREADS;
+      if (cc < K8) out[cc] = pack8(acc + 8 * q);
+    }
+    return;
+  }
+  if (grp > 0) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) red[((grp - 1) * K8 + cc0) * 8 + i] = acc[i];
+  }
+  __syncthreads();
+  if (grp == 0) {
+    for (int o = 1; o < groups; ++o) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] += red[((o - 1) * K8 + cc0) * 8 + i];
+    }
+    out[cc0] = pack8(acc);
+  }
+}
+
 // compact_item: one (row, tile) of bf16 gate pre-activations (the warp's 16-byte loads, 8 values per lane) ->
 // ReLU -> the tile's packed words (ascending columns, first S), its true count, and flag[row] = 1 on overflow
 // or a non-finite value. All 32 lanes call it.

@@ -276,52 +276,6 @@ __global__ void __launch_bounds__(128, 1) bwd_rows_kernel(const __nv_bfloat16* _
 constexpr int kRbThreads = 256;
 constexpr int kRbCap = 1024;  // entries per window
 
-// y[r] += sum_e hv[e] * w[col[e]] over this thread's chunks and share; kU entries' loads in flight.
-template <int CPT, int kU>
-__device__ __forceinline__ void rows_axpy(float* acc, const __nv_bfloat16* __restrict__ w, const int* col,
-                                          const float* hv, int count, int K8, int cc0, int grp, int groups) {
-#pragma unroll
-  for (int q = 0; q < CPT; ++q) {
-    const int cc = cc0 + q * kRbThreads;
-    if (cc >= K8) continue;
-    const uint4* base = reinterpret_cast<const uint4*>(w) + cc;
-    int e = grp;
-    for (; e + (kU - 1) * groups < count; e += kU * groups) {
-      uint4 v[kU];
-#pragma unroll
-      for (int u = 0; u < kU; ++u) v[u] = __ldg(base + (long long)col[e + u * groups] * K8);
-#pragma unroll
-      for (int u = 0; u < kU; ++u) axpy8(hv[e + u * groups], v[u], acc + 8 * q);
-    }
-    for (; e < count; e += groups) axpy8(hv[e], __ldg(base + (long long)col[e] * K8), acc + 8 * q);
-  }
-}
-
-// The shares' sums -> one bf16 row (red: kRbThreads * 8 floats of shared memory). All threads call it.
-template <int CPT>
-__device__ __forceinline__ void rows_store(float* acc, float* red, uint4* out, int K8, int cc0, int grp, int groups) {
-  if (groups == 1) {
-#pragma unroll
-    for (int q = 0; q < CPT; ++q) {
-      const int cc = cc0 + q * kRbThreads;
-      if (cc < K8) out[cc] = pack8(acc + 8 * q);
-    }
-    return;
-  }
-  if (grp > 0) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) red[((grp - 1) * K8 + cc0) * 8 + i] = acc[i];
-  }
-  __syncthreads();
-  if (grp == 0) {
-    for (int o = 1; o < groups; ++o) {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] += red[((o - 1) * K8 + cc0) * 8 + i];
-    }
-    out[cc0] = pack8(acc);
-  }
-}
-
 template <int NI, bool GATED>
 __global__ void __launch_bounds__(kRbThreads, NI <= 8 ? 4 : 2)
     fwd_block_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ wu,
@@ -371,10 +325,18 @@ __global__ void __launch_bounds__(kRbThreads, NI <= 8 ? 4 : 2)
     }
     if (warp == 0)
       for (int e = lane; e < cnt; e += 32) absacc += fabsf(list_h[e]);
-    if (grp >= 0) rows_axpy<CPT, 8>(acc, wdt, list_j, list_h, cnt, K8, cc0, grp, groups);
+    if (grp >= 0) {
+#pragma unroll
+      for (int q = 0; q < CPT; ++q) {
+        const int cc = cc0 + q * kRbThreads;
+        if (cc < K8)
+          gathered_axpy<8>(acc + 8 * q, reinterpret_cast<const uint4*>(wdt) + cc, list_j, list_h, grp, groups, cnt,
+                           K8);
+      }
+    }
     __syncthreads();  // the next window rewrites the list
   }
-  rows_store<CPT>(acc, red, reinterpret_cast<uint4*>(y + row * K), K8, cc0, grp, groups);
+  store_shares<CPT, kRbThreads>(acc, red, reinterpret_cast<uint4*>(y + row * K), K8, cc0, grp, groups);
   if (warp == 0) {
     absacc = warp_sum(absacc);
     if (lane == 0) rowabs[row] = absacc;
@@ -466,7 +428,7 @@ __global__ void __launch_bounds__(kRbThreads, NI <= 8 ? 4 : 2)
     }
     __syncthreads();  // the next window rewrites the lists
   }
-  rows_store<CPT>(acc, red, reinterpret_cast<uint4*>(dx + row * K), K8, cc0, grp, groups);
+  store_shares<CPT, kRbThreads>(acc, red, reinterpret_cast<uint4*>(dx + row * K), K8, cc0, grp, groups);
 }
 
 // ---------------------------------------------------------------------------------------------------------

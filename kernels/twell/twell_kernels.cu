@@ -330,43 +330,14 @@ __global__ void __launch_bounds__(kUdThreads, NI <= 8 ? 4 : 2)
 #pragma unroll
       for (int q = 0; q < CPT; ++q) {
         const int cc = cc0 + q * kUdThreads;
-        if (cc < K8) {
-          const uint4* col = reinterpret_cast<const uint4*>(wdt) + cc;
-          constexpr int kU = 8;  // loads in flight per thread
-          int e = grp;
-          for (; e + (kU - 1) * groups < count; e += kU * groups) {
-            uint4 w[kU];
-#pragma unroll
-            for (int u = 0; u < kU; ++u) w[u] = __ldg(col + (long long)list_j[e + u * groups] * K8);
-#pragma unroll
-            for (int u = 0; u < kU; ++u) axpy8(list_h[e + u * groups], w[u], a + 8 * q);
-          }
-          for (; e < count; e += groups) axpy8(list_h[e], __ldg(col + (long long)list_j[e] * K8), a + 8 * q);
-        }
+        if (cc < K8)
+          gathered_axpy<8>(a + 8 * q, reinterpret_cast<const uint4*>(wdt) + cc, list_j, list_h, grp, groups, count,
+                           K8);
       }
     }
     __syncthreads();  // the next window rewrites the list
   }
-  if (groups == 1) {
-#pragma unroll
-    for (int q = 0; q < CPT; ++q) {
-      const int cc = cc0 + q * kUdThreads;
-      if (cc < K8) yrow[cc] = pack8(a + 8 * q);
-    }
-    return;
-  }
-  if (grp > 0) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) red[((grp - 1) * K8 + cc0) * 8 + i] = a[i];
-  }
-  __syncthreads();
-  if (grp == 0) {
-    for (int o = 1; o < groups; ++o) {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) a[i] += red[((o - 1) * K8 + cc0) * 8 + i];
-    }
-    yrow[cc0] = pack8(a);
-  }
+  store_shares<CPT, kUdThreads>(a, red, yrow, K8, cc0, grp, groups);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -700,17 +671,7 @@ __global__ void __launch_bounds__(kRowsThreads, NI <= 8 ? 3 : 1)
   for (int cc = groups == 1 ? tid : tid % width; cc < chunks; cc += kRowsThreads) {
     float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     if (grp >= 0) {
-      const uint4* col = reinterpret_cast<const uint4*>(wdt) + k0 + cc;
-      constexpr int kU = 8;  // loads in flight per thread
-      int e = grp;
-      for (; e + (kU - 1) * groups < count; e += kU * groups) {
-        uint4 w[kU];
-#pragma unroll
-        for (int u = 0; u < kU; ++u) w[u] = __ldg(col + (long long)list_j[e + u * groups] * K8);
-#pragma unroll
-        for (int u = 0; u < kU; ++u) axpy8(list_h[e + u * groups], w[u], a);
-      }
-      for (; e < count; e += groups) axpy8(list_h[e], __ldg(col + (long long)list_j[e] * K8), a);
+      gathered_axpy<8>(a, reinterpret_cast<const uint4*>(wdt) + k0 + cc, list_j, list_h, grp, groups, count, K8);
     }
     if (groups == 1) {
       yrow[k0 + cc] = pack8(a);
