@@ -1,7 +1,7 @@
 """A/B of the large-M up/down step on one TwELL input: gated_up + down (two kernels, fp32 h in device memory)
 against up_down (one block per row, h in shared memory), timed in rotation with the L2 flushed before each call
-(bench_inference's Timer), medians. (At 3bbd7c7 it also ran up_down at 3 blocks per SM, which lost to 4.) The d2t and the dense FFN are timed beside them for
-scale. Writes JSONL rows with provenance.
+(bench_inference's Timer; decode_paths' rotation), medians. (At 3bbd7c7 it also ran up_down at 3 blocks per SM,
+which lost to 4.) The d2t and the dense FFN are timed beside them for scale. Writes JSONL rows with provenance.
 
     PYTHONPATH=. python lab/kernel_bench/up_down_ab.py --out up_down_ab.jsonl
 """
@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
 from sfl.experiments.kernel_bench.bench_inference import BF, DEV, Timer, dense_gated, make_case, make_weights
+from sfl.experiments.kernel_bench.decode_paths import rotate
 from sfl.experiments.provenance import collect
 from sfl.kernels.loader import load_twell
 
@@ -21,23 +21,6 @@ CASES = [(65536, "uniform", 0.0025, 0.0), (65536, "uniform", 0.005, 0.0), (65536
          (65536, "uniform", 0.02, 0.0), (65536, "uniform", 0.005, 0.01), (65536, "paper", 0.005, 0.001),
          (16384, "uniform", 0.005, 0.0), (16384, "paper", 0.005, 0.001), (4096, "uniform", 0.005, 0.0),
          (4096, "paper", 0.005, 0.001)]
-
-
-def rotate(timer: Timer, fns: dict, reps: int) -> dict:
-    """Median ms of each function, called in rotation (one flush + one call each per round)."""
-    for fn in fns.values():
-        fn()
-    times = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, fn in fns.items():
-            timer.flush_buf.zero_()
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            times[k].append(s.elapsed_time(e))
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def main() -> int:
@@ -72,6 +55,8 @@ def main() -> int:
                    "up_down": lambda: ext.up_down(x, wu, wdt, packed, counts, flag, ys["up_down"], 0),
                    "d2t": lambda: ext.d2t_gemm(x, wg, packed, counts, flag, False, 0),
                    "dense": lambda: dense_gated(x, wg, wu, wd)}
+            for fn in fns.values():   # one warm-up call each
+                fn()
             ms = rotate(timer, fns, args.reps)
             ok = ~flag.bool()
             same = torch.equal(ys["up_down"][ok], ys["split"][ok])
