@@ -71,8 +71,11 @@ class KernelConfig:
 
     Inference (kernels.ffn, mlp_impl="cuda" without grad):
         mode: "auto" (per-layer measured dispatch between the TwELL path and our dense path), "sparse", "dense".
-        slots: TwELL slots S per (row, 256-column tile) on the eager path (compression C = 256 / S); a row with a
-            fuller tile is flagged and computed exactly by the dense backup.
+        slots: TwELL slots S per (row, 256-column tile) above decode_max_m (compression C = 256 / S); a row with a
+            fuller tile (or a non-finite gate value) is flagged and computed exactly by the dense backup.
+        backup_rows: rows of the dense backup's cuBLAS block per sparse call above decode_max_m. -1: from the
+            layer's last measurement (1.25 x its flagged rows + 32; none if it saw none; M / 16 before one).
+            Flagged rows past the block are still exact, on CUDA cores (slower); no host sync either way.
         decode_max_m: M at or below this takes the sync-free path (S = 256, lossless). Larger values cost
             M * N * 8 bytes of TwELL buffers above rows_decode_max_m.
         fused_decode_max_m: sync-free calls of at most this many rows (0..8) take the fused decode kernel (gate
@@ -105,6 +108,7 @@ class KernelConfig:
 
     mode: str = "auto"
     slots: int = 32
+    backup_rows: int = -1
     decode_max_m: int = 64
     crossover: str = DEFAULT_CROSSOVER
     crossover_nongated: str = DEFAULT_CROSSOVER_NONGATED
@@ -155,6 +159,8 @@ class KernelConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= top:
                 raise bad(name, f"must be an integer in 0..{top}")
+        if isinstance(self.backup_rows, bool) or not isinstance(self.backup_rows, int) or self.backup_rows < -1:
+            raise bad("backup_rows", "must be an integer >= -1 (-1: from the layer's measured flagged rows)")
         if self.slots > TILE_N:
             raise bad("slots", f"must be <= {TILE_N} (one tile holds {TILE_N} columns)")
         for name in ("flagged_dense_above", "activity_hint", "train_dense_above", "train_backup_dense_above"):

@@ -21,7 +21,7 @@ from types import ModuleType
 
 _HERE = Path(__file__).resolve().parent
 TWELL_SOURCES = [_HERE / "twell" / "binding.cpp", _HERE / "twell" / "runtime.cpp", _HERE / "twell" / "twell_kernels.cu",
-                 _HERE / "twell" / "d2t_gemm.cu"]
+                 _HERE / "twell" / "d2t_gemm.cu", _HERE / "common" / "backup_rows.cu"]
 _LOCK = threading.Lock()
 _CACHE: dict[str, ModuleType] = {}
 
@@ -34,7 +34,8 @@ class KernelUnavailableError(RuntimeError):
 
 
 # device helpers included by every .cu (not compiled on their own, but part of what a build is made from)
-COMMON_HEADERS = sorted((_HERE / "common").glob("*.cuh")) + sorted((_HERE / "twell").glob("*.h"))
+COMMON_HEADERS = sorted((_HERE / "common").glob("*.cuh")) + sorted((_HERE / "common").glob("*.h")) + sorted(
+    (_HERE / "twell").glob("*.h"))
 
 
 def source_hash(sources: list[Path] | None = None) -> str:

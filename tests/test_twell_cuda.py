@@ -161,7 +161,8 @@ def test_d2t_matches_reference(ffn, scratch_mb):
 
 @pytest.mark.parametrize("M", [16, 300])
 def test_cuda_graph_capture(ffn, M):
-    """Sync-free path under capture; replays with new inputs stay exact (lossless slots, no host sync)."""
+    """Under capture (M 16: lossless decode slots; M 300: the flagged rows' dense backup) replays with new inputs stay
+    exact, a heavy row included."""
     K, N = 2048, 5632
     x, wg, wu, wd = make_problem(M, K, N, 0.01, seed=5, adversarial=False)
     static_x = x.clone()
@@ -176,7 +177,79 @@ def test_cuda_graph_capture(ffn, M):
         static_y = ffn.sparse_gated_ffn(static_x, wg, wu, wd, mode="sparse")
     for seed in (21, 22):
         x2, _, _, _ = make_problem(M, K, N, 0.01, seed=seed, adversarial=False)
-        x2[0, 3:] *= 6  # heavy row: handled losslessly in the sync-free path
+        x2[0, 3:] *= 6  # a heavy row
+        static_x.copy_(x2)
+        static_y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(static_y, x2, wg, wu, wd, True)
+
+
+@pytest.mark.parametrize("K,N,gated", [(2048, 5632, True), (2048, 8192, False), (4096, 11008, True)])
+@pytest.mark.parametrize("backup_rows", [0, 7, -1])
+def test_backup_rows_past_the_block_are_exact(ffn, K, N, gated, backup_rows):
+    """Above decode_max_m every flagged row (heavy, whole tile, every neuron, NaN / +-Inf in x) is exact however many
+    there are: the first backup_rows by the dense block, the rest on CUDA cores (0: all of them; -1: the layer's
+    measured flagged rows x 1.25 + 32, in multiples of 32). K 4096 holds x in shared memory (16 chunks a lane)."""
+    M = 600
+    x, wg, wu, wd = make_problem(M, K, N, 0.01, seed=K + N + backup_rows, gated=gated)
+    x[20::7, 3:] *= 6   # 83 more heavy rows
+    plan = new_plan(gated, mode="sparse", backup_rows=backup_rows)
+    for _ in range(3):   # no measurement, then the first call's, then the second's
+        poison()
+        y = run(ffn, x, wg, wu, wd, gated, plan=plan)
+        torch.cuda.synchronize()
+        check(y, x, wg, wu, wd, gated)
+    info = plan.info()
+    flagged = info["flagged_rows"]
+    assert info["path"] == "sparse" and flagged is not None and flagged > 80
+    rule = min(M, -(-(int(1.25 * (flagged / M) * M) + 32) // 32) * 32)
+    assert info["backup_cap"] == (backup_rows if backup_rows >= 0 else rule)
+
+
+def test_sparse_call_above_decode_sizes_never_waits(ffn):
+    """A sparse call above decode_max_m with flagged rows returns while the GPU is still busy with earlier work: the
+    flagged rows' count and list stay on the device, the measurement comes back without a wait."""
+    K, N, M = 2048, 5632, 600
+    x, wg, wu, wd = make_problem(M, K, N, 0.01, seed=41)
+    plan = new_plan(mode="sparse")
+    for _ in range(2):
+        run(ffn, x, wg, wu, wd, plan=plan)
+        torch.cuda.synchronize()
+    busy = torch.cuda.Event()
+    torch.cuda._sleep(2_000_000_000)   # about a second of GPU time queued before the call
+    busy.record()
+    y = run(ffn, x, wg, wu, wd, plan=plan)
+    returned_early = not busy.query()
+    torch.cuda.synchronize()
+    assert plan.info()["path"] == "sparse" and plan.info()["flagged_rows"] > 0
+    assert returned_early, "the call waited for the GPU"
+    check(y, x, wg, wu, wd, True)
+
+
+@pytest.mark.parametrize("backup_rows", [0, 16])
+def test_graph_capture_with_flagged_rows(ffn, backup_rows):
+    """Above decode_max_m a captured call has the eager call's exact backup: replays with more flagged rows than the
+    captured block (heavy, whole tile, every neuron, NaN / +-Inf rows) are exact."""
+    K, N, M = 2048, 5632, 300
+    x, wg, wu, wd = make_problem(M, K, N, 0.01, seed=51, adversarial=False)
+    plan = new_plan(mode="sparse", backup_rows=backup_rows)
+    static_x = x.clone()
+    for _ in range(2):
+        run(ffn, static_x, wg, wu, wd, plan=plan)
+        torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run(ffn, static_x, wg, wu, wd, plan=plan)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = run(ffn, static_x, wg, wu, wd, plan=plan)
+    assert plan.info()["path"] == "sparse" and plan.info()["backup_cap"] == backup_rows
+    for seed in (52, 53):
+        x2, _, _, _ = make_problem(M, K, N, 0.01, seed=seed)   # the adversarial rows
+        x2[20::9, 3:] *= 6
         static_x.copy_(x2)
         static_y.fill_(float("nan"))
         graph.replay()
@@ -553,7 +626,8 @@ def test_op_under_compiled_cuda_graphs(ffn, M):
         torch._dynamo.reset()
     assert counters["inductor"]["cudagraph_skips"] == 0, "the compiled call did not run as a CUDA graph"
     assert int(layer.stats[2]) == 5 * M
-    assert plan.info()["path"] == "sparse-syncfree"  # the captured calls take the sync-free path
+    # captured calls: the decode paths up to decode_max_m, above it the TwELL path with its device-side backup
+    assert plan.info()["path"] == ("sparse" if M > 64 else "sparse-syncfree")
 
 
 def test_capture_without_a_valid_down_copy(ffn):
@@ -999,7 +1073,7 @@ def test_unaligned_input_is_copied(ffn):
     x, wg, wu, wd = make_problem(M + 1, K, N, 0.01, seed=9, adversarial=False)
     flat = x.reshape(-1)[1: 1 + M * K].view(M, K)   # contiguous, offset by one bf16 element
     assert flat.is_contiguous() and flat.data_ptr() % 16 != 0
-    for rows, mode in ((3, "sparse"), (40, "sparse"), (M, "sparse"), (M, "dense")):   # decode, sync-free, eager
+    for rows, mode in ((3, "sparse"), (40, "sparse"), (M, "sparse"), (M, "dense")):   # decode sizes, TwELL, dense
         xs = flat[:rows]
         poison()
         y = ffn.sparse_gated_ffn(xs, wg, wu, wd, mode=mode)
@@ -1085,7 +1159,7 @@ def test_nonfinite_dense_mode_like_torch(ffn, gated, where, value, M):
 def test_nonfinite_sparse_mode_as_specified(ffn, gated, where, value, M):
     """mode="sparse", per FORMAT.md's CUDA table:
     - a row whose gate pre-activation has a non-finite entry is flagged: computed by the dense backup (exactly
-      dense's NaN/+-Inf) on the eager path, or NaN-filled on the sync-free paths;
+      dense's NaN/+-Inf) above decode_max_m, or NaN-filled at decode sizes;
     - a non-finite w_up row j (gated) or w_down column j is not reproduced at inactive neurons: rows where j is
       active match dense, rows where it is inactive are finite (dense: NaN there, 0 * Inf);
     - every other row matches dense."""

@@ -1,10 +1,13 @@
 // Torch-facing glue for the sparse training kernels: checks tensors, takes raw pointers and the CURRENT torch
-// stream, calls the extern "C" launchers in train_kernels.cu, and turns any CUDA error into a Python exception.
+// stream, calls the extern "C" launchers in train_kernels.cu (and common/backup_rows.cu), and turns any CUDA error
+// into a Python exception.
 // The algorithm (chunking, backup rows, transposes, dispatch) lives in kernels/train/ops.py.
 #include <torch/extension.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
+
+#include "../common/backup_rows.h"
 
 extern "C" {
 cudaError_t sfltrain_compact_launch(const void* g, long long ldg, int rows, int N, int W, int Wm, int32_t* ell_col,
@@ -34,13 +37,6 @@ cudaError_t sfltrain_dw_launch(int gated, int nb, const void* x, const void* dy,
                                const void* add_d, void* dwg, void* dwu, void* dwdt, cudaStream_t stream);
 cudaError_t sfltrain_last_active_launch(const void* a, long long lda, int rows, int N, int64_t* last,
                                         cudaStream_t stream);
-cudaError_t sfltrain_gather_rows_launch(const void* src, const int64_t* idx, int n, int K, void* dst,
-                                        cudaStream_t stream);
-cudaError_t sfltrain_scatter_rows_launch(const void* yb, const void* hb, const void* ab, const int64_t* idx, int n,
-                                         int K, int N, void* y, float* rowabs, int64_t* last, cudaStream_t stream);
-cudaError_t sfltrain_dense_rows_fwd_launch(int gated, const void* x, const void* wf, const void* wu, const void* wdt,
-                                           int M, int K, int N, const int64_t* rows, const int64_t* count, int start,
-                                           void* y, float* rowabs, int64_t* last, int grid, cudaStream_t stream);
 cudaError_t sfltrain_last_active_ell_launch(const int32_t* ell_col, int W, const int32_t* nnz, const int32_t* flag,
                                             int rows, int N, int64_t* last, cudaStream_t stream);
 cudaError_t sfltrain_transpose_launch(const void* src, long long lds, int R, int C, void* dst, cudaStream_t stream);
@@ -263,8 +259,8 @@ at::Tensor gather_rows(const at::Tensor& src, const at::Tensor& idx) {
   TORCH_CHECK(src.is_contiguous(), "gather_rows: src must be contiguous");
   auto dst = at::empty({idx.size(0), src.size(1)}, src.options());
   const c10::cuda::CUDAGuard guard(src.device());
-  check(sfltrain_gather_rows_launch(src.data_ptr(), idx.data_ptr<int64_t>(), (int)idx.size(0), (int)src.size(1),
-                                    dst.data_ptr(), stream()),
+  check(sfl_gather_rows_launch(src.data_ptr(), idx.data_ptr<int64_t>(), (int)idx.size(0), (int)src.size(1),
+                               dst.data_ptr(), stream()),
         "gather_rows");
   return dst;
 }
@@ -291,9 +287,9 @@ void scatter_rows(const at::Tensor& yb, const at::Tensor& hb, const at::Tensor& 
     lp = last.data_ptr<int64_t>();
   }
   const c10::cuda::CUDAGuard guard(y.device());
-  check(sfltrain_scatter_rows_launch(yb.data_ptr(), hb.data_ptr(), ab.data_ptr(), idx.data_ptr<int64_t>(), (int)n,
-                                     (int)yb.size(1), (int)hb.size(1), y.data_ptr(), rowabs.data_ptr<float>(), lp,
-                                     stream()),
+  check(sfl_scatter_rows_launch(yb.data_ptr(), hb.data_ptr(), ab.data_ptr(), idx.data_ptr<int64_t>(), (int)n,
+                                (int)yb.size(1), (int)hb.size(1), y.data_ptr(), rowabs.data_ptr<float>(), lp,
+                                stream()),
         "scatter_rows");
 }
 
@@ -321,9 +317,9 @@ void dense_rows_fwd(bool gated, const at::Tensor& x, const at::Tensor& wf, const
     lp = last.data_ptr<int64_t>();
   }
   const c10::cuda::CUDAGuard guard(x.device());
-  check(sfltrain_dense_rows_fwd_launch(gated, x.data_ptr(), wf.data_ptr(), wu.data_ptr(), wdt.data_ptr(), (int)M,
-                                       (int)K, (int)N, rows.data_ptr<int64_t>(), count.data_ptr<int64_t>(),
-                                       (int)start, y.data_ptr(), rowabs.data_ptr<float>(), lp, (int)grid, stream()),
+  check(sfl_dense_rows_fwd_launch(gated, x.data_ptr(), wf.data_ptr(), wu.data_ptr(), wdt.data_ptr(), (int)M,
+                                  (int)K, (int)N, rows.data_ptr<int64_t>(), count.data_ptr<int64_t>(), (int)start,
+                                  y.data_ptr(), rowabs.data_ptr<float>(), lp, (int)grid, stream()),
         "dense_rows_fwd");
 }
 

@@ -45,7 +45,7 @@ from .. import reference as ref
 from ..reference import Hybrid, _acc_dtype
 
 _HERE = Path(__file__).resolve().parent
-SOURCES = [_HERE / "binding.cpp", _HERE / "train_kernels.cu"]
+SOURCES = [_HERE / "binding.cpp", _HERE / "train_kernels.cu", _HERE.parent / "common" / "backup_rows.cu"]
 _LOCK = threading.Lock()
 _EXT: dict[str, ModuleType] = {}
 

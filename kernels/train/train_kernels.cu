@@ -802,119 +802,6 @@ __global__ void __launch_bounds__(256) last_active_ell_kernel(const int32_t* __r
   if (last[j] < r) atomicMax(last + j, (long long)r);  // a plain read first: most atomics are skipped
 }
 
-// ---------------------------------------------------------------------------------------------------------
-// The sync-free forward's backup rows (flagged: nnz > W or a non-finite gate value). `rows` lists the flagged rows
-// ascending, -1 after the last; `count` (device) is how many there are. The caller computes rows[0 .. cap) with dense
-// cuBLAS math on a gathered block (cap from the layer's history, host-known) and scatters them with scatter_rows;
-// rows[cap .. count) go through dense_rows_fwd, exact on CUDA cores, so no row is dropped whatever count is.
-
-// gather_rows: dst[i] = src[idx[i]], a zero row where idx[i] < 0 (bf16 rows of K, 16-byte chunks; one warp per row).
-__global__ void __launch_bounds__(256) gather_rows_kernel(const uint4* __restrict__ src, const int64_t* __restrict__ idx,
-                                                          int n, int K8, uint4* __restrict__ dst) {
-  const long long w = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  if (w >= n) return;
-  const long long r = idx[w];
-  for (int c = threadIdx.x & 31; c < K8; c += 32) dst[w * K8 + c] = r >= 0 ? src[r * K8 + c] : make_uint4(0, 0, 0, 0);
-}
-
-// scatter_rows: the block's results back into the batch, for every block row i with idx[i] >= 0: y[idx[i]] = yb[i],
-// rowabs[idx[i]] = sum |hb[i, :]| (fp32, a fixed order: deterministic), and with `last` the tracker, last[j] =
-// max(last[j], idx[i]) for every relu-active ab[i, j]. One warp per block row; hb, ab bf16 [n, N] (N % 8 == 0).
-__global__ void __launch_bounds__(256) scatter_rows_kernel(const uint4* __restrict__ yb, const uint4* __restrict__ hb,
-                                                           const uint4* __restrict__ ab,
-                                                           const int64_t* __restrict__ idx, int n, int K8, int N8,
-                                                           uint4* __restrict__ y, float* __restrict__ rowabs,
-                                                           long long* last) {
-  const long long w = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  if (w >= n) return;
-  const long long r = idx[w];
-  if (r < 0) return;  // warp-uniform
-  const int lane = threadIdx.x & 31;
-  for (int c = lane; c < K8; c += 32) y[r * K8 + c] = yb[w * K8 + c];
-  float t = 0.f;
-  for (int c = lane; c < N8; c += 32) {
-    const uint4 v = hb[w * N8 + c];
-    t += fabsf(bf16lo(v.x)) + fabsf(bf16hi(v.x)) + fabsf(bf16lo(v.y)) + fabsf(bf16hi(v.y)) + fabsf(bf16lo(v.z)) +
-         fabsf(bf16hi(v.z)) + fabsf(bf16lo(v.w)) + fabsf(bf16hi(v.w));
-    if (last != nullptr) {
-      bool nf = false;
-      const unsigned act = relu_mask8(ab[w * N8 + c], nf);
-#pragma unroll
-      for (int i = 0; i < 8; ++i)
-        if ((act >> i) & 1u) atomicMax(last + 8LL * c + i, r);
-    }
-  }
-  t = warp_sum(t);
-  if (lane == 0) rowabs[r] = t;
-}
-
-// dense_rows_fwd: one CTA per flagged row rows[start + b], b < count - start (grid-stride). Every warp holds x in
-// registers and walks neurons j = warp, warp + 8, ...: g = x . W_first[j] rounded to bf16 (as the cuBLAS output
-// would be), active as relu keeps it (> 0, +Inf, NaN); then u = x . W_u[j] (gated, fp32), h = g u (non-gated: h = g),
-// y += h W_dT[j] in fp32 registers, |h| summed, last[j] = max(last[j], row) when tracking. The 8 warps' partial rows
-// are added in a fixed order through shared memory (deterministic). Writes y[row] (bf16) and rowabs[row].
-// Cost: all of W_first per row (23 MB at 2048 x 5632, L2-resident when rows run together): the capacity-overflow
-// path, not the common one.
-template <int NI, bool GATED>
-__global__ void __launch_bounds__(256, 1) dense_rows_fwd_kernel(
-    const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ wf, const __nv_bfloat16* __restrict__ wu,
-    const __nv_bfloat16* __restrict__ wdt, int K, int N, const int64_t* __restrict__ rows,
-    const int64_t* __restrict__ count, int start, __nv_bfloat16* __restrict__ y, float* __restrict__ rowabs,
-    long long* last) {
-  extern __shared__ float part[];  // [8][K] partial rows, then [8] |h| sums
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int K8 = K >> 3;
-  const long long n = *count;
-  for (long long b = start + blockIdx.x; b < n; b += gridDim.x) {
-    const long long row = rows[b];
-    uint4 xv[NI];
-    load_row<NI>(xv, x + row * K, K);
-    float acc[NI * 8];
-#pragma unroll
-    for (int i = 0; i < NI * 8; ++i) acc[i] = 0.f;
-    float absacc = 0.f;
-#pragma unroll 1
-    for (int j = warp; j < N; j += 8) {
-      const float g = row_dot<NI>(xv, wf + (long long)j * K, K);
-      const uint32_t gb = (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(g));
-      if (!relu_active(gb)) continue;  // warp-uniform: every lane holds the same sum
-      if (last != nullptr && lane == 0) atomicMax(last + j, row);
-      float h = __uint_as_float(gb << 16);
-      if (GATED) h *= row_dot<NI>(xv, wu + (long long)j * K, K);
-      absacc += fabsf(h);
-      const uint4* dr = reinterpret_cast<const uint4*>(wdt + (long long)j * K);
-#pragma unroll
-      for (int i = 0; i < NI; ++i) {
-        const int c = lane + 32 * i;
-        if (c < K8) axpy8(h, __ldg(dr + c), acc + 8 * i);
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < NI; ++i) {
-      const int c = lane + 32 * i;
-      if (c < K8) {
-#pragma unroll
-        for (int q = 0; q < 8; ++q) part[warp * K + c * 8 + q] = acc[8 * i + q];
-      }
-    }
-    if (lane == 0) part[8 * K + warp] = absacc;
-    __syncthreads();
-    for (int k = threadIdx.x; k < K; k += blockDim.x) {
-      float t = 0.f;
-#pragma unroll
-      for (int w = 0; w < 8; ++w) t += part[w * K + k];
-      y[row * K + k] = __float2bfloat16_rn(t);
-    }
-    if (threadIdx.x == 0) {
-      float t = 0.f;
-#pragma unroll
-      for (int w = 0; w < 8; ++w) t += part[8 * K + w];
-      rowabs[row] = t;
-    }
-    __syncthreads();  // part is reused by the next row
-  }
-}
-
 inline unsigned blocks_for(long long warps, int threads) {
   return (unsigned)((warps * 32 + threads - 1) / threads);
 }
@@ -1182,64 +1069,7 @@ cudaError_t sfltrain_csr_by_neuron_launch(const int32_t* ell_col, int W, const i
   return cudaGetLastError();
 }
 
-// last: int64 [N], set to -1 here; a: bf16 [rows, N], row stride lda; N, lda multiples of 8, a 16-byte aligned.
-cudaError_t sfltrain_gather_rows_launch(const void* src, const int64_t* idx, int n, int K, void* dst,
-                                        cudaStream_t stream) {
-  if (n <= 0) return cudaSuccess;
-  if (K % 8 != 0 || (reinterpret_cast<uintptr_t>(src) & 15) || (reinterpret_cast<uintptr_t>(dst) & 15))
-    return cudaErrorInvalidValue;
-  sfltrain::gather_rows_kernel<<<sfltrain::blocks_for(n, 256), 256, 0, stream>>>(
-      reinterpret_cast<const uint4*>(src), idx, n, K / 8, reinterpret_cast<uint4*>(dst));
-  return cudaGetLastError();
-}
-
-cudaError_t sfltrain_scatter_rows_launch(const void* yb, const void* hb, const void* ab, const int64_t* idx, int n,
-                                         int K, int N, void* y, float* rowabs, int64_t* last, cudaStream_t stream) {
-  if (n <= 0) return cudaSuccess;
-  if (K % 8 != 0 || N % 8 != 0) return cudaErrorInvalidValue;
-  for (const void* p : {yb, hb, ab, (const void*)y})
-    if (reinterpret_cast<uintptr_t>(p) & 15) return cudaErrorInvalidValue;
-  sfltrain::scatter_rows_kernel<<<sfltrain::blocks_for(n, 256), 256, 0, stream>>>(
-      reinterpret_cast<const uint4*>(yb), reinterpret_cast<const uint4*>(hb), reinterpret_cast<const uint4*>(ab), idx,
-      n, K / 8, N / 8, reinterpret_cast<uint4*>(y), rowabs, reinterpret_cast<long long*>(last));
-  return cudaGetLastError();
-}
-
-cudaError_t sfltrain_dense_rows_fwd_launch(int gated, const void* x, const void* wf, const void* wu, const void* wdt,
-                                           int M, int K, int N, const int64_t* rows, const int64_t* count, int start,
-                                           void* y, float* rowabs, int64_t* last, int grid, cudaStream_t stream) {
-  if (M <= 0 || start >= M || grid <= 0) return cudaSuccess;
-  if (K % 8 != 0 || K > 3072) return cudaErrorInvalidValue;
-  const int ni = (K / 8 + 31) / 32;
-  const size_t smem = (size_t)(8 * K + 8) * sizeof(float);
-  const auto* xb = reinterpret_cast<const __nv_bfloat16*>(x);
-  const auto* wfb = reinterpret_cast<const __nv_bfloat16*>(wf);
-  const auto* wub = reinterpret_cast<const __nv_bfloat16*>(wu);
-  const auto* wdb = reinterpret_cast<const __nv_bfloat16*>(wdt);
-  auto* yb = reinterpret_cast<__nv_bfloat16*>(y);
-  auto* lb = reinterpret_cast<long long*>(last);
-  cudaError_t e = cudaSuccess;
-#define SFL_DR_CASE(NI_)                                                                                         \
-  case NI_:                                                                                                      \
-    if (gated) {                                                                                                 \
-      e = cudaFuncSetAttribute(sfltrain::dense_rows_fwd_kernel<NI_, true>,                                      \
-                               cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);                          \
-      if (e == cudaSuccess)                                                                                      \
-        sfltrain::dense_rows_fwd_kernel<NI_, true><<<grid, 256, smem, stream>>>(xb, wfb, wub, wdb, K, N, rows,   \
-                                                                               count, start, yb, rowabs, lb);   \
-    } else {                                                                                                     \
-      e = cudaFuncSetAttribute(sfltrain::dense_rows_fwd_kernel<NI_, false>,                                     \
-                               cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);                          \
-      if (e == cudaSuccess)                                                                                      \
-        sfltrain::dense_rows_fwd_kernel<NI_, false><<<grid, 256, smem, stream>>>(xb, wfb, wub, wdb, K, N, rows,  \
-                                                                                count, start, yb, rowabs, lb);  \
-    }                                                                                                            \
-    break;
-  SFL_NI_SWITCH(ni, SFL_DR_CASE)
-#undef SFL_DR_CASE
-  return e != cudaSuccess ? e : cudaGetLastError();
-}
-
+// last: int64 [N], set to -1 here; ell_col int32 [rows, W].
 cudaError_t sfltrain_last_active_ell_launch(const int32_t* ell_col, int W, const int32_t* nnz, const int32_t* flag,
                                             int rows, int N, int64_t* last, cudaStream_t stream) {
   if (N <= 0) return cudaSuccess;
@@ -1252,6 +1082,7 @@ cudaError_t sfltrain_last_active_ell_launch(const int32_t* ell_col, int W, const
   return cudaGetLastError();
 }
 
+// last: int64 [N], set to -1 here; a: bf16 [rows, N], row stride lda; N, lda multiples of 8, a 16-byte aligned.
 cudaError_t sfltrain_last_active_launch(const void* a, long long lda, int rows, int N, int64_t* last,
                                         cudaStream_t stream) {
   if (N <= 0) return cudaSuccess;

@@ -74,7 +74,7 @@ def plan_args(cfg: KernelConfig) -> tuple[list[int], list[float]]:
     ints = [_MODE_CODE[cfg.mode], cfg.slots, cfg.decode_max_m, int(cfg.self_timing), cfg.measure_every,
             int(cfg.d2t == "fused"), cfg.d2t_overlap_min_k, cfg.d2t_max_ctas, cfg.gate_scratch_mb,
             cfg.decode_tiles_per_warp, cfg.fused_decode_max_m, cfg.rows_decode_max_m,
-            cfg.decode_rows_slices]
+            cfg.decode_rows_slices, cfg.backup_rows]
     floats = [float(cfg.flagged_dense_above), float(cfg.activity_hint)]
     for gated in (True, False):
         ms, ps = cfg.crossover_table(gated)
@@ -109,9 +109,10 @@ class Plan:
 
     def info(self) -> dict:
         """The layer's dispatch state and its last call: p (measured activity), f (flagged-row fraction),
-        measurements, sparse_calls, dense_calls, path ("dense" | "sparse" | "sparse-syncfree"), d2t
-        ("fused" | "cublas" | "decode-fused" | "decode-rows"), flagged_rows (eager sparse calls), timings. Empty
-        before the first call."""
+        measurements, sparse_calls, dense_calls, path ("dense" | "sparse" | "sparse-syncfree" at decode sizes),
+        d2t ("fused" | "cublas" | "decode-fused" | "decode-rows"), flagged_rows (in the latest measurement that
+        reached the host: a call's own once a later call has run after it completed), backup_cap (the last sparse
+        call's dense backup block, rows), timings. Empty before the first call."""
         return dict(load().plan_info(self.id))
 
     def reset(self) -> None:

@@ -18,12 +18,15 @@
 //   slower one re-probed every 256th call); under CUDA-graph capture the table decides.
 // Paths:
 //   dense     : the GEMMs HF runs, relu(g)*u in one pass that measures activity and accumulates the model's stats.
-//   eager     : d2t (S = slots) -> up_down (one block per row); rows flagged by d2t (a tile over S, or a non-finite gate) are
-//               computed exactly by dense GEMMs; their number comes back through a pinned copy waited on only after
-//               up_down is queued (the GPU stays busy).
-//   sync-free : M <= decode_max_m or CUDA-graph capture: S = 256 (no row can overflow), non-finite rows NaN;
-//               M <= fused_decode_max_m (at most 8): the fused decode kernel; M <= rows_decode_max_m: a cuBLAS
-//               gate GEMM, then decode_rows (one block per row and K slice: compaction, up and down).
+//   sparse    : M > decode_max_m: d2t (S = slots) -> up_down (one block per row); rows flagged by d2t (a tile over
+//               S, or a non-finite gate) go through the dense backup, exactly and without a host sync: a device list
+//               of them, the first `cap` (from the layer's measured flagged fraction) by HF's dense math on a gathered
+//               block, any beyond by dense_rows_fwd on CUDA cores (common/backup_rows.cu). Eager and captured alike.
+//   decode    : M <= decode_max_m: S = 256 (no row can overflow), non-finite rows NaN; M <= fused_decode_max_m (at
+//               most 8): the fused decode kernel; M <= rows_decode_max_m: a cuBLAS gate GEMM, then decode_rows (one
+//               block per row and K slice: compaction, up and down).
+// No path waits for the GPU: measurements reach the host through pinned memory and are read once their event has
+// completed (one in flight per layer).
 #include <torch/extension.h>
 #include <torch/library.h>
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -42,6 +45,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "../common/backup_rows.h"
 #include "launchers.h"
 
 namespace sfl_runtime {
@@ -104,7 +108,7 @@ at::Tensor kept_empty(at::IntArrayRef size, const at::TensorOptions& opts, cudaS
 struct Config {
   int mode = kAuto, slots = 32, decode_max_m = 64, measure_every = 16, d2t_overlap_min_k = 4096, d2t_max_ctas = 0;
   int decode_tiles_per_warp = 4, fused_decode_max_m = 2, rows_decode_max_m = 64;
-  int decode_rows_slices = 0;
+  int decode_rows_slices = 0, backup_rows = -1;
   bool self_timing = true, fused_d2t = true;
   int64_t gate_scratch_mb = 1024;
   double flagged_dense_above = 0.05, activity_hint = 0.0;
@@ -113,13 +117,14 @@ struct Config {
 };
 
 Config parse_config(at::IntArrayRef ic, at::ArrayRef<double> fc) {
-  TORCH_CHECK(ic.size() == 13 && fc.size() >= 4, "sfl_twell::ffn: malformed plan arguments (build them with "
+  TORCH_CHECK(ic.size() == 14 && fc.size() >= 4, "sfl_twell::ffn: malformed plan arguments (build them with "
               "kernels.twell.ops.plan_args)");
   Config c;
   c.mode = (int)ic[0]; c.slots = (int)ic[1]; c.decode_max_m = (int)ic[2]; c.self_timing = ic[3] != 0;
   c.measure_every = (int)ic[4]; c.fused_d2t = ic[5] != 0; c.d2t_overlap_min_k = (int)ic[6];
   c.d2t_max_ctas = (int)ic[7]; c.gate_scratch_mb = ic[8]; c.decode_tiles_per_warp = (int)ic[9];
   c.fused_decode_max_m = (int)ic[10]; c.rows_decode_max_m = (int)ic[11]; c.decode_rows_slices = (int)ic[12];
+  c.backup_rows = (int)ic[13];
   c.flagged_dense_above = fc[0];
   c.activity_hint = fc[1];
   size_t i = 2;
@@ -141,10 +146,10 @@ struct Plan {
   // measured activity (the dispatch history)
   double p = -1.0, f = 0.0;
   int64_t measurements = 0, sparse_calls = 0, dense_calls = 0;
-  int64_t* host_async = nullptr;        // pinned int64 [2] each (cudaHostAlloc: a pageable target would make the
-  int64_t* host_sync = nullptr;         // "asynchronous" copy synchronous)
-  cudaEvent_t ev_async = nullptr, ev_sync = nullptr;
-  at::Tensor dev_stats;                 // int64 [4] on the device: the two measurement slots, zeroed per use
+  int64_t* host_async = nullptr;        // pinned int64 [2] (cudaHostAlloc: a pageable target would make the
+                                        // "asynchronous" copy synchronous)
+  cudaEvent_t ev_async = nullptr;
+  at::Tensor dev_stats;                 // int64 [2] on the device: the measurement slot, zeroed per use
   bool pending = false;
   int64_t pending_rows = 0, pending_n = 0;
   // self-timing
@@ -163,8 +168,9 @@ struct Plan {
   int64_t wdt_offset = -1, wdt_version = -1;
   // the last call, for tests and benchmark logs
   std::string last_path, last_d2t;
-  int64_t last_flagged = -1;
-  int device = -1;
+  int64_t last_flagged = -1;            // flagged rows in the latest measurement that reached the host
+  int64_t last_cap = -1;                // the last sparse call's backup capacity (rows by dense GEMMs)
+  int device = -1, sms = 0;
 
   ~Plan() {
     if (device < 0) return;
@@ -172,7 +178,6 @@ struct Plan {
     if (cudaGetDevice(&prev) != cudaSuccess) return;
     cudaSetDevice(device);
     if (ev_async) cudaEventDestroy(ev_async);
-    if (ev_sync) cudaEventDestroy(ev_sync);
     if (host_async) cudaFreeHost(host_async);
     for (auto& t : timed_pending) { cudaEventDestroy(t.start); cudaEventDestroy(t.end); }
     for (auto& e : free_events) { cudaEventDestroy(e.first); cudaEventDestroy(e.second); }
@@ -182,7 +187,19 @@ struct Plan {
   void update(int64_t nnz_ok, int64_t flagged, int64_t rows, int64_t n) {
     p = rows == flagged ? 1.0 : (double)nnz_ok / ((double)(rows - flagged) * (double)n);
     f = (double)flagged / (double)std::max<int64_t>(1, rows);
+    last_flagged = flagged;
     ++measurements;
+  }
+
+  // rows of the backup block for an M-row call (KernelConfig.backup_rows; -1: the rule of the training op's
+  // DispatchState.backup_capacity): 1.25x the flagged fraction the last measurement saw + 32 rows, in multiples of
+  // 32; none when it saw none (a surprise flagged row then costs a dense_rows_fwd pass over the weights, and is
+  // measured); M / 16 before any measurement
+  int64_t backup_cap(int64_t M) const {
+    if (cfg.backup_rows >= 0) return std::min<int64_t>(M, cfg.backup_rows);
+    if (p >= 0 && f <= 0.0) return 0;
+    const int64_t want = p < 0 ? M / 16 : (int64_t)(1.25 * f * (double)M) + 32;
+    return std::min(M, (want + 31) / 32 * 32);
   }
 
   void poll() {
@@ -267,30 +284,29 @@ struct Plan {
                 " (make a new module/plan per device)");
     device = dev;
     void* h = nullptr;
-    check(cudaHostAlloc(&h, 4 * sizeof(int64_t), cudaHostAllocDefault), "pinned host slots");
+    check(cudaHostAlloc(&h, 2 * sizeof(int64_t), cudaHostAllocDefault), "pinned host slot");
     host_async = static_cast<int64_t*>(h);
-    host_sync = host_async + 2;
-    dev_stats = kept_empty({4}, at::TensorOptions().dtype(at::kLong).device(at::kCUDA, dev), stream);
+    dev_stats = kept_empty({2}, at::TensorOptions().dtype(at::kLong).device(at::kCUDA, dev), stream);
     check(cudaEventCreateWithFlags(&ev_async, cudaEventDisableTiming), "event");
-    check(cudaEventCreateWithFlags(&ev_sync, cudaEventDisableTiming), "event");
+    check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "device attribute");
   }
 
-  // a zeroed device int64 [2] for this call's measurement (slot 0: read back asynchronously, 1: waited on); stream
-  // order keeps it from being reused before its copy to the host is done
-  at::Tensor measurement_slot(bool async, cudaStream_t stream) {
-    at::Tensor t = dev_stats.narrow(0, async ? 0 : 2, 2);
-    check(cudaMemsetAsync(t.data_ptr(), 0, 2 * sizeof(int64_t), stream), "memset");
-    return t;
+  // a zeroed device int64 [2] for this call's measurement; stream order keeps it from being reused before its copy
+  // to the host is done
+  at::Tensor measurement_slot(cudaStream_t stream) {
+    check(cudaMemsetAsync(dev_stats.data_ptr(), 0, 2 * sizeof(int64_t), stream), "memset");
+    return dev_stats;
   }
 
-  // copy the device int64 [2] measurement to pinned memory and record an event (async slot or waited-on slot)
-  cudaEvent_t to_host(const at::Tensor& dev_stats, bool async, cudaStream_t stream) {
-    int64_t* h = async ? host_async : host_sync;
-    check(cudaMemcpyAsync(h, dev_stats.data_ptr(), 2 * sizeof(int64_t), cudaMemcpyDeviceToHost, stream),
+  // copy a device int64 [2] measurement (unflagged non-zeros, flagged rows) of `rows` x `n` to pinned memory and
+  // record the event that poll() looks for
+  void to_host(const at::Tensor& st, int64_t rows, int64_t n, cudaStream_t stream) {
+    check(cudaMemcpyAsync(host_async, st.data_ptr(), 2 * sizeof(int64_t), cudaMemcpyDeviceToHost, stream),
           "stats copy");
-    cudaEvent_t ev = async ? ev_async : ev_sync;
-    check(cudaEventRecord(ev, stream), "event record");
-    return ev;
+    check(cudaEventRecord(ev_async, stream), "event record");
+    pending = true;
+    pending_rows = rows;
+    pending_n = n;
   }
 
   // the persistent decode workspace for K, or an undefined tensor where a call must allocate its own
@@ -451,9 +467,8 @@ at::Tensor dense_path(Call& c, bool table_dense) {
   ++P.dense_calls;
   P.last_path = "dense";
   P.last_d2t = "";
-  P.last_flagged = -1;
   if (!measure && !c.wg && c.acc == nullptr) return at::mm(at::relu_(g), c.wd.t());
-  at::Tensor st = measure ? P.measurement_slot(true, c.stream) : at::Tensor();
+  at::Tensor st = measure ? P.measurement_slot(c.stream) : at::Tensor();
   at::Tensor h = c.wg ? u : g;  // in place
   check(twell_relu_mul_stats_launch(g.data_ptr(), g.stride(0), c.wg ? u.data_ptr() : nullptr, c.wg ? u.stride(0) : 0,
                                     h.data_ptr(), h.stride(0), (int)c.M, (int)c.N, P.cfg.slots, (int)c.N, nullptr,
@@ -461,12 +476,7 @@ at::Tensor dense_path(Call& c, bool table_dense) {
                                     c.acc, c.stream),
         "relu_mul_stats");
   at::Tensor y = at::mm(h, c.wd.t());
-  if (measure) {
-    P.to_host(st, true, c.stream);
-    P.pending = true;
-    P.pending_rows = c.M;
-    P.pending_n = c.N;
-  }
+  if (measure) P.to_host(st, c.M, c.N, c.stream);
   return y;
 }
 
@@ -506,7 +516,7 @@ at::Tensor fused_decode(Call& c, const at::Tensor& wdt, bool measure) {
   int32_t* nnz = reinterpret_cast<int32_t*>(yacc + kFusedDecodeMaxM * K);
   int32_t* flag = nnz + kFusedDecodeMaxM;
   at::Tensor y = at::empty({M, K}, c.x.options());
-  at::Tensor st = measure ? P.measurement_slot(true, c.stream) : at::Tensor();
+  at::Tensor st = measure ? P.measurement_slot(c.stream) : at::Tensor();
   if (!own) P.decode_ws_dirty = true;
   check(twell_decode_fused_launch(c.x.data_ptr(), c.gate_w().data_ptr(), c.wg ? c.wu.data_ptr() : nullptr,
                                   wdt.data_ptr(), (int)M, (int)K, (int)c.N, yacc, nnz, flag, c.stream),
@@ -515,15 +525,9 @@ at::Tensor fused_decode(Call& c, const at::Tensor& wdt, bool measure) {
                                    measure ? reinterpret_cast<unsigned long long*>(i64(st)) : nullptr, c.acc, c.stream),
         "decode_finish");
   if (!own) P.decode_ws_dirty = false;
-  if (measure) {
-    P.to_host(st, true, c.stream);
-    P.pending = true;
-    P.pending_rows = M;
-    P.pending_n = c.N;
-  }
+  if (measure) P.to_host(st, M, c.N, c.stream);
   P.last_path = "sparse-syncfree";
   P.last_d2t = "decode-fused";
-  P.last_flagged = -1;
   return y;
 }
 
@@ -533,21 +537,41 @@ at::Tensor rows_decode(Call& c, const at::Tensor& wdt, bool measure) {
   Plan& P = c.P;
   at::Tensor g = at::mm(c.x, c.gate_w().t());
   at::Tensor y = at::empty({c.M, c.K}, c.x.options());
-  at::Tensor st = measure ? P.measurement_slot(true, c.stream) : at::Tensor();
+  at::Tensor st = measure ? P.measurement_slot(c.stream) : at::Tensor();
   check(twell_decode_rows_launch(g.data_ptr(), g.stride(0), c.x.data_ptr(), c.wg ? c.wu.data_ptr() : nullptr,
                                  wdt.data_ptr(), (int)c.M, (int)c.K, (int)c.N, P.cfg.decode_rows_slices, y.data_ptr(),
                                  measure ? reinterpret_cast<unsigned long long*>(i64(st)) : nullptr, c.acc, c.stream),
         "decode_rows");
-  if (measure) {
-    P.to_host(st, true, c.stream);
-    P.pending = true;
-    P.pending_rows = c.M;
-    P.pending_n = c.N;
-  }
+  if (measure) P.to_host(st, c.M, c.N, c.stream);
   P.last_path = "sparse-syncfree";
   P.last_d2t = "decode-rows";
-  P.last_flagged = -1;
   return y;
+}
+
+// The rows d2t flagged, exactly, with no host sync: `rows` lists them (ascending, then -1) and st[1] counts them on
+// the device. rows[0, cap) by HF's dense math on a gathered block (zero rows past the count), rows[cap, count) by
+// dense_rows_fwd on CUDA cores (none runs unless the count exceeds cap).
+void backup_rows(Call& c, const at::Tensor& wdt, const at::Tensor& flag, const at::Tensor& st, at::Tensor& y) {
+  Plan& P = c.P;
+  const int64_t M = c.M, K = c.K, cap = P.backup_cap(M);
+  P.last_cap = cap;
+  const at::Tensor rows = at::nonzero_static(flag, M, -1).squeeze(1);
+  if (cap > 0) {
+    const at::Tensor idx = rows.narrow(0, 0, cap);
+    at::Tensor xb = at::empty({cap, K}, c.x.options());
+    check(sfl_gather_rows_launch(c.x.data_ptr(), i64(idx), (int)cap, (int)K, xb.data_ptr(), c.stream), "gather_rows");
+    const at::Tensor yb = dense_ffn(xb, c.wg, c.wu, c.wd).contiguous();
+    check(sfl_scatter_rows_launch(yb.data_ptr(), nullptr, nullptr, i64(idx), (int)cap, (int)K, (int)c.N, y.data_ptr(),
+                                  nullptr, nullptr, c.stream),
+          "scatter_rows");
+  }
+  if (cap < M) {
+    const int grid = (int)std::min<int64_t>(M - cap, 2 * std::max(1, P.sms));  // up to two CTAs per SM
+    check(sfl_dense_rows_fwd_launch(c.wg ? 1 : 0, c.x.data_ptr(), c.gate_w().data_ptr(), c.wu.data_ptr(),
+                                    wdt.data_ptr(), (int)M, (int)K, (int)c.N, i64(rows), i64(st) + 1, (int)cap,
+                                    y.data_ptr(), nullptr, nullptr, grid, c.stream),
+          "dense_rows_fwd");
+  }
 }
 
 at::Tensor sparse_path(Call& c, bool sync_free) {
@@ -555,28 +579,32 @@ at::Tensor sparse_path(Call& c, bool sync_free) {
   const int64_t M = c.M, K = c.K, N = c.N, T = N / kTileN;
   ++P.sparse_calls;
   const at::Tensor wdt = P.down_t(c.wd, c.stream, c.capture);
-  // the eager path always measures (it needs the flagged-row count); sync-free calls every measure_every-th call
-  // (the read-back is a few small operations, comparable to a decode-size call)
-  const bool measure = !c.capture && (!sync_free || (!P.pending && P.sparse_calls % P.cfg.measure_every == 1 % P.cfg.measure_every));
+  // decode sizes measure every measure_every-th call (the read-back is a few small operations, comparable to the
+  // call), larger calls whenever the last measurement has reached the host
+  const bool small = M <= P.cfg.decode_max_m;
+  const bool measure = !c.capture && !P.pending &&
+                       (!small || P.sparse_calls % P.cfg.measure_every == 1 % P.cfg.measure_every);
   if (sync_free && M <= std::min(P.cfg.fused_decode_max_m, kFusedDecodeMaxM)) return fused_decode(c, wdt, measure);
   if (sync_free && M <= P.cfg.rows_decode_max_m && N % 8 == 0 && N <= kRowsDecodeMaxN) return rows_decode(c, wdt, measure);
-  const int S = sync_free ? kTileN : P.cfg.slots;
+  const int S = small ? kTileN : P.cfg.slots;  // decode sizes: no row can overflow a full tile
   const auto i32o = c.x.options().dtype(at::kInt);
   at::Tensor packed = at::empty({M, T, S}, i32o);
   at::Tensor counts = at::empty({M, T}, i32o);
   at::Tensor flag = zeroed({M}, i32o, c.stream);
   at::Tensor y = at::empty({M, K}, c.x.options());
   d2t_into(c.x, c.gate_w(), packed, counts, flag, P.cfg, c.stream, &P.last_d2t);
-  cudaEvent_t ev = nullptr;
-  if (measure || c.acc) {
-    at::Tensor st = measure ? P.measurement_slot(sync_free, c.stream) : at::Tensor();
+  // the backup needs the flagged-row count on the device on every call; the measurement slot is the layer's one
+  at::Tensor st = measure ? P.measurement_slot(c.stream)
+                 : small  ? at::Tensor()
+                          : zeroed({2}, c.x.options().dtype(at::kLong), c.stream);
+  if (st.defined() || c.acc) {
     check(twell_row_stats_launch(i32(counts), i32(flag), (int)M, (int)N,
-                                 measure ? reinterpret_cast<unsigned long long*>(i64(st)) : nullptr, c.acc, c.stream),
+                                 st.defined() ? reinterpret_cast<unsigned long long*>(i64(st)) : nullptr, c.acc,
+                                 c.stream),
           "row_stats");
-    if (measure) ev = P.to_host(st, sync_free, c.stream);
   }
   const int tpw = std::max(1, std::min((int)T, P.cfg.decode_tiles_per_warp));
-  if (sync_free && M <= P.cfg.decode_max_m && tpw < T) {
+  if (small && tpw < T) {
     // few rows without the row decode (N above its limit, or it is off): tiles split across warps for
     // parallelism, fp32 atomics into an accumulator, then a conversion
     at::Tensor hval = c.wg ? at::empty({M, T, S}, c.x.options().dtype(at::kFloat)) : at::Tensor();
@@ -591,32 +619,15 @@ at::Tensor sparse_path(Call& c, bool sync_free) {
           "down");
     check(twell_finalize_launch(yacc.data_ptr<float>(), i32(flag), (int)M, (int)K, 1, y.data_ptr(), c.stream),
           "finalize");
-  } else {  // one block per row: up and down in one kernel (flagged rows: NaN on the sync-free path, else backup)
+  } else {  // one block per row: up and down in one kernel (flagged rows: NaN at decode sizes, else the backup's)
     check(twell_up_down_launch(c.wg ? c.x.data_ptr() : nullptr, c.wg ? c.wu.data_ptr() : nullptr, wdt.data_ptr(),
-                               (int)M, (int)K, (int)N, S, sync_free ? 1 : 0, i32(packed), i32(counts), i32(flag),
+                               (int)M, (int)K, (int)N, S, small ? 1 : 0, i32(packed), i32(counts), i32(flag),
                                y.data_ptr(), c.stream),
           "up_down");
   }
-  if (sync_free) {
-    if (measure) {
-      P.pending = true;
-      P.pending_rows = M;
-      P.pending_n = N;
-    }
-    P.last_path = "sparse-syncfree";
-    P.last_flagged = -1;
-    return y;
-  }
-  // up_down is queued; now wait for the (earlier) flagged-row count
-  check(cudaEventSynchronize(ev), "event wait");
-  const int64_t nnz_ok = P.host_sync[0], R = P.host_sync[1];
-  P.update(nnz_ok, R, M, N);
-  if (R > 0) {  // exact dense backup of every flagged row, however many
-    at::Tensor rows = at::nonzero_static(flag, R).squeeze(1);
-    y.index_copy_(0, rows, dense_ffn(c.x.index_select(0, rows), c.wg, c.wu, c.wd));
-  }
-  P.last_path = "sparse";
-  P.last_flagged = R;
+  if (!small) backup_rows(c, wdt, flag, st, y);
+  if (measure) P.to_host(st, M, N, c.stream);
+  P.last_path = small ? "sparse-syncfree" : "sparse";
   return y;
 }
 
@@ -639,7 +650,7 @@ at::Tensor ffn_cuda(const at::Tensor& x_in, const c10::optional<at::Tensor>& w_g
   const bool sync_free = c.capture || M <= P.cfg.decode_max_m;
   bool sparse = P.cfg.mode == kSparse, table_dense = false, timed = false;
   int bucket = 0;
-  if (P.cfg.mode == kAuto && !c.capture) P.poll();  // event queries are not allowed while capturing
+  if (!c.capture) P.poll();  // (event queries are not allowed while capturing) every mode: the backup's capacity
   if (P.cfg.mode == kAuto) {
     const bool known = P.p >= 0 || P.cfg.activity_hint > 0;
     const double p = P.p >= 0 ? P.p : P.cfg.activity_hint, f = P.p >= 0 ? P.f : 0.0;
@@ -747,6 +758,7 @@ py::dict plan_info(int64_t id) {
   d["path"] = P.last_path.empty() ? py::none() : py::cast(P.last_path);
   d["d2t"] = P.last_d2t.empty() ? py::none() : py::cast(P.last_d2t);
   d["flagged_rows"] = P.last_flagged >= 0 ? py::cast(P.last_flagged) : py::none();
+  d["backup_cap"] = P.last_cap >= 0 ? py::cast(P.last_cap) : py::none();
   d["down_copy_bytes"] = P.wdt.defined() ? P.wdt.numel() * P.wdt.element_size() : 0;  // W_d's neuron-major copy
   py::dict t;
   for (const auto& kv : P.times) {

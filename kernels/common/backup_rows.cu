@@ -1,0 +1,232 @@
+// The backup rows of the sparse FFN, shared by the inference runtime (kernels/twell/runtime.cpp) and the training
+// forward (kernels/train/ops.py): rows flagged by the sparse path (a tile or row over its ELL width, or a
+// non-finite gate value) are computed densely, exactly, with no host synchronisation.
+//
+// `rows` lists the flagged rows ascending, -1 after the last (torch.nonzero_static); `count` (device) is how many there
+// are. The caller computes rows[0 .. cap) with cuBLAS on a gathered block (cap from the layer's history, known on the
+// host; unused block rows are zero) and scatters them back with scatter_rows; rows[cap .. count) go through
+// dense_rows_fwd, exact on CUDA cores, so no row is dropped whatever count is. Plain CUDA (no torch headers);
+// the launchers are declared in backup_rows.h.
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#include "bf16.cuh"
+
+namespace sflrows {
+
+using namespace sfl;
+
+constexpr int kMaxNI = 16;  // dense_rows_fwd holds x in registers: K <= 32 lanes x 8 x 16 = 4096
+
+// gather_rows: dst[i] = src[idx[i]], a zero row where idx[i] < 0 (bf16 rows of K, 16-byte chunks; one warp per row).
+__global__ void __launch_bounds__(256) gather_rows_kernel(const uint4* __restrict__ src, const int64_t* __restrict__ idx,
+                                                          int n, int K8, uint4* __restrict__ dst) {
+  const long long w = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  if (w >= n) return;
+  const long long r = idx[w];
+  for (int c = threadIdx.x & 31; c < K8; c += 32) dst[w * K8 + c] = r >= 0 ? src[r * K8 + c] : make_uint4(0, 0, 0, 0);
+}
+
+// scatter_rows: the block's results back into the batch, for every block row i with idx[i] >= 0: y[idx[i]] = yb[i],
+// and unless hb is null (inference: y only) rowabs[idx[i]] = sum |hb[i, :]| (fp32, a fixed order: deterministic), and with `last` the tracker, last[j] =
+// max(last[j], idx[i]) for every relu-active ab[i, j]. One warp per block row; hb, ab bf16 [n, N] (N % 8 == 0).
+__global__ void __launch_bounds__(256) scatter_rows_kernel(const uint4* __restrict__ yb, const uint4* __restrict__ hb,
+                                                           const uint4* __restrict__ ab,
+                                                           const int64_t* __restrict__ idx, int n, int K8, int N8,
+                                                           uint4* __restrict__ y, float* __restrict__ rowabs,
+                                                           long long* last) {
+  const long long w = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  if (w >= n) return;
+  const long long r = idx[w];
+  if (r < 0) return;  // warp-uniform
+  const int lane = threadIdx.x & 31;
+  for (int c = lane; c < K8; c += 32) y[r * K8 + c] = yb[w * K8 + c];
+  if (hb == nullptr) return;  // y only (inference)
+  float t = 0.f;
+  for (int c = lane; c < N8; c += 32) {
+    const uint4 v = hb[w * N8 + c];
+    t += fabsf(bf16lo(v.x)) + fabsf(bf16hi(v.x)) + fabsf(bf16lo(v.y)) + fabsf(bf16hi(v.y)) + fabsf(bf16lo(v.z)) +
+         fabsf(bf16hi(v.z)) + fabsf(bf16lo(v.w)) + fabsf(bf16hi(v.w));
+    if (last != nullptr) {
+      bool nf = false;
+      const unsigned act = relu_mask8(ab[w * N8 + c], nf);
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        if ((act >> i) & 1u) atomicMax(last + 8LL * c + i, r);
+    }
+  }
+  t = warp_sum(t);
+  if (lane == 0) rowabs[r] = t;
+}
+
+// x . w_row over the warp with x in shared memory (16-byte chunk c at xs[c]): row_dot's summation order, so the
+// same bits, without NI registers of x per lane (the y accumulators take those: 128 per lane at K = 4096).
+template <int NI>
+__device__ __forceinline__ float dot_xs(const uint4* xs, const __nv_bfloat16* __restrict__ w_row, int K) {
+  const int lane = threadIdx.x & 31;
+  const uint4* r = reinterpret_cast<const uint4*>(w_row);
+  float d = 0.f;
+#pragma unroll
+  for (int i = 0; i < NI; ++i) {
+    const int c = lane + 32 * i;
+    if (c < (K >> 3)) d = dot8(xs[c], __ldg(r + c), d);
+  }
+  return warp_sum(d);
+}
+
+// dense_rows_fwd: one CTA per flagged row rows[start + b], b < count - start (grid-stride). x goes to shared memory;
+// every warp walks neurons j = warp, warp + 8, ...: g = x . W_first[j] rounded to bf16 (as the cuBLAS output
+// would be), active as relu keeps it (> 0, +Inf, NaN); then u = x . W_u[j] (gated, fp32), h = g u (non-gated: h = g),
+// y += h W_dT[j] in fp32 registers, |h| summed, last[j] = max(last[j], row) when tracking. The 8 warps' partial rows
+// are added in a fixed order through shared memory (deterministic). Writes y[row] (bf16) and rowabs[row] (when not
+// null). Non-finite x (gated): dense forms relu(g) u = 0 * u at an inactive neuron too, NaN where u is not finite,
+// and then NaN in every y entry; such a row's inactive neurons are checked and the row is NaN as in dense.
+// Cost: all of W_first per row (23 MB at 2048 x 5632, L2-resident when rows run together): the capacity-overflow
+// path, not the common one.
+template <int NI, bool GATED>
+__global__ void __launch_bounds__(256, 1) dense_rows_fwd_kernel(
+    const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ wf, const __nv_bfloat16* __restrict__ wu,
+    const __nv_bfloat16* __restrict__ wdt, int K, int N, const int64_t* __restrict__ rows,
+    const int64_t* __restrict__ count, int start, __nv_bfloat16* __restrict__ y, float* __restrict__ rowabs,
+    long long* last) {
+  extern __shared__ float part[];  // [8][K] partial rows, [8] |h| sums, then x (K bf16)
+  uint4* xs = reinterpret_cast<uint4*>(part + 8 * K + 8);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int K8 = K >> 3;
+  const long long n = *count;
+  for (long long b = start + blockIdx.x; b < n; b += gridDim.x) {
+    const long long row = rows[b];
+    bool bad = false;
+    for (int c = threadIdx.x; c < K8; c += blockDim.x) {
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(x + row * K) + c);
+      xs[c] = v;
+      for (const uint32_t w : {v.x, v.y, v.z, v.w})  // a bf16 half with every exponent bit set: Inf or NaN
+        bad |= (w & 0x7f80u) == 0x7f80u || (w & 0x7f800000u) == 0x7f800000u;
+    }
+    const bool xbad = __syncthreads_or(bad) && GATED;  // the barrier always (xs is read by every warp)
+    bool nan_row = false;  // warp-uniform: some inactive neuron has a non-finite u
+    float acc[NI * 8];
+#pragma unroll
+    for (int i = 0; i < NI * 8; ++i) acc[i] = 0.f;
+    float absacc = 0.f;
+#pragma unroll 1
+    for (int j = warp; j < N; j += 8) {
+      const float g = dot_xs<NI>(xs, wf + (long long)j * K, K);
+      const uint32_t gb = (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(g));
+      if (!relu_active(gb)) {  // warp-uniform: every lane holds the same sum
+        if (xbad && !nan_row) {
+          const float u = dot_xs<NI>(xs, wu + (long long)j * K, K);
+          nan_row = !isfinite(__bfloat162float(__float2bfloat16_rn(u)));  // cuBLAS's u is bf16
+        }
+        continue;
+      }
+      if (last != nullptr && lane == 0) atomicMax(last + j, row);
+      float h = __uint_as_float(gb << 16);
+      if (GATED) h *= dot_xs<NI>(xs, wu + (long long)j * K, K);
+      absacc += fabsf(h);
+      const uint4* dr = reinterpret_cast<const uint4*>(wdt + (long long)j * K);
+#pragma unroll
+      for (int i = 0; i < NI; ++i) {
+        const int c = lane + 32 * i;
+        if (c < K8) axpy8(h, __ldg(dr + c), acc + 8 * i);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < NI; ++i) {
+      const int c = lane + 32 * i;
+      if (c < K8) {
+#pragma unroll
+        for (int q = 0; q < 8; ++q) part[warp * K + c * 8 + q] = acc[8 * i + q];
+      }
+    }
+    if (lane == 0) part[8 * K + warp] = nan_row ? __int_as_float(0x7fc00000) : absacc;
+    const bool nan_out = __syncthreads_or(nan_row);
+    for (int k = threadIdx.x; k < K; k += blockDim.x) {
+      float t = 0.f;
+#pragma unroll
+      for (int w = 0; w < 8; ++w) t += part[w * K + k];
+      y[row * K + k] = __float2bfloat16_rn(nan_out ? __int_as_float(0x7fc00000) : t);
+    }
+    if (threadIdx.x == 0 && rowabs != nullptr) {
+      float t = 0.f;
+#pragma unroll
+      for (int w = 0; w < 8; ++w) t += part[8 * K + w];
+      rowabs[row] = t;
+    }
+    __syncthreads();  // part and xs are reused by the next row
+  }
+}
+
+inline unsigned blocks_for(long long warps, int threads) {
+  return (unsigned)((warps * 32 + threads - 1) / threads);
+}
+
+}  // namespace sflrows
+
+extern "C" {
+
+cudaError_t sfl_gather_rows_launch(const void* src, const int64_t* idx, int n, int K, void* dst,
+                                   cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  if (K % 8 != 0 || (reinterpret_cast<uintptr_t>(src) & 15) || (reinterpret_cast<uintptr_t>(dst) & 15))
+    return cudaErrorInvalidValue;
+  sflrows::gather_rows_kernel<<<sflrows::blocks_for(n, 256), 256, 0, stream>>>(
+      reinterpret_cast<const uint4*>(src), idx, n, K / 8, reinterpret_cast<uint4*>(dst));
+  return cudaGetLastError();
+}
+
+cudaError_t sfl_scatter_rows_launch(const void* yb, const void* hb, const void* ab, const int64_t* idx, int n,
+                                    int K, int N, void* y, float* rowabs, int64_t* last, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  if (K % 8 != 0 || N % 8 != 0) return cudaErrorInvalidValue;
+  for (const void* p : {yb, hb, ab, (const void*)y})
+    if (reinterpret_cast<uintptr_t>(p) & 15) return cudaErrorInvalidValue;
+  if (hb == nullptr && last != nullptr) return cudaErrorInvalidValue;  // the tracker needs ab, which comes with hb
+  sflrows::scatter_rows_kernel<<<sflrows::blocks_for(n, 256), 256, 0, stream>>>(
+      reinterpret_cast<const uint4*>(yb), reinterpret_cast<const uint4*>(hb), reinterpret_cast<const uint4*>(ab), idx,
+      n, K / 8, N / 8, reinterpret_cast<uint4*>(y), rowabs, reinterpret_cast<long long*>(last));
+  return cudaGetLastError();
+}
+
+cudaError_t sfl_dense_rows_fwd_launch(int gated, const void* x, const void* wf, const void* wu, const void* wdt,
+                                      int M, int K, int N, const int64_t* rows, const int64_t* count, int start,
+                                      void* y, float* rowabs, int64_t* last, int grid, cudaStream_t stream) {
+  if (M <= 0 || start >= M || grid <= 0) return cudaSuccess;
+  if (K % 8 != 0 || K > 32 * 8 * sflrows::kMaxNI) return cudaErrorInvalidValue;
+  const int ni = (K / 8 + 31) / 32;
+  const size_t smem = (size_t)(8 * K + 8) * sizeof(float) + (size_t)K * 2;
+  const auto* xb = reinterpret_cast<const __nv_bfloat16*>(x);
+  const auto* wfb = reinterpret_cast<const __nv_bfloat16*>(wf);
+  const auto* wub = reinterpret_cast<const __nv_bfloat16*>(wu);
+  const auto* wdb = reinterpret_cast<const __nv_bfloat16*>(wdt);
+  auto* yb = reinterpret_cast<__nv_bfloat16*>(y);
+  auto* lb = reinterpret_cast<long long*>(last);
+  cudaError_t e = cudaSuccess;
+#define SFL_DR_CASE(NI_)                                                                                         \
+  case NI_:                                                                                                      \
+    if (gated) {                                                                                                 \
+      e = cudaFuncSetAttribute(sflrows::dense_rows_fwd_kernel<NI_, true>,                                      \
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);                          \
+      if (e == cudaSuccess)                                                                                      \
+        sflrows::dense_rows_fwd_kernel<NI_, true><<<grid, 256, smem, stream>>>(xb, wfb, wub, wdb, K, N, rows,   \
+                                                                               count, start, yb, rowabs, lb);   \
+    } else {                                                                                                     \
+      e = cudaFuncSetAttribute(sflrows::dense_rows_fwd_kernel<NI_, false>,                                     \
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);                          \
+      if (e == cudaSuccess)                                                                                      \
+        sflrows::dense_rows_fwd_kernel<NI_, false><<<grid, 256, smem, stream>>>(xb, wfb, wub, wdb, K, N, rows,  \
+                                                                                count, start, yb, rowabs, lb);  \
+    }                                                                                                            \
+    break;
+  switch (ni) {
+    SFL_DR_CASE(1) SFL_DR_CASE(2) SFL_DR_CASE(3) SFL_DR_CASE(4) SFL_DR_CASE(5) SFL_DR_CASE(6) SFL_DR_CASE(7)
+    SFL_DR_CASE(8) SFL_DR_CASE(9) SFL_DR_CASE(10) SFL_DR_CASE(11) SFL_DR_CASE(12) SFL_DR_CASE(13)
+    SFL_DR_CASE(14) SFL_DR_CASE(15) SFL_DR_CASE(16)
+    default: return cudaErrorInvalidValue;
+  }
+#undef SFL_DR_CASE
+  return e != cudaSuccess ? e : cudaGetLastError();
+}
+
+}  // extern "C"
