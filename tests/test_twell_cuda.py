@@ -207,6 +207,19 @@ def test_backup_rows_past_the_block_are_exact(ffn, K, N, gated, backup_rows):
     assert info["backup_cap"] == (backup_rows if backup_rows >= 0 else rule)
 
 
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("backup_rows", [0, 5])
+def test_backup_rows_small_shapes(ffn, gated, backup_rows):
+    """Small shapes where nearly every row is flagged (S = 1 slot), NaN / +-Inf rows among them: the dense block and
+    the CUDA-core rows, exact (also the compute-sanitizer case: small enough for racecheck)."""
+    M, K, N = 70, 256, 512
+    x, wg, wu, wd = make_problem(M, K, N, 0.01, seed=61 + backup_rows, gated=gated)
+    poison()
+    y = run(ffn, x, wg, wu, wd, gated, mode="sparse", slots=1, backup_rows=backup_rows)
+    torch.cuda.synchronize()
+    check(y, x, wg, wu, wd, gated)
+
+
 def test_sparse_call_above_decode_sizes_never_waits(ffn):
     """A sparse call above decode_max_m with flagged rows returns while the GPU is still busy with earlier work: the
     flagged rows' count and list stay on the device, the measurement comes back without a wait."""
