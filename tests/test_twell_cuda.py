@@ -103,6 +103,23 @@ def run(ffn, x, wg, wu, wd, gated: bool = True, plan=None, stats=None, **cfg):
     return ffn.sparse_gated_ffn(x, wg, wu, wd, **kw) if gated else ffn.sparse_nongated_ffn(x, wu, wd, **kw)
 
 
+def captured(fn):
+    """(graph, output) of fn() captured after the warm-up torch.cuda.graph asks for: two eager calls (the plan's
+    history), then one on a side stream."""
+    for _ in range(2):
+        fn()
+        torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def check_stats(stats: torch.Tensor, h: torch.Tensor) -> None:
     """The op's accumulated statistics equal the dense count: (sum of non-zeros, largest per-token count, tokens)."""
     n = (h != 0).sum(1)
@@ -248,17 +265,7 @@ def test_graph_capture_with_flagged_rows(ffn, backup_rows):
     x, wg, wu, wd = make_problem(M, K, N, 0.01, seed=51, adversarial=False)
     plan = new_plan(mode="sparse", backup_rows=backup_rows)
     static_x = x.clone()
-    for _ in range(2):
-        run(ffn, static_x, wg, wu, wd, plan=plan)
-        torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run(ffn, static_x, wg, wu, wd, plan=plan)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_y = run(ffn, static_x, wg, wu, wd, plan=plan)
+    graph, static_y = captured(lambda: run(ffn, static_x, wg, wu, wd, plan=plan))
     assert plan.info()["path"] == "sparse" and plan.info()["backup_cap"] == backup_rows
     for seed in (52, 53):
         x2, _, _, _ = make_problem(M, K, N, 0.01, seed=seed)   # the adversarial rows
@@ -520,17 +527,7 @@ def test_graph_capture_auto_uses_history(ffn):
     x, wg, wu, wd = make_problem(M, K, N, 0.004, seed=34, adversarial=False)
     plan = new_plan(crossover="1:0.01")
     static_x = x.clone()
-    for _ in range(2):
-        run(ffn, static_x, wg, wu, wd, plan=plan)
-        torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run(ffn, static_x, wg, wu, wd, plan=plan)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_y = run(ffn, static_x, wg, wu, wd, plan=plan)
+    graph, static_y = captured(lambda: run(ffn, static_x, wg, wu, wd, plan=plan))
     assert plan.info()["path"] == "sparse-syncfree"
     x2, _, _, _ = make_problem(M, K, N, 0.004, seed=35, adversarial=False)
     static_x.copy_(x2)

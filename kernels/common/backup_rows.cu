@@ -17,11 +17,12 @@ namespace sflrows {
 
 using namespace sfl;
 
-constexpr int kMaxNI = 16;  // dense_rows_fwd holds x in registers: K <= 32 lanes x 8 x 16 = 4096
+constexpr int kMaxNI = 16;  // dense_rows_fwd's y row in registers, 8 x NI per lane: K <= 32 x 8 x 16 = 4096
 
 // gather_rows: dst[i] = src[idx[i]], a zero row where idx[i] < 0 (bf16 rows of K, 16-byte chunks; one warp per row).
-__global__ void __launch_bounds__(256) gather_rows_kernel(const uint4* __restrict__ src, const int64_t* __restrict__ idx,
-                                                          int n, int K8, uint4* __restrict__ dst) {
+__global__ void __launch_bounds__(256) gather_rows_kernel(const uint4* __restrict__ src,
+                                                          const int64_t* __restrict__ idx, int n, int K8,
+                                                          uint4* __restrict__ dst) {
   const long long w = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   if (w >= n) return;
   const long long r = idx[w];
@@ -29,8 +30,9 @@ __global__ void __launch_bounds__(256) gather_rows_kernel(const uint4* __restric
 }
 
 // scatter_rows: the block's results back into the batch, for every block row i with idx[i] >= 0: y[idx[i]] = yb[i],
-// and unless hb is null (inference: y only) rowabs[idx[i]] = sum |hb[i, :]| (fp32, a fixed order: deterministic), and with `last` the tracker, last[j] =
-// max(last[j], idx[i]) for every relu-active ab[i, j]. One warp per block row; hb, ab bf16 [n, N] (N % 8 == 0).
+// and unless hb is null (inference: y only) rowabs[idx[i]] = sum |hb[i, :]| (fp32, a fixed order: deterministic),
+// and with `last` the tracker, last[j] = max(last[j], idx[i]) for every relu-active ab[i, j]. One warp per block
+// row; hb, ab bf16 [n, N] (N % 8 == 0).
 __global__ void __launch_bounds__(256) scatter_rows_kernel(const uint4* __restrict__ yb, const uint4* __restrict__ hb,
                                                            const uint4* __restrict__ ab,
                                                            const int64_t* __restrict__ idx, int n, int K8, int N8,
@@ -60,24 +62,10 @@ __global__ void __launch_bounds__(256) scatter_rows_kernel(const uint4* __restri
   if (lane == 0) rowabs[r] = t;
 }
 
-// x . w_row over the warp with x in shared memory (16-byte chunk c at xs[c]): row_dot's summation order, so the
-// same bits, without NI registers of x per lane (the y accumulators take those: 128 per lane at K = 4096).
-template <int NI>
-__device__ __forceinline__ float dot_xs(const uint4* xs, const __nv_bfloat16* __restrict__ w_row, int K) {
-  const int lane = threadIdx.x & 31;
-  const uint4* r = reinterpret_cast<const uint4*>(w_row);
-  float d = 0.f;
-#pragma unroll
-  for (int i = 0; i < NI; ++i) {
-    const int c = lane + 32 * i;
-    if (c < (K >> 3)) d = dot8(xs[c], __ldg(r + c), d);
-  }
-  return warp_sum(d);
-}
-
-// dense_rows_fwd: one CTA per flagged row rows[start + b], b < count - start (grid-stride). x goes to shared memory;
-// every warp walks neurons j = warp, warp + 8, ...: g = x . W_first[j] rounded to bf16 (as the cuBLAS output
-// would be), active as relu keeps it (> 0, +Inf, NaN); then u = x . W_u[j] (gated, fp32), h = g u (non-gated: h = g),
+// dense_rows_fwd: one CTA per flagged row rows[start + b], b < count - start (grid-stride). x goes to shared memory
+// (row_dot_shared: the y accumulators need the registers, 128 per lane at K = 4096); every warp walks neurons
+// j = warp, warp + 8, ...: g = x . W_first[j] rounded to bf16 (as the cuBLAS output would be), active as relu keeps
+// it (> 0, +Inf, NaN); then u = x . W_u[j] (gated, fp32), h = g u (non-gated: h = g),
 // y += h W_dT[j] in fp32 registers, |h| summed, last[j] = max(last[j], row) when tracking. The 8 warps' partial rows
 // are added in a fixed order through shared memory (deterministic). Writes y[row] (bf16) and rowabs[row] (when not
 // null). Non-finite x (gated): dense forms relu(g) u = 0 * u at an inactive neuron too, NaN where u is not finite,
@@ -112,18 +100,18 @@ __global__ void __launch_bounds__(256, 1) dense_rows_fwd_kernel(
     float absacc = 0.f;
 #pragma unroll 1
     for (int j = warp; j < N; j += 8) {
-      const float g = dot_xs<NI>(xs, wf + (long long)j * K, K);
+      const float g = row_dot_shared<NI>(xs, wf + (long long)j * K, K);
       const uint32_t gb = (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(g));
       if (!relu_active(gb)) {  // warp-uniform: every lane holds the same sum
         if (xbad && !nan_row) {
-          const float u = dot_xs<NI>(xs, wu + (long long)j * K, K);
+          const float u = row_dot_shared<NI>(xs, wu + (long long)j * K, K);
           nan_row = !isfinite(__bfloat162float(__float2bfloat16_rn(u)));  // cuBLAS's u is bf16
         }
         continue;
       }
       if (last != nullptr && lane == 0) atomicMax(last + j, row);
       float h = __uint_as_float(gb << 16);
-      if (GATED) h *= dot_xs<NI>(xs, wu + (long long)j * K, K);
+      if (GATED) h *= row_dot_shared<NI>(xs, wu + (long long)j * K, K);
       absacc += fabsf(h);
       const uint4* dr = reinterpret_cast<const uint4*>(wdt + (long long)j * K);
 #pragma unroll
