@@ -18,7 +18,7 @@ from typing import Any, Mapping
 TILE_N = 256          # TwELL tile width (columns per tile); fixed by the kernels
 FUSED_DECODE_MAX_M_LIMIT = 8  # the fused decode kernel takes at most 8 rows
 FUSED_DECODE_MAX_M = 2        # ... and serves up to this many (decode_rows is faster above: kernels/README.md, 5b)
-ROWS_DECODE_MAX_M = 64        # decode_rows (cuBLAS gate) serves the sync-free calls above that, up to this many
+ROWS_DECODE_MAX_M = 64        # decode_rows (cuBLAS gate) serves the decode calls above that, up to this many
 
 # Crossover per M bucket, "m:p,...": for M >= m (largest such m) auto runs sparse when the layer's measured activity
 # is <= p. Calibrated on the H100 at K = 2048, N = 5632 against our dense path with the fused d2t and up_down (the
@@ -76,11 +76,11 @@ class KernelConfig:
         backup_rows: rows of the dense backup's cuBLAS block per sparse call above decode_max_m. -1: from the
             layer's last measurement (1.25 x its flagged rows + 32; none if it saw none; M / 16 before one).
             Flagged rows past the block are still exact, on CUDA cores (slower); no host sync either way.
-        decode_max_m: M at or below this takes the sync-free path (S = 256, lossless). Larger values cost
+        decode_max_m: M at or below this takes the decode paths (S = 256, lossless). Larger values cost
             M * N * 8 bytes of TwELL buffers above rows_decode_max_m.
-        fused_decode_max_m: sync-free calls of at most this many rows (0..8) take the fused decode kernel (gate
+        fused_decode_max_m: decode calls of at most this many rows (0..8) take the fused decode kernel (gate
             products on CUDA cores, W_g read once).
-        rows_decode_max_m: above fused_decode_max_m, sync-free calls of at most this many rows take the cuBLAS
+        rows_decode_max_m: above fused_decode_max_m, decode calls of at most this many rows take the cuBLAS
             gate GEMM and the decode_rows kernel (compaction, up and down per row; 0: off).
         decode_rows_slices: K slices (blocks) per row in decode_rows, 1..8 (a thread-block cluster on sm_90); 0:
             2 x SMs / M, at most 8, fewer where the M clusters would not all be resident at once.

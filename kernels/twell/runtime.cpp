@@ -578,6 +578,7 @@ at::Tensor sparse_path(Call& c, bool sync_free) {
   Plan& P = c.P;
   const int64_t M = c.M, K = c.K, N = c.N, T = N / kTileN;
   ++P.sparse_calls;
+  P.last_cap = -1;  // no backup block at decode sizes
   const at::Tensor wdt = P.down_t(c.wd, c.stream, c.capture);
   // decode sizes measure every measure_every-th call (the read-back is a few small operations, comparable to the
   // call), larger calls whenever the last measurement has reached the host
