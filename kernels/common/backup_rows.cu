@@ -62,10 +62,11 @@ __global__ void __launch_bounds__(256) scatter_rows_kernel(const uint4* __restri
   if (lane == 0) rowabs[r] = t;
 }
 
-// dense_rows_fwd: one CTA per flagged row rows[start + b], b < count - start (grid-stride). x goes to shared memory
-// (row_dot_shared: the y accumulators need the registers, 128 per lane at K = 4096); every warp walks neurons
-// j = warp, warp + 8, ...: g = x . W_first[j] rounded to bf16 (as the cuBLAS output would be), active as relu keeps
-// it (> 0, +Inf, NaN); then u = x . W_u[j] (gated, fp32), h = g u (non-gated: h = g),
+// dense_rows_fwd: one CTA per flagged row (grid-stride): rows[start + b], b < count - start, or with `flag` (the
+// caller's block is empty) every row r with flag[r], found by the CTAs' own scan of flag (no list, no count). x goes
+// to shared memory (row_dot_shared: the y accumulators need the registers, 128 per lane at K = 4096); every warp walks
+// neurons j = warp, warp + 8, ...: g = x . W_first[j] rounded to bf16 (as the cuBLAS output would be), active as relu
+// keeps it (> 0, +Inf, NaN); then u = x . W_u[j] (gated, fp32), h = g u (non-gated: h = g),
 // y += h W_dT[j] in fp32 registers, |h| summed, last[j] = max(last[j], row) when tracking. The 8 warps' partial rows
 // are added in a fixed order through shared memory (deterministic). Writes y[row] (bf16) and rowabs[row] (when not
 // null). Non-finite x (gated): dense forms relu(g) u = 0 * u at an inactive neuron too, NaN where u is not finite,
@@ -73,77 +74,89 @@ __global__ void __launch_bounds__(256) scatter_rows_kernel(const uint4* __restri
 // Cost: all of W_first per row (23 MB at 2048 x 5632, L2-resident when rows run together): the capacity-overflow
 // path, not the common one.
 template <int NI, bool GATED>
-__global__ void __launch_bounds__(256, 1) dense_rows_fwd_kernel(
-    const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ wf, const __nv_bfloat16* __restrict__ wu,
-    const __nv_bfloat16* __restrict__ wdt, int K, int N, const int64_t* __restrict__ rows,
-    const int64_t* __restrict__ count, int start, __nv_bfloat16* __restrict__ y, float* __restrict__ rowabs,
-    long long* last) {
-  extern __shared__ float part[];  // [8][K] partial rows, [8] |h| sums, then x (K bf16)
-  uint4* xs = reinterpret_cast<uint4*>(part + 8 * K + 8);
+__device__ __forceinline__ void dense_row(long long row, const __nv_bfloat16* __restrict__ x,
+                                          const __nv_bfloat16* __restrict__ wf, const __nv_bfloat16* __restrict__ wu,
+                                          const __nv_bfloat16* __restrict__ wdt, int K, int N,
+                                          __nv_bfloat16* __restrict__ y, float* __restrict__ rowabs, long long* last,
+                                          float* part, uint4* xs) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int K8 = K >> 3;
-  const long long n = *count;
-  for (long long b = start + blockIdx.x; b < n; b += gridDim.x) {
-    const long long row = rows[b];
-    bool bad = false;
-    for (int c = threadIdx.x; c < K8; c += blockDim.x) {
-      const uint4 v = __ldg(reinterpret_cast<const uint4*>(x + row * K) + c);
-      xs[c] = v;
-      for (const uint32_t w : {v.x, v.y, v.z, v.w})  // a bf16 half with every exponent bit set: Inf or NaN
-        bad |= (w & 0x7f80u) == 0x7f80u || (w & 0x7f800000u) == 0x7f800000u;
-    }
-    const bool xbad = __syncthreads_or(bad) && GATED;  // the barrier always (xs is read by every warp)
-    bool nan_row = false;  // warp-uniform: some inactive neuron has a non-finite u
-    float acc[NI * 8];
+  bool bad = false;
+  for (int c = threadIdx.x; c < K8; c += blockDim.x) {
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(x + row * K) + c);
+    xs[c] = v;
+    for (const uint32_t w : {v.x, v.y, v.z, v.w})  // a bf16 half with every exponent bit set: Inf or NaN
+      bad |= (w & 0x7f80u) == 0x7f80u || (w & 0x7f800000u) == 0x7f800000u;
+  }
+  const bool xbad = __syncthreads_or(bad) && GATED;  // the barrier always (xs is read by every warp)
+  bool nan_row = false;  // warp-uniform: some inactive neuron has a non-finite u
+  float acc[NI * 8];
 #pragma unroll
-    for (int i = 0; i < NI * 8; ++i) acc[i] = 0.f;
-    float absacc = 0.f;
+  for (int i = 0; i < NI * 8; ++i) acc[i] = 0.f;
+  float absacc = 0.f;
 #pragma unroll 1
-    for (int j = warp; j < N; j += 8) {
-      const float g = row_dot_shared<NI>(xs, wf + (long long)j * K, K);
-      const uint32_t gb = (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(g));
-      if (!relu_active(gb)) {  // warp-uniform: every lane holds the same sum
-        if (xbad && !nan_row) {
-          const float u = row_dot_shared<NI>(xs, wu + (long long)j * K, K);
-          nan_row = !isfinite(__bfloat162float(__float2bfloat16_rn(u)));  // cuBLAS's u is bf16
-        }
-        continue;
+  for (int j = warp; j < N; j += 8) {
+    const float g = row_dot_shared<NI>(xs, wf + (long long)j * K, K);
+    const uint32_t gb = (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(g));
+    if (!relu_active(gb)) {  // warp-uniform: every lane holds the same sum
+      if (xbad && !nan_row) {
+        const float u = row_dot_shared<NI>(xs, wu + (long long)j * K, K);
+        nan_row = !isfinite(__bfloat162float(__float2bfloat16_rn(u)));  // cuBLAS's u is bf16
       }
-      if (last != nullptr && lane == 0) atomicMax(last + j, row);
-      float h = __uint_as_float(gb << 16);
-      if (GATED) h *= row_dot_shared<NI>(xs, wu + (long long)j * K, K);
-      absacc += fabsf(h);
-      const uint4* dr = reinterpret_cast<const uint4*>(wdt + (long long)j * K);
-#pragma unroll
-      for (int i = 0; i < NI; ++i) {
-        const int c = lane + 32 * i;
-        if (c < K8) axpy8(h, __ldg(dr + c), acc + 8 * i);
-      }
+      continue;
     }
+    if (last != nullptr && lane == 0) atomicMax(last + j, row);
+    float h = __uint_as_float(gb << 16);
+    if (GATED) h *= row_dot_shared<NI>(xs, wu + (long long)j * K, K);
+    absacc += fabsf(h);
+    const uint4* dr = reinterpret_cast<const uint4*>(wdt + (long long)j * K);
 #pragma unroll
     for (int i = 0; i < NI; ++i) {
       const int c = lane + 32 * i;
-      if (c < K8) {
-#pragma unroll
-        for (int q = 0; q < 8; ++q) part[warp * K + c * 8 + q] = acc[8 * i + q];
-      }
+      if (c < K8) axpy8(h, __ldg(dr + c), acc + 8 * i);
     }
-    if (lane == 0) part[8 * K + warp] = nan_row ? __int_as_float(0x7fc00000) : absacc;
-    const bool nan_out = __syncthreads_or(nan_row);
-    for (int k = threadIdx.x; k < K; k += blockDim.x) {
-      float t = 0.f;
-#pragma unroll
-      for (int w = 0; w < 8; ++w) t += part[w * K + k];
-      y[row * K + k] = __float2bfloat16_rn(nan_out ? __int_as_float(0x7fc00000) : t);
-    }
-    if (threadIdx.x == 0 && rowabs != nullptr) {
-      float t = 0.f;
-#pragma unroll
-      for (int w = 0; w < 8; ++w) t += part[8 * K + w];
-      rowabs[row] = t;
-    }
-    __syncthreads();  // part and xs are reused by the next row
   }
+#pragma unroll
+  for (int i = 0; i < NI; ++i) {
+    const int c = lane + 32 * i;
+    if (c < K8) {
+#pragma unroll
+      for (int q = 0; q < 8; ++q) part[warp * K + c * 8 + q] = acc[8 * i + q];
+    }
+  }
+  if (lane == 0) part[8 * K + warp] = nan_row ? __int_as_float(0x7fc00000) : absacc;
+  const bool nan_out = __syncthreads_or(nan_row);
+  for (int k = threadIdx.x; k < K; k += blockDim.x) {
+    float t = 0.f;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) t += part[w * K + k];
+    y[row * K + k] = __float2bfloat16_rn(nan_out ? __int_as_float(0x7fc00000) : t);
+  }
+  if (threadIdx.x == 0 && rowabs != nullptr) {
+    float t = 0.f;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) t += part[8 * K + w];
+    rowabs[row] = t;
+  }
+  __syncthreads();  // part and xs are reused by the next row
+}
+
+template <int NI, bool GATED>
+__global__ void __launch_bounds__(256, 1) dense_rows_fwd_kernel(
+    const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ wf, const __nv_bfloat16* __restrict__ wu,
+    const __nv_bfloat16* __restrict__ wdt, int M, int K, int N, const int64_t* __restrict__ rows,
+    const int64_t* __restrict__ count, int start, const int32_t* __restrict__ flag, __nv_bfloat16* __restrict__ y,
+    float* __restrict__ rowabs, long long* last) {
+  extern __shared__ float part[];  // [8][K] partial rows, [8] |h| sums, then x (K bf16)
+  uint4* xs = reinterpret_cast<uint4*>(part + 8 * K + 8);
+  if (flag != nullptr) {
+    for (long long r = blockIdx.x; r < M; r += gridDim.x)
+      if (flag[r]) dense_row<NI, GATED>(r, x, wf, wu, wdt, K, N, y, rowabs, last, part, xs);  // CTA-uniform
+    return;
+  }
+  const long long n = *count;
+  for (long long b = start + blockIdx.x; b < n; b += gridDim.x)
+    dense_row<NI, GATED>(rows[b], x, wf, wu, wdt, K, N, y, rowabs, last, part, xs);
 }
 
 inline unsigned blocks_for(long long warps, int threads) {
@@ -179,8 +192,10 @@ cudaError_t sfl_scatter_rows_launch(const void* yb, const void* hb, const void* 
 
 cudaError_t sfl_dense_rows_fwd_launch(int gated, const void* x, const void* wf, const void* wu, const void* wdt,
                                       int M, int K, int N, const int64_t* rows, const int64_t* count, int start,
-                                      void* y, float* rowabs, int64_t* last, int grid, cudaStream_t stream) {
+                                      const int32_t* flag, void* y, float* rowabs, int64_t* last, int grid,
+                                      cudaStream_t stream) {
   if (M <= 0 || start >= M || grid <= 0) return cudaSuccess;
+  if (flag == nullptr && (rows == nullptr || count == nullptr)) return cudaErrorInvalidValue;
   if (K % 8 != 0 || K > 32 * 8 * sflrows::kMaxNI) return cudaErrorInvalidValue;
   const int ni = (K / 8 + 31) / 32;
   const size_t smem = (size_t)(8 * K + 8) * sizeof(float) + (size_t)K * 2;
@@ -197,14 +212,16 @@ cudaError_t sfl_dense_rows_fwd_launch(int gated, const void* x, const void* wf, 
       e = cudaFuncSetAttribute(sflrows::dense_rows_fwd_kernel<NI_, true>,                                      \
                                cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);                          \
       if (e == cudaSuccess)                                                                                      \
-        sflrows::dense_rows_fwd_kernel<NI_, true><<<grid, 256, smem, stream>>>(xb, wfb, wub, wdb, K, N, rows,   \
-                                                                               count, start, yb, rowabs, lb);   \
+        sflrows::dense_rows_fwd_kernel<NI_, true><<<grid, 256, smem, stream>>>(xb, wfb, wub, wdb, M, K, N,      \
+                                                                               rows, count, start, flag, yb,    \
+                                                                               rowabs, lb);                     \
     } else {                                                                                                     \
       e = cudaFuncSetAttribute(sflrows::dense_rows_fwd_kernel<NI_, false>,                                     \
                                cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);                          \
       if (e == cudaSuccess)                                                                                      \
-        sflrows::dense_rows_fwd_kernel<NI_, false><<<grid, 256, smem, stream>>>(xb, wfb, wub, wdb, K, N, rows,  \
-                                                                                count, start, yb, rowabs, lb);  \
+        sflrows::dense_rows_fwd_kernel<NI_, false><<<grid, 256, smem, stream>>>(xb, wfb, wub, wdb, M, K, N,     \
+                                                                                rows, count, start, flag, yb,   \
+                                                                                rowabs, lb);                    \
     }                                                                                                            \
     break;
   switch (ni) {

@@ -12,8 +12,10 @@ cudaError_t sfl_gather_rows_launch(const void* src, const int64_t* idx, int n, i
 // (int64 [N], needs ab) the tracker of the rows where each neuron is active. hb, ab, rowabs, last may be null.
 cudaError_t sfl_scatter_rows_launch(const void* yb, const void* hb, const void* ab, const int64_t* idx, int n, int K,
                                     int N, void* y, float* rowabs, int64_t* last, cudaStream_t stream);
-// rows[start .. *count) of x computed densely on CUDA cores into y (and rowabs, last when not null); K <= 4096.
+// rows[start .. *count) of x, or with `flag` (int32 [M]; rows and count unused) every row r with flag[r], computed
+// densely on CUDA cores into y (and rowabs, last when not null); K <= 4096.
 cudaError_t sfl_dense_rows_fwd_launch(int gated, const void* x, const void* wf, const void* wu, const void* wdt,
                                       int M, int K, int N, const int64_t* rows, const int64_t* count, int start,
-                                      void* y, float* rowabs, int64_t* last, int grid, cudaStream_t stream);
+                                      const int32_t* flag, void* y, float* rowabs, int64_t* last, int grid,
+                                      cudaStream_t stream);
 }

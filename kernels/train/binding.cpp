@@ -319,7 +319,7 @@ void dense_rows_fwd(bool gated, const at::Tensor& x, const at::Tensor& wf, const
   const c10::cuda::CUDAGuard guard(x.device());
   check(sfl_dense_rows_fwd_launch(gated, x.data_ptr(), wf.data_ptr(), wu.data_ptr(), wdt.data_ptr(), (int)M,
                                   (int)K, (int)N, rows.data_ptr<int64_t>(), count.data_ptr<int64_t>(), (int)start,
-                                  y.data_ptr(), rowabs.data_ptr<float>(), lp, (int)grid, stream()),
+                                  nullptr, y.data_ptr(), rowabs.data_ptr<float>(), lp, (int)grid, stream()),
         "dense_rows_fwd");
 }
 

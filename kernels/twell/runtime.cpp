@@ -548,28 +548,36 @@ at::Tensor rows_decode(Call& c, const at::Tensor& wdt, bool measure) {
   return y;
 }
 
-// The rows d2t flagged, exactly, with no host sync: `rows` lists them (ascending, then -1) and st[1] counts them on
-// the device. rows[0, cap) by HF's dense math on a gathered block (zero rows past the count), rows[cap, count) by
-// dense_rows_fwd on CUDA cores (none runs unless the count exceeds cap).
-void backup_rows(Call& c, const at::Tensor& wdt, const at::Tensor& flag, const at::Tensor& st, at::Tensor& y) {
+// The rows d2t flagged, exactly, with no host sync. With a block (cap > 0): `rows` lists them (ascending, then -1)
+// and st[1] counts them on the device; rows[0, cap) go through HF's dense math on a gathered block (zero rows past
+// the count), rows[cap, count) through dense_rows_fwd on CUDA cores (none runs unless the count exceeds cap). Without
+// one (the layer's last measurement saw no flagged row): dense_rows_fwd finds them in `flag` itself, so the common
+// call pays one launch whose CTAs scan the flags and exit.
+void backup_rows(Call& c, const at::Tensor& wdt, const at::Tensor& flag, const at::Tensor& st, int64_t cap,
+                 at::Tensor& y) {
   Plan& P = c.P;
-  const int64_t M = c.M, K = c.K, cap = P.backup_cap(M);
+  const int64_t M = c.M, K = c.K;
   P.last_cap = cap;
-  const at::Tensor rows = at::nonzero_static(flag, M, -1).squeeze(1);
-  if (cap > 0) {
-    const at::Tensor idx = rows.narrow(0, 0, cap);
-    at::Tensor xb = at::empty({cap, K}, c.x.options());
-    check(sfl_gather_rows_launch(c.x.data_ptr(), i64(idx), (int)cap, (int)K, xb.data_ptr(), c.stream), "gather_rows");
-    const at::Tensor yb = dense_ffn(xb, c.wg, c.wu, c.wd).contiguous();
-    check(sfl_scatter_rows_launch(yb.data_ptr(), nullptr, nullptr, i64(idx), (int)cap, (int)K, (int)c.N, y.data_ptr(),
-                                  nullptr, nullptr, c.stream),
-          "scatter_rows");
+  const int grid = (int)std::min<int64_t>(M - cap, 2 * std::max(1, P.sms));  // up to two CTAs per SM
+  if (cap == 0) {
+    check(sfl_dense_rows_fwd_launch(c.wg ? 1 : 0, c.x.data_ptr(), c.gate_w().data_ptr(), c.wu.data_ptr(),
+                                    wdt.data_ptr(), (int)M, (int)K, (int)c.N, nullptr, nullptr, 0, i32(flag),
+                                    y.data_ptr(), nullptr, nullptr, grid, c.stream),
+          "dense_rows_fwd");
+    return;
   }
+  const at::Tensor rows = at::nonzero_static(flag, M, -1).squeeze(1);
+  const at::Tensor idx = rows.narrow(0, 0, cap);
+  at::Tensor xb = at::empty({cap, K}, c.x.options());
+  check(sfl_gather_rows_launch(c.x.data_ptr(), i64(idx), (int)cap, (int)K, xb.data_ptr(), c.stream), "gather_rows");
+  const at::Tensor yb = dense_ffn(xb, c.wg, c.wu, c.wd).contiguous();
+  check(sfl_scatter_rows_launch(yb.data_ptr(), nullptr, nullptr, i64(idx), (int)cap, (int)K, (int)c.N, y.data_ptr(),
+                                nullptr, nullptr, c.stream),
+        "scatter_rows");
   if (cap < M) {
-    const int grid = (int)std::min<int64_t>(M - cap, 2 * std::max(1, P.sms));  // up to two CTAs per SM
     check(sfl_dense_rows_fwd_launch(c.wg ? 1 : 0, c.x.data_ptr(), c.gate_w().data_ptr(), c.wu.data_ptr(),
                                     wdt.data_ptr(), (int)M, (int)K, (int)c.N, i64(rows), i64(st) + 1, (int)cap,
-                                    y.data_ptr(), nullptr, nullptr, grid, c.stream),
+                                    nullptr, y.data_ptr(), nullptr, nullptr, grid, c.stream),
           "dense_rows_fwd");
   }
 }
@@ -594,10 +602,11 @@ at::Tensor sparse_path(Call& c, bool sync_free) {
   at::Tensor flag = zeroed({M}, i32o, c.stream);
   at::Tensor y = at::empty({M, K}, c.x.options());
   d2t_into(c.x, c.gate_w(), packed, counts, flag, P.cfg, c.stream, &P.last_d2t);
-  // the backup needs the flagged-row count on the device on every call; the measurement slot is the layer's one
-  at::Tensor st = measure ? P.measurement_slot(c.stream)
-                 : small  ? at::Tensor()
-                          : zeroed({2}, c.x.options().dtype(at::kLong), c.stream);
+  // a backup block needs the flagged-row count on the device; the measurement slot is the layer's one
+  const int64_t cap = small ? 0 : P.backup_cap(M);
+  at::Tensor st = measure   ? P.measurement_slot(c.stream)
+                  : cap > 0 ? zeroed({2}, c.x.options().dtype(at::kLong), c.stream)
+                            : at::Tensor();
   if (st.defined() || c.acc) {
     check(twell_row_stats_launch(i32(counts), i32(flag), (int)M, (int)N,
                                  st.defined() ? reinterpret_cast<unsigned long long*>(i64(st)) : nullptr, c.acc,
@@ -626,7 +635,7 @@ at::Tensor sparse_path(Call& c, bool sync_free) {
                                y.data_ptr(), c.stream),
           "up_down");
   }
-  if (!small) backup_rows(c, wdt, flag, st, y);
+  if (!small) backup_rows(c, wdt, flag, st, cap, y);
   if (measure) P.to_host(st, M, N, c.stream);
   P.last_path = small ? "sparse-syncfree" : "sparse";
   return y;
