@@ -63,7 +63,8 @@ __global__ void __launch_bounds__(256) scatter_rows_kernel(const uint4* __restri
 }
 
 // dense_rows_fwd: one CTA per flagged row (grid-stride): rows[start + b], b < count - start, or with `flag` (the
-// caller's block is empty) every row r with flag[r], found by the CTAs' own scan of flag (no list, no count). x goes
+// caller's block is empty) every row r with flag[r], found by the CTAs' own scan of flag in chunks of 256 (no list,
+// no count; 256 threads per CTA). x goes
 // to shared memory (row_dot_shared: the y accumulators need the registers, 128 per lane at K = 4096); every warp walks
 // neurons j = warp, warp + 8, ...: g = x . W_first[j] rounded to bf16 (as the cuBLAS output would be), active as relu
 // keeps it (> 0, +Inf, NaN); then u = x . W_u[j] (gated, fp32), h = g u (non-gated: h = g),
@@ -149,9 +150,16 @@ __global__ void __launch_bounds__(256, 1) dense_rows_fwd_kernel(
     float* __restrict__ rowabs, long long* last) {
   extern __shared__ float part[];  // [8][K] partial rows, [8] |h| sums, then x (K bf16)
   uint4* xs = reinterpret_cast<uint4*>(part + 8 * K + 8);
-  if (flag != nullptr) {
-    for (long long r = blockIdx.x; r < M; r += gridDim.x)
-      if (flag[r]) dense_row<NI, GATED>(r, x, wf, wu, wdt, K, N, y, rowabs, last, part, xs);  // CTA-uniform
+  if (flag != nullptr) {  // chunks of 256 rows, one flag per thread: one load per chunk, not one per row
+    __shared__ int hit[256];
+    for (long long r0 = (long long)blockIdx.x * 256; r0 < M; r0 += (long long)gridDim.x * 256) {
+      const int mine = r0 + threadIdx.x < M && flag[r0 + threadIdx.x] != 0;
+      if (!__syncthreads_or(mine)) continue;  // CTA-uniform: the common chunk has no flagged row
+      hit[threadIdx.x] = mine;
+      __syncthreads();
+      for (int t = 0; t < 256; ++t)
+        if (hit[t]) dense_row<NI, GATED>(r0 + t, x, wf, wu, wdt, K, N, y, rowabs, last, part, xs);  // CTA-uniform
+    }
     return;
   }
   const long long n = *count;

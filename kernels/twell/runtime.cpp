@@ -558,11 +558,12 @@ void backup_rows(Call& c, const at::Tensor& wdt, const at::Tensor& flag, const a
   Plan& P = c.P;
   const int64_t M = c.M, K = c.K;
   P.last_cap = cap;
-  const int grid = (int)std::min<int64_t>(M - cap, 2 * std::max(1, P.sms));  // up to two CTAs per SM
-  if (cap == 0) {
+  const int sms = std::max(1, P.sms);  // one CTA per SM fits (registers)
+  if (cap == 0) {  // the CTAs scan the flags in chunks of 256 rows
     check(sfl_dense_rows_fwd_launch(c.wg ? 1 : 0, c.x.data_ptr(), c.gate_w().data_ptr(), c.wu.data_ptr(),
                                     wdt.data_ptr(), (int)M, (int)K, (int)c.N, nullptr, nullptr, 0, i32(flag),
-                                    y.data_ptr(), nullptr, nullptr, grid, c.stream),
+                                    y.data_ptr(), nullptr, nullptr, (int)std::min<int64_t>((M + 255) / 256, sms),
+                                    c.stream),
           "dense_rows_fwd");
     return;
   }
@@ -577,7 +578,8 @@ void backup_rows(Call& c, const at::Tensor& wdt, const at::Tensor& flag, const a
   if (cap < M) {
     check(sfl_dense_rows_fwd_launch(c.wg ? 1 : 0, c.x.data_ptr(), c.gate_w().data_ptr(), c.wu.data_ptr(),
                                     wdt.data_ptr(), (int)M, (int)K, (int)c.N, i64(rows), i64(st) + 1, (int)cap,
-                                    nullptr, y.data_ptr(), nullptr, nullptr, grid, c.stream),
+                                    nullptr, y.data_ptr(), nullptr, nullptr, (int)std::min<int64_t>(M - cap, sms),
+                                    c.stream),
           "dense_rows_fwd");
   }
 }
