@@ -21,7 +21,8 @@
 //   sparse    : M > decode_max_m: d2t (S = slots) -> up_down (one block per row); rows flagged by d2t (a tile over
 //               S, or a non-finite gate) go through the dense backup, exactly and without a host sync: a device list
 //               of them, the first `cap` (from the layer's measured flagged fraction) by HF's dense math on a gathered
-//               block, any beyond by dense_rows_fwd on CUDA cores (common/backup_rows.cu). Eager and captured alike.
+//               block, any beyond by dense_rows_fwd on CUDA cores (common/backup_rows.cu), which with cap 0 finds
+//               them in the flags itself. Eager and captured alike.
 //   decode    : M <= decode_max_m: S = 256 (no row can overflow), non-finite rows NaN; M <= fused_decode_max_m (at
 //               most 8): the fused decode kernel; M <= rows_decode_max_m: a cuBLAS gate GEMM, then decode_rows (one
 //               block per row and K slice: compaction, up and down).
