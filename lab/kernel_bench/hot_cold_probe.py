@@ -53,11 +53,9 @@ def main() -> int:
             full_plan = ops.Plan(cfg)
             fns = {"dense": lambda: dense_gated(x, wg_p, wu_p, wd_p),
                    "sparse_all": lambda: sparse_gated_ffn(x, wg_p, wu_p, wd_p, plan=full_plan)}
-            parts = {}
             for h in HOT:
                 cold = (wg_p[h:].contiguous(), wu_p[h:].contiguous(), wd_p[:, h:].contiguous(), ops.Plan(cfg))
                 hot = (wg_p[:h].contiguous(), wu_p[:h].contiguous(), wd_p[:, :h].t().contiguous())
-                parts[h] = (cold, hot)
 
                 def split(cold=cold, hot=hot):
                     y = sparse_gated_ffn(x, cold[0], cold[1], cold[2], plan=cold[3])
@@ -78,7 +76,7 @@ def main() -> int:
             print(f"M={M} {pattern} p={p}: " + " ".join(f"{k}={v:.3f}" for k, v in ms.items())
                   + " | share " + " ".join(f"{h}:{s:.2f}" for h, s in share.items())
                   + f" | err max {max(errs.values()):.2e}", flush=True)
-            del x, wg, outs, fns, parts
+            del x, wg, outs, fns
             torch.cuda.empty_cache()
     return 0
 
