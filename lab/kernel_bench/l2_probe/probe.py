@@ -1,6 +1,6 @@
 """L2 residency probe for the sparse up/down step (issue 12). Times, in rotation with the L2 flushed before each
 call (bench_inference's Timer), at M 65536, K 2048:
-  - the production up_down at N 5632 / 2816 / 1408 with the same ~28 pairs per token (weights 46 / 23 / 11.5 MB):
+  - the production up_down at N 5632 / 2816 / 1536 with the same ~28 pairs per token (weights 46 / 23 / 12.6 MB):
     does the time per pair fall once the weights fit in L2?
   - ud_variants.cu at N 5632: cache-policy hints on/off x 1-4 passes over neuron slices (fp32 partial y between
     passes), checked bit-for-bit against the production kernel.
@@ -58,7 +58,7 @@ def main() -> int:
 
     # 1. the production kernel with smaller weights, same pairs per token
     fns, meta = {}, {}
-    for N, p in ((5632, 0.005), (2816, 0.01), (1408, 0.02)):
+    for N, p in ((5632, 0.005), (2816, 0.01), (1536, 0.005 * 5632 / 1536)):
         wg32, wu32, wd32 = make_weights(K, N)
         wu, wdt = wu32.to(BF), wd32.to(BF).t().contiguous()
         x, wg = make_case(wg32, M, K, N, "uniform", p, 0.0, seed=5)
