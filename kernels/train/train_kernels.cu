@@ -447,16 +447,24 @@ __global__ void __launch_bounds__(128) dw_kernel(const __nv_bfloat16* __restrict
                                                  const __nv_bfloat16* __restrict__ add_u,
                                                  const __nv_bfloat16* __restrict__ add_d,
                                                  __nv_bfloat16* __restrict__ dwg, __nv_bfloat16* __restrict__ dwu,
-                                                 __nv_bfloat16* __restrict__ dwdt) {
+                                                 __nv_bfloat16* __restrict__ dwdt, int order) {
   const int K8 = K >> 3;
   const int kslices = (K8 + 32 * NB - 1) / (32 * NB);
   const long long w = warp_id();
   const int lane = threadIdx.x & 31;
   if (w >= (long long)N * kslices * 2) return;
-  const int part = (int)(w & 1);
-  const long long jw = w >> 1;
-  const int j = (int)(jw / kslices);
-  const int ks = (int)(jw % kslices);
+  int part, j, ks;
+  if (order == 0) {
+    part = (int)(w & 1);
+    const long long jw = w >> 1;
+    j = (int)(jw / kslices);
+    ks = (int)(jw % kslices);
+  } else {
+    j = (int)(w % N);
+    const long long rest = w / N;
+    ks = (int)(rest % kslices);
+    part = (int)(rest / kslices);
+  }
   const int cbase = ks * 32 * NB + lane;
   const long long p0 = colptr[j], p1 = colptr[j + 1];
   const uint16_t* av = reinterpret_cast<const uint16_t*>(ell_a);
@@ -956,6 +964,8 @@ cudaError_t sfltrain_dw_launch(int gated, int nb, const void* x, const void* dy,
                                const void* add_d, void* dwg, void* dwu, void* dwdt, cudaStream_t stream) {
   if (N <= 0) return cudaSuccess;
   if (K % 8 != 0 || W < 1) return cudaErrorInvalidValue;
+  const int order = nb >> 4;  // LAB A/B: nb + 16 * order
+  nb &= 15;
   if (nb != 1 && nb != 2 && nb != 4 && nb != 8) return cudaErrorInvalidValue;
   const int kslices = (K / 8 + 32 * nb - 1) / (32 * nb);
   const long long warps = (long long)N * kslices * 2;
@@ -974,10 +984,10 @@ cudaError_t sfltrain_dw_launch(int gated, int nb, const void* x, const void* dy,
   if (nb == NB_) {                                                                                          \
     if (gated)                                                                                              \
       sfltrain::dw_kernel<NB_, true><<<blocks, 128, 0, stream>>>(xb, dyb, N, K, W, perm, colptr, ab, ell_u,  \
-                                                                 cg, cu, ag, au, ad, og, ou, od);           \
+                                                                 cg, cu, ag, au, ad, og, ou, od, order);    \
     else                                                                                                    \
       sfltrain::dw_kernel<NB_, false><<<blocks, 128, 0, stream>>>(xb, dyb, N, K, W, perm, colptr, ab, ell_u, \
-                                                                  cg, cu, ag, au, ad, og, ou, od);          \
+                                                                  cg, cu, ag, au, ad, og, ou, od, order);   \
   }
   SFL_DW(1) SFL_DW(2) SFL_DW(4) SFL_DW(8)
 #undef SFL_DW
