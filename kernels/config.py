@@ -130,7 +130,7 @@ class KernelConfig:
     train_sparse_min_m: int = 8192
     train_chunk_rows: int = 16384
     train_shrink: bool = True
-    train_dw_nb: int = 4
+    train_dw_nb: int = 0
     train_probe_rows: int = 2048
     train_fused_dense: bool = True
     train_mode: str = "auto"
@@ -147,7 +147,7 @@ class KernelConfig:
         if self.d2t not in D2T_VARIANTS:
             raise bad("d2t", f"must be one of {D2T_VARIANTS}")
         for name in ("slots", "decode_max_m", "measure_every", "d2t_overlap_min_k", "gate_scratch_mb",
-                     "decode_tiles_per_warp", "train_width", "train_chunk_rows", "train_dw_nb", "train_probe_rows"):
+                     "decode_tiles_per_warp", "train_width", "train_chunk_rows", "train_probe_rows"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise bad(name, "must be a positive integer")
@@ -159,6 +159,8 @@ class KernelConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= top:
                 raise bad(name, f"must be an integer in 0..{top}")
+        if isinstance(self.train_dw_nb, bool) or self.train_dw_nb not in (0, 1, 2, 4, 8):
+            raise bad("train_dw_nb", "must be 0 (from the rows, kernels/train/README.md), 1, 2, 4 or 8")
         if isinstance(self.backup_rows, bool) or not isinstance(self.backup_rows, int) or self.backup_rows < -1:
             raise bad("backup_rows", "must be an integer >= -1 (-1: from the layer's measured flagged rows)")
         if self.slots > TILE_N:

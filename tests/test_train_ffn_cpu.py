@@ -190,6 +190,17 @@ def test_dispatch_state():
     assert st2.choose(kn, 10) == "dense"  # below sparse_min_m
 
 
+def test_dw_chunks_fit_one_slice_in_l2_and_bad_values_are_refused():
+    from sfl.kernels.config import KernelConfig
+    from sfl.kernels.train.ops import dw_chunks
+
+    # the widest K slice (256 nb columns) whose rows x 256 nb bf16 stay within 16 MiB; never below one chunk
+    assert [dw_chunks(m) for m in (1, 4096, 8192, 16384, 32768, 65536, 1 << 20)] == [8, 8, 4, 2, 1, 1, 1]
+    for v in (3, 16, -1, True):
+        with pytest.raises(ValueError, match="train_dw_nb"):
+            KernelConfig(train_dw_nb=v)
+
+
 def test_settings_come_from_the_kernel_config_not_the_environment(monkeypatch):
     """knobs(config) maps the train_* fields; the default width and the dispatch thresholds are the config's; the
     old SFL_TRAIN_* variables are not read per call (KernelConfig.from_env is the explicit, read-once override)."""

@@ -156,6 +156,27 @@ def test_chunked_gate():
     check_case(1000, 1024, 2048, 0.01, seed=9, config=KernelConfig(train_chunk_rows=300))
 
 
+@pytest.mark.parametrize("gated", [True, False])
+def test_dw_chunk_widths_give_the_same_bits(gated):
+    """dw's K slices (train_dw_nb 1/2/4/8, and 0 = from the rows) change which warp sums which columns, not the
+    order of any sum: every weight gradient has the same bits. K = 576 leaves a partial last slice at every width."""
+    from sfl.kernels.config import KernelConfig
+    from sfl.kernels.train_ffn import sparse_gated_ffn_train, sparse_nongated_ffn_train
+
+    check_case(3000, 576, 1536, 0.01, seed=21, gated=gated)  # the error budget, at the automatic width
+    x, wg, wu, wd = make_problem(3000, 576, 1536, 0.01, 21, gated, 0.0, True)
+    fn = sparse_gated_ffn_train if gated else sparse_nongated_ffn_train
+    grads_by_nb = {}
+    for nb in (0, 1, 2, 4, 8):
+        ins = [t.clone().requires_grad_(True) for t in ([x, wg, wu, wd] if gated else [x, wu, wd])]
+        poison()
+        y, l1, _ = fn(*ins, mode="sparse", config=KernelConfig(train_dw_nb=nb))
+        (y.float().square().sum() + l1).backward()
+        grads_by_nb[nb] = [t.grad for t in ins[1:]]
+    for nb in (1, 2, 4, 8):
+        assert all(torch.equal(a, b) for a, b in zip(grads_by_nb[nb], grads_by_nb[0])), f"nb {nb} differs"
+
+
 def test_auto_dispatch_and_history():
     from sfl.kernels.config import KernelConfig
     from sfl.kernels.train_ffn import DispatchState, sparse_gated_ffn_train as _train
