@@ -221,7 +221,7 @@ def profile_phases(M, K, N, p, reps, timer):
     phases["count_nonzero"] = (lambda: torch.count_nonzero(a, dim=1), M * N * 2 / 1e9, "GB")
     phases["count_kernel"] = (lambda: ext.count(a), M * N * 2 / 1e9, "GB")
     phases["l1_abs_sum"] = (lambda: a.abs().sum(dtype=torch.float32), M * N * 2 / 1e9, "GB")
-    for nb in (2, 4, 8):
+    for nb in (1, 2, 4, 8):  # dw walks K slices of 256 nb columns; ops.dw_chunks picks nb from M
         phases[f"dw_nb{nb}"] = (lambda nb=nb: ext.dw(True, nb, x, gy, perm, colptr, ell_a, ell_u, cg, cu, None,
                                                        None, None, dwg, dwu, dwd), E * 2 * kb / 1e9, "GB")
     for name, (fn, amount, unit) in phases.items():
