@@ -424,10 +424,11 @@ def test_nonfinite_sparse_poisoned_neuron_forward(gated, where, value):
 @pytest.mark.parametrize("K,N,W,gated", [(2048, 5632, 72, True), (2048, 5632, 128, False), (576, 1536, 64, True),
                                          (3072, 2048, 1536, True)])
 def test_block_kernels_equal_warp_kernels(K, N, W, gated):
-    """fwd_block / bwd_block (one block per light row, what the op runs) against fwd_rows / bwd_rows (one warp per
-    row): u, the L1 row sums and the backward coefficients bit for bit at every shape; y and dx bit for bit where one
-    share covers K (K >= 2048), within 2x bf16 PyTorch's error of float64 elsewhere (K = 576: three shares). W = 1536
-    with a 1200-entry light row: two windows of entries. Flagged rows are left to the caller by both."""
+    """fwd_block / bwd_block (one block per light row) and bwd_block's coefficients + dx_slices (what the op runs)
+    against fwd_rows / bwd_rows (one warp per row): u, the L1 row sums and the backward coefficients bit for bit at
+    every shape; dx_slices' dx bit for bit at every shape; the block kernels' y and dx bit for bit where one share
+    covers K (K >= 2048), within 2x bf16 PyTorch's error of float64 elsewhere (K = 576: three shares). W = 1536 with
+    a 1200-entry light row: two windows of entries. Flagged rows are left to the caller by all."""
     from sfl.kernels.train import ops
 
     ext = ops.load_ext()
@@ -464,6 +465,17 @@ def test_block_kernels_equal_warp_kernels(K, N, W, gated):
         torch.cuda.synchronize()
         outs[name] = (ell_u, y, rowabs, cg, cu, dx)
     (u0, y0, r0, g0, c0, d0), (u1, y1, r1, g1, c1, d1) = outs["rows"], outs["block"]
+    # what the op runs: bwd_block for the coefficients only, then dx_slices (slice-major); its entry sums run in
+    # bwd_rows' order, so dx has bwd_rows' bits at every K, and flagged rows stay the caller's (unwritten)
+    cg = torch.full((M, W), float("nan"), device=DEV)
+    cu = torch.full((M, W), float("nan"), device=DEV)
+    dx = torch.full((M, K), float("nan"), device=DEV, dtype=BF)
+    ext.bwd_block(gated, dy, wg, wu, wdt, ell_col, ell_a, u1, nnz, flag, l1c, cg, cu, dx.new_empty(0, K))
+    assert bool(dx.isnan().all())
+    ext.dx_slices(gated, wg, wu, ell_col, nnz, flag, cg, cu, dx)
+    torch.cuda.synchronize()
+    assert torch.equal(cg[valid], g0[valid]) and (not gated or torch.equal(cu[valid], c0[valid]))
+    assert torch.equal(dx[light], d0[light]) and bool(dx[~light].isnan().all())
     assert torch.equal(r0, r1) and bool((r1[~light] == 0).all())
     assert torch.equal(g0[valid], g1[valid])
     if gated:

@@ -31,6 +31,9 @@ cudaError_t sfltrain_bwd_rows_launch(int gated, const void* dy, const void* wg, 
                                      float* cg, float* cu, void* dx, cudaStream_t stream);
 cudaError_t sfltrain_dense_bwd_launch(int gated, void* dh, const void* g, const void* u, const void* h, void* du,
                                       long long n, const float* gl1, float scale, cudaStream_t stream);
+cudaError_t sfltrain_dx_slices_launch(int gated, const void* wg, const void* wu, int M, int K, int W,
+                                      const int32_t* ell_col, const int32_t* nnz, const int32_t* flag, const float* cg,
+                                      const float* cu, void* dx, cudaStream_t stream);
 cudaError_t sfltrain_dw_launch(int gated, int nb, const void* x, const void* dy, int N, int K, int W,
                                const int64_t* perm, const int64_t* colptr, const void* ell_a, const float* ell_u,
                                const float* cg, const float* cu, const void* add_g, const void* add_u,
@@ -150,7 +153,9 @@ void bwd_impl(bool block, bool gated, const at::Tensor& dy, const at::Tensor& wg
   req(cg, "cg", at::kFloat, 2);
   req(dx, "dx", at::kBFloat16, 2);
   const int64_t M = dy.size(0), K = dy.size(1);
-  TORCH_CHECK(cg.sizes() == ell_col.sizes() && dx.sizes() == dy.sizes() && ell_col.size(0) == M, "bwd_rows: shapes");
+  const bool with_dx = dx.numel() > 0;  // bwd_block: an empty dx = the coefficients only (dx_slices adds them up)
+  TORCH_CHECK(cg.sizes() == ell_col.sizes() && (with_dx ? dx.sizes() == dy.sizes() : block) && ell_col.size(0) == M,
+              "bwd_rows: shapes");
   const void* wgp = nullptr;
   const float* up = nullptr;
   float* cup = nullptr;
@@ -167,8 +172,31 @@ void bwd_impl(bool block, bool gated, const at::Tensor& dy, const at::Tensor& wg
   auto* launch = block ? sfltrain_bwd_block_launch : sfltrain_bwd_rows_launch;
   check(launch(gated ? 1 : 0, dy.data_ptr(), wgp, wu.data_ptr(), wdt.data_ptr(), (int)M, (int)K, (int)ell_col.size(1),
                i32(ell_col), ell_a.data_ptr(), up, i32(nnz), i32(flag), l1c.data_ptr<float>(), cg.data_ptr<float>(),
-               cup, dx.data_ptr(), stream()),
+               cup, with_dx ? dx.data_ptr() : nullptr, stream()),
         block ? "bwd_block" : "bwd_rows");
+}
+
+void dx_slices(bool gated, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& ell_col, const at::Tensor& nnz,
+               const at::Tensor& flag, const at::Tensor& cg, const at::Tensor& cu, at::Tensor dx) {
+  req(wu, "w_up", at::kBFloat16, 2);
+  req(ell_col, "ell_col", at::kInt, 2);
+  req(nnz, "nnz", at::kInt, 1);
+  req(flag, "flag", at::kInt, 1);
+  req(cg, "cg", at::kFloat, 2);
+  req(dx, "dx", at::kBFloat16, 2);
+  const int64_t M = dx.size(0), K = dx.size(1);
+  TORCH_CHECK(cg.sizes() == ell_col.sizes() && ell_col.size(0) == M && nnz.size(0) == M && flag.size(0) == M &&
+                  wu.size(1) == K, "dx_slices: shapes");
+  if (gated) {
+    req(wg, "w_gate", at::kBFloat16, 2);
+    req(cu, "cu", at::kFloat, 2);
+    TORCH_CHECK(cu.sizes() == ell_col.sizes() && wg.sizes() == wu.sizes(), "dx_slices: shapes");
+  }
+  const c10::cuda::CUDAGuard guard(dx.device());
+  check(sfltrain_dx_slices_launch(gated ? 1 : 0, gated ? wg.data_ptr() : nullptr, wu.data_ptr(), (int)M, (int)K,
+                                  (int)ell_col.size(1), i32(ell_col), i32(nnz), i32(flag), cg.data_ptr<float>(),
+                                  gated ? cu.data_ptr<float>() : nullptr, dx.data_ptr(), stream()),
+        "dx_slices");
 }
 
 void dw(bool gated, int64_t nb, const at::Tensor& x, const at::Tensor& dy, const at::Tensor& perm,
@@ -410,6 +438,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                         at::Tensor cg, at::Tensor cu, at::Tensor dx) {
     bwd_impl(true, gated, dy, wg, wu, wdt, ell_col, ell_a, ell_u, nnz, flag, l1c, cg, cu, dx);
   }, "bwd_rows with one block per light row (the same results)");
+  m.def("dx_slices", &dx_slices, "dx of the light rows from bwd_block's coefficients, slice-major (bwd_block with an empty dx first)");
   m.def("dw", &dw, "neuron-major weight gradients from the CSR-by-neuron transpose");
   m.def("dense_bwd", &dense_bwd, "dense path backward elementwise: dh + L1 term -> dg (in place), du");
   m.def("last_active", &last_active, "per column, the last row where a bf16 matrix is relu-active (-1 if none)");

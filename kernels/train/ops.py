@@ -303,7 +303,10 @@ def _ffn_bwd_impl(dy: Tensor, gl1: Tensor, x: Tensor, w_gate: Tensor | None, w_u
     w = ell_col.shape[1]
     cg = torch.empty(M, w, device=dev, dtype=torch.float32)
     cu = torch.empty(M if gated else 0, w if gated else 0, device=dev, dtype=torch.float32)
-    ext.bwd_block(gated, dy, w_gate if gated else w_up, w_up, wdt, ell_col, ell_a, ell_u, nnz, flag, c, cg, cu, dx)
+    # the light rows' coefficients (dh = dy . W_d[:, j]; an empty dx: no dx here), then dx from them one L2-sized K
+    # slice of W_g / W_u at a time (kernels/train/README.md)
+    ext.bwd_block(gated, dy, first, w_up, wdt, ell_col, ell_a, ell_u, nnz, flag, c, cg, cu, dx[:0])
+    ext.dx_slices(gated, first, w_up, ell_col, nnz, flag, cg, cu, dx)
     hy = saved_hybrid(ell_col, ell_a, nnz, rows, ab, N)
     perm, colptr = csr_by_neuron_cuda(hy, flag, ext)
     dwg = torch.empty(N if gated else 0, K, device=dev, dtype=dt)
