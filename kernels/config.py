@@ -125,7 +125,7 @@ class KernelConfig:
     rows_decode_max_m: int = ROWS_DECODE_MAX_M
     decode_rows_slices: int = 0
     train_width: int = 128
-    train_dense_above: float = 0.01  # sparse vs dense crossed at 1.02-1.15% (training_h100_r15, train/README)
+    train_dense_above: float = 0.007  # 0.01 lost at M 8192 with 1% heavy rows (kernels/train/README.md)
     train_backup_dense_above: float = 0.15  # model-level: layers at 1.5-12.9% backup rows still won (train/README)
     train_sparse_min_m: int = 8192
     train_chunk_rows: int = 16384
