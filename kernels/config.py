@@ -99,7 +99,8 @@ class KernelConfig:
         decode_tiles_per_warp: tiles per warp in the decode-size down kernel (fp32 atomic split).
     Training (kernels.train_ffn, mlp_impl="cuda" with grad):
         train_width: ELL width W kept for the backward (rows with more non-zeros go to the dense backup).
-        train_dense_above / train_backup_dense_above: auto runs dense above this activity / flagged-row fraction.
+        train_dense_above / train_backup_dense_above: auto runs dense above this activity / flagged-row fraction;
+            from train_large_m rows the activity limit is train_dense_above_large.
         train_sparse_min_m: auto runs dense below this many rows.
         train_chunk_rows, train_shrink, train_dw_nb, train_probe_rows, train_fused_dense: see kernels/train/README.md.
         train_mode: the mode models train with: "auto" (measured dispatch), or "sparse" / "dense" to test or
@@ -125,7 +126,9 @@ class KernelConfig:
     rows_decode_max_m: int = ROWS_DECODE_MAX_M
     decode_rows_slices: int = 0
     train_width: int = 128
-    train_dense_above: float = 0.007  # 0.01 lost at M 8192 with 1% heavy rows (kernels/train/README.md)
+    train_dense_above: float = 0.007
+    train_dense_above_large: float = 0.01  # from train_large_m rows (kernels/train/README.md: crossover by M)
+    train_large_m: int = 16384
     train_backup_dense_above: float = 0.15  # model-level: layers at 1.5-12.9% backup rows still won (train/README)
     train_sparse_min_m: int = 8192
     train_chunk_rows: int = 16384
@@ -147,7 +150,7 @@ class KernelConfig:
         if self.d2t not in D2T_VARIANTS:
             raise bad("d2t", f"must be one of {D2T_VARIANTS}")
         for name in ("slots", "decode_max_m", "measure_every", "d2t_overlap_min_k", "gate_scratch_mb",
-                     "decode_tiles_per_warp", "train_width", "train_chunk_rows", "train_probe_rows"):
+                     "decode_tiles_per_warp", "train_width", "train_chunk_rows", "train_probe_rows", "train_large_m"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise bad(name, "must be a positive integer")
@@ -165,7 +168,8 @@ class KernelConfig:
             raise bad("backup_rows", "must be an integer >= -1 (-1: from the layer's measured flagged rows)")
         if self.slots > TILE_N:
             raise bad("slots", f"must be <= {TILE_N} (one tile holds {TILE_N} columns)")
-        for name in ("flagged_dense_above", "activity_hint", "train_dense_above", "train_backup_dense_above"):
+        for name in ("flagged_dense_above", "activity_hint", "train_dense_above", "train_dense_above_large",
+                     "train_backup_dense_above"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
                 raise bad(name, "must be a number in [0, 1]")

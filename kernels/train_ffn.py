@@ -54,6 +54,8 @@ def knobs(config: KernelConfig | None = None) -> dict[str, Any]:
     return {
         "width": c.train_width,
         "dense_above": c.train_dense_above,
+        "dense_above_large": c.train_dense_above_large,
+        "large_m": c.train_large_m,
         "backup_dense_above": c.train_backup_dense_above,
         "chunk_rows": c.train_chunk_rows,
         "shrink": c.train_shrink,
@@ -167,7 +169,9 @@ class DispatchState:
             return "dense"  # measured: fixed costs (host syncs, small launches) lose below this size
         if self.activity is None:
             return "dense"  # nothing measured yet: the dense path measures
-        if self.activity > kn["dense_above"] or (self.backup_frac or 0.0) > kn["backup_dense_above"]:
+        # the crossover moves up with M (the sparse path's fixed costs): 1.02% at 8192 rows, ~1.14% from 16384
+        limit = kn["dense_above_large"] if m >= kn["large_m"] else kn["dense_above"]
+        if self.activity > limit or (self.backup_frac or 0.0) > kn["backup_dense_above"]:
             return "dense"
         return "sparse"
 
