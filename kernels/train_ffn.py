@@ -169,7 +169,8 @@ class DispatchState:
             return "dense"  # measured: fixed costs (host syncs, small launches) lose below this size
         if self.activity is None:
             return "dense"  # nothing measured yet: the dense path measures
-        # the crossover moves up with M (the sparse path's fixed costs): 1.02% at 8192 rows, ~1.14% from 16384
+        # measured: from 16384 rows sparse won at 1% activity (with 1% heavy rows too); at 8192 rows it lost there
+        # with heavy rows (kernels/train/README.md, train_dense_above_large)
         limit = kn["dense_above_large"] if m >= kn["large_m"] else kn["dense_above"]
         if self.activity > limit or (self.backup_frac or 0.0) > kn["backup_dense_above"]:
             return "dense"
