@@ -166,19 +166,27 @@ def run_config(M, K, N, p, heavy, reps, timer, check_fp32, cfg=None):
     }
 
 
+def light_rows_case(M, K, N, p, seed=7):
+    """make_case's inputs and the op's forward outputs at the ELL width a layer's second call takes (call_width):
+    what the per-kernel timings (profile_phases, the lab A/Bs of single kernels) run the backward kernels on."""
+    from sfl.kernels.train import ops
+    from sfl.kernels.train_ffn import DispatchState
+
+    x, (wg, wu, wd), gy = make_case(M, K, N, p, 0.0, seed=seed)
+    nnz0 = ops.ffn_fwd(x, wg, wu, wd, 128, 128, 1.0 / (M * N), M, M, False, "cuda")[5]
+    st = DispatchState()
+    st.widest_light = int(nnz0[nnz0 <= 128].max())
+    out = ops.ffn_fwd(x, wg, wu, wd, st.call_width(128, True), 128, 1.0 / (M * N), M, M, False, "cuda")
+    return x, (wg, wu, wd), gy, out
+
+
 def profile_phases(M, K, N, p, reps, timer):
     """Per-kernel times of the sparse path (CUDA events), with the bytes each must move, for the README."""
     from sfl.kernels import reference as ref
     from sfl.kernels.train import ops
 
     ext = ops.load_ext()
-    x, (wg, wu, wd), gy = make_case(M, K, N, p, 0.0, seed=7)
-    from sfl.kernels.train_ffn import DispatchState
-
-    nnz0 = ops.ffn_fwd(x, wg, wu, wd, 128, 128, 1.0 / (M * N), M, M, False, "cuda")[5]
-    st = DispatchState()
-    st.widest_light = int(nnz0[nnz0 <= 128].max())  # the width a layer's second call takes (call_width)
-    out = ops.ffn_fwd(x, wg, wu, wd, st.call_width(128, True), 128, 1.0 / (M * N), M, M, False, "cuda")
+    x, (wg, wu, wd), gy, out = light_rows_case(M, K, N, p)
     y, l1, ell_col, ell_a, ell_u, nnz, flag, brow, backup = out[:9]
     W = ell_col.shape[1]
     E = int(nnz.sum())

@@ -14,7 +14,7 @@ import json
 import torch
 
 from sfl.experiments.kernel_bench.bench_inference import Timer
-from sfl.experiments.kernel_bench.bench_training import BF, DEV, make_case
+from sfl.experiments.kernel_bench.bench_training import BF, DEV, light_rows_case
 from sfl.experiments.kernel_bench.decode_paths import rotate
 from sfl.experiments.provenance import collect
 
@@ -22,14 +22,9 @@ from sfl.experiments.provenance import collect
 def case(M, p, K=2048, N=5632):
     from sfl.kernels import reference as ref
     from sfl.kernels.train import ops
-    from sfl.kernels.train_ffn import DispatchState
 
     ext = ops.load_ext()
-    x, (wg, wu, wd), gy = make_case(M, K, N, p, 0.0, seed=7)
-    nnz0 = ops.ffn_fwd(x, wg, wu, wd, 128, 128, 1.0 / (M * N), M, M, False, "cuda")[5]
-    st = DispatchState()
-    st.widest_light = int(nnz0[nnz0 <= 128].max())
-    out = ops.ffn_fwd(x, wg, wu, wd, st.call_width(128, True), 128, 1.0 / (M * N), M, M, False, "cuda")
+    x, (wg, wu, wd), gy, out = light_rows_case(M, K, N, p)
     y, l1, ell_col, ell_a, ell_u, nnz, flag, brow, backup = out[:9]
     W = ell_col.shape[1]
     wdt = wd.t().contiguous()
