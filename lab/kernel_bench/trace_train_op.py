@@ -1,0 +1,135 @@
+"""Where a training-op step's time goes, kernel by kernel: the auto path's forward + backward at 0.5% activity
+(bench_training's case, its history warmed up), traced with torch.profiler over several back-to-back steps: per
+kernel its launches and GPU time per step, the step's span and how much of it the GPU was busy. Then the forward's
+light-row kernel against a split of it (the dots alone, the y sum slice-major), by proxies that exist today:
+bwd_block's coefficient mode (one dot per pair against W_dT rows, the shape of u = x . W_u[j]) and dx_slices
+non-gated over W_dT (y = sum h W_dT[j]); back to back, no flush, as the op runs them.
+
+    PYTHONPATH=. python lab/kernel_bench/trace_train_op.py --out trace_train_op.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from sfl.experiments.kernel_bench.bench_training import BF, DEV, light_rows_case, make_case
+from sfl.experiments.provenance import collect
+
+
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total
+
+
+def trace_steps(M: int, p: float, steps: int) -> dict:
+    from sfl.kernels.train_ffn import DispatchState, sparse_gated_ffn_train
+
+    x, (wg, wu, wd), gy = make_case(M, 2048, 5632, p, 0.0, seed=int(p * 1e5) + M)
+    params = [t.clone().requires_grad_(True) for t in (x, wg, wu, wd)]
+    gl1 = torch.tensor(1000.0, device=DEV)
+    st = DispatchState()
+
+    def step():
+        for t in params:
+            t.grad = None
+        y, l, _ = sparse_gated_ffn_train(*params, mode="auto", state=st, want_stats=False)
+        torch.autograd.backward([y, l], [gy, gl1])
+
+    for _ in range(6):
+        step()
+    torch.cuda.synchronize()
+    evs = []
+    for _ in range(steps):  # event-timed steps, back to back (the host may run ahead)
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        step()
+        e.record()
+        evs.append((s, e))
+    torch.cuda.synchronize()
+    step_ms = statistics.median(s.elapsed_time(e) for s, e in evs)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by = collections.defaultdict(lambda: [0, 0.0])
+    for e in kern:
+        by[e.name[:90]][0] += 1
+        by[e.name[:90]][1] += e.time_range.end - e.time_range.start
+    iv = [(e.time_range.start, e.time_range.end) for e in kern]
+    span = max(b for _, b in iv) - min(a for a, _ in iv)
+    table = sorted(((n, c / steps, t / steps / 1e3) for n, (c, t) in by.items()), key=lambda r: -r[2])
+    return {"M": M, "p": p, "path": st.last_path, "step_ms_events": step_ms, "traced_span_ms": span / steps / 1e3,
+            "gpu_busy_ms": busy_us(iv) / steps / 1e3, "launches": len(kern) / steps,
+            "kernels": [{"name": n, "per_step": c, "ms": round(t, 4)} for n, c, t in table]}
+
+
+def split_proxy(M: int, p: float, reps: int) -> dict:
+    from sfl.kernels.train import ops
+
+    ext = ops.load_ext()
+    x, (wg, wu, wd), gy, out = light_rows_case(M, 2048, 5632, p)
+    ell_col, ell_a, ell_u, nnz, flag = out[2:7]
+    W = ell_col.shape[1]
+    wdt = wd.t().contiguous()
+    l1c = torch.ones(1, device=DEV)
+    cg, cu = torch.empty(M, W, device=DEV), torch.empty(M, W, device=DEV)
+    y = torch.empty(M, 2048, device=DEV, dtype=BF)
+    ra = torch.empty(M, device=DEV)
+    none = y.new_empty(0, 2048)
+    fns = {
+        "fwd_block": lambda: ext.fwd_block(True, x, wu, wdt, ell_col, ell_a, nnz, flag, ell_u, y, ra),
+        "dots_proxy": lambda: ext.bwd_block(True, gy, wg, wu, wdt, ell_col, ell_a, ell_u, nnz, flag, l1c, cg, cu,
+                                            none),
+        "y_slices_proxy": lambda: ext.dx_slices(False, wg, wdt, ell_col, nnz, flag, cg, cu, y),
+        "dx_slices": lambda: ext.dx_slices(True, wg, wu, ell_col, nnz, flag, cg, cu, y),
+    }
+    res = {}
+    for name, fn in fns.items():
+        for _ in range(3):
+            fn()
+        ts = []
+        for _ in range(reps):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            for _ in range(5):
+                fn()
+            e.record()
+            e.synchronize()
+            ts.append(s.elapsed_time(e) / 5)
+        res[name] = round(statistics.median(ts), 4)
+    return {"M": M, "p": p, "ell_width": W, "pairs": int(nnz[~flag.bool()].sum()), "ms_back_to_back": res}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=5)
+    args = ap.parse_args()
+    prov = collect({"what": "training op step traced per kernel; forward split proxies"})
+    with open(args.out, "w") as f:
+        for M in (16384, 65536):
+            r = trace_steps(M, 0.005, args.steps)
+            f.write(json.dumps({**prov, "trace": r}) + "\n")
+            print(f"M {M}: path {r['path']} step {r['step_ms_events']:.3f} ms, traced span {r['traced_span_ms']:.3f}"
+                  f", busy {r['gpu_busy_ms']:.3f}, {r['launches']:.0f} launches", flush=True)
+            for k in r["kernels"]:
+                print(f"   {k['ms']:8.4f} ms {k['per_step']:5.1f}x  {k['name']}")
+            q = split_proxy(M, 0.005, 15)
+            f.write(json.dumps({**prov, "split_proxy": q}) + "\n")
+            print(q, flush=True)
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
