@@ -73,6 +73,55 @@ def trace_steps(M: int, p: float, steps: int) -> dict:
             "kernels": [{"name": n, "per_step": c, "ms": round(t, 4)} for n, c, t in table]}
 
 
+def single_calls(M: int, p: float, reps: int) -> dict:
+    """bench_training's regime (one call after an L2 flush and a sync) against the steady state (4 calls back to
+    back per timed repetition), ours (auto) and dense without the L1 term alternating; then a profiled single call
+    of each: the GPU's idle gaps inside it (host time it waited for), by the kernels around them."""
+    import sys
+    sys.path.insert(0, "lab/speed")
+    from profile_train_step import busy_ms, gaps
+
+    from sfl.experiments.kernel_bench.bench_inference import Timer
+    from sfl.experiments.kernel_bench.bench_training import dense_block
+    from sfl.kernels.train_ffn import DispatchState, sparse_gated_ffn_train
+
+    x, (wg, wu, wd), gy = make_case(M, 2048, 5632, p, 0.0, seed=int(p * 1e5) + M)
+    params = [t.clone().requires_grad_(True) for t in (x, wg, wu, wd)]
+    gl1 = torch.tensor(1000.0, device=DEV)
+    st = DispatchState()
+
+    def ours():
+        for t in params:
+            t.grad = None
+        y, l, _ = sparse_gated_ffn_train(*params, mode="auto", state=st, want_stats=False)
+        torch.autograd.backward([y, l], [gy, gl1])
+
+    def dense():
+        for t in params:
+            t.grad = None
+        y, _ = dense_block(*params, l1=False)
+        torch.autograd.backward([y], [gy])
+
+    for _ in range(6):
+        ours()
+    timer = Timer()
+    one = timer.time_pair(ours, dense, reps)
+    four = timer.time_pair(ours, dense, reps, calls=4)
+    res = {"M": M, "p": p, "path": st.last_path, "single_call_ms": {"ours": one[0], "dense_noL1": one[1]},
+           "four_calls_ms": {"ours": four[0], "dense_noL1": four[1]}}
+    for name, fn in (("ours", ours), ("dense_noL1", dense)):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                timer.flush_buf.zero_()
+                torch.cuda.synchronize()
+                fn()
+                torch.cuda.synchronize()
+        evs = prof.events()  # the gaps before the flush's fill kernel are the syncs between calls, not the call's
+        res[name + "_busy_ms_per_call_with_flush"] = busy_ms(evs) / 3
+        res[name + "_gaps_us"] = [(round(t / 3, 1), c / 3, k) for t, c, k in gaps(evs, min_us=5.0, top=12)]
+    return res
+
+
 def split_proxy(M: int, p: float, reps: int) -> dict:
     from sfl.kernels.train import ops
 
@@ -124,6 +173,9 @@ def main() -> int:
                   f", busy {r['gpu_busy_ms']:.3f}, {r['launches']:.0f} launches", flush=True)
             for k in r["kernels"]:
                 print(f"   {k['ms']:8.4f} ms {k['per_step']:5.1f}x  {k['name']}")
+            q = single_calls(M, 0.005, 15)
+            f.write(json.dumps({**prov, "single_calls": q}) + "\n")
+            print(json.dumps(q, indent=1), flush=True)
             q = split_proxy(M, 0.005, 15)
             f.write(json.dumps({**prov, "split_proxy": q}) + "\n")
             print(q, flush=True)
