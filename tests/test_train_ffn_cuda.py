@@ -424,9 +424,9 @@ def test_nonfinite_sparse_poisoned_neuron_forward(gated, where, value):
 @pytest.mark.parametrize("K,N,W,gated", [(2048, 5632, 72, True), (2048, 5632, 128, False), (576, 1536, 64, True),
                                          (3072, 2048, 1536, True)])
 def test_block_kernels_equal_warp_kernels(K, N, W, gated):
-    """fwd_block / bwd_block (one block per light row) and bwd_block's coefficients + dx_slices (what the op runs)
-    against fwd_rows / bwd_rows (one warp per row): u, the L1 row sums and the backward coefficients bit for bit at
-    every shape; dx_slices' dx bit for bit at every shape; the block kernels' y and dx bit for bit where one share
+    """fwd_block / bwd_block (one block per light row) and, what the op runs, fwd_block's / bwd_block's coefficients
+    + dx_slices against fwd_rows / bwd_rows (one warp per row): u, h, the L1 row sums and the backward coefficients
+    bit for bit at every shape; dx_slices' y and dx bit for bit at every shape; the block kernels' y and dx bit for bit where one share
     covers K (K >= 2048), within 2x bf16 PyTorch's error of float64 elsewhere (K = 576: three shares). W = 1536 with
     a 1200-entry light row: two windows of entries. Flagged rows are left to the caller by all."""
     from sfl.kernels.train import ops
@@ -465,6 +465,23 @@ def test_block_kernels_equal_warp_kernels(K, N, W, gated):
         torch.cuda.synchronize()
         outs[name] = (ell_u, y, rowabs, cg, cu, dx)
     (u0, y0, r0, g0, c0, d0), (u1, y1, r1, g1, c1, d1) = outs["rows"], outs["block"]
+    # the forward the op runs: fwd_block for u, h and the L1 row sums only, then dx_slices' non-gated form over W_dT
+    # for y (entries ascending: fwd_rows' y bit for bit at every K); flagged rows stay the caller's
+    us = torch.full((M, W), float("nan"), device=DEV)
+    hs = torch.full((M, W), float("nan"), device=DEV)
+    ys = torch.full((M, K), float("nan"), device=DEV, dtype=BF)
+    rs = torch.full((M,), float("nan"), device=DEV)
+    ext.fwd_block(gated, x, wu, wdt, ell_col, ell_a, nnz, flag, us, ys[:0], rs, hs)
+    assert bool(ys.isnan().all())
+    ext.dx_slices(False, wdt, wdt, ell_col, nnz, flag, hs, hs, ys)
+    torch.cuda.synchronize()
+    assert torch.equal(rs, r0)
+    assert torch.equal(hs[valid], (ell_a.float() * (u0 if gated else 1.0))[valid])
+    if gated:
+        assert torch.equal(us[valid], u0[valid])
+    assert torch.equal(ys[light], y0[light]) and bool(ys[~light].isnan().all())
+    with pytest.raises(RuntimeError, match="needs h"):
+        ext.fwd_block(gated, x, wu, wdt, ell_col, ell_a, nnz, flag, us, ys[:0], rs)
     # what the op runs: bwd_block for the coefficients only, then dx_slices (slice-major); its entry sums run in
     # bwd_rows' order, so dx has bwd_rows' bits at every K, and flagged rows stay the caller's (unwritten)
     cg = torch.full((M, W), float("nan"), device=DEV)

@@ -20,7 +20,8 @@ cudaError_t sfltrain_fwd_rows_launch(int gated, const void* x, const void* wu, c
                                      cudaStream_t stream);
 cudaError_t sfltrain_fwd_block_launch(int gated, const void* x, const void* wu, const void* wdt, int M, int K, int W,
                                       const int32_t* ell_col, const void* ell_a, const int32_t* nnz,
-                                      const int32_t* flag, float* ell_u, void* y, float* rowabs, cudaStream_t stream);
+                                      const int32_t* flag, float* ell_u, void* y, float* rowabs, float* hout,
+                                      cudaStream_t stream);
 cudaError_t sfltrain_bwd_block_launch(int gated, const void* dy, const void* wg, const void* wu, const void* wdt,
                                       int M, int K, int W, const int32_t* ell_col, const void* ell_a,
                                       const float* ell_u, const int32_t* nnz, const int32_t* flag, const float* l1c,
@@ -108,10 +109,11 @@ void compact(const at::Tensor& g, int64_t N, at::Tensor ell_col, at::Tensor ell_
         "compact");
 }
 
-// block: one block per light row (fwd_block) instead of one warp (fwd_rows)
+// block: one block per light row (fwd_block) instead of one warp (fwd_rows). fwd_block with an empty y: the
+// coefficients only (u, the L1 row sums and h = a u into `h`, fp32 [M, W]); dx_slices then sums y slice-major.
 void fwd_impl(bool block, bool gated, const at::Tensor& x, const at::Tensor& wu, const at::Tensor& wdt,
               const at::Tensor& ell_col, const at::Tensor& ell_a, const at::Tensor& nnz, const at::Tensor& flag,
-              at::Tensor ell_u, at::Tensor y, at::Tensor rowabs) {
+              at::Tensor ell_u, at::Tensor y, at::Tensor rowabs, at::Tensor h) {
   req(x, "x", at::kBFloat16, 2);
   req(wu, "w_up", at::kBFloat16, 2);
   req(wdt, "w_down_t", at::kBFloat16, 2);
@@ -122,8 +124,17 @@ void fwd_impl(bool block, bool gated, const at::Tensor& x, const at::Tensor& wu,
   req(y, "y", at::kBFloat16, 2);
   req(rowabs, "rowabs", at::kFloat, 1);
   const int64_t M = x.size(0), K = x.size(1);
+  const bool with_y = y.numel() > 0;
   TORCH_CHECK(wu.size(1) == K && wdt.size(1) == K && wdt.size(0) == wu.size(0), "fwd_rows: weight shapes");
-  TORCH_CHECK(ell_col.size(0) == M && y.size(0) == M && y.size(1) == K && rowabs.size(0) == M, "fwd_rows: rows");
+  TORCH_CHECK(ell_col.size(0) == M && (with_y ? y.sizes() == x.sizes() : block) && rowabs.size(0) == M,
+              "fwd_rows: rows (an empty y only for fwd_block)");
+  float* hp = nullptr;
+  if (!with_y) {
+    TORCH_CHECK(h.defined(), "fwd_block: an empty y needs h (fp32, the ELL's shape) for the coefficients");
+    req(h, "h", at::kFloat, 2);
+    TORCH_CHECK(h.sizes() == ell_col.sizes(), "fwd_block: h shape (the ELL's)");
+    hp = h.data_ptr<float>();
+  }
   float* up = nullptr;
   if (gated) {
     req(ell_u, "ell_u", at::kFloat, 2);
@@ -131,11 +142,17 @@ void fwd_impl(bool block, bool gated, const at::Tensor& x, const at::Tensor& wu,
     up = ell_u.data_ptr<float>();
   }
   const c10::cuda::CUDAGuard guard(x.device());
-  auto* launch = block ? sfltrain_fwd_block_launch : sfltrain_fwd_rows_launch;
-  check(launch(gated ? 1 : 0, x.data_ptr(), wu.data_ptr(), wdt.data_ptr(), (int)M, (int)K, (int)ell_col.size(1),
-               i32(ell_col), ell_a.data_ptr(), i32(nnz), i32(flag), up, y.data_ptr(), rowabs.data_ptr<float>(),
-               stream()),
-        block ? "fwd_block" : "fwd_rows");
+  void* yp = with_y ? y.data_ptr() : nullptr;
+  if (block)
+    check(sfltrain_fwd_block_launch(gated ? 1 : 0, x.data_ptr(), wu.data_ptr(), wdt.data_ptr(), (int)M, (int)K,
+                                    (int)ell_col.size(1), i32(ell_col), ell_a.data_ptr(), i32(nnz), i32(flag), up, yp,
+                                    rowabs.data_ptr<float>(), hp, stream()),
+          "fwd_block");
+  else
+    check(sfltrain_fwd_rows_launch(gated ? 1 : 0, x.data_ptr(), wu.data_ptr(), wdt.data_ptr(), (int)M, (int)K,
+                                   (int)ell_col.size(1), i32(ell_col), ell_a.data_ptr(), i32(nnz), i32(flag), up, yp,
+                                   rowabs.data_ptr<float>(), stream()),
+          "fwd_rows");
 }
 
 void bwd_impl(bool block, bool gated, const at::Tensor& dy, const at::Tensor& wg, const at::Tensor& wu,
@@ -419,13 +436,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fwd_rows", [](bool gated, const at::Tensor& x, const at::Tensor& wu, const at::Tensor& wdt,
                        const at::Tensor& ell_col, const at::Tensor& ell_a, const at::Tensor& nnz, const at::Tensor& flag,
                        at::Tensor ell_u, at::Tensor y, at::Tensor rowabs) {
-    fwd_impl(false, gated, x, wu, wdt, ell_col, ell_a, nnz, flag, ell_u, y, rowabs);
+    fwd_impl(false, gated, x, wu, wdt, ell_col, ell_a, nnz, flag, ell_u, y, rowabs, at::Tensor());
   }, "light rows, one warp each: u, h = a u, y = h W_d^T, per-row sum |h|");
   m.def("fwd_block", [](bool gated, const at::Tensor& x, const at::Tensor& wu, const at::Tensor& wdt,
                         const at::Tensor& ell_col, const at::Tensor& ell_a, const at::Tensor& nnz, const at::Tensor& flag,
-                        at::Tensor ell_u, at::Tensor y, at::Tensor rowabs) {
-    fwd_impl(true, gated, x, wu, wdt, ell_col, ell_a, nnz, flag, ell_u, y, rowabs);
-  }, "fwd_rows with one block per light row (the same results)");
+                        at::Tensor ell_u, at::Tensor y, at::Tensor rowabs, const c10::optional<at::Tensor>& h) {
+    fwd_impl(true, gated, x, wu, wdt, ell_col, ell_a, nnz, flag, ell_u, y, rowabs, h ? *h : at::Tensor());
+  }, "fwd_rows with one block per light row (the same results); an empty y: the coefficients only, h = a u into h "
+     "(dx_slices over W_d^T then sums y)",
+  pybind11::arg("gated"), pybind11::arg("x"), pybind11::arg("wu"), pybind11::arg("wdt"), pybind11::arg("ell_col"),
+  pybind11::arg("ell_a"), pybind11::arg("nnz"), pybind11::arg("flag"), pybind11::arg("ell_u"), pybind11::arg("y"),
+  pybind11::arg("rowabs"), pybind11::arg("h") = pybind11::none());
   m.def("bwd_rows", [](bool gated, const at::Tensor& dy, const at::Tensor& wg, const at::Tensor& wu,
                        const at::Tensor& wdt, const at::Tensor& ell_col, const at::Tensor& ell_a,
                        const at::Tensor& ell_u, const at::Tensor& nnz, const at::Tensor& flag, const at::Tensor& l1c,

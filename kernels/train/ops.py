@@ -223,7 +223,11 @@ def _ffn_fwd_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor
     y = torch.empty(M, K, device=dev, dtype=dt)
     rowabs = torch.empty(M, device=dev, dtype=torch.float32)
     ell_u = torch.empty(M if gated else 0, width if gated else 0, device=dev, dtype=torch.float32)
-    ext.fwd_block(gated, x, w_up, wdt, ell_col, ell_a, nnz, flag, ell_u, y, rowabs)  # light rows
+    # the light rows: u, h = a u and the L1 row sums one block per row, then y = sum h W_d[:, j] one L2-sized K
+    # slice of W_dT at a time (dx_slices' sums, non-gated form; kernels/train/README.md)
+    h = torch.empty(M, width, device=dev, dtype=torch.float32)
+    ext.fwd_block(gated, x, w_up, wdt, ell_col, ell_a, nnz, flag, ell_u, y[:0], rowabs, h)
+    ext.dx_slices(False, wdt, wdt, ell_col, nnz, flag, h, h, y)
     last = (ext.last_active_ell(ell_col, nnz, flag, N) if want_last
             else torch.empty(0, device=dev, dtype=torch.int64))
     if M:

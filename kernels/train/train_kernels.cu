@@ -282,7 +282,7 @@ __global__ void __launch_bounds__(kRbThreads, NI <= 8 ? 4 : 2)
                      const __nv_bfloat16* __restrict__ wdt, int K, int W, const int32_t* __restrict__ ell_col,
                      const __nv_bfloat16* __restrict__ ell_a, const int32_t* __restrict__ nnz,
                      const int32_t* __restrict__ flag, float* __restrict__ ell_u, __nv_bfloat16* __restrict__ y,
-                     float* __restrict__ rowabs) {
+                     float* __restrict__ rowabs, float* __restrict__ hout) {
   extern __shared__ int list_j[];                             // [kRbCap] columns, then
   float* list_h = reinterpret_cast<float*>(list_j + kRbCap);  // [kRbCap] a, then h = a u
   uint4* xs = reinterpret_cast<uint4*>(list_h + kRbCap);      // [K / 8] the x row (gated)
@@ -325,7 +325,9 @@ __global__ void __launch_bounds__(kRbThreads, NI <= 8 ? 4 : 2)
     }
     if (warp == 0)
       for (int e = lane; e < cnt; e += 32) absacc += fabsf(list_h[e]);
-    if (grp >= 0) {
+    if (y == nullptr)  // the coefficients only: h for dx_slices, which sums y slice-major
+      for (int i = tid; i < cnt; i += kRbThreads) hout[rb + e0 + i] = list_h[i];
+    else if (grp >= 0) {
 #pragma unroll
       for (int q = 0; q < CPT; ++q) {
         const int cc = cc0 + q * kRbThreads;
@@ -336,7 +338,8 @@ __global__ void __launch_bounds__(kRbThreads, NI <= 8 ? 4 : 2)
     }
     __syncthreads();  // the next window rewrites the list
   }
-  store_shares<CPT, kRbThreads>(acc, red, reinterpret_cast<uint4*>(y + row * K), K8, cc0, grp, groups);
+  if (y != nullptr)
+    store_shares<CPT, kRbThreads>(acc, red, reinterpret_cast<uint4*>(y + row * K), K8, cc0, grp, groups);
   if (warp == 0) {
     absacc = warp_sum(absacc);
     if (lane == 0) rowabs[row] = absacc;
@@ -955,10 +958,10 @@ cudaError_t sfltrain_bwd_rows_launch(int gated, const void* dy, const void* wg, 
 // fwd_block / bwd_block: one block per row (grid = M); NI buckets 2 / 4 / 8 / 16 (row_dot_shared's chunks per lane).
 cudaError_t sfltrain_fwd_block_launch(int gated, const void* x, const void* wu, const void* wdt, int M, int K, int W,
                                       const int32_t* ell_col, const void* ell_a, const int32_t* nnz,
-                                      const int32_t* flag, float* ell_u, void* y, float* rowabs,
+                                      const int32_t* flag, float* ell_u, void* y, float* rowabs, float* hout,
                                       cudaStream_t stream) {
   if (M <= 0) return cudaSuccess;
-  if (K % 8 != 0 || K > 3072 || W < 1) return cudaErrorInvalidValue;
+  if (K % 8 != 0 || K > 3072 || W < 1 || (y == nullptr && hout == nullptr)) return cudaErrorInvalidValue;
   const int ni = (K / 8 + 31) / 32;
   const auto* xb = reinterpret_cast<const __nv_bfloat16*>(x);
   const auto* wub = reinterpret_cast<const __nv_bfloat16*>(wu);
@@ -970,10 +973,10 @@ cudaError_t sfltrain_fwd_block_launch(int gated, const void* x, const void* wu, 
   {                                                                                                            \
     if (gated)                                                                                                 \
       sfltrain::fwd_block_kernel<NI_, true><<<(unsigned)M, sfltrain::kRbThreads, smem, stream>>>(              \
-          xb, wub, wdb, K, W, ell_col, ab, nnz, flag, ell_u, yb, rowabs);                                      \
+          xb, wub, wdb, K, W, ell_col, ab, nnz, flag, ell_u, yb, rowabs, hout);                                \
     else                                                                                                       \
       sfltrain::fwd_block_kernel<NI_, false><<<(unsigned)M, sfltrain::kRbThreads, smem, stream>>>(             \
-          xb, wub, wdb, K, W, ell_col, ab, nnz, flag, ell_u, yb, rowabs);                                      \
+          xb, wub, wdb, K, W, ell_col, ab, nnz, flag, ell_u, yb, rowabs, hout);                                \
   }
   if (ni <= 2) SFL_FWDB(2) else if (ni <= 4) SFL_FWDB(4) else if (ni <= 8) SFL_FWDB(8) else SFL_FWDB(16)
 #undef SFL_FWDB
