@@ -522,7 +522,7 @@ def dense_rows_mask(g: torch.Tensor, w_up: torch.Tensor | None, w_down: torch.Te
 def dense_rows_forward(x_rows: torch.Tensor, a_rows: torch.Tensor, w_up: torch.Tensor | None,
                        w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(h, y) of some rows by the dense FFN's ops, from a = relu(g) of those rows (w_up None: non-gated).
-    Also the CUDA backends' dense backup rows (kernels/train/ops.py)."""
+    The CUDA training op's backup rows run these ops one for one (kernels/train/binding.cpp, ffn_fwd)."""
     h = a_rows * F.linear(x_rows, w_up) if w_up is not None else a_rows
     return h, F.linear(h, w_down)
 
@@ -786,7 +786,8 @@ def _hybrid_rows(hy: Hybrid, rows: torch.Tensor) -> torch.Tensor:
 def dense_rows_backward(x_rows: torch.Tensor, a_rows: torch.Tensor, dy_rows: torch.Tensor,
                         w_gate: torch.Tensor | None, w_up: torch.Tensor, w_down: torch.Tensor, c: torch.Tensor):
     """Dense autograd's backward of some rows, op for op: (dx_rows, dW_g part or None, dW_u part, dW_d part
-    TRANSPOSED, i.e. neuron-major [N, K]). Also the CUDA backend's backup rows (kernels/train/ops.py).
+    TRANSPOSED, i.e. neuron-major [N, K]). The CUDA training op's backup rows run these ops one for one
+    (kernels/train/binding.cpp, ffn_bwd).
 
     c = dL/dl1 * scale. abs's backward is grad * sgn(h) (torch: sgn(NaN) = 0); relu's is
     threshold_backward(grad, a, 0): exactly 0 where a <= 0, even where grad is NaN or Inf, and grad

@@ -425,6 +425,138 @@ std::tuple<at::Tensor, at::Tensor> csr_by_neuron(const at::Tensor& ell_col, cons
   return {perm, colptr};
 }
 
+// ffn_fwd: the op's whole forward on the "cuda" backend in one call (kernels/train/ops.py, _ffn_fwd_impl, says what
+// the steps are for; kernels/train/README.md, Forward). As ~30 torch calls from Python it took 1.6 ms of host time
+// per call on the H100 machine, against 0.7 ms for dense autograd's forward (lab/speed/host_time_train_op.py), and
+// a model step at a 4 x 2048 micro-batch waited for the host (GPU busy 89% of the step). Returns the op's outputs in
+// its order: y, l1 (fp32, scaled), ell_col, ell_a, ell_u, nnz, flag, backup_rows and backup (empty: the backward
+// recomputes those rows), host (the pinned copy of the device summary, queued here; final once an event recorded
+// after this call has completed), last (int64 [N], or empty without want_last).
+std::vector<at::Tensor> ffn_fwd(const c10::optional<at::Tensor>& w_gate, const at::Tensor& x, const at::Tensor& w_up,
+                                const at::Tensor& w_down, int64_t width, int64_t measure_width, double scale,
+                                int64_t chunk_rows, int64_t backup_cap, bool want_last, int64_t sms) {
+  const bool gated = w_gate.has_value() && w_gate->defined();
+  const at::Tensor& first = gated ? *w_gate : w_up;
+  req(x, "x", at::kBFloat16, 2);
+  req(first, gated ? "w_gate" : "w_up", at::kBFloat16, 2);
+  req(w_down, "w_down", at::kBFloat16, 2);
+  TORCH_CHECK(width >= 1 && measure_width >= width, "ffn_fwd: need 1 <= width <= measure_width");
+  const int64_t M = x.size(0), K = x.size(1), N = w_up.size(0);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto opt = x.options();
+  const auto i32o = opt.dtype(at::kInt), i64o = opt.dtype(at::kLong), f32o = opt.dtype(at::kFloat);
+  at::Tensor ell_col = at::empty({M, width}, i32o), ell_a = at::empty({M, width}, opt);
+  at::Tensor nnz = at::empty({M}, i32o), flag = at::empty({M}, i32o);
+  at::Tensor summary = at::empty({4}, i64o);
+  check(cudaMemsetAsync(summary.data_ptr(), 0, 4 * sizeof(int64_t), stream()), "memset");
+  if (M > 0) {  // the gate GEMM in chunks of rows into one reused scratch, each compacted to ELL
+    const int64_t chunk = std::max<int64_t>(1, std::min(chunk_rows, M));
+    at::Tensor scratch = at::empty({chunk, N}, opt);
+    for (int64_t c0 = 0; c0 < M; c0 += chunk) {
+      const int64_t n = std::min(chunk, M - c0);
+      at::Tensor g = scratch.narrow(0, 0, n);
+      at::mm_out(g, x.narrow(0, c0, n), first.t());
+      compact(g, N, ell_col.narrow(0, c0, n), ell_a.narrow(0, c0, n), nnz.narrow(0, c0, n), flag.narrow(0, c0, n),
+              summary, measure_width);
+    }
+  }
+  at::Tensor host = at::empty({4}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  host.copy_(summary, /*non_blocking=*/true);
+  const at::Tensor wdt = transpose(w_down);  // neuron-major: an active neuron's W_d column is a contiguous row
+  at::Tensor y = at::empty({M, K}, opt), rowabs = at::empty({M}, f32o);
+  at::Tensor ell_u = at::empty({gated ? M : 0, gated ? width : 0}, f32o), h = at::empty({M, width}, f32o);
+  // the light rows: u, h = a u and the L1 row sums one block per row, then y = sum h W_d[:, j] slice-major
+  fwd_impl(true, gated, x, w_up, wdt, ell_col, ell_a, nnz, flag, ell_u, y.narrow(0, 0, 0), rowabs, h);
+  dx_slices(false, wdt, wdt, ell_col, nnz, flag, h, h, y);
+  at::Tensor last = want_last ? last_active_ell(ell_col, nnz, flag, N) : at::empty({0}, i64o);
+  int64_t* lp = want_last ? last.data_ptr<int64_t>() : nullptr;
+  const int64_t cap = std::min(M, std::max<int64_t>(0, backup_cap)), two_per_sm = 2 * std::max<int64_t>(1, sms);
+  if (M > 0 && cap == 0) {  // no block: dense_rows_fwd's CTAs scan the flags in chunks of 256 rows (no list)
+    check(sfl_dense_rows_fwd_launch(gated, x.data_ptr(), first.data_ptr(), w_up.data_ptr(), wdt.data_ptr(), (int)M,
+                                    (int)K, (int)N, nullptr, nullptr, 0, i32(flag), y.data_ptr(),
+                                    rowabs.data_ptr<float>(), lp, (int)std::min((M + 255) / 256, two_per_sm),
+                                    stream()),
+          "dense_rows_fwd");
+  } else if (M > 0) {  // the first cap flagged rows by cuBLAS on a gathered block (unused rows zero), the rest on CUDA cores
+    const at::Tensor rows = at::nonzero_static(flag, M, -1).squeeze(1);
+    const at::Tensor idx = rows.narrow(0, 0, cap);
+    const at::Tensor xb = gather_rows(x, idx);
+    const at::Tensor ab = at::relu(at::linear(xb, first));
+    const at::Tensor hb = gated ? ab * at::linear(xb, w_up) : ab;  // reference.dense_rows_forward's ops
+    scatter_rows(at::linear(hb, w_down), hb, ab, idx, y, rowabs, last);
+    if (cap < M)  // one CTA per overflow row, up to two per SM; none runs unless the count exceeds cap
+      check(sfl_dense_rows_fwd_launch(gated, x.data_ptr(), first.data_ptr(), w_up.data_ptr(), wdt.data_ptr(), (int)M,
+                                      (int)K, (int)N, rows.data_ptr<int64_t>(), summary.data_ptr<int64_t>(), (int)cap,
+                                      nullptr, y.data_ptr(), rowabs.data_ptr<float>(), lp,
+                                      (int)std::min(M - cap, two_per_sm), stream()),
+            "dense_rows_fwd");
+  }
+  at::Tensor l1 = rowabs.sum(at::kFloat).mul(scale);
+  return {y, l1, ell_col, ell_a, ell_u, nnz, flag, at::empty({0}, i64o), at::empty({0, N}, opt), host, last};
+}
+
+// ffn_bwd: the op's backward on the "cuda" backend in one call (kernels/train/ops.py, _ffn_bwd_impl, and
+// kernels/train/README.md, Backward). R: the forward's backup-row count (its pinned summary, the caller waited for the
+// event); perm / colptr: the CSR by neuron when the caller computed it (the kernel needs more shared memory than
+// it takes), else undefined and computed here; nb: dw's K-slice width, resolved. Returns dx, dW_g (empty when
+// non-gated), dW_u, dW_d in nn.Linear layout.
+std::vector<at::Tensor> ffn_bwd(const at::Tensor& dy_in, const at::Tensor& gl1, const at::Tensor& x,
+                                const c10::optional<at::Tensor>& w_gate, const at::Tensor& w_up,
+                                const at::Tensor& w_down, const at::Tensor& ell_col, const at::Tensor& ell_a,
+                                const at::Tensor& ell_u, const at::Tensor& nnz, const at::Tensor& flag, int64_t R,
+                                double scale, int64_t nb, const c10::optional<at::Tensor>& perm_in,
+                                const c10::optional<at::Tensor>& colptr_in) {
+  const bool gated = w_gate.has_value() && w_gate->defined();
+  const at::Tensor& first = gated ? *w_gate : w_up;
+  req(x, "x", at::kBFloat16, 2);
+  const int64_t M = x.size(0), K = x.size(1), N = w_up.size(0), W = ell_col.size(1);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto f32o = x.options().dtype(at::kFloat);
+  const at::Tensor dy = dy_in.to(x.scalar_type()).contiguous();
+  const at::Tensor c = (gl1.reshape({1}).to(at::kFloat) * scale).contiguous();  // dL/d|h|, read on the device
+  at::Tensor dx = at::empty({M, K}, x.options());
+  // the dense backup rows first, dense autograd's ops (reference.dense_rows_backward, op for op); their activations
+  // are recomputed from x; their weight-gradient contributions become the dw kernel's addends
+  c10::optional<at::Tensor> add_g, add_u, add_d;
+  if (R > 0) {
+    const at::Tensor rows = at::nonzero_static(flag, R).squeeze(1);
+    const at::Tensor xb = x.index_select(0, rows), dyb = dy.index_select(0, rows);
+    const at::Tensor ab = at::relu(at::linear(xb, first));
+    const at::Tensor u = gated ? at::linear(xb, w_up) : at::Tensor();
+    const at::Tensor h = gated ? ab * u : ab;
+    const at::Tensor dh = at::matmul(dyb, w_down) + c.reshape({}).to(h.scalar_type()) * h.sgn();
+    const at::Tensor da = gated ? dh * u : dh;
+    const at::Tensor dg = at::where(ab.le(0), at::zeros_like(da), da);
+    at::Tensor dxb = at::matmul(dg, first);
+    if (gated) {
+      const at::Tensor du = dh * ab;
+      dxb = dxb + at::matmul(du, w_up);
+      add_g = at::matmul(dg.t(), xb);
+      add_u = at::matmul(du.t(), xb);
+    } else {
+      add_u = at::matmul(dg.t(), xb);
+    }
+    add_d = at::matmul(h.t(), dyb);
+    dx.index_copy_(0, rows, dxb);
+  }
+  const at::Tensor wdt = transpose(w_down);
+  at::Tensor cg = at::empty({M, W}, f32o), cu = at::empty({gated ? M : 0, gated ? W : 0}, f32o);
+  // the light rows' coefficients (an empty dx: no dx there), then dx one L2-sized K slice of W_g / W_u at a time
+  bwd_impl(true, gated, dy, first, w_up, wdt, ell_col, ell_a, ell_u, nnz, flag, c, cg, cu, dx.narrow(0, 0, 0));
+  dx_slices(gated, first, w_up, ell_col, nnz, flag, cg, cu, dx);
+  at::Tensor perm, colptr;
+  if (perm_in.has_value() && perm_in->defined()) {
+    perm = *perm_in;
+    colptr = *colptr_in;
+  } else {
+    std::tie(perm, colptr) = csr_by_neuron(ell_col, nnz, flag, N);
+  }
+  at::Tensor dwg = at::empty({gated ? N : 0, K}, x.options()), dwu = at::empty({N, K}, x.options());
+  at::Tensor dwdt = at::empty({N, K}, x.options());
+  dw(gated, nb, x, dy, perm, colptr, ell_a, ell_u, cg, cu, add_g, add_u, add_d, gated ? dwg : dwu, dwu, dwdt);
+  return {dx, dwg, dwu, transpose(dwdt)};  // dW_d in nn.Linear layout
+}
+
 std::string source_hash() { return SFL_STR(SFL_SRC_HASH); }
 
 }  // namespace
@@ -459,6 +591,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                         at::Tensor cg, at::Tensor cu, at::Tensor dx) {
     bwd_impl(true, gated, dy, wg, wu, wdt, ell_col, ell_a, ell_u, nnz, flag, l1c, cg, cu, dx);
   }, "bwd_rows with one block per light row (the same results)");
+  m.def("ffn_fwd", &ffn_fwd, "the training op's forward in one call (ops._ffn_fwd_impl's cuda backend)");
+  m.def("ffn_bwd", &ffn_bwd, "the training op's backward in one call (ops._ffn_bwd_impl's cuda backend)");
   m.def("dx_slices", &dx_slices, "dx of the light rows from bwd_block's coefficients, slice-major (bwd_block with an empty dx first)");
   m.def("dw", &dw, "neuron-major weight gradients from the CSR-by-neuron transpose");
   m.def("dense_bwd", &dense_bwd, "dense path backward elementwise: dh + L1 term -> dg (in place), du");

@@ -22,12 +22,14 @@ empty). `last` (want_last): per neuron the last row where it fired, the model's 
 then against `measure_width` (the configured width, >= width) the widest light row, the light rows' non-zeros and
 the other rows: the dispatch's measurement, with no reduction of its own.
 
-Backends: "cuda" = the kernels of train_kernels.cu (bf16, CUDA) + cuBLAS for the gate GEMM and backup rows;
-"torch" = the pure-PyTorch reference itself (kernels/reference.py: train_ffn_forward / train_ffn_backward; any
-device and dtype; the CPU tests and a slow fallback; its backup_rows and backup are the Hybrid's, exact).
-Both take their dense-row math (backup rows, forward and backward) from the reference, so there is one definition
-of it; the CSR-by-neuron transpose is the reference's csr_by_neuron on "torch" and counting-sort kernels on "cuda",
-GPU-tested to give the same perm and colptr.
+Backends: "cuda" = the kernels of train_kernels.cu (bf16, CUDA) + cuBLAS for the gate GEMM and backup rows, each
+half one call into the extension (binding.cpp: ffn_fwd, ffn_bwd; from Python the glue was ~30 torch calls per half,
+host time a small micro-batch waited for); "torch" = the pure-PyTorch reference itself (kernels/reference.py:
+train_ffn_forward / train_ffn_backward; any device and dtype; the CPU tests and a slow fallback; its backup_rows
+and backup are the Hybrid's, exact). The dense-row math (backup rows, forward and backward) is the reference's
+dense_rows_forward / dense_rows_backward, whose ATen ops binding.cpp runs one for one; the CSR-by-neuron transpose
+is the reference's csr_by_neuron on "torch" and counting-sort kernels on "cuda", GPU-tested to give the same perm
+and colptr (the reference's sort where the kernel's shared memory does not fit).
 """
 from __future__ import annotations
 
@@ -38,7 +40,6 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .. import reference as ref
@@ -92,35 +93,6 @@ def saved_hybrid(ell_col: Tensor, ell_a: Tensor, nnz: Tensor, backup_rows: Tenso
                  n_cols: int) -> Hybrid:
     """The op's saved tensors as the reference's Hybrid (no copy, no host sync). `flag` is its backup_mask()."""
     return Hybrid(ell_col, ell_a, nnz, backup_rows, backup, n_cols, ell_col.shape[1])
-
-
-def _compact_cuda(x: Tensor, first: Tensor, width: int, chunk: int, ext, measure_width: int = 0):
-    """Gate GEMM (chunked) + compaction; also a device summary, int64 [4]: (flagged rows, and against measure_width
-    (default: width) the widest light row, the light rows' non-zeros, the other rows): train_kernels.cu, compact."""
-    M, N = x.shape[0], first.shape[0]
-    dev = x.device
-    ell_col = torch.empty(M, width, device=dev, dtype=torch.int32)
-    ell_a = torch.empty(M, width, device=dev, dtype=x.dtype)
-    nnz = torch.empty(M, device=dev, dtype=torch.int32)
-    flag = torch.empty(M, device=dev, dtype=torch.int32)
-    summary = torch.zeros(4, device=dev, dtype=torch.int64)
-    if M == 0:
-        return ell_col, ell_a, nnz, flag, summary
-    scratch = torch.empty(min(chunk, M), N, device=dev, dtype=x.dtype)  # gate pre-activations, reused
-    for c0 in range(0, M, chunk):
-        c1 = min(M, c0 + chunk)
-        g = scratch[: c1 - c0]
-        torch.mm(x[c0:c1], first.t(), out=g)
-        ext.compact(g, N, ell_col[c0:c1], ell_a[c0:c1], nnz[c0:c1], flag[c0:c1], summary, measure_width or width)
-    return ell_col, ell_a, nnz, flag, summary
-
-
-def csr_by_neuron_cuda(hy: Hybrid, flag: Tensor, ext) -> tuple[Tensor, Tensor]:
-    """The reference csr_by_neuron (the same colptr, the same perm up to colptr[N]) by the counting-sort kernels;
-    the reference's torch sort where N and the width need more shared memory than the kernels take."""
-    if ext.csr_supported(hy.n_cols, hy.ell_col.shape[1]):
-        return ext.csr_by_neuron(hy.ell_col, hy.nnz, flag, hy.n_cols)
-    return ref.csr_by_neuron(hy)
 
 
 # ----------------------------------------------------------------------------------------------- forward
@@ -182,61 +154,25 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _backup_rows_cuda(gated: bool, x: Tensor, first: Tensor, w_up: Tensor, w_down: Tensor, wdt: Tensor, flag: Tensor,
-                      summary: Tensor, cap: int, y: Tensor, rowabs: Tensor, last: Tensor, ext) -> None:
-    """The flagged rows, exactly, with no host sync: the first `cap` (host-known, from the layer's history) by dense
-    cuBLAS math on a gathered block whose unused rows are zero, any beyond it by dense_rows_fwd on CUDA cores. Both
-    write y, rowabs (their |h| sums) and the tracker `last` of their rows."""
-    M = x.shape[0]
-    rows = torch.nonzero_static(flag, size=M, fill_value=-1).squeeze(1)  # flagged rows ascending, then -1
-    if cap > 0:
-        idx = rows[:cap]
-        xb = ext.gather_rows(x, idx)
-        ab = F.relu(F.linear(xb, first))
-        hb, yb = ref.dense_rows_forward(xb, ab, w_up if gated else None, w_down)
-        ext.scatter_rows(yb, hb, ab, idx, y, rowabs, last)
-    if cap < M:  # one CTA per overflow row, up to two per SM; none runs unless the count exceeds cap
-        grid = min(M - cap, 2 * _sm_count(x.device))
-        ext.dense_rows_fwd(gated, x, first, w_up, wdt, rows, summary, cap, y, rowabs, last, grid)
-
-
 def _ffn_fwd_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, width: int, measure_width: int,
                   scale: float, chunk_rows: int, backup_cap: int, want_last: bool, backend: str):
+    """The forward. "cuda": one call into the extension (binding.cpp, ffn_fwd), which runs, with no host sync:
+    1. the gate GEMM (cuBLAS, in chunks of chunk_rows rows into one reused scratch) and `compact` per chunk: ELL,
+       nnz, flag and the device summary, copied to pinned memory (`host`, final once the event recorded below has
+       completed: the backward's backup-row count and the dispatch's measurement; nothing here waits for it);
+    2. the light rows: fwd_block (u, h = a u, the L1 row sums) and dx_slices over W_d^T (y, slice-major);
+    3. the tracker (want_last) and the flagged rows, exactly: the first backup_cap (the layer's history) by cuBLAS on a
+       gathered block (reference.dense_rows_forward's ops), any others by dense_rows_fwd on CUDA cores (with no block,
+       its CTAs find the flagged rows themselves);
+    4. l1 = sum of the row sums x scale."""
     if backend != "cuda":
         return _ffn_fwd_torch(x, w_gate, w_up, w_down, width, measure_width, scale, want_last)
-    gated = w_gate is not None
-    first = w_gate if gated else w_up
-    M, K = x.shape
-    N = w_up.shape[0]
-    dev, dt = x.device, x.dtype
-    ext = load_ext()
-    ell_col, ell_a, nnz, flag, summary = _compact_cuda(x, first, width, max(1, int(chunk_rows)), ext,
-                                                       max(width, measure_width))
-    # the summary to the host: the backward's backup-row count (see _backup_count) and the dispatch's measurement;
-    # nothing here waits for it
-    host = torch.empty(4, dtype=torch.int64, pin_memory=True)
-    host.copy_(summary, non_blocking=True)
+    out = load_ext().ffn_fwd(w_gate, x, w_up, w_down, width, max(width, measure_width), scale, max(1, int(chunk_rows)),
+                             int(backup_cap), want_last, _sm_count(x.device))
     ready = torch.cuda.Event()
     ready.record()
-    _COUNT_READY[host.data_ptr()] = ready
-    wdt = ext.transpose(w_down)  # neuron-major: each active neuron's W_d column is a contiguous row
-    y = torch.empty(M, K, device=dev, dtype=dt)
-    rowabs = torch.empty(M, device=dev, dtype=torch.float32)
-    ell_u = torch.empty(M if gated else 0, width if gated else 0, device=dev, dtype=torch.float32)
-    # the light rows: u, h = a u and the L1 row sums one block per row, then y = sum h W_d[:, j] one L2-sized K
-    # slice of W_dT at a time (dx_slices' sums, non-gated form; kernels/train/README.md)
-    h = torch.empty(M, width, device=dev, dtype=torch.float32)
-    ext.fwd_block(gated, x, w_up, wdt, ell_col, ell_a, nnz, flag, ell_u, y[:0], rowabs, h)
-    ext.dx_slices(False, wdt, wdt, ell_col, nnz, flag, h, h, y)
-    last = (ext.last_active_ell(ell_col, nnz, flag, N) if want_last
-            else torch.empty(0, device=dev, dtype=torch.int64))
-    if M:
-        _backup_rows_cuda(gated, x, first, w_up, w_down, wdt, flag, summary, min(M, max(0, int(backup_cap))), y,
-                          rowabs, last, ext)
-    l1 = rowabs.sum(dtype=torch.float32)
-    no_rows = torch.empty(0, device=dev, dtype=torch.int64)
-    return (y, l1 * scale, ell_col, ell_a, ell_u, nnz, flag, no_rows, torch.empty(0, N, device=dev, dtype=dt), host,
-            last)
+    _COUNT_READY[out[9].data_ptr()] = ready
+    return tuple(out)
 
 
 @torch.library.custom_op("sfl_train::ffn_fwd", mutates_args=())
@@ -285,40 +221,20 @@ def _ffn_bwd_impl(dy: Tensor, gl1: Tensor, x: Tensor, w_gate: Tensor | None, w_u
         dx, dwg, dwu, dwd = ref.train_ffn_backward(dy, gl1, x, w_gate, w_up, w_down, ref.TrainSaved(hy, ell_u),
                                                    scale)
         return dx, (dwg if gated else x.new_empty(0, K)), dwu, dwd
-    dev, dt = x.device, x.dtype
-    first = w_gate if gated else w_up
-    dy = dy.to(dt).contiguous()
-    c = (gl1.reshape(1).to(torch.float32) * scale).contiguous()  # dL/d|h| factor, read on the device: no sync
-    dx = torch.empty(M, K, device=dev, dtype=dt)
-    # dense backup rows first (the reference's ops): their weight-gradient contributions are the kernels' addends.
-    # Their activations are recomputed from x (the forward keeps none of them: no [R, N] tensor between the passes).
-    adds: list[Tensor | None] = [None, None, None]
-    R = _backup_count(host)
-    rows = torch.nonzero_static(flag, size=R).squeeze(1)
-    ab = x.new_empty(0, N)
-    if R:
-        xb, dyb = x.index_select(0, rows), dy.index_select(0, rows)
-        ab = F.relu(F.linear(xb, first))
-        dxb, dwgb, dwub, dwdtb = ref.dense_rows_backward(xb, ab, dyb, w_gate, w_up, w_down, c.reshape(()))
-        dx.index_copy_(0, rows, dxb)
-        adds = [dwgb, dwub, dwdtb]
+    # "cuda": one call into the extension (binding.cpp, ffn_bwd): the backup rows by dense autograd's ops
+    # (reference.dense_rows_backward's, their activations recomputed from x: no [R, N] tensor was kept), the light
+    # rows' coefficients (bwd_block) and dx (dx_slices), the CSR by neuron, dw (their weight-gradient addends
+    # included) and the W_d gradient's transpose. R comes from the forward's pinned summary (its event is complete
+    # by now: no stall).
     ext = load_ext()
-    wdt = ext.transpose(w_down)
-    w = ell_col.shape[1]
-    cg = torch.empty(M, w, device=dev, dtype=torch.float32)
-    cu = torch.empty(M if gated else 0, w if gated else 0, device=dev, dtype=torch.float32)
-    # the light rows' coefficients (dh = dy . W_d[:, j]; an empty dx: no dx here), then dx from them one L2-sized K
-    # slice of W_g / W_u at a time (kernels/train/README.md)
-    ext.bwd_block(gated, dy, first, w_up, wdt, ell_col, ell_a, ell_u, nnz, flag, c, cg, cu, dx[:0])
-    ext.dx_slices(gated, first, w_up, ell_col, nnz, flag, cg, cu, dx)
-    hy = saved_hybrid(ell_col, ell_a, nnz, rows, ab, N)
-    perm, colptr = csr_by_neuron_cuda(hy, flag, ext)
-    dwg = torch.empty(N if gated else 0, K, device=dev, dtype=dt)
-    dwu = torch.empty(N, K, device=dev, dtype=dt)
-    dwdt = torch.empty(N, K, device=dev, dtype=dt)
-    ext.dw(gated, int(dw_nb) or dw_chunks(M), x, dy, perm, colptr, ell_a, ell_u, cg, cu, *adds,
-           dwg if gated else dwu, dwu, dwdt)
-    return dx, dwg, dwu, ext.transpose(dwdt)  # dW_d in nn.Linear layout: autograd keeps it without a copy
+    R = _backup_count(host)
+    perm = colptr = None
+    if not ext.csr_supported(N, ell_col.shape[1]):  # the counting sort's shared memory does not fit: torch's sort
+        rows = torch.nonzero_static(flag, size=R).squeeze(1)
+        perm, colptr = ref.csr_by_neuron(saved_hybrid(ell_col, ell_a, nnz, rows, x.new_empty(R, N), N))
+    dx, dwg, dwu, dwd = ext.ffn_bwd(dy, gl1, x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag, R, scale,
+                                    int(dw_nb) or dw_chunks(M), perm, colptr)
+    return dx, dwg, dwu, dwd
 
 
 @torch.library.custom_op("sfl_train::ffn_bwd", mutates_args=())

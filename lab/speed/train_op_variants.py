@@ -2,6 +2,9 @@
 to the torch code it replaced, in one process; a chrome trace of one call per variant. GPU only.
 
     PYTHONPATH=. python lab/speed/train_op_variants.py OUTDIR
+
+Stale since the op's glue moved into one C++ call per half (kernels/train/binding.cpp, ffn_fwd / ffn_bwd): the
+Python functions it swaps out are gone; run it at a commit before that change (its logs: lab/speed/logs/).
 """
 from __future__ import annotations
 
