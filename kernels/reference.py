@@ -522,7 +522,7 @@ def dense_rows_mask(g: torch.Tensor, w_up: torch.Tensor | None, w_down: torch.Te
 def dense_rows_forward(x_rows: torch.Tensor, a_rows: torch.Tensor, w_up: torch.Tensor | None,
                        w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(h, y) of some rows by the dense FFN's ops, from a = relu(g) of those rows (w_up None: non-gated).
-    The CUDA training op's backup rows run these ops one for one (kernels/train/binding.cpp, ffn_fwd)."""
+    The CUDA training op's backup rows run these ops one for one (kernels/train/binding.cpp, ffn_fwd_rows)."""
     h = a_rows * F.linear(x_rows, w_up) if w_up is not None else a_rows
     return h, F.linear(h, w_down)
 

@@ -582,7 +582,7 @@ def test_compact_summary_counts_flagged_and_widest_light_row(chunk):
     nnz = torch.empty(M, device=DEV, dtype=torch.int32)
     flag = torch.empty(M, device=DEV, dtype=torch.int32)
     summary = torch.zeros(4, device=DEV, dtype=torch.int64)
-    for c0 in range(0, M, chunk):   # the forward's chunks (binding.cpp, ffn_fwd)
+    for c0 in range(0, M, chunk):   # the forward's chunks (binding.cpp, ffn_fwd_gate)
         c1 = min(M, c0 + chunk)
         ops.load_ext().compact(torch.mm(x[c0:c1], wg.t()), N, ell_col[c0:c1], ell_a[c0:c1], nnz[c0:c1],
                                flag[c0:c1], summary, 96)

@@ -425,31 +425,28 @@ std::tuple<at::Tensor, at::Tensor> csr_by_neuron(const at::Tensor& ell_col, cons
   return {perm, colptr};
 }
 
-// ffn_fwd: the op's whole forward on the "cuda" backend in one call (kernels/train/ops.py, _ffn_fwd_impl, says what
-// the steps are for; kernels/train/README.md, Forward). As ~30 torch calls from Python it took 1.6 ms of host time
-// per call on the H100 machine, against 0.7 ms for dense autograd's forward (lab/speed/host_time_train_op.py), and
-// a model step at a 4 x 2048 micro-batch waited for the host (GPU busy 89% of the step). Returns the op's outputs in
-// its order: y, l1 (fp32, scaled), ell_col, ell_a, ell_u, nnz, flag, backup_rows and backup (empty: the backward
-// recomputes those rows), host (the pinned copy of the device summary, queued here; final once an event recorded
-// after this call has completed), last (int64 [N], or empty without want_last).
-std::vector<at::Tensor> ffn_fwd(const c10::optional<at::Tensor>& w_gate, const at::Tensor& x, const at::Tensor& w_up,
-                                const at::Tensor& w_down, int64_t width, int64_t measure_width, double scale,
-                                int64_t chunk_rows, int64_t backup_cap, bool want_last, int64_t sms) {
-  const bool gated = w_gate.has_value() && w_gate->defined();
-  const at::Tensor& first = gated ? *w_gate : w_up;
+// The op's forward on the "cuda" backend in two calls (kernels/train/ops.py, _ffn_fwd_impl, says what the steps are
+// for; kernels/train/README.md, Forward), between which the caller records the event after which `host` is final
+// (the backward waits for it: recorded at the end of the forward instead, the backward's first launches waited
+// for the whole forward). As ~30 torch calls from Python the forward took 1.6 ms of host time per call on the H100
+// machine, against 0.7 ms for dense autograd's (lab/speed/host_time_train_op.py).
+//
+// ffn_fwd_gate: the gate GEMM in chunks of rows into one reused scratch, each compacted to ELL; the device summary
+// and its pinned copy `host`, queued. Returns ell_col, ell_a, nnz, flag, summary, host.
+std::vector<at::Tensor> ffn_fwd_gate(const at::Tensor& first, const at::Tensor& x, int64_t width, int64_t measure_width,
+                                     int64_t chunk_rows) {
   req(x, "x", at::kBFloat16, 2);
-  req(first, gated ? "w_gate" : "w_up", at::kBFloat16, 2);
-  req(w_down, "w_down", at::kBFloat16, 2);
-  TORCH_CHECK(width >= 1 && measure_width >= width, "ffn_fwd: need 1 <= width <= measure_width");
-  const int64_t M = x.size(0), K = x.size(1), N = w_up.size(0);
+  req(first, "w_first", at::kBFloat16, 2);
+  TORCH_CHECK(width >= 1 && measure_width >= width, "ffn_fwd_gate: need 1 <= width <= measure_width");
+  const int64_t M = x.size(0), N = first.size(0);
   const c10::cuda::CUDAGuard guard(x.device());
   const auto opt = x.options();
-  const auto i32o = opt.dtype(at::kInt), i64o = opt.dtype(at::kLong), f32o = opt.dtype(at::kFloat);
+  const auto i32o = opt.dtype(at::kInt);
   at::Tensor ell_col = at::empty({M, width}, i32o), ell_a = at::empty({M, width}, opt);
   at::Tensor nnz = at::empty({M}, i32o), flag = at::empty({M}, i32o);
-  at::Tensor summary = at::empty({4}, i64o);
+  at::Tensor summary = at::empty({4}, opt.dtype(at::kLong));
   check(cudaMemsetAsync(summary.data_ptr(), 0, 4 * sizeof(int64_t), stream()), "memset");
-  if (M > 0) {  // the gate GEMM in chunks of rows into one reused scratch, each compacted to ELL
+  if (M > 0) {
     const int64_t chunk = std::max<int64_t>(1, std::min(chunk_rows, M));
     at::Tensor scratch = at::empty({chunk, N}, opt);
     for (int64_t c0 = 0; c0 < M; c0 += chunk) {
@@ -462,6 +459,25 @@ std::vector<at::Tensor> ffn_fwd(const c10::optional<at::Tensor>& w_gate, const a
   }
   at::Tensor host = at::empty({4}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
   host.copy_(summary, /*non_blocking=*/true);
+  return {ell_col, ell_a, nnz, flag, summary, host};
+}
+
+// ffn_fwd_rows: the rest, from ffn_fwd_gate's outputs. Returns y, l1 (fp32, scaled), ell_u, backup_rows and backup
+// (empty: the backward recomputes those rows), last (int64 [N], or empty without want_last).
+std::vector<at::Tensor> ffn_fwd_rows(const c10::optional<at::Tensor>& w_gate, const at::Tensor& x,
+                                     const at::Tensor& w_up, const at::Tensor& w_down, const at::Tensor& ell_col,
+                                     const at::Tensor& ell_a, const at::Tensor& nnz, const at::Tensor& flag,
+                                     const at::Tensor& summary, double scale, int64_t backup_cap, bool want_last,
+                                     int64_t sms) {
+  const bool gated = w_gate.has_value() && w_gate->defined();
+  const at::Tensor& first = gated ? *w_gate : w_up;
+  req(x, "x", at::kBFloat16, 2);
+  req(w_down, "w_down", at::kBFloat16, 2);
+  req(summary, "summary", at::kLong, 1);
+  const int64_t M = x.size(0), K = x.size(1), N = w_up.size(0), width = ell_col.size(1);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto opt = x.options();
+  const auto i64o = opt.dtype(at::kLong), f32o = opt.dtype(at::kFloat);
   const at::Tensor wdt = transpose(w_down);  // neuron-major: an active neuron's W_d column is a contiguous row
   at::Tensor y = at::empty({M, K}, opt), rowabs = at::empty({M}, f32o);
   at::Tensor ell_u = at::empty({gated ? M : 0, gated ? width : 0}, f32o), h = at::empty({M, width}, f32o);
@@ -492,7 +508,7 @@ std::vector<at::Tensor> ffn_fwd(const c10::optional<at::Tensor>& w_gate, const a
             "dense_rows_fwd");
   }
   at::Tensor l1 = rowabs.sum(at::kFloat).mul(scale);
-  return {y, l1, ell_col, ell_a, ell_u, nnz, flag, at::empty({0}, i64o), at::empty({0, N}, opt), host, last};
+  return {y, l1, ell_u, at::empty({0}, i64o), at::empty({0, N}, opt), last};
 }
 
 // ffn_bwd: the op's backward on the "cuda" backend in one call (kernels/train/ops.py, _ffn_bwd_impl, and
@@ -591,7 +607,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                         at::Tensor cg, at::Tensor cu, at::Tensor dx) {
     bwd_impl(true, gated, dy, wg, wu, wdt, ell_col, ell_a, ell_u, nnz, flag, l1c, cg, cu, dx);
   }, "bwd_rows with one block per light row (the same results)");
-  m.def("ffn_fwd", &ffn_fwd, "the training op's forward in one call (ops._ffn_fwd_impl's cuda backend)");
+  m.def("ffn_fwd_gate", &ffn_fwd_gate, "the training op's forward, first call: gate GEMM, ELL, the summary's copy");
+  m.def("ffn_fwd_rows", &ffn_fwd_rows, "the training op's forward, second call: the light rows, the backup rows, L1");
   m.def("ffn_bwd", &ffn_bwd, "the training op's backward in one call (ops._ffn_bwd_impl's cuda backend)");
   m.def("dx_slices", &dx_slices, "dx of the light rows from bwd_block's coefficients, slice-major (bwd_block with an empty dx first)");
   m.def("dw", &dw, "neuron-major weight gradients from the CSR-by-neuron transpose");

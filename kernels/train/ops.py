@@ -23,8 +23,8 @@ then against `measure_width` (the configured width, >= width) the widest light r
 the other rows: the dispatch's measurement, with no reduction of its own.
 
 Backends: "cuda" = the kernels of train_kernels.cu (bf16, CUDA) + cuBLAS for the gate GEMM and backup rows, each
-half one call into the extension (binding.cpp: ffn_fwd, ffn_bwd; from Python the glue was ~30 torch calls per half,
-host time a small micro-batch waited for); "torch" = the pure-PyTorch reference itself (kernels/reference.py:
+half one or two calls into the extension (binding.cpp: ffn_fwd_gate + ffn_fwd_rows, ffn_bwd; from Python the glue
+was ~30 torch calls per half); "torch" = the pure-PyTorch reference itself (kernels/reference.py:
 train_ffn_forward / train_ffn_backward; any device and dtype; the CPU tests and a slow fallback; its backup_rows
 and backup are the Hybrid's, exact). The dense-row math (backup rows, forward and backward) is the reference's
 dense_rows_forward / dense_rows_backward, whose ATen ops binding.cpp runs one for one; the CSR-by-neuron transpose
@@ -156,23 +156,27 @@ def _sm_count(device: torch.device) -> int:
 
 def _ffn_fwd_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, width: int, measure_width: int,
                   scale: float, chunk_rows: int, backup_cap: int, want_last: bool, backend: str):
-    """The forward. "cuda": one call into the extension (binding.cpp, ffn_fwd), which runs, with no host sync:
-    1. the gate GEMM (cuBLAS, in chunks of chunk_rows rows into one reused scratch) and `compact` per chunk: ELL,
-       nnz, flag and the device summary, copied to pinned memory (`host`, final once the event recorded below has
-       completed: the backward's backup-row count and the dispatch's measurement; nothing here waits for it);
-    2. the light rows: fwd_block (u, h = a u, the L1 row sums) and dx_slices over W_d^T (y, slice-major);
-    3. the tracker (want_last) and the flagged rows, exactly: the first backup_cap (the layer's history) by cuBLAS on a
-       gathered block (reference.dense_rows_forward's ops), any others by dense_rows_fwd on CUDA cores (with no block,
-       its CTAs find the flagged rows themselves);
-    4. l1 = sum of the row sums x scale."""
+    """The forward. "cuda": two calls into the extension (binding.cpp), with no host sync:
+    1. ffn_fwd_gate: the gate GEMM (cuBLAS, in chunks of chunk_rows rows into one reused scratch) and `compact` per
+       chunk: ELL, nnz, flag and the device summary, copied to pinned memory (`host`, final once the event recorded
+       right after has completed: the backward's backup-row count and the dispatch's measurement; nothing waits for
+       it here, and the backward's launches wait only for this part of the forward);
+    2. ffn_fwd_rows: the light rows, fwd_block (u, h = a u, the L1 row sums) and dx_slices over W_d^T (y,
+       slice-major); the tracker (want_last); the flagged rows, exactly: the first backup_cap (the layer's history)
+       by cuBLAS on a gathered block (reference.dense_rows_forward's ops), any others by dense_rows_fwd on CUDA cores
+       (with no block, its CTAs find the flagged rows themselves); l1 = the row sums' sum x scale."""
     if backend != "cuda":
         return _ffn_fwd_torch(x, w_gate, w_up, w_down, width, measure_width, scale, want_last)
-    out = load_ext().ffn_fwd(w_gate, x, w_up, w_down, width, max(width, measure_width), scale, max(1, int(chunk_rows)),
-                             int(backup_cap), want_last, _sm_count(x.device))
+    ext = load_ext()
+    ell_col, ell_a, nnz, flag, summary, host = ext.ffn_fwd_gate(w_up if w_gate is None else w_gate, x, width,
+                                                                max(width, measure_width), max(1, int(chunk_rows)))
     ready = torch.cuda.Event()
     ready.record()
-    _COUNT_READY[out[9].data_ptr()] = ready
-    return tuple(out)
+    _COUNT_READY[host.data_ptr()] = ready
+    y, l1, ell_u, backup_rows, backup, last = ext.ffn_fwd_rows(w_gate, x, w_up, w_down, ell_col, ell_a, nnz, flag,
+                                                              summary, scale, int(backup_cap), want_last,
+                                                              _sm_count(x.device))
+    return y, l1, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup, host, last
 
 
 @torch.library.custom_op("sfl_train::ffn_fwd", mutates_args=())
