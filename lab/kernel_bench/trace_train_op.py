@@ -13,6 +13,8 @@ import argparse
 import collections
 import json
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -21,16 +23,14 @@ from sfl.experiments.kernel_bench.bench_training import BF, DEV, light_rows_case
 from sfl.experiments.provenance import collect
 
 
-def busy_us(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for s, e in sorted(intervals):
-        if e > end:
-            total += e - max(s, end)
-            end = e
-    return total
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "speed"))
+from profile_train_step import busy_ms, gaps  # noqa: E402  (the union of kernel intervals; idle gaps by kernel pair)
 
 
-def trace_steps(M: int, p: float, steps: int) -> dict:
+def op_steps(M: int, p: float):
+    """bench_training's case at (M, p): the auto op's fwd+bwd step (its layer history kept across calls) and dense
+    autograd's without the L1 term, on the same inputs."""
+    from sfl.experiments.kernel_bench.bench_training import dense_block
     from sfl.kernels.train_ffn import DispatchState, sparse_gated_ffn_train
 
     x, (wg, wu, wd), gy = make_case(M, 2048, 5632, p, 0.0, seed=int(p * 1e5) + M)
@@ -38,12 +38,23 @@ def trace_steps(M: int, p: float, steps: int) -> dict:
     gl1 = torch.tensor(1000.0, device=DEV)
     st = DispatchState()
 
-    def step():
+    def ours():
         for t in params:
             t.grad = None
         y, l, _ = sparse_gated_ffn_train(*params, mode="auto", state=st, want_stats=False)
         torch.autograd.backward([y, l], [gy, gl1])
 
+    def dense():
+        for t in params:
+            t.grad = None
+        y, _ = dense_block(*params, l1=False)
+        torch.autograd.backward([y], [gy])
+
+    return ours, dense, st
+
+
+def trace_steps(M: int, p: float, steps: int) -> dict:
+    step, _, st = op_steps(M, p)
     for _ in range(6):
         step()
     torch.cuda.synchronize()
@@ -65,11 +76,10 @@ def trace_steps(M: int, p: float, steps: int) -> dict:
     for e in kern:
         by[e.name[:90]][0] += 1
         by[e.name[:90]][1] += e.time_range.end - e.time_range.start
-    iv = [(e.time_range.start, e.time_range.end) for e in kern]
-    span = max(b for _, b in iv) - min(a for a, _ in iv)
+    span = max(e.time_range.end for e in kern) - min(e.time_range.start for e in kern)
     table = sorted(((n, c / steps, t / steps / 1e3) for n, (c, t) in by.items()), key=lambda r: -r[2])
     return {"M": M, "p": p, "path": st.last_path, "step_ms_events": step_ms, "traced_span_ms": span / steps / 1e3,
-            "gpu_busy_ms": busy_us(iv) / steps / 1e3, "launches": len(kern) / steps,
+            "gpu_busy_ms": busy_ms(kern) / steps, "launches": len(kern) / steps,
             "kernels": [{"name": n, "per_step": c, "ms": round(t, 4)} for n, c, t in table]}
 
 
@@ -77,31 +87,9 @@ def single_calls(M: int, p: float, reps: int) -> dict:
     """bench_training's regime (one call after an L2 flush and a sync) against the steady state (4 calls back to
     back per timed repetition), ours (auto) and dense without the L1 term alternating; then a profiled single call
     of each: the GPU's idle gaps inside it (host time it waited for), by the kernels around them."""
-    import sys
-    sys.path.insert(0, "lab/speed")
-    from profile_train_step import busy_ms, gaps
-
     from sfl.experiments.kernel_bench.bench_inference import Timer
-    from sfl.experiments.kernel_bench.bench_training import dense_block
-    from sfl.kernels.train_ffn import DispatchState, sparse_gated_ffn_train
 
-    x, (wg, wu, wd), gy = make_case(M, 2048, 5632, p, 0.0, seed=int(p * 1e5) + M)
-    params = [t.clone().requires_grad_(True) for t in (x, wg, wu, wd)]
-    gl1 = torch.tensor(1000.0, device=DEV)
-    st = DispatchState()
-
-    def ours():
-        for t in params:
-            t.grad = None
-        y, l, _ = sparse_gated_ffn_train(*params, mode="auto", state=st, want_stats=False)
-        torch.autograd.backward([y, l], [gy, gl1])
-
-    def dense():
-        for t in params:
-            t.grad = None
-        y, _ = dense_block(*params, l1=False)
-        torch.autograd.backward([y], [gy])
-
+    ours, dense, st = op_steps(M, p)
     for _ in range(6):
         ours()
     timer = Timer()
