@@ -135,11 +135,12 @@ def test_ffn_vs_fp32(ffn, K, N, gated, M):
     x, wg, wu, wd = make_problem(M, K, N, 0.01, seed=M * 7 + K + N, gated=gated)
     poison()
     # mode="sparse": exercise the kernels at every M (auto may pick dense for 16 < M <= 64)
-    stats = torch.zeros(3, device=DEV, dtype=torch.int64)
-    y = run(ffn, x, wg, wu, wd, gated, stats=stats, mode="sparse")
-    torch.cuda.synchronize()
-    check(y, x, wg, wu, wd, gated)
-    check_stats(stats, F.relu(F.linear(x, wg if gated else wu)))
+    for up_list_min_m in ((0, 1) if M > 64 else (0,)):   # above decode sizes: up_down, and up_list + slices
+        stats = torch.zeros(3, device=DEV, dtype=torch.int64)
+        y = run(ffn, x, wg, wu, wd, gated, stats=stats, mode="sparse", up_list_min_m=up_list_min_m)
+        torch.cuda.synchronize()
+        check(y, x, wg, wu, wd, gated)
+        check_stats(stats, F.relu(F.linear(x, wg if gated else wu)))
 
 
 @pytest.mark.parametrize("mode", ["sparse", "dense", "auto"])
@@ -149,9 +150,9 @@ def test_modes_and_many_heavy_rows(ffn, mode, p):
     K, N, M = 2048, 5632, 2500
     x, wg, wu, wd = make_problem(M, K, N, p, seed=11)
     x[::3, 3:] *= 5
-    for d2t in ("fused", "cublas"):   # cublas with a 1 MB scratch: the gate GEMM in chunks of 256 rows
+    for d2t, up_list_min_m in (("fused", 0), ("fused", 1), ("cublas", 4096)):   # cublas: 1 MB scratch, 256-row chunks
         poison()
-        y = run(ffn, x, wg, wu, wd, mode=mode, d2t=d2t, gate_scratch_mb=1)
+        y = run(ffn, x, wg, wu, wd, mode=mode, d2t=d2t, gate_scratch_mb=1, up_list_min_m=up_list_min_m)
         torch.cuda.synchronize()
         check(y, x, wg, wu, wd, True)
 
@@ -204,14 +205,16 @@ def test_cuda_graph_capture(ffn, M):
 
 @pytest.mark.parametrize("K,N,gated", [(2048, 5632, True), (2048, 8192, False), (4096, 11008, True)])
 @pytest.mark.parametrize("backup_rows", [0, 7, -1])
-def test_backup_rows_past_the_block_are_exact(ffn, K, N, gated, backup_rows):
+@pytest.mark.parametrize("up_list_min_m", [0, 1])
+def test_backup_rows_past_the_block_are_exact(ffn, K, N, gated, backup_rows, up_list_min_m):
     """Above decode_max_m every flagged row (heavy, whole tile, every neuron, NaN / +-Inf in x) is exact however many
     there are: the first backup_rows by the dense block, the rest on CUDA cores (0: all of them; -1: the layer's
-    measured flagged rows x 1.25 + 32, in multiples of 32). K 4096 holds x in shared memory (16 chunks a lane)."""
+    measured flagged rows x 1.25 + 32, in multiples of 32). K 4096 holds x in shared memory (16 chunks a lane).
+    Light rows through up_down (up_list_min_m 0) and through up_list + slices (1)."""
     M = 600
     x, wg, wu, wd = make_problem(M, K, N, 0.01, seed=K + N + backup_rows, gated=gated)
     x[20::7, 3:] *= 6   # 83 more heavy rows
-    plan = new_plan(gated, mode="sparse", backup_rows=backup_rows)
+    plan = new_plan(gated, mode="sparse", backup_rows=backup_rows, up_list_min_m=up_list_min_m)
     for _ in range(3):   # no measurement, then the first call's, then the second's
         poison()
         y = run(ffn, x, wg, wu, wd, gated, plan=plan)
@@ -231,10 +234,11 @@ def test_backup_rows_small_shapes(ffn, gated, backup_rows):
     the CUDA-core rows, exact (also the compute-sanitizer case: small enough for racecheck)."""
     M, K, N = 70, 256, 512
     x, wg, wu, wd = make_problem(M, K, N, 0.01, seed=61 + backup_rows, gated=gated)
-    poison()
-    y = run(ffn, x, wg, wu, wd, gated, mode="sparse", slots=1, backup_rows=backup_rows)
-    torch.cuda.synchronize()
-    check(y, x, wg, wu, wd, gated)
+    for up_list_min_m in (0, 1):
+        poison()
+        y = run(ffn, x, wg, wu, wd, gated, mode="sparse", slots=1, backup_rows=backup_rows, up_list_min_m=up_list_min_m)
+        torch.cuda.synchronize()
+        check(y, x, wg, wu, wd, gated)
 
 
 def test_sparse_call_above_decode_sizes_never_waits(ffn):
@@ -258,12 +262,13 @@ def test_sparse_call_above_decode_sizes_never_waits(ffn):
 
 
 @pytest.mark.parametrize("backup_rows", [0, 16])
-def test_graph_capture_with_flagged_rows(ffn, backup_rows):
+@pytest.mark.parametrize("up_list_min_m", [0, 1])
+def test_graph_capture_with_flagged_rows(ffn, backup_rows, up_list_min_m):
     """Above decode_max_m a captured call has the eager call's exact backup: replays with more flagged rows than the
     captured block (heavy, whole tile, every neuron, NaN / +-Inf rows) are exact."""
     K, N, M = 2048, 5632, 300
     x, wg, wu, wd = make_problem(M, K, N, 0.01, seed=51, adversarial=False)
-    plan = new_plan(mode="sparse", backup_rows=backup_rows)
+    plan = new_plan(mode="sparse", backup_rows=backup_rows, up_list_min_m=up_list_min_m)
     static_x = x.clone()
     graph, static_y = captured(lambda: run(ffn, static_x, wg, wu, wd, plan=plan))
     assert plan.info()["path"] == "sparse" and plan.info()["backup_cap"] == backup_rows
@@ -713,6 +718,31 @@ def test_up_down_kernel(ffn, K, N, gated, S):
         y2 = torch.full((M, K), 3.0, device=DEV, dtype=BF)
         ext.down(wdt, packed, counts, flag, hval, y2, torch.empty(0, device=DEV), 4, T, 0)
         assert torch.equal(y[ok], y2[ok]), "up_down differs from gated_up + down"
+    # up_list + down_slices (the path from up_list_min_m rows): each unflagged row's entries as a list in column
+    # order, then y slice-major; the same sums as up_down at K >= 2048, within the budget everywhere
+    lcol = torch.full((M, T * S), -7, device=DEV, dtype=torch.int32)
+    lh = torch.full((M, T * S), float("nan"), device=DEV)
+    lnnz = torch.full((M,), -7, device=DEV, dtype=torch.int32)
+    ext.up_list(x if gated else none, wu if gated else none, packed, counts, flag, lcol, lh, lnnz, N)
+    y3 = torch.full((M, K), 3.0, device=DEV, dtype=BF)
+    y3[ok] = float("nan")
+    ext.down_slices(wdt, lcol, lnnz, flag, lh, y3)
+    torch.cuda.synchronize()
+    assert (y3[~ok] == 3.0).all() and (lnnz[~ok] == -7).all(), "flagged rows must be left to the dense backup"
+    assert torch.equal(lnnz[ok], counts.clamp(max=S).sum(1)[ok].int())
+    h = F.relu(g).float()
+    if gated:
+        h = h * F.linear(x.float(), wu.float())
+    for r in ok.nonzero().flatten()[:: max(1, int(ok.sum()) // 25)].tolist():   # ~25 rows: the lists themselves
+        n = int(lnnz[r])
+        cols = lcol[r, :n].long()
+        assert torch.equal(cols, (g[r] > 0).nonzero().flatten()), f"row {r}: columns"
+        torch.testing.assert_close(lh[r, :n], h[r, cols], rtol=2e-2, atol=1e-3)
+    if K >= 2048:
+        assert torch.equal(y3[ok], y[ok]), "up_list + down_slices differ from up_down"
+    else:
+        err3 = ((y3[ok].double() - ref32).norm() / nrm).item()
+        assert err3 <= 2 * err16 + 1e-7, f"error {err3:.3e} > 2 x bf16 PyTorch {err16:.3e}"
 
 
 # ---------------------------------------------------------------- round 3: compaction v2, grid cap, fused decode

@@ -162,6 +162,37 @@ def graphed(fn):
     return graph.replay, out
 
 
+def sparse_phases(timer: "Timer", x, wg, wu, wd, slots: int, reps: int) -> dict:
+    """The gated sparse path's large-M steps timed one by one on this case's TwELL (each after an L2 flush, medians),
+    with the bytes the gathers move: d2t (the fused gate GEMM writing TwELL), up_down (up and down in one kernel, the
+    path below KernelConfig.up_list_min_m), up_list and down_slices (the two kernels from it). pairs = stored
+    token-neuron entries of the unflagged rows; each moves a W_u and a W_dT row (K * 2 bytes each)."""
+    from sfl.kernels.twell import ops
+
+    ext = ops.load()
+    M, K = x.shape
+    N = wg.shape[0]
+    T = N // 256
+    i32 = dict(device=DEV, dtype=torch.int32)
+    packed, counts, flag = torch.empty(M, T, slots, **i32), torch.empty(M, T, **i32), torch.zeros(M, **i32)
+    lcol, lnnz = torch.empty(M, T * slots, **i32), torch.empty(M, **i32)
+    lh = torch.empty(M, T * slots, device=DEV, dtype=torch.float32)
+    y = torch.empty(M, K, device=DEV, dtype=BF)
+    wdt = wd.t().contiguous()
+    d2t = lambda: ext.d2t_gemm(x, wg, packed, counts, flag, False, 0)  # noqa: E731
+    d2t()
+    ms = {"d2t": timer.time(d2t, reps),
+          "up_down": timer.time(lambda: ext.up_down(x, wu, wdt, packed, counts, flag, y, 0), reps),
+          "up_list": timer.time(lambda: ext.up_list(x, wu, packed, counts, flag, lcol, lh, lnnz, N), reps),
+          "down_slices": timer.time(lambda: ext.down_slices(wdt, lcol, lnnz, flag, lh, y), reps)}
+    pairs = int(counts.clamp(max=slots).sum(1)[flag == 0].sum())
+    half = pairs * K * 2   # bytes of one gathered matrix's rows
+    return {"phase_ms": ms, "pairs": pairs, "gather_bytes": 2 * half,
+            "phase_tb_per_s": {"up_down": 2 * half / ms["up_down"] / 1e9, "up_list": half / ms["up_list"] / 1e9,
+                               "down_slices": half / ms["down_slices"] / 1e9},
+            "gate_tflops_d2t": 2 * M * K * N / ms["d2t"] / 1e9}
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     fin = torch.isfinite(b).all(1)
     a, b = a[fin].float(), b[fin].float()
@@ -612,6 +643,8 @@ def main(argv: list[str] | None = None) -> int:
             if kind == "gated" and p == 0.02 and heavy == 0:  # A/A control: dense against itself, same method
                 row["dense_vs_dense_ratio"] = (lambda a, b: a / b)(*timer.time_pair(dense_fn, dense_fn, reps))
             row["ours_sparse_forced_ms"] = timer.time(lambda: ours_fn("sparse"), reps)
+            if kind == "gated" and p <= 0.01 and fused_d2t_supported():   # per kernel, with the bytes
+                row.update(sparse_phases(timer, x, wg, wu, wd, cfg.slots, reps))
             if M == 65536 and kind == "gated":
                 # breakdown: cuBLAS gate GEMM alone; d2t fused (default on sm_90: tensor-core GEMM with the TwELL
                 # epilogue) and cuBLAS + compaction; forced sparse with the cuBLAS d2t, whole and chunked by
@@ -638,6 +671,7 @@ def main(argv: list[str] | None = None) -> int:
               + (f" steady x{row['speedup_steady']:.2f}" if "speedup_steady" in row else "") + f" err={err:.2e}"
               + f" sparse_forced={row['ours_sparse_forced_ms']:.3f} p_est={p_est}"
               + (f" AA={row['dense_vs_dense_ratio']:.3f}" if "dense_vs_dense_ratio" in row else "")
+              + ("".join(f" {k}={v:.3f}" for k, v in row["phase_ms"].items()) if "phase_ms" in row else "")
               + (f" gate={row['gate_gemm_ms']:.3f} d2t={row['d2t_ms']:.3f} d2t_cublas={row['d2t_cublas_ms']:.3f}"
                  f" sparse_forced_cublas_d2t={row['ours_sparse_forced_cublas_d2t_ms']:.3f}"
                  f" chunk4096={row['ours_sparse_forced_cublas_d2t_chunk4096_ms']:.3f}"

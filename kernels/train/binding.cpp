@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include "../common/backup_rows.h"
+#include "../common/slices.h"
 
 extern "C" {
 cudaError_t sfltrain_compact_launch(const void* g, long long ldg, int rows, int N, int W, int Wm, int32_t* ell_col,
@@ -32,9 +33,6 @@ cudaError_t sfltrain_bwd_rows_launch(int gated, const void* dy, const void* wg, 
                                      float* cg, float* cu, void* dx, cudaStream_t stream);
 cudaError_t sfltrain_dense_bwd_launch(int gated, void* dh, const void* g, const void* u, const void* h, void* du,
                                       long long n, const float* gl1, float scale, cudaStream_t stream);
-cudaError_t sfltrain_dx_slices_launch(int gated, const void* wg, const void* wu, int M, int K, int W,
-                                      const int32_t* ell_col, const int32_t* nnz, const int32_t* flag, const float* cg,
-                                      const float* cu, void* dx, cudaStream_t stream);
 cudaError_t sfltrain_dw_launch(int gated, int nb, const void* x, const void* dy, int N, int K, int W,
                                const int64_t* perm, const int64_t* colptr, const void* ell_a, const float* ell_u,
                                const float* cg, const float* cu, const void* add_g, const void* add_u,
@@ -210,9 +208,10 @@ void dx_slices(bool gated, const at::Tensor& wg, const at::Tensor& wu, const at:
     TORCH_CHECK(cu.sizes() == ell_col.sizes() && wg.sizes() == wu.sizes(), "dx_slices: shapes");
   }
   const c10::cuda::CUDAGuard guard(dx.device());
-  check(sfltrain_dx_slices_launch(gated ? 1 : 0, gated ? wg.data_ptr() : nullptr, wu.data_ptr(), (int)M, (int)K,
-                                  (int)ell_col.size(1), i32(ell_col), i32(nnz), i32(flag), cg.data_ptr<float>(),
-                                  gated ? cu.data_ptr<float>() : nullptr, dx.data_ptr(), stream()),
+  // gated: dx = sum cg W_g[j] + cu W_u[j]; non-gated: sum cg W_u[j] (common/slices.cu)
+  check(sfl_slices_launch(gated ? wg.data_ptr() : wu.data_ptr(), gated ? wu.data_ptr() : nullptr, (int)M, (int)K,
+                          (int)ell_col.size(1), i32(ell_col), i32(nnz), i32(flag), cg.data_ptr<float>(),
+                          gated ? cu.data_ptr<float>() : nullptr, dx.data_ptr(), stream()),
         "dx_slices");
 }
 

@@ -46,7 +46,8 @@ from .. import reference as ref
 from ..reference import Hybrid, _acc_dtype
 
 _HERE = Path(__file__).resolve().parent
-SOURCES = [_HERE / "binding.cpp", _HERE / "train_kernels.cu", _HERE.parent / "common" / "backup_rows.cu"]
+SOURCES = [_HERE / "binding.cpp", _HERE / "train_kernels.cu", _HERE.parent / "common" / "backup_rows.cu",
+           _HERE.parent / "common" / "slices.cu"]
 _LOCK = threading.Lock()
 _EXT: dict[str, ModuleType] = {}
 

@@ -437,59 +437,6 @@ __global__ void __launch_bounds__(kRbThreads, NI <= 8 ? 4 : 2)
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// dx_slices: dx[r] = sum_e cg_e W_g[j_e] + cu_e W_u[j_e] (non-gated: cg_e W_u[j_e]) for every light row, from the
-// coefficients bwd_block wrote (called with dx null). A thread owns one 16-byte chunk of one row; a block holds
-// kDxRows rows of one K slice of kDxChunks chunks, and the grid walks slice-major, so that the blocks resident at
-// once gather from one slice of W_g and W_u (2 x N x 1 KB, 11.5 MB at N 5632), which the L2 holds (bwd_block's
-// whole rows of three matrices, 69 MB, do not fit: 37% L2 hit rate, lab/results/kernel_bench/
-// ncu_sparse_phases_h100_2960055.txt). Entries in ascending order, the W_g term first: bwd_rows' sums, bit for bit.
-constexpr int kDxChunks = 64, kDxRows = 4;  // 256 threads
-
-template <bool GATED>
-__global__ void __launch_bounds__(kDxChunks * kDxRows) dx_slices_kernel(
-    const __nv_bfloat16* __restrict__ wg, const __nv_bfloat16* __restrict__ wu, int M, int K, int W,
-    const int32_t* __restrict__ ell_col, const int32_t* __restrict__ nnz, const int32_t* __restrict__ flag,
-    const float* __restrict__ cg, const float* __restrict__ cu, __nv_bfloat16* __restrict__ dx) {
-  const int K8 = K >> 3;
-  const long long row_blocks = (M + kDxRows - 1) / kDxRows;
-  const int slice = (int)(blockIdx.x / row_blocks);
-  const long long row = (blockIdx.x % row_blocks) * kDxRows + threadIdx.x / kDxChunks;
-  const int c = slice * kDxChunks + (int)(threadIdx.x % kDxChunks);
-  if (row >= M || c >= K8 || flag[row]) return;  // flagged: dense backup row, dx written by the caller
-  const int n = nnz[row];
-  const int32_t* col = ell_col + row * W;
-  const float* kg = cg + row * W;
-  const float* ku = GATED ? cu + row * W : nullptr;
-  const uint4* bg = reinterpret_cast<const uint4*>(GATED ? wg : wu) + c;
-  const uint4* bu = reinterpret_cast<const uint4*>(wu) + c;
-  float acc[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) acc[i] = 0.f;
-  constexpr int kU = 4;  // entries in flight (two loads each when gated)
-  int e = 0;
-  for (; e + kU <= n; e += kU) {
-    uint4 vg[kU], vu[kU];
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const long long j = (long long)__ldg(col + e + u) * K8;
-      vg[u] = __ldg(bg + j);
-      if (GATED) vu[u] = __ldg(bu + j);
-    }
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      axpy8(__ldg(kg + e + u), vg[u], acc);
-      if (GATED) axpy8(__ldg(ku + e + u), vu[u], acc);
-    }
-  }
-  for (; e < n; ++e) {
-    const long long j = (long long)__ldg(col + e) * K8;
-    axpy8(__ldg(kg + e), __ldg(bg + j), acc);
-    if (GATED) axpy8(__ldg(ku + e), __ldg(bu + j), acc);
-  }
-  reinterpret_cast<uint4*>(dx + row * K)[c] = pack8(acc);
-}
-
-// ---------------------------------------------------------------------------------------------------------
 // dw: one warp per (neuron j, K slice of 256*NB, part). part 0: rows of x with coefficients cg (and cu when
 // gated) -> dW_g / dW_u (non-gated: cg -> dW_u). part 1: rows of dy with coefficient h -> dW_dT.
 // perm: flat ELL indices (row * W + slot) sorted by neuron; colptr int64 [N + 1].
@@ -1008,27 +955,6 @@ cudaError_t sfltrain_bwd_block_launch(int gated, const void* dy, const void* wg,
   }
   if (ni <= 2) SFL_BWDB(2) else if (ni <= 4) SFL_BWDB(4) else if (ni <= 8) SFL_BWDB(8) else SFL_BWDB(16)
 #undef SFL_BWDB
-  return cudaGetLastError();
-}
-
-cudaError_t sfltrain_dx_slices_launch(int gated, const void* wg, const void* wu, int M, int K, int W,
-                                      const int32_t* ell_col, const int32_t* nnz, const int32_t* flag, const float* cg,
-                                      const float* cu, void* dx, cudaStream_t stream) {
-  if (M <= 0) return cudaSuccess;
-  if (K % 8 != 0 || W < 1) return cudaErrorInvalidValue;
-  const long long slices = (K / 8 + sfltrain::kDxChunks - 1) / sfltrain::kDxChunks;
-  const long long blocks = slices * ((M + sfltrain::kDxRows - 1) / sfltrain::kDxRows);
-  if (blocks > 0x7fffffffLL) return cudaErrorInvalidValue;
-  const auto* wgb = reinterpret_cast<const __nv_bfloat16*>(wg);
-  const auto* wub = reinterpret_cast<const __nv_bfloat16*>(wu);
-  auto* dxb = reinterpret_cast<__nv_bfloat16*>(dx);
-  constexpr int threads = sfltrain::kDxChunks * sfltrain::kDxRows;
-  if (gated)
-    sfltrain::dx_slices_kernel<true><<<(unsigned)blocks, threads, 0, stream>>>(wgb, wub, M, K, W, ell_col, nnz, flag,
-                                                                              cg, cu, dxb);
-  else
-    sfltrain::dx_slices_kernel<false><<<(unsigned)blocks, threads, 0, stream>>>(wgb, wub, M, K, W, ell_col, nnz,
-                                                                               flag, cg, cu, dxb);
   return cudaGetLastError();
 }
 

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include "launchers.h"
+#include "../common/slices.h"
 
 // the loader passes -DTWELL_SRC_HASH=<hex> (no quotes: shell/ninja quoting differs); stringified here
 #define TWELL_STR2(x) #x
@@ -122,6 +123,53 @@ void up_down(const at::Tensor& x, const at::Tensor& wu, const at::Tensor& wdt, c
                              (int)K, (int)N, (int)packed.size(2), (int)nan_fill, i32(packed), i32(counts), i32(flag),
                              y.data_ptr(), c10::cuda::getCurrentCUDAStream().stream()),
         "up_down");
+}
+
+// the large-M path's two steps (what the runtime runs from up_list_min_m rows): up_list writes each unflagged row's
+// entries (column, h) into lcol / lh [M, T * S] and their count into lnnz; down_slices sums y = sum h W_dT[j]
+// slice-major (common/slices.cu). x/w_up empty for the non-gated op.
+void up_list(const at::Tensor& x, const at::Tensor& wu, const at::Tensor& packed, const at::Tensor& counts,
+             const at::Tensor& flag, at::Tensor lcol, at::Tensor lh, at::Tensor lnnz, int64_t N) {
+  req(packed, "packed", at::kInt, 3);
+  req(counts, "counts", at::kInt, 2);
+  req(flag, "flag", at::kInt, 1);
+  req(lcol, "lcol", at::kInt, 2);
+  req(lh, "lh", at::kFloat, 2);
+  req(lnnz, "lnnz", at::kInt, 1);
+  const int64_t M = packed.size(0), T = packed.size(1), S = packed.size(2);
+  TORCH_CHECK(T * 256 == N && counts.size(0) == M && counts.size(1) == T && flag.size(0) == M &&
+                  lcol.size(0) == M && lcol.size(1) == T * S && lh.sizes() == lcol.sizes() && lnnz.size(0) == M,
+              "up_list: shapes (lcol / lh must be [M, n_tiles * S])");
+  const bool gated = x.numel() > 0;
+  int64_t K = 64;  // non-gated: K unused but checked
+  if (gated) {
+    req(x, "x", at::kBFloat16, 2);
+    req(wu, "w_up", at::kBFloat16, 2);
+    K = x.size(1);
+    TORCH_CHECK(x.size(0) == M && wu.size(0) == N && wu.size(1) == K, "up_list: x/w_up shape mismatch");
+  }
+  const c10::cuda::CUDAGuard guard(packed.device());
+  check(twell_up_list_launch(gated ? x.data_ptr() : nullptr, gated ? wu.data_ptr() : nullptr, (int)M, (int)K, (int)N,
+                             (int)S, i32(packed), i32(counts), i32(flag), i32(lcol), lh.data_ptr<float>(), i32(lnnz),
+                             c10::cuda::getCurrentCUDAStream().stream()),
+        "up_list");
+}
+
+void down_slices(const at::Tensor& wdt, const at::Tensor& lcol, const at::Tensor& lnnz, const at::Tensor& flag,
+                 const at::Tensor& lh, at::Tensor y) {
+  req(wdt, "w_down_t", at::kBFloat16, 2);
+  req(lcol, "lcol", at::kInt, 2);
+  req(lh, "lh", at::kFloat, 2);
+  req(lnnz, "lnnz", at::kInt, 1);
+  req(flag, "flag", at::kInt, 1);
+  req(y, "y", at::kBFloat16, 2);
+  const int64_t M = y.size(0), K = y.size(1);
+  TORCH_CHECK(wdt.size(1) == K && lcol.size(0) == M && lh.sizes() == lcol.sizes() && lnnz.size(0) == M &&
+                  flag.size(0) == M, "down_slices: shapes");
+  const c10::cuda::CUDAGuard guard(y.device());
+  check(sfl_slices_launch(wdt.data_ptr(), nullptr, (int)M, (int)K, (int)lcol.size(1), i32(lcol), i32(lnnz), i32(flag),
+                          lh.data_ptr<float>(), nullptr, y.data_ptr(), c10::cuda::getCurrentCUDAStream().stream()),
+        "down_slices");
 }
 
 void finalize(const at::Tensor& yacc, const at::Tensor& flag, at::Tensor y, int64_t nan_fill) {
@@ -271,6 +319,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gated_up", &gated_up, "h = g * (x . W_u[j]) for every stored TwELL entry (fp32)");
   m.def("down", &down, "y = TwELL(h) @ W_d^T (fp32 accumulate)");
   m.def("up_down", &up_down, "y = TwELL(h) @ W_d^T with h = g * (x . W_u[j]) (gated) in one kernel, one block per row");
+  m.def("up_list", &up_list, "the large-M up step: each row's TwELL entries and h = g * (x . W_u[j]) as a compact list");
+  m.def("down_slices", &down_slices, "the large-M down step: y = sum h W_dT[j] over up_list's entries, slice-major");
   m.def("finalize", &finalize, "fp32 accumulator -> bf16 output");
   m.def("relu_mul_stats", &relu_mul_stats, "dense path: relu(g) * u (or relu(g)) in one pass, measuring activity (and the L1 sum)");
   m.def("row_stats", &row_stats, "sum of counts over unflagged rows and number of flagged rows (dispatch history)");

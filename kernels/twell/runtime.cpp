@@ -18,7 +18,8 @@
 //   slower one re-probed every 256th call); under CUDA-graph capture the table decides.
 // Paths:
 //   dense     : the GEMMs HF runs, relu(g)*u in one pass that measures activity and accumulates the model's stats.
-//   sparse    : M > decode_max_m: d2t (S = slots) -> up_down (one block per row); rows flagged by d2t (a tile over
+//   sparse    : M > decode_max_m: d2t (S = slots) -> up_down (one block per row), or from up_list_min_m rows up_list
+//               (the rows' entries) -> slices (y over W_dT slice-major); rows flagged by d2t (a tile over
 //               S, or a non-finite gate) go through the dense backup, exactly and without a host sync: a device list
 //               of them, the first `cap` (from the layer's measured flagged fraction) by HF's dense math on a gathered
 //               block, any beyond by dense_rows_fwd on CUDA cores (common/backup_rows.cu), which with cap 0 finds
@@ -47,6 +48,7 @@
 #include <vector>
 
 #include "../common/backup_rows.h"
+#include "../common/slices.h"
 #include "launchers.h"
 
 namespace sfl_runtime {
@@ -109,7 +111,7 @@ at::Tensor kept_empty(at::IntArrayRef size, const at::TensorOptions& opts, cudaS
 struct Config {
   int mode = kAuto, slots = 32, decode_max_m = 64, measure_every = 16, d2t_overlap_min_k = 4096, d2t_max_ctas = 0;
   int decode_tiles_per_warp = 4, fused_decode_max_m = 2, rows_decode_max_m = 64;
-  int decode_rows_slices = 0, backup_rows = -1;
+  int decode_rows_slices = 0, backup_rows = -1, up_list_min_m = 4096;
   bool self_timing = true, fused_d2t = true;
   int64_t gate_scratch_mb = 1024;
   double flagged_dense_above = 0.05, activity_hint = 0.0;
@@ -118,14 +120,14 @@ struct Config {
 };
 
 Config parse_config(at::IntArrayRef ic, at::ArrayRef<double> fc) {
-  TORCH_CHECK(ic.size() == 14 && fc.size() >= 4, "sfl_twell::ffn: malformed plan arguments (build them with "
+  TORCH_CHECK(ic.size() == 15 && fc.size() >= 4, "sfl_twell::ffn: malformed plan arguments (build them with "
               "kernels.twell.ops.plan_args)");
   Config c;
   c.mode = (int)ic[0]; c.slots = (int)ic[1]; c.decode_max_m = (int)ic[2]; c.self_timing = ic[3] != 0;
   c.measure_every = (int)ic[4]; c.fused_d2t = ic[5] != 0; c.d2t_overlap_min_k = (int)ic[6];
   c.d2t_max_ctas = (int)ic[7]; c.gate_scratch_mb = ic[8]; c.decode_tiles_per_warp = (int)ic[9];
   c.fused_decode_max_m = (int)ic[10]; c.rows_decode_max_m = (int)ic[11]; c.decode_rows_slices = (int)ic[12];
-  c.backup_rows = (int)ic[13];
+  c.backup_rows = (int)ic[13]; c.up_list_min_m = (int)ic[14];
   c.flagged_dense_above = fc[0];
   c.activity_hint = fc[1];
   size_t i = 2;
@@ -632,6 +634,18 @@ at::Tensor sparse_path(Call& c, bool sync_free) {
           "down");
     check(twell_finalize_launch(yacc.data_ptr<float>(), i32(flag), (int)M, (int)K, 1, y.data_ptr(), c.stream),
           "finalize");
+  } else if (!small && P.cfg.up_list_min_m > 0 && M >= P.cfg.up_list_min_m) {
+    // up (one block per row) writes the rows' entries; down reads W_dT one L2-sized slice at a time (same bits)
+    at::Tensor lcol = at::empty({M, T * S}, i32o);
+    at::Tensor lh = at::empty({M, T * S}, c.x.options().dtype(at::kFloat));
+    at::Tensor lnnz = at::empty({M}, i32o);
+    check(twell_up_list_launch(c.wg ? c.x.data_ptr() : nullptr, c.wg ? c.wu.data_ptr() : nullptr, (int)M, (int)K,
+                               (int)N, S, i32(packed), i32(counts), i32(flag), i32(lcol), lh.data_ptr<float>(),
+                               i32(lnnz), c.stream),
+          "up_list");
+    check(sfl_slices_launch(wdt.data_ptr(), nullptr, (int)M, (int)K, (int)(T * S), i32(lcol), i32(lnnz), i32(flag),
+                            lh.data_ptr<float>(), nullptr, y.data_ptr(), c.stream),
+          "down_slices");
   } else {  // one block per row: up and down in one kernel (flagged rows: NaN at decode sizes, else the backup's)
     check(twell_up_down_launch(c.wg ? c.x.data_ptr() : nullptr, c.wg ? c.wu.data_ptr() : nullptr, wdt.data_ptr(),
                                (int)M, (int)K, (int)N, S, small ? 1 : 0, i32(packed), i32(counts), i32(flag),

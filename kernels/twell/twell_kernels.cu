@@ -12,6 +12,8 @@
 //   down      : y = sum_j h_j W_dT[j, :] (fp32 accumulate). One warp per (row, K slice, group of tiles);
 //               direct bf16 store, or fp32 atomics into an accumulator when tiles are split across warps.
 //   up_down   : gated_up and down in one kernel, h kept in shared memory. One block per row (the large-M path).
+//   up_list   : up_down's steps 1-2, the row's entries (column, h) written as a compact list for the large-M
+//               path's down step, common/slices.cu (slice-major over W_dT).
 //   finalize  : fp32 accumulator -> bf16 output (NaN rows for flagged rows in sync-free mode).
 //   relu_mul_stats : the dense path's relu(g) * u in one pass (in place), measuring activity on the way.
 //   row_stats : activity measurement of a sparse call for the dispatch history (kernels/README.md, Dispatch).
@@ -251,14 +253,20 @@ __global__ void __launch_bounds__(128, 1) down_kernel(const __nv_bfloat16* __res
 // Then the shares are summed in shared memory and y[r] is stored once as bf16 (entries in column order with one
 // share: the same sums as down). Flagged rows are left to the caller's dense backup, or NaN-filled (nan_fill: the
 // sync-free path, where only non-finite rows are flagged).
+// LIST (up_list, the large-M path): steps 1-2 only; the row's entries go to device memory as a compact list
+// (lcol[r, 0 .. lnnz[r]) in column order, lh fp32 h) and common/slices.cu sums y slice-major over W_dT, which the
+// L2 holds one 512-column slice of at a time (here each block reads whole W_u and W_dT rows: 46 MB, a 52% L2 hit
+// rate at M 65536, lab/results/kernel_bench/ncu_sparse_phases_h100_2960055.txt). The same products and sums: y is
+// bit-identical to the fused step's at K >= 2048. Flagged rows are skipped (lnnz not written).
 constexpr int kUdThreads = 256;
 constexpr int kUdCap = 2048;  // entries per window (16 KB of shared memory)
-template <int NI, bool GATED>
+template <int NI, bool GATED, bool LIST>
 __global__ void __launch_bounds__(kUdThreads, NI <= 8 ? 4 : 2)
     up_down_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ wu,
                    const __nv_bfloat16* __restrict__ wdt, int K, int n_tiles, int S, int nan_fill,
                    const int32_t* __restrict__ packed, const int32_t* __restrict__ counts,
-                   const int32_t* __restrict__ flag, __nv_bfloat16* __restrict__ y) {
+                   const int32_t* __restrict__ flag, __nv_bfloat16* __restrict__ y, int32_t* __restrict__ lcol,
+                   float* __restrict__ lh, int32_t* __restrict__ lnnz) {
   extern __shared__ int list_j[];                                  // [kUdCap] active columns, then
   float* list_h = reinterpret_cast<float*>(list_j + kUdCap);       // [kUdCap] their g, then h, then (gated)
   uint4* xs = reinterpret_cast<uint4*>(list_h + kUdCap);           // [K / 8] x_r
@@ -269,9 +277,9 @@ __global__ void __launch_bounds__(kUdThreads, NI <= 8 ? 4 : 2)
   const int r = blockIdx.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
   const int K8 = K >> 3;
-  uint4* yrow = reinterpret_cast<uint4*>(y + (long long)r * K);
+  uint4* yrow = LIST ? nullptr : reinterpret_cast<uint4*>(y + (long long)r * K);
   if (flag[r]) {
-    if (nan_fill)
+    if (nan_fill && !LIST)
       for (int c = tid; c < K8; c += kUdThreads) yrow[c] = make_uint4(0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u,
                                                                       0x7fc07fc0u);
     return;
@@ -288,6 +296,8 @@ __global__ void __launch_bounds__(kUdThreads, NI <= 8 ? 4 : 2)
 #pragma unroll
   for (int i = 0; i < CPT * 8; ++i) a[i] = 0.f;
   const int window = min(kUdThreads, kUdCap / S);
+  const long long lrow = (long long)r * n_tiles * S;  // LIST: the row's place in lcol / lh (width n_tiles * S)
+  int listed = 0;                                     // LIST: entries of the earlier windows
   for (int t0 = 0; t0 < n_tiles; t0 += window) {
     const int nt = min(window, n_tiles - t0);
     const long long rt0 = (long long)r * n_tiles + t0;
@@ -325,8 +335,13 @@ __global__ void __launch_bounds__(kUdThreads, NI <= 8 ? 4 : 2)
       }
       __syncthreads();
     }
-    // 3. down
-    if (grp >= 0) {
+    if (LIST) {
+      for (int i = tid; i < count; i += kUdThreads) {
+        lcol[lrow + listed + i] = list_j[i];
+        lh[lrow + listed + i] = list_h[i];
+      }
+      listed += count;
+    } else if (grp >= 0) {  // 3. down
 #pragma unroll
       for (int q = 0; q < CPT; ++q) {
         const int cc = cc0 + q * kUdThreads;
@@ -337,7 +352,11 @@ __global__ void __launch_bounds__(kUdThreads, NI <= 8 ? 4 : 2)
     }
     __syncthreads();  // the next window rewrites the list
   }
-  store_shares<CPT, kUdThreads>(a, red, yrow, K8, cc0, grp, groups);
+  if (LIST) {
+    if (tid == 0) lnnz[r] = listed;
+  } else {
+    store_shares<CPT, kUdThreads>(a, red, yrow, K8, cc0, grp, groups);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1010,18 +1029,22 @@ static cudaError_t decode_mr(int ni, const __nv_bfloat16* x, const __nv_bfloat16
 
 // ============================== extern launchers (called from binding.cpp) ==============================
 // up_down: x/wu null for the non-gated op (h = the stored bf16 value). S <= 256. One block per row.
+// lcol non-null: the LIST form (up_list: the entries to lcol / lh / lnnz, no y).
 template <int NI>
 static cudaError_t launch_up_down(bool gated, unsigned rows, cudaStream_t stream, const __nv_bfloat16* x,
                                   const __nv_bfloat16* wu, const __nv_bfloat16* wdt, int K, int n_tiles, int S,
                                   int nan_fill, const int32_t* packed, const int32_t* counts, const int32_t* flag,
-                                  __nv_bfloat16* y) {
+                                  __nv_bfloat16* y, int32_t* lcol, float* lh, int32_t* lnnz) {
   const size_t smem = (size_t)twell::kUdCap * 8 + (gated ? (size_t)K * 2 : 0);
-  if (gated)
-    twell::up_down_kernel<NI, true><<<rows, twell::kUdThreads, smem, stream>>>(x, wu, wdt, K, n_tiles, S,
-                                                                                     nan_fill, packed, counts, flag, y);
-  else
-    twell::up_down_kernel<NI, false><<<rows, twell::kUdThreads, smem, stream>>>(x, wu, wdt, K, n_tiles, S,
-                                                                                      nan_fill, packed, counts, flag, y);
+#define TWELL_UD_K(G_, L_)                                                                                        \
+  twell::up_down_kernel<NI, G_, L_><<<rows, twell::kUdThreads, smem, stream>>>(x, wu, wdt, K, n_tiles, S, nan_fill, \
+                                                                              packed, counts, flag, y, lcol, lh, lnnz)
+  if (lcol != nullptr) {
+    if (gated) TWELL_UD_K(true, true); else TWELL_UD_K(false, true);
+  } else {
+    if (gated) TWELL_UD_K(true, false); else TWELL_UD_K(false, false);
+  }
+#undef TWELL_UD_K
   return cudaGetLastError();
 }
 
@@ -1097,13 +1120,37 @@ cudaError_t twell_up_down_launch(const void* x, const void* wu, const void* wdt,
   const auto* ub = reinterpret_cast<const __nv_bfloat16*>(wu);
   const auto* db = reinterpret_cast<const __nv_bfloat16*>(wdt);
   auto* yb = reinterpret_cast<__nv_bfloat16*>(y);
-#define TWELL_UD(NI_) \
-  launch_up_down<NI_>(gated, (unsigned)rows, stream, xb, ub, db, K, n_tiles, S, nan_fill, packed, counts, flag, yb)
+#define TWELL_UD(NI_)                                                                                            \
+  launch_up_down<NI_>(gated, (unsigned)rows, stream, xb, ub, db, K, n_tiles, S, nan_fill, packed, counts, flag, yb, \
+                      nullptr, nullptr, nullptr)
   if (ni <= 2) return TWELL_UD(2);
   if (ni <= 4) return TWELL_UD(4);
   if (ni <= 8) return TWELL_UD(8);
   return TWELL_UD(16);
 #undef TWELL_UD
+}
+
+// up_list (the large-M path's up step): lcol / lh [rows, N / 256 * S], lnnz [rows]; the down step is
+// sfl_slices_launch over W_dT (common/slices.cu). x/wu null for the non-gated op (h = the stored bf16 value).
+cudaError_t twell_up_list_launch(const void* x, const void* wu, int rows, int K, int N, int S, const int32_t* packed,
+                                 const int32_t* counts, const int32_t* flag, int32_t* lcol, float* lh, int32_t* lnnz,
+                                 cudaStream_t stream) {
+  if (rows <= 0) return cudaSuccess;
+  if (K % 64 != 0 || K > 4096 || N % twell::kTileN != 0 || N <= 0 || S < 1 || S > twell::kTileN ||
+      lcol == nullptr || lh == nullptr || lnnz == nullptr)
+    return cudaErrorInvalidValue;
+  const int n_tiles = N / twell::kTileN, ni = (K / 8 + 31) / 32;
+  const bool gated = wu != nullptr;
+  const auto* xb = reinterpret_cast<const __nv_bfloat16*>(x);
+  const auto* ub = reinterpret_cast<const __nv_bfloat16*>(wu);
+#define TWELL_UL(NI_)                                                                                             \
+  launch_up_down<NI_>(gated, (unsigned)rows, stream, xb, ub, nullptr, K, n_tiles, S, 0, packed, counts, flag, nullptr, \
+                      lcol, lh, lnnz)
+  if (ni <= 2) return TWELL_UL(2);
+  if (ni <= 4) return TWELL_UL(4);
+  if (ni <= 8) return TWELL_UL(8);
+  return TWELL_UL(16);
+#undef TWELL_UL
 }
 
 // nb: 16-byte chunks per lane per K slice (1, 2, 4, 8). tiles_per_warp < n_tiles requires yacc (atomic path).

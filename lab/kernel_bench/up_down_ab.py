@@ -1,7 +1,8 @@
-"""A/B of the large-M up/down step on one TwELL input: gated_up + down (two kernels, fp32 h in device memory)
-against up_down (one block per row, h in shared memory), timed in rotation with the L2 flushed before each call
-(bench_inference's Timer; decode_paths' rotation), medians. (At 3bbd7c7 it also ran up_down at 3 blocks per SM,
-which lost to 4.) The d2t and the dense FFN are timed beside them for scale. Writes JSONL rows with provenance.
+"""A/B of the large-M up/down step on one TwELL input: gated_up + down (two kernels, fp32 h in device memory),
+up_down (one block per row, h in shared memory) and up_list + down_slices (the rows' entries as compact lists, then
+y slice-major over W_dT), timed in rotation with the L2 flushed before each call (bench_inference's Timer;
+decode_paths' rotation), medians. (At 3bbd7c7 it also ran up_down at 3 blocks per SM, which lost to 4.) The d2t and
+the dense FFN are timed beside them for scale. Writes JSONL rows with provenance.
 
     PYTHONPATH=. python lab/kernel_bench/up_down_ab.py --out up_down_ab.jsonl
 """
@@ -20,7 +21,8 @@ from sfl.kernels.loader import load_twell
 CASES = [(65536, "uniform", 0.0025, 0.0), (65536, "uniform", 0.005, 0.0), (65536, "uniform", 0.01, 0.0),
          (65536, "uniform", 0.02, 0.0), (65536, "uniform", 0.005, 0.01), (65536, "paper", 0.005, 0.001),
          (16384, "uniform", 0.005, 0.0), (16384, "paper", 0.005, 0.001), (4096, "uniform", 0.005, 0.0),
-         (4096, "paper", 0.005, 0.001)]
+         (4096, "paper", 0.005, 0.001), (8192, "uniform", 0.005, 0.0), (1024, "uniform", 0.0025, 0.0),
+         (1024, "uniform", 0.005, 0.0)]
 
 
 def main() -> int:
@@ -45,13 +47,23 @@ def main() -> int:
             flag = torch.zeros(M, device=DEV, dtype=torch.int32)
             ext.d2t_gemm(x, wg, packed, counts, flag, False, 0)
             hval = torch.empty(M, T, S, device=DEV, dtype=torch.float32)
-            ys = {k: torch.empty(M, K, device=DEV, dtype=BF) for k in ("split", "up_down")}
+            ys = {k: torch.empty(M, K, device=DEV, dtype=BF) for k in ("split", "up_down", "list_slices")}
+            lcol = torch.empty(M, T * S, device=DEV, dtype=torch.int32)
+            lh = torch.empty(M, T * S, device=DEV, dtype=torch.float32)
+            lnnz = torch.empty(M, device=DEV, dtype=torch.int32)
 
             def split():
                 ext.gated_up(x, wu, packed, counts, flag, hval, T)
                 ext.down(wdt, packed, counts, flag, hval, ys["split"], empty, 4, T, 0)
 
-            fns = {"split": split,
+            def list_slices():
+                ext.up_list(x, wu, packed, counts, flag, lcol, lh, lnnz, N)
+                ext.down_slices(wdt, lcol, lnnz, flag, lh, ys["list_slices"])
+
+            def up_list():
+                ext.up_list(x, wu, packed, counts, flag, lcol, lh, lnnz, N)
+
+            fns = {"split": split, "list_slices": list_slices, "up_list": up_list,
                    "up_down": lambda: ext.up_down(x, wu, wdt, packed, counts, flag, ys["up_down"], 0),
                    "d2t": lambda: ext.d2t_gemm(x, wg, packed, counts, flag, False, 0),
                    "dense": lambda: dense_gated(x, wg, wu, wd)}
@@ -60,15 +72,16 @@ def main() -> int:
             ms = rotate(timer, fns, args.reps)
             ok = ~flag.bool()
             same = torch.equal(ys["up_down"][ok], ys["split"][ok])
+            same_list = torch.equal(ys["up_down"][ok], ys["list_slices"][ok])
             nnz = counts.clamp(max=S).sum(1).float()
             row = {**prov, "M": M, "K": K, "N": N, "S": S, "pattern": pattern, "activity": p, "heavy_frac": heavy,
                    "nnz_mean": nnz[ok].mean().item(), "flagged_rows": int((~ok).sum()), "ms": ms,
-                   "same_bits": same}
+                   "same_bits": same, "list_same_bits": same_list}
             f.write(json.dumps(row) + "\n")
             f.flush()
             print(f"M={M} {pattern} p={p} heavy={heavy} nnz={row['nnz_mean']:.1f} flagged={row['flagged_rows']} "
-                  + " ".join(f"{k}={v:.3f}" for k, v in ms.items()) + f" same={same}", flush=True)
-            del x, wg, packed, counts, flag, hval, ys
+                  + " ".join(f"{k}={v:.3f}" for k, v in ms.items()) + f" same={same} list_same={same_list}", flush=True)
+            del x, wg, packed, counts, flag, hval, ys, lcol, lh, lnnz
             torch.cuda.empty_cache()
     return 0
 
