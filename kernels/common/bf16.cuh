@@ -121,22 +121,27 @@ __device__ __forceinline__ float row_dot(const uint4 (&v)[NI], const __nv_bfloat
 }
 
 // The same with v in shared memory (16-byte chunk c at v[c], read by lane c % 32): one copy for a block's warps
-// instead of NI registers per lane each. W's chunks are all loaded before the first product; same summation order.
-template <int NI>
+// instead of NI registers per lane each. W's chunks are loaded G at a time (all NI before the first product by
+// default; fewer registers with a smaller G); the same summation order, so the same bits, for every G.
+template <int NI, int G = NI>
 __device__ __forceinline__ float row_dot_shared(const uint4* v, const __nv_bfloat16* __restrict__ w_row, int K) {
+  static_assert(NI % G == 0, "G must divide NI");
   const int lane = threadIdx.x & 31;
   const uint4* r = reinterpret_cast<const uint4*>(w_row);
-  uint4 w[NI];
-#pragma unroll
-  for (int i = 0; i < NI; ++i) {
-    const int c = lane + 32 * i;
-    w[i] = c < (K >> 3) ? __ldg(r + c) : make_uint4(0, 0, 0, 0);
-  }
   float d = 0.f;
 #pragma unroll
-  for (int i = 0; i < NI; ++i) {
-    const int c = lane + 32 * i;
-    if (c < (K >> 3)) d = dot8(v[c], w[i], d);
+  for (int i0 = 0; i0 < NI; i0 += G) {
+    uint4 w[G];
+#pragma unroll
+    for (int i = 0; i < G; ++i) {
+      const int c = lane + 32 * (i0 + i);
+      w[i] = c < (K >> 3) ? __ldg(r + c) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int i = 0; i < G; ++i) {
+      const int c = lane + 32 * (i0 + i);
+      if (c < (K >> 3)) d = dot8(v[c], w[i], d);
+    }
   }
   return warp_sum(d);
 }

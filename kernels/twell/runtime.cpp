@@ -641,7 +641,7 @@ at::Tensor sparse_path(Call& c, bool sync_free) {
     at::Tensor lnnz = at::empty({M}, i32o);
     check(twell_up_list_launch(c.wg ? c.x.data_ptr() : nullptr, c.wg ? c.wu.data_ptr() : nullptr, (int)M, (int)K,
                                (int)N, S, i32(packed), i32(counts), i32(flag), i32(lcol), lh.data_ptr<float>(),
-                               i32(lnnz), c.stream),
+                               i32(lnnz), 4, c.stream),
           "up_list");
     check(sfl_slices_launch(wdt.data_ptr(), nullptr, (int)M, (int)K, (int)(T * S), i32(lcol), i32(lnnz), i32(flag),
                             lh.data_ptr<float>(), nullptr, y.data_ptr(), c.stream),

@@ -260,8 +260,8 @@ __global__ void __launch_bounds__(128, 1) down_kernel(const __nv_bfloat16* __res
 // bit-identical to the fused step's at K >= 2048. Flagged rows are skipped (lnnz not written).
 constexpr int kUdThreads = 256;
 constexpr int kUdCap = 2048;  // entries per window (16 KB of shared memory)
-template <int NI, bool GATED, bool LIST>
-__global__ void __launch_bounds__(kUdThreads, NI <= 8 ? 4 : 2)
+template <int NI, bool GATED, bool LIST, int LB = 4>
+__global__ void __launch_bounds__(kUdThreads, NI <= 8 ? LB : 2)
     up_down_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ wu,
                    const __nv_bfloat16* __restrict__ wdt, int K, int n_tiles, int S, int nan_fill,
                    const int32_t* __restrict__ packed, const int32_t* __restrict__ counts,
@@ -330,7 +330,8 @@ __global__ void __launch_bounds__(kUdThreads, NI <= 8 ? 4 : 2)
     // 2. up
     if (GATED) {
       for (int e = warp; e < count; e += kUdThreads / 32) {
-        const float u = row_dot_shared<NI>(xs, wu + (long long)list_j[e] * K, K);
+        constexpr int G = (LB >= 6 && NI >= 2) ? 2 : (LB >= 5 && NI >= 4) ? 4 : NI;  // loads in flight per lane
+        const float u = row_dot_shared<NI, G>(xs, wu + (long long)list_j[e] * K, K);
         if (lane == 0) list_h[e] *= u;
       }
       __syncthreads();
@@ -1034,12 +1035,16 @@ template <int NI>
 static cudaError_t launch_up_down(bool gated, unsigned rows, cudaStream_t stream, const __nv_bfloat16* x,
                                   const __nv_bfloat16* wu, const __nv_bfloat16* wdt, int K, int n_tiles, int S,
                                   int nan_fill, const int32_t* packed, const int32_t* counts, const int32_t* flag,
-                                  __nv_bfloat16* y, int32_t* lcol, float* lh, int32_t* lnnz) {
+                                  __nv_bfloat16* y, int32_t* lcol, float* lh, int32_t* lnnz, int lb = 4) {
   const size_t smem = (size_t)twell::kUdCap * 8 + (gated ? (size_t)K * 2 : 0);
-#define TWELL_UD_K(G_, L_)                                                                                        \
-  twell::up_down_kernel<NI, G_, L_><<<rows, twell::kUdThreads, smem, stream>>>(x, wu, wdt, K, n_tiles, S, nan_fill, \
+#define TWELL_UD_K(G_, L_, ...)                                                                                        \
+  twell::up_down_kernel<NI, G_, L_, ##__VA_ARGS__><<<rows, twell::kUdThreads, smem, stream>>>(x, wu, wdt, K, n_tiles, S, nan_fill, \
                                                                               packed, counts, flag, y, lcol, lh, lnnz)
-  if (lcol != nullptr) {
+  if (lcol != nullptr && lb == 6) {
+    if (gated) TWELL_UD_K(true, true, 6); else TWELL_UD_K(false, true, 6);
+  } else if (lcol != nullptr && lb == 5) {
+    if (gated) TWELL_UD_K(true, true, 5); else TWELL_UD_K(false, true, 5);
+  } else if (lcol != nullptr) {
     if (gated) TWELL_UD_K(true, true); else TWELL_UD_K(false, true);
   } else {
     if (gated) TWELL_UD_K(true, false); else TWELL_UD_K(false, false);
@@ -1134,7 +1139,7 @@ cudaError_t twell_up_down_launch(const void* x, const void* wu, const void* wdt,
 // sfl_slices_launch over W_dT (common/slices.cu). x/wu null for the non-gated op (h = the stored bf16 value).
 cudaError_t twell_up_list_launch(const void* x, const void* wu, int rows, int K, int N, int S, const int32_t* packed,
                                  const int32_t* counts, const int32_t* flag, int32_t* lcol, float* lh, int32_t* lnnz,
-                                 cudaStream_t stream) {
+                                 int lb, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
   if (K % 64 != 0 || K > 4096 || N % twell::kTileN != 0 || N <= 0 || S < 1 || S > twell::kTileN ||
       lcol == nullptr || lh == nullptr || lnnz == nullptr)
@@ -1145,7 +1150,7 @@ cudaError_t twell_up_list_launch(const void* x, const void* wu, int rows, int K,
   const auto* ub = reinterpret_cast<const __nv_bfloat16*>(wu);
 #define TWELL_UL(NI_)                                                                                             \
   launch_up_down<NI_>(gated, (unsigned)rows, stream, xb, ub, nullptr, K, n_tiles, S, 0, packed, counts, flag, nullptr, \
-                      lcol, lh, lnnz)
+                      lcol, lh, lnnz, lb)
   if (ni <= 2) return TWELL_UL(2);
   if (ni <= 4) return TWELL_UL(4);
   if (ni <= 8) return TWELL_UL(8);

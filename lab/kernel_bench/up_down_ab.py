@@ -57,13 +57,15 @@ def main() -> int:
                 ext.down(wdt, packed, counts, flag, hval, ys["split"], empty, 4, T, 0)
 
             def list_slices():
-                ext.up_list(x, wu, packed, counts, flag, lcol, lh, lnnz, N)
+                ext.up_list(x, wu, packed, counts, flag, lcol, lh, lnnz, N, 4)
                 ext.down_slices(wdt, lcol, lnnz, flag, lh, ys["list_slices"])
 
-            def up_list():
-                ext.up_list(x, wu, packed, counts, flag, lcol, lh, lnnz, N)
+            def up_list(lb):
+                return lambda: ext.up_list(x, wu, packed, counts, flag, lcol, lh, lnnz, N, lb)
 
-            fns = {"split": split, "list_slices": list_slices, "up_list": up_list,
+            fns = {"split": split, "list_slices": list_slices, "up_list": up_list(4), "up_list_lb5": up_list(5),
+                   "up_list_lb6": up_list(6), "down_slices": lambda: ext.down_slices(wdt, lcol, lnnz, flag, lh,
+                                                                                      ys["list_slices"]),
                    "up_down": lambda: ext.up_down(x, wu, wdt, packed, counts, flag, ys["up_down"], 0),
                    "d2t": lambda: ext.d2t_gemm(x, wg, packed, counts, flag, False, 0),
                    "dense": lambda: dense_gated(x, wg, wu, wd)}
