@@ -128,7 +128,7 @@ class KernelConfig:
     fused_decode_max_m: int = FUSED_DECODE_MAX_M
     rows_decode_max_m: int = ROWS_DECODE_MAX_M
     decode_rows_slices: int = 0
-    up_list_min_m: int = 4096
+    up_list_min_m: int = 8192
     train_width: int = 128
     train_dense_above: float = 0.007
     train_dense_above_large: float = 0.01  # from train_large_m rows (kernels/train/README.md: crossover by M)

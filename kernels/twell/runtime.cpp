@@ -111,7 +111,7 @@ at::Tensor kept_empty(at::IntArrayRef size, const at::TensorOptions& opts, cudaS
 struct Config {
   int mode = kAuto, slots = 32, decode_max_m = 64, measure_every = 16, d2t_overlap_min_k = 4096, d2t_max_ctas = 0;
   int decode_tiles_per_warp = 4, fused_decode_max_m = 2, rows_decode_max_m = 64;
-  int decode_rows_slices = 0, backup_rows = -1, up_list_min_m = 4096;
+  int decode_rows_slices = 0, backup_rows = -1, up_list_min_m = 8192;
   bool self_timing = true, fused_d2t = true;
   int64_t gate_scratch_mb = 1024;
   double flagged_dense_above = 0.05, activity_hint = 0.0;
@@ -641,7 +641,7 @@ at::Tensor sparse_path(Call& c, bool sync_free) {
     at::Tensor lnnz = at::empty({M}, i32o);
     check(twell_up_list_launch(c.wg ? c.x.data_ptr() : nullptr, c.wg ? c.wu.data_ptr() : nullptr, (int)M, (int)K,
                                (int)N, S, i32(packed), i32(counts), i32(flag), i32(lcol), lh.data_ptr<float>(),
-                               i32(lnnz), 4, c.stream),
+                               i32(lnnz), c.stream),
           "up_list");
     check(sfl_slices_launch(wdt.data_ptr(), nullptr, (int)M, (int)K, (int)(T * S), i32(lcol), i32(lnnz), i32(flag),
                             lh.data_ptr<float>(), nullptr, y.data_ptr(), c.stream),

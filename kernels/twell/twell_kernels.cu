@@ -257,11 +257,14 @@ __global__ void __launch_bounds__(128, 1) down_kernel(const __nv_bfloat16* __res
 // (lcol[r, 0 .. lnnz[r]) in column order, lh fp32 h) and common/slices.cu sums y slice-major over W_dT, which the
 // L2 holds one 512-column slice of at a time (here each block reads whole W_u and W_dT rows: 46 MB, a 52% L2 hit
 // rate at M 65536, lab/results/kernel_bench/ncu_sparse_phases_h100_2960055.txt). The same products and sums: y is
-// bit-identical to the fused step's at K >= 2048. Flagged rows are skipped (lnnz not written).
+// bit-identical to the fused step's at K >= 2048. Flagged rows are skipped (lnnz not written). Without step 3's
+// accumulators it runs 6 blocks per SM (W_u loaded 2 chunks per lane at a time, the same sums): a row's chain of
+// dependent loads (flag, counts, words, ~4 W_u rows per warp) bounds it, so more rows in flight pay (M 65536, 0.5%,
+// H200: 1.20 / 1.06 / 1.00 ms at 4 / 5 / 6 blocks, lab/results/kernel_bench/up_down_ab_h200_b7d99d0.jsonl).
 constexpr int kUdThreads = 256;
 constexpr int kUdCap = 2048;  // entries per window (16 KB of shared memory)
-template <int NI, bool GATED, bool LIST, int LB = 4>
-__global__ void __launch_bounds__(kUdThreads, NI <= 8 ? LB : 2)
+template <int NI, bool GATED, bool LIST>
+__global__ void __launch_bounds__(kUdThreads, NI <= 8 ? (LIST ? 6 : 4) : 2)
     up_down_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ wu,
                    const __nv_bfloat16* __restrict__ wdt, int K, int n_tiles, int S, int nan_fill,
                    const int32_t* __restrict__ packed, const int32_t* __restrict__ counts,
@@ -330,7 +333,7 @@ __global__ void __launch_bounds__(kUdThreads, NI <= 8 ? LB : 2)
     // 2. up
     if (GATED) {
       for (int e = warp; e < count; e += kUdThreads / 32) {
-        constexpr int G = (LB >= 6 && NI >= 2) ? 2 : (LB >= 5 && NI >= 4) ? 4 : NI;  // loads in flight per lane
+        constexpr int G = (LIST && NI <= 8) ? 2 : NI;  // W_u chunks in flight per lane (LIST: 40 registers)
         const float u = row_dot_shared<NI, G>(xs, wu + (long long)list_j[e] * K, K);
         if (lane == 0) list_h[e] *= u;
       }
@@ -1035,16 +1038,12 @@ template <int NI>
 static cudaError_t launch_up_down(bool gated, unsigned rows, cudaStream_t stream, const __nv_bfloat16* x,
                                   const __nv_bfloat16* wu, const __nv_bfloat16* wdt, int K, int n_tiles, int S,
                                   int nan_fill, const int32_t* packed, const int32_t* counts, const int32_t* flag,
-                                  __nv_bfloat16* y, int32_t* lcol, float* lh, int32_t* lnnz, int lb = 4) {
+                                  __nv_bfloat16* y, int32_t* lcol, float* lh, int32_t* lnnz) {
   const size_t smem = (size_t)twell::kUdCap * 8 + (gated ? (size_t)K * 2 : 0);
-#define TWELL_UD_K(G_, L_, ...)                                                                                        \
-  twell::up_down_kernel<NI, G_, L_, ##__VA_ARGS__><<<rows, twell::kUdThreads, smem, stream>>>(x, wu, wdt, K, n_tiles, S, nan_fill, \
+#define TWELL_UD_K(G_, L_)                                                                                        \
+  twell::up_down_kernel<NI, G_, L_><<<rows, twell::kUdThreads, smem, stream>>>(x, wu, wdt, K, n_tiles, S, nan_fill, \
                                                                               packed, counts, flag, y, lcol, lh, lnnz)
-  if (lcol != nullptr && lb == 6) {
-    if (gated) TWELL_UD_K(true, true, 6); else TWELL_UD_K(false, true, 6);
-  } else if (lcol != nullptr && lb == 5) {
-    if (gated) TWELL_UD_K(true, true, 5); else TWELL_UD_K(false, true, 5);
-  } else if (lcol != nullptr) {
+  if (lcol != nullptr) {
     if (gated) TWELL_UD_K(true, true); else TWELL_UD_K(false, true);
   } else {
     if (gated) TWELL_UD_K(true, false); else TWELL_UD_K(false, false);
@@ -1139,7 +1138,7 @@ cudaError_t twell_up_down_launch(const void* x, const void* wu, const void* wdt,
 // sfl_slices_launch over W_dT (common/slices.cu). x/wu null for the non-gated op (h = the stored bf16 value).
 cudaError_t twell_up_list_launch(const void* x, const void* wu, int rows, int K, int N, int S, const int32_t* packed,
                                  const int32_t* counts, const int32_t* flag, int32_t* lcol, float* lh, int32_t* lnnz,
-                                 int lb, cudaStream_t stream) {
+                                 cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
   if (K % 64 != 0 || K > 4096 || N % twell::kTileN != 0 || N <= 0 || S < 1 || S > twell::kTileN ||
       lcol == nullptr || lh == nullptr || lnnz == nullptr)
@@ -1150,7 +1149,7 @@ cudaError_t twell_up_list_launch(const void* x, const void* wu, int rows, int K,
   const auto* ub = reinterpret_cast<const __nv_bfloat16*>(wu);
 #define TWELL_UL(NI_)                                                                                             \
   launch_up_down<NI_>(gated, (unsigned)rows, stream, xb, ub, nullptr, K, n_tiles, S, 0, packed, counts, flag, nullptr, \
-                      lcol, lh, lnnz, lb)
+                      lcol, lh, lnnz)
   if (ni <= 2) return TWELL_UL(2);
   if (ni <= 4) return TWELL_UL(4);
   if (ni <= 8) return TWELL_UL(8);

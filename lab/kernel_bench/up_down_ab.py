@@ -1,8 +1,9 @@
 """A/B of the large-M up/down step on one TwELL input: gated_up + down (two kernels, fp32 h in device memory),
 up_down (one block per row, h in shared memory) and up_list + down_slices (the rows' entries as compact lists, then
 y slice-major over W_dT), timed in rotation with the L2 flushed before each call (bench_inference's Timer;
-decode_paths' rotation), medians. (At 3bbd7c7 it also ran up_down at 3 blocks per SM, which lost to 4.) The d2t and
-the dense FFN are timed beside them for scale. Writes JSONL rows with provenance.
+decode_paths' rotation), medians. (At 3bbd7c7 it also ran up_down at 3 blocks per SM, which lost to 4; at b7d99d0
+up_list at 4 and 5 blocks per SM, which lost to 6.) The d2t and the dense FFN are timed beside them for scale.
+Writes JSONL rows with provenance.
 
     PYTHONPATH=. python lab/kernel_bench/up_down_ab.py --out up_down_ab.jsonl
 """
@@ -57,15 +58,12 @@ def main() -> int:
                 ext.down(wdt, packed, counts, flag, hval, ys["split"], empty, 4, T, 0)
 
             def list_slices():
-                ext.up_list(x, wu, packed, counts, flag, lcol, lh, lnnz, N, 4)
+                ext.up_list(x, wu, packed, counts, flag, lcol, lh, lnnz, N)
                 ext.down_slices(wdt, lcol, lnnz, flag, lh, ys["list_slices"])
 
-            def up_list(lb):
-                return lambda: ext.up_list(x, wu, packed, counts, flag, lcol, lh, lnnz, N, lb)
-
-            fns = {"split": split, "list_slices": list_slices, "up_list": up_list(4), "up_list_lb5": up_list(5),
-                   "up_list_lb6": up_list(6), "down_slices": lambda: ext.down_slices(wdt, lcol, lnnz, flag, lh,
-                                                                                      ys["list_slices"]),
+            fns = {"split": split, "list_slices": list_slices,
+                   "up_list": lambda: ext.up_list(x, wu, packed, counts, flag, lcol, lh, lnnz, N),
+                   "down_slices": lambda: ext.down_slices(wdt, lcol, lnnz, flag, lh, ys["list_slices"]),
                    "up_down": lambda: ext.up_down(x, wu, wdt, packed, counts, flag, ys["up_down"], 0),
                    "d2t": lambda: ext.d2t_gemm(x, wg, packed, counts, flag, False, 0),
                    "dense": lambda: dense_gated(x, wg, wu, wd)}
