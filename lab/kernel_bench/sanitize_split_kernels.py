@@ -64,7 +64,7 @@ def inference(gen: torch.Generator) -> bool:
 
     ext = load_twell()
     ok_all = True
-    for K, N, S, gated in ((2048, 2048, 32, True), (2048, 1536, 256, False), (576, 1536, 256, True)):
+    for K, N, S, gated in ((2048, 2048, 32, True), (2048, 2560, 256, False), (576, 2560, 256, True)):
         M, T = 40, N // 256
         g = (torch.randn(M, N, device=DEV, generator=gen) - 2.3).to(BF)
         g[3, :1100] = 1.0              # every tile full: flagged at S = 32, several windows at S = 256
