@@ -144,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                     "(config.track_sparsity_stats=False)")
     ap.add_argument("--heavy-frac", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kernel", nargs="*", default=[], metavar="FIELD=VALUE",
+                    help="KernelConfig fields for our model (e.g. up_list_min_m=0), logged in kernel_config")
     ap.add_argument("--out", type=Path, default=Path("results/speed/real_path.jsonl"))
     a = ap.parse_args(argv)
     dev = require_cuda()
@@ -156,6 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     achieved = calibrate_paper_model(ours, targets, calib, heavy_ids=heavy)
     hf = dense_twin(ours)
     ours.set_mlp_impl("cuda")
+    if a.kernel:
+        from sfl.kernels.config import KernelConfig
+
+        env = {f"SFL_KERNEL_{k.upper()}": v for k, v in (kv.split("=", 1) for kv in a.kernel)}
+        ours.set_kernel_config(KernelConfig.from_env(ours.config.get_kernel_config(), environ=env))
     parts = set(a.parts.split(","))
     with torch.inference_mode():
         ours.reset_sparsity_stats()

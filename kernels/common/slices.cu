@@ -41,7 +41,7 @@ __global__ void __launch_bounds__(kChunks * kRows) slices_kernel(
   float acc[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) acc[i] = 0.f;
-  constexpr int kU = 4;  // entries in flight (two loads each with B2)
+  constexpr int kU = TWO ? 4 : 8;  // entries in flight: 8 16-byte loads per thread either way
   int e = 0;
   for (; e + kU <= n; e += kU) {
     uint4 v[kU], v2[kU];
