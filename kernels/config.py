@@ -94,7 +94,9 @@ class KernelConfig:
             slower than torch's relu); a fall in activity is then seen up to this many calls late.
         up_list_min_m: from this many rows the large-M path runs its up and down steps as two kernels (up_list
             writes each row's entries, the down step reads W_dT one L2-sized slice at a time) instead of one
-            (up_down); 0: always one. Costs M * N / 256 * slots * 8 bytes of transient entry lists.
+            (up_down); 0: always one. Costs M * N / 256 * slots * 8 bytes of transient entry lists. Measured
+            (kernels/README.md, round 11): 12% faster from 4096 rows at uniform activity, but 2% slower to 8192 rows
+            on the paper-like profile and in the calibrated model's prefill; even from 16384.
         d2t: "fused" (sm_90: the gate GEMM's epilogue writes TwELL) or "cublas" (gate GEMM, then compaction).
         d2t_overlap_min_k: fused d2t: K at or above which compaction warps overlap the next tile's mainloop.
         d2t_max_ctas: > 0 caps the fused d2t's persistent grid (tests); 0 = one CTA per SM.
@@ -128,7 +130,7 @@ class KernelConfig:
     fused_decode_max_m: int = FUSED_DECODE_MAX_M
     rows_decode_max_m: int = ROWS_DECODE_MAX_M
     decode_rows_slices: int = 0
-    up_list_min_m: int = 8192
+    up_list_min_m: int = 16384
     train_width: int = 128
     train_dense_above: float = 0.007
     train_dense_above_large: float = 0.01  # from train_large_m rows (kernels/train/README.md: crossover by M)

@@ -111,7 +111,7 @@ at::Tensor kept_empty(at::IntArrayRef size, const at::TensorOptions& opts, cudaS
 struct Config {
   int mode = kAuto, slots = 32, decode_max_m = 64, measure_every = 16, d2t_overlap_min_k = 4096, d2t_max_ctas = 0;
   int decode_tiles_per_warp = 4, fused_decode_max_m = 2, rows_decode_max_m = 64;
-  int decode_rows_slices = 0, backup_rows = -1, up_list_min_m = 8192;
+  int decode_rows_slices = 0, backup_rows = -1, up_list_min_m = 16384;
   bool self_timing = true, fused_d2t = true;
   int64_t gate_scratch_mb = 1024;
   double flagged_dense_above = 0.05, activity_hint = 0.0;
