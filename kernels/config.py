@@ -92,11 +92,12 @@ class KernelConfig:
         measure_every: dense calls of a layer measured above its crossover re-measure activity only every this many
             calls (the read-back costs a few small operations per call; non-gated, the measuring pass is also ~8%
             slower than torch's relu); a fall in activity is then seen up to this many calls late.
-        up_list_min_m: from this many rows the large-M path runs its up and down steps as two kernels (up_list
-            writes each row's entries, the down step reads W_dT one L2-sized slice at a time) instead of one
-            (up_down); 0: always one. Costs M * N / 256 * slots * 8 bytes of transient entry lists. Measured
+        up_list_min_m: from this many rows the gated large-M path runs its up and down steps as two kernels
+            (up_list writes each row's entries, the down step reads W_dT one L2-sized slice at a time) instead of
+            one (up_down); 0: always one. Costs M * N / 256 * slots * 8 bytes of transient entry lists. Measured
             (kernels/README.md, round 11): 12% faster from 4096 rows at uniform activity, but 2% slower to 8192 rows
-            on the paper-like profile and in the calibrated model's prefill; even from 16384.
+            on the paper-like profile and in the calibrated model's prefill, even from 16384; the non-gated block
+            (no W_u rows to read) lost with it everywhere and keeps up_down.
         d2t: "fused" (sm_90: the gate GEMM's epilogue writes TwELL) or "cublas" (gate GEMM, then compaction).
         d2t_overlap_min_k: fused d2t: K at or above which compaction warps overlap the next tile's mainloop.
         d2t_max_ctas: > 0 caps the fused d2t's persistent grid (tests); 0 = one CTA per SM.

@@ -18,8 +18,8 @@
 //   slower one re-probed every 256th call); under CUDA-graph capture the table decides.
 // Paths:
 //   dense     : the GEMMs HF runs, relu(g)*u in one pass that measures activity and accumulates the model's stats.
-//   sparse    : M > decode_max_m: d2t (S = slots) -> up_down (one block per row), or from up_list_min_m rows up_list
-//               (the rows' entries) -> slices (y over W_dT slice-major); rows flagged by d2t (a tile over
+//   sparse    : M > decode_max_m: d2t (S = slots) -> up_down (one block per row), or (gated) from up_list_min_m rows
+//               up_list (the rows' entries) -> slices (y over W_dT slice-major); rows flagged by d2t (a tile over
 //               S, or a non-finite gate) go through the dense backup, exactly and without a host sync: a device list
 //               of them, the first `cap` (from the layer's measured flagged fraction) by HF's dense math on a gathered
 //               block, any beyond by dense_rows_fwd on CUDA cores (common/backup_rows.cu), which with cap 0 finds
@@ -634,8 +634,9 @@ at::Tensor sparse_path(Call& c, bool sync_free) {
           "down");
     check(twell_finalize_launch(yacc.data_ptr<float>(), i32(flag), (int)M, (int)K, 1, y.data_ptr(), c.stream),
           "finalize");
-  } else if (!small && P.cfg.up_list_min_m > 0 && M >= P.cfg.up_list_min_m) {
-    // up (one block per row) writes the rows' entries; down reads W_dT one L2-sized slice at a time (same bits)
+  } else if (!small && c.wg && P.cfg.up_list_min_m > 0 && M >= P.cfg.up_list_min_m) {
+    // gated: up (one block per row) writes the rows' entries; down reads W_dT one L2-sized slice at a time (same
+    // bits). Non-gated there is no W_u row to read, and the split lost (kernels/README.md, round 11).
     at::Tensor lcol = at::empty({M, T * S}, i32o);
     at::Tensor lh = at::empty({M, T * S}, c.x.options().dtype(at::kFloat));
     at::Tensor lnnz = at::empty({M}, i32o);
