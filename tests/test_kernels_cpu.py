@@ -292,3 +292,16 @@ def test_nongated_crossover_is_its_calibration():
     new = [str(root / f"results/kernel_bench/calibration/calib_decode_nongated_h100_r17{r}.jsonl") for r in "ab"]
     base = [str(root / BASE_NONGATED)] * 2
     assert decode_table(new, base, kind="nongated") == DEFAULT_CROSSOVER_NONGATED
+
+
+@pytest.mark.parametrize("pattern,p", [("uniform", 0.005), ("paper", 0.005), ("paper", 0.01), ("paper", 0.02)])
+def test_benchmark_cases_measure_their_label(monkeypatch, pattern, p):
+    """bench_inference's cases: the measured activity of x @ w_gate^T matches the case's label (the paper profile's
+    per-token scale once inflated its 0.5% to 0.82%)."""
+    bi = pytest.importorskip("sfl.experiments.kernel_bench.bench_inference")
+    monkeypatch.setattr(bi, "DEV", "cpu")
+    M, K, N = 4096, 256, 2048
+    wg32, _, _ = bi.make_weights(K, N)
+    x, wg = bi.make_case(wg32, M, K, N, pattern, p, 0.0, seed=3)
+    measured = (x.float() @ wg.float().t() > 0).double().mean().item()
+    assert abs(measured / p - 1) < 0.1, (pattern, p, measured)

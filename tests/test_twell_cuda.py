@@ -460,6 +460,36 @@ def test_dispatch_history_follows_activity(ffn, M):
     assert info["measurements"] >= len(seq) and info["p"] is not None and info["p"] < 0.01
 
 
+def test_nongated_dense_relu_epilogue_is_torch_dense(ffn):
+    """The non-gated dense call without statistics runs the ReLU in the first GEMM's epilogue: HF's bits on every
+    finite row and HF's non-finite pattern (NaN / +-Inf rows), eager and replayed from a CUDA graph; a capture
+    before any eager call (no zero bias yet) runs torch's relu, with the same bits."""
+    for M, N in ((1, 8192), (64, 1536), (3000, 8192)):
+        x, _, wu, wd = make_problem(M, 2048, N, 0.02, seed=13 + M, gated=False)
+        ref = dense(x, None, wu, wd, False)
+        fin = torch.isfinite(ref).all(1)
+
+        def same_as_hf(y, how):
+            assert torch.equal(torch.isfinite(y), torch.isfinite(ref)), f"M {M} {how}: non-finite pattern"
+            assert torch.equal(y[fin], ref[fin]), f"M {M} {how}: not HF's bits"
+
+        plan = new_plan(gated=False, mode="dense")
+        poison()
+        same_as_hf(run(ffn, x, None, wu, wd, False, plan=plan), "eager")
+        assert plan.info()["path"] == "dense"
+        graph, y = captured(lambda: run(ffn, x, None, wu, wd, False, plan=plan))
+        y.fill_(float("nan"))
+        graph.replay()
+        same_as_hf(y, "replayed")
+        cold = new_plan(gated=False, mode="dense")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = run(ffn, x, None, wu, wd, False, plan=cold)
+        y.fill_(float("nan"))
+        graph.replay()
+        same_as_hf(y, "captured cold")
+
+
 def test_nongated_dense_measures_every_nth_call(ffn):
     """Non-gated auto: a layer measured above the crossover runs as HF does (torch's relu, same bits) and is
     re-measured only every measure_every dense calls; when the activity drops, it is seen at the next

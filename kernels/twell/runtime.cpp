@@ -165,6 +165,8 @@ struct Plan {
   at::Tensor decode_ws;
   cudaStream_t decode_ws_stream = nullptr;
   bool decode_ws_dirty = false;         // a call was cut off between its two kernels: zero before reuse
+  // a zero bias [N] for the non-gated dense call's ReLU epilogue (dense_path), made outside any capture
+  at::Tensor zero_bias;
   // neuron-major W_d copy, keyed to the source tensor (held, so its memory cannot be reused) and its version
   at::Tensor wdt, wdt_src;
   const void* wdt_storage = nullptr;
@@ -453,13 +455,22 @@ at::Tensor dense_ffn(const at::Tensor& x, const at::Tensor* wg, const at::Tensor
   return at::linear(at::relu(at::linear(x, wu)), wd);
 }
 
+// The non-gated block's h = relu(x W_u^T) with the ReLU in the GEMM's epilogue (cuBLASLt RELU_BIAS, zero bias):
+// HF's bits and non-finite pattern without its [M, N] ReLU pass, 1.05-1.16x of HF's linear-relu-linear at
+// M 64-65536 (lab/results/kernel_bench/relu_epilogue_probe_h100_*). Undefined when no bias can be made (a capture
+// before any eager call): the caller runs torch's relu.
+at::Tensor relu_gemm(Call& c) {
+  Plan& P = c.P;
+  const at::Tensor& b = P.zero_bias;
+  if (!b.defined() || b.size(0) != c.N || b.scalar_type() != c.x.scalar_type() || b.device() != c.x.device()) {
+    if (c.capture) return at::Tensor();
+    P.zero_bias = at::zeros({c.N}, c.x.options());
+  }
+  return at::_addmm_activation(P.zero_bias, c.x, c.wu.t());
+}
+
 at::Tensor dense_path(Call& c, bool table_dense) {
   Plan& P = c.P;
-  // GEMMs first: the GPU works while the host sets up the rest
-  // at::mm with the transposed weight is the GEMM F.linear runs for a 2-D input (same cuBLAS call, same bits),
-  // without linear/matmul's dispatcher hops
-  at::Tensor g = at::mm(c.x, c.gate_w().t());
-  at::Tensor u = c.wg ? at::mm(c.x, c.wu.t()) : at::Tensor();
   bool measure = P.cfg.mode == kAuto && !c.capture && !P.pending;
   if (measure && table_dense && P.cfg.measure_every > 1 && P.dense_calls % P.cfg.measure_every) {
     // a layer measured above its crossover re-measures only every measure_every dense calls: the read-back (memset,
@@ -470,7 +481,18 @@ at::Tensor dense_path(Call& c, bool table_dense) {
   ++P.dense_calls;
   P.last_path = "dense";
   P.last_d2t = "";
-  if (!measure && !c.wg && c.acc == nullptr) return at::mm(at::relu_(g), c.wd.t());
+  if (!measure && !c.wg && c.acc == nullptr) {
+    at::Tensor h = relu_gemm(c);
+    if (!h.defined()) {
+      h = at::mm(c.x, c.wu.t());
+      at::relu_(h);
+    }
+    return at::mm(h, c.wd.t());
+  }
+  // at::mm with the transposed weight is the GEMM F.linear runs for a 2-D input (same cuBLAS call, same bits),
+  // without linear/matmul's dispatcher hops
+  at::Tensor g = at::mm(c.x, c.gate_w().t());
+  at::Tensor u = c.wg ? at::mm(c.x, c.wu.t()) : at::Tensor();
   at::Tensor st = measure ? P.measurement_slot(c.stream) : at::Tensor();
   at::Tensor h = c.wg ? u : g;  // in place
   check(twell_relu_mul_stats_launch(g.data_ptr(), g.stride(0), c.wg ? u.data_ptr() : nullptr, c.wg ? u.stride(0) : 0,
