@@ -31,10 +31,12 @@ ROWS_DECODE_MAX_M = 64        # decode_rows (cuBLAS gate) serves the decode call
 DEFAULT_CROSSOVER = ("1:0.198,2:0.1699,3:0.1112,5:0.0948,9:0.0592,17:0.0425,33:0.0134,"
                      "256:0,1024:0.0025,4096:0.0078,8192:0.0043,16384:0.0101,32768:0.0108,65536:0.0113")
 # The non-gated block (no up-projection gather, so sparse wins to higher activity), calibrated the same way at
-# K = 2048, N = 8192 (calib_nongated_h100_r9.jsonl); its decode buckets from calib_decode_nongated_h100_r17{a,b}.jsonl
-# (decode_crossover.py --kind nongated): ~12% at M = 1, ~9-11% at M = 2-8, ~7% at 9-16, ~1.4% at 33-64.
+# K = 2048, N = 8192: from M = 256 the elementwise minimum of calib_nongated_h100_r22{a,b}.jsonl (against the dense
+# call with the ReLU in the GEMM's epilogue: ~0.5% at M = 4096, ~0.65% at 8192-16384, ~0.8-0.9% above), the decode
+# buckets from calib_decode_nongated_h100_r17{a,b}.jsonl (decode_crossover.py --kind nongated): ~12% at M = 1,
+# ~9-11% at M = 2-8, ~7% at 9-16, ~1.4% at 33-64.
 DEFAULT_CROSSOVER_NONGATED = ("1:0.121,2:0.0908,3:0.1167,5:0.1017,9:0.0669,17:0.0443,33:0.0138,"
-                              "256:0,1024:0.0025,4096:0.0044,8192:0.0054,16384:0.0082,32768:0.0095,65536:0.0105")
+                              "256:0,1024:0.0015,4096:0.0052,8192:0.0062,16384:0.0067,32768:0.0078,65536:0.009")
 
 MODES = ("auto", "sparse", "dense")
 D2T_VARIANTS = ("fused", "cublas")

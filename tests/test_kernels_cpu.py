@@ -281,8 +281,8 @@ def test_default_crossover_is_derived_from_the_calibration_logs():
 
 
 def test_nongated_crossover_is_its_calibration():
-    """DEFAULT_CROSSOVER_NONGATED is decode_crossover.py --kind nongated of the committed logs (r9's non-gated run for
-    every bucket, r17 measuring the decode buckets afresh to 25% activity): a hand-edited table fails here."""
+    """DEFAULT_CROSSOVER_NONGATED is decode_crossover.py --kind nongated of the committed logs (r22's two non-gated
+    runs from M = 256 up, r17 measuring the decode buckets to 25% activity): a hand-edited table fails here."""
     from pathlib import Path
 
     from sfl.experiments.kernel_bench.decode_crossover import BASE_NONGATED, decode_table
@@ -290,7 +290,7 @@ def test_nongated_crossover_is_its_calibration():
 
     root = Path(__file__).resolve().parents[1]
     new = [str(root / f"results/kernel_bench/calibration/calib_decode_nongated_h100_r17{r}.jsonl") for r in "ab"]
-    base = [str(root / BASE_NONGATED)] * 2
+    base = [str(root / BASE_NONGATED.format(r)) for r in "ab"]
     assert decode_table(new, base, kind="nongated") == DEFAULT_CROSSOVER_NONGATED
 
 

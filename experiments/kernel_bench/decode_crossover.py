@@ -11,8 +11,8 @@ each pair gives crossover_spec's per-M crossing, and the table takes their minim
 sizes takes the larger size's value (the sparse path's cost grows with M), so
 M = 2..4 use M = 4's crossing, 5..8 use M = 8's, and so on; buckets above 64 come from the base runs alone, as
 calibrate.sh makes them. Prints the whole table (KernelConfig.crossover's format; tests/test_kernels_cpu.py checks
-that it is DEFAULT_CROSSOVER). `--kind nongated`: the same for KernelConfig.crossover_nongated, whose base is r9's one
-non-gated run (both extension runs merge with it).
+that it is DEFAULT_CROSSOVER). `--kind nongated`: the same for KernelConfig.crossover_nongated, from r22's two
+non-gated runs (M >= 256, after its dense call took the ReLU into the GEMM's epilogue) and r17's decode runs.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from sfl.experiments.kernel_bench.bench_inference import crossover_spec
 from sfl.kernels.config import KernelConfig
 
 BASE = "results/kernel_bench/calibration/calib_h100_r18{}.jsonl"
-BASE_NONGATED = "results/kernel_bench/calibration/calib_nongated_h100_r9.jsonl"
+BASE_NONGATED = "results/kernel_bench/calibration/calib_nongated_h100_r22{}.jsonl"
 
 
 def rows(path: str) -> list[dict]:
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base-a")
     ap.add_argument("--base-b")
     a = ap.parse_args(argv)
-    base = [BASE.format(r) if a.kind == "gated" else BASE_NONGATED for r in "ab"]
+    base = [(BASE if a.kind == "gated" else BASE_NONGATED).format(r) for r in "ab"]
     base = [a.base_a or base[0], a.base_b or base[1]]
     print(decode_table(a.new, base, kind=a.kind))
     return 0
