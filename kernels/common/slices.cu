@@ -19,17 +19,17 @@ namespace sflslices {
 
 using namespace sfl;
 
-constexpr int kChunks = 64, kRows = 4;  // 256 threads
+constexpr int kChunks = 64, kRows = 4;  // 256 threads (ROWS 1 or 2: a block retires with its own rows' entries)
 
-template <bool TWO>
-__global__ void __launch_bounds__(kChunks * kRows) slices_kernel(
+template <bool TWO, int ROWS>
+__global__ void __launch_bounds__(kChunks * ROWS) slices_kernel(
     const __nv_bfloat16* __restrict__ b, const __nv_bfloat16* __restrict__ b2, int M, int K, int W,
     const int32_t* __restrict__ col, const int32_t* __restrict__ nnz, const int32_t* __restrict__ flag,
     const float* __restrict__ c, const float* __restrict__ d, __nv_bfloat16* __restrict__ out) {
   const int K8 = K >> 3;
-  const long long row_blocks = (M + kRows - 1) / kRows;
+  const long long row_blocks = (M + ROWS - 1) / ROWS;
   const int slice = (int)(blockIdx.x / row_blocks);
-  const long long row = (blockIdx.x % row_blocks) * kRows + threadIdx.x / kChunks;
+  const long long row = (blockIdx.x % row_blocks) * ROWS + threadIdx.x / kChunks;
   const int cc = slice * kChunks + (int)(threadIdx.x % kChunks);
   if (row >= M || cc >= K8 || flag[row]) return;  // flagged: a dense backup row, written by the caller
   const int n = nnz[row];
@@ -71,22 +71,28 @@ extern "C" {
 
 cudaError_t sfl_slices_launch(const void* b, const void* b2, int M, int K, int W, const int32_t* col,
                               const int32_t* nnz, const int32_t* flag, const float* c, const float* d, void* out,
-                              cudaStream_t stream) {
+                              int rows, cudaStream_t stream) {
   if (M <= 0) return cudaSuccess;
-  if (K % 8 != 0 || W < 1) return cudaErrorInvalidValue;
+  if (rows == 0) rows = sflslices::kRows;
+  if (K % 8 != 0 || W < 1 || (rows != 1 && rows != 2 && rows != 4)) return cudaErrorInvalidValue;
   const long long slices = (K / 8 + sflslices::kChunks - 1) / sflslices::kChunks;
-  const long long blocks = slices * ((M + sflslices::kRows - 1) / sflslices::kRows);
+  const long long blocks = slices * ((M + rows - 1) / rows);
   if (blocks > 0x7fffffffLL) return cudaErrorInvalidValue;
   const auto* bb = reinterpret_cast<const __nv_bfloat16*>(b);
   const auto* bb2 = reinterpret_cast<const __nv_bfloat16*>(b2);
   auto* ob = reinterpret_cast<__nv_bfloat16*>(out);
-  constexpr int threads = sflslices::kChunks * sflslices::kRows;
-  if (b2 != nullptr)
-    sflslices::slices_kernel<true><<<(unsigned)blocks, threads, 0, stream>>>(bb, bb2, M, K, W, col, nnz, flag, c, d,
-                                                                             ob);
-  else
-    sflslices::slices_kernel<false><<<(unsigned)blocks, threads, 0, stream>>>(bb, bb2, M, K, W, col, nnz, flag, c,
-                                                                              d, ob);
+#define SFL_SLICES(TWO_, ROWS_)                                                                                    \
+  sflslices::slices_kernel<TWO_, ROWS_><<<(unsigned)blocks, sflslices::kChunks * ROWS_, 0, stream>>>(            \
+      bb, bb2, M, K, W, col, nnz, flag, c, d, ob)
+#define SFL_SLICES_ROWS(TWO_)                                                                                      \
+  if (rows == 1) SFL_SLICES(TWO_, 1); else if (rows == 2) SFL_SLICES(TWO_, 2); else SFL_SLICES(TWO_, 4)
+  if (b2 != nullptr) {
+    SFL_SLICES_ROWS(true);
+  } else {
+    SFL_SLICES_ROWS(false);
+  }
+#undef SFL_SLICES_ROWS
+#undef SFL_SLICES
   return cudaGetLastError();
 }
 

@@ -211,7 +211,7 @@ void dx_slices(bool gated, const at::Tensor& wg, const at::Tensor& wu, const at:
   // gated: dx = sum cg W_g[j] + cu W_u[j]; non-gated: sum cg W_u[j] (common/slices.cu)
   check(sfl_slices_launch(gated ? wg.data_ptr() : wu.data_ptr(), gated ? wu.data_ptr() : nullptr, (int)M, (int)K,
                           (int)ell_col.size(1), i32(ell_col), i32(nnz), i32(flag), cg.data_ptr<float>(),
-                          gated ? cu.data_ptr<float>() : nullptr, dx.data_ptr(), stream()),
+                          gated ? cu.data_ptr<float>() : nullptr, dx.data_ptr(), 0, stream()),
         "dx_slices");
 }
 

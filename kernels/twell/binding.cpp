@@ -129,7 +129,7 @@ void up_down(const at::Tensor& x, const at::Tensor& wu, const at::Tensor& wdt, c
 // entries (column, h) into lcol / lh [M, T * S] and their count into lnnz; down_slices sums y = sum h W_dT[j]
 // slice-major (common/slices.cu). x/w_up empty for the non-gated op.
 void up_list(const at::Tensor& x, const at::Tensor& wu, const at::Tensor& packed, const at::Tensor& counts,
-             const at::Tensor& flag, at::Tensor lcol, at::Tensor lh, at::Tensor lnnz, int64_t N) {
+             const at::Tensor& flag, at::Tensor lcol, at::Tensor lh, at::Tensor lnnz, int64_t N, int64_t threads) {
   req(packed, "packed", at::kInt, 3);
   req(counts, "counts", at::kInt, 2);
   req(flag, "flag", at::kInt, 1);
@@ -151,12 +151,12 @@ void up_list(const at::Tensor& x, const at::Tensor& wu, const at::Tensor& packed
   const c10::cuda::CUDAGuard guard(packed.device());
   check(twell_up_list_launch(gated ? x.data_ptr() : nullptr, gated ? wu.data_ptr() : nullptr, (int)M, (int)K, (int)N,
                              (int)S, i32(packed), i32(counts), i32(flag), i32(lcol), lh.data_ptr<float>(), i32(lnnz),
-                             c10::cuda::getCurrentCUDAStream().stream()),
-        "up_list");
+                             (int)threads, c10::cuda::getCurrentCUDAStream().stream()),
+        "up_list (threads 128 or 256)");
 }
 
 void down_slices(const at::Tensor& wdt, const at::Tensor& lcol, const at::Tensor& lnnz, const at::Tensor& flag,
-                 const at::Tensor& lh, at::Tensor y) {
+                 const at::Tensor& lh, at::Tensor y, int64_t rows) {
   req(wdt, "w_down_t", at::kBFloat16, 2);
   req(lcol, "lcol", at::kInt, 2);
   req(lh, "lh", at::kFloat, 2);
@@ -168,8 +168,9 @@ void down_slices(const at::Tensor& wdt, const at::Tensor& lcol, const at::Tensor
                   flag.size(0) == M, "down_slices: shapes");
   const c10::cuda::CUDAGuard guard(y.device());
   check(sfl_slices_launch(wdt.data_ptr(), nullptr, (int)M, (int)K, (int)lcol.size(1), i32(lcol), i32(lnnz), i32(flag),
-                          lh.data_ptr<float>(), nullptr, y.data_ptr(), c10::cuda::getCurrentCUDAStream().stream()),
-        "down_slices");
+                          lh.data_ptr<float>(), nullptr, y.data_ptr(), (int)rows,
+                          c10::cuda::getCurrentCUDAStream().stream()),
+        "down_slices (rows per block 1, 2 or 4; 0: the default)");
 }
 
 void finalize(const at::Tensor& yacc, const at::Tensor& flag, at::Tensor y, int64_t nan_fill) {
