@@ -204,8 +204,8 @@ def sparse_phases(timer: "Timer", x, wg, wu, wd, slots: int, reps: int) -> dict:
     d2t()
     ms = {"d2t": timer.time(d2t, reps),
           "up_down": timer.time(lambda: ext.up_down(x, wu, wdt, packed, counts, flag, y, 0), reps),
-          "up_list": timer.time(lambda: ext.up_list(x, wu, packed, counts, flag, lcol, lh, lnnz, N, 256), reps),
-          "down_slices": timer.time(lambda: ext.down_slices(wdt, lcol, lnnz, flag, lh, y, 0), reps)}
+          "up_list": timer.time(lambda: ext.up_list(x, wu, packed, counts, flag, lcol, lh, lnnz, N), reps),
+          "down_slices": timer.time(lambda: ext.down_slices(wdt, lcol, lnnz, flag, lh, y, 1), reps)}
     pairs = int(counts.clamp(max=slots).sum(1)[flag == 0].sum())
     half = pairs * K * 2   # bytes of one gathered matrix's rows
     return {"phase_ms": ms, "pairs": pairs, "gather_bytes": 2 * half,

@@ -3,7 +3,7 @@
 // down step (y over W_dT from up_list's entries; kernels/README.md, How it computes 2-3). Plain CUDA (no torch
 // headers); the launcher is declared in slices.h.
 //
-// A thread owns one 16-byte chunk of one row; a block holds kRows rows of one K slice of kChunks chunks, and the grid
+// A thread owns one 16-byte chunk of one row; a block holds ROWS rows of one K slice of kChunks chunks, and the grid
 // walks slice-major, so that the blocks resident at once gather from one 512-column slice of B (and B2): N x 1 KB,
 // 5.8 MB at N 5632, which the L2 holds (one block per row reading whole rows of the matrices missed it: 37% L2 hit
 // rate for the training backward's three, lab/results/kernel_bench/ncu_sparse_phases_h100_2960055.txt). Entries in
@@ -19,7 +19,9 @@ namespace sflslices {
 
 using namespace sfl;
 
-constexpr int kChunks = 64, kRows = 4;  // 256 threads (ROWS 1 or 2: a block retires with its own rows' entries)
+// ROWS: 4 (256 threads, the training op's) or 1-2: a block then retires with its own row's entries instead of waiting
+// for the longest of four (the inference op runs 1: 2-6% faster, kernels/README.md round 12)
+constexpr int kChunks = 64, kRows = 4;
 
 template <bool TWO, int ROWS>
 __global__ void __launch_bounds__(kChunks * ROWS) slices_kernel(

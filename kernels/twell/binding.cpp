@@ -129,7 +129,7 @@ void up_down(const at::Tensor& x, const at::Tensor& wu, const at::Tensor& wdt, c
 // entries (column, h) into lcol / lh [M, T * S] and their count into lnnz; down_slices sums y = sum h W_dT[j]
 // slice-major (common/slices.cu). x/w_up empty for the non-gated op.
 void up_list(const at::Tensor& x, const at::Tensor& wu, const at::Tensor& packed, const at::Tensor& counts,
-             const at::Tensor& flag, at::Tensor lcol, at::Tensor lh, at::Tensor lnnz, int64_t N, int64_t threads) {
+             const at::Tensor& flag, at::Tensor lcol, at::Tensor lh, at::Tensor lnnz, int64_t N) {
   req(packed, "packed", at::kInt, 3);
   req(counts, "counts", at::kInt, 2);
   req(flag, "flag", at::kInt, 1);
@@ -151,8 +151,8 @@ void up_list(const at::Tensor& x, const at::Tensor& wu, const at::Tensor& packed
   const c10::cuda::CUDAGuard guard(packed.device());
   check(twell_up_list_launch(gated ? x.data_ptr() : nullptr, gated ? wu.data_ptr() : nullptr, (int)M, (int)K, (int)N,
                              (int)S, i32(packed), i32(counts), i32(flag), i32(lcol), lh.data_ptr<float>(), i32(lnnz),
-                             (int)threads, c10::cuda::getCurrentCUDAStream().stream()),
-        "up_list (threads 128 or 256)");
+                             c10::cuda::getCurrentCUDAStream().stream()),
+        "up_list");
 }
 
 void down_slices(const at::Tensor& wdt, const at::Tensor& lcol, const at::Tensor& lnnz, const at::Tensor& flag,

@@ -56,8 +56,7 @@ namespace sfl_runtime {
 constexpr int kTileN = 256;
 constexpr int kFusedDecodeMaxM = 8;   // the fused decode kernel's row limit (its workspace rows)
 constexpr int kRowsDecodeMaxN = 24576;  // decode_rows keeps a row's active list in shared memory
-constexpr int kUpListThreads = 256;  // up_list's block (kernels/README.md, round 12)
-constexpr int kSlicesRows = 4;       // slices: rows per block
+constexpr int kSlicesRows = 1;       // slices' rows per block for the inference down step (kernels/README.md, round 12)
 constexpr int kTimingKeep = 3;       // timing samples kept per (bucket, path); decisions use their minimum
 constexpr int kReprobeEvery = 256;   // a vetoed bucket runs sparse again every this many calls
 constexpr int kRetimeEvery = 64;     // a bucket's samples are refreshed every this many calls
@@ -666,7 +665,7 @@ at::Tensor sparse_path(Call& c, bool sync_free) {
     at::Tensor lnnz = at::empty({M}, i32o);
     check(twell_up_list_launch(c.wg ? c.x.data_ptr() : nullptr, c.wg ? c.wu.data_ptr() : nullptr, (int)M, (int)K,
                                (int)N, S, i32(packed), i32(counts), i32(flag), i32(lcol), lh.data_ptr<float>(),
-                               i32(lnnz), kUpListThreads, c.stream),
+                               i32(lnnz), c.stream),
           "up_list");
     check(sfl_slices_launch(wdt.data_ptr(), nullptr, (int)M, (int)K, (int)(T * S), i32(lcol), i32(lnnz), i32(flag),
                             lh.data_ptr<float>(), nullptr, y.data_ptr(), kSlicesRows, c.stream),

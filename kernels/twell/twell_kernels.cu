@@ -262,23 +262,20 @@ __global__ void __launch_bounds__(128, 1) down_kernel(const __nv_bfloat16* __res
 // dependent loads (flag, counts, words, ~4 W_u rows per warp) bounds it, so more rows in flight pay (M 65536, 0.5%,
 // H200: 1.20 / 1.06 / 1.00 ms at 4 / 5 / 6 blocks, lab/results/kernel_bench/up_down_ab_h200_b7d99d0.jsonl).
 constexpr int kUdThreads = 256;
-constexpr int kUdCap = 2048;  // entries per window at 256 threads (16 KB of shared memory)
-// THREADS: the block (256; LIST also 128, twice the blocks per SM with half the window, so a short row holds half
-// as many idle warps)
-template <int NI, bool GATED, bool LIST, int THREADS = kUdThreads>
-__global__ void __launch_bounds__(THREADS, (NI <= 8 ? (LIST ? 6 : 4) : 2) * kUdThreads / THREADS)
+constexpr int kUdCap = 2048;  // entries per window (16 KB of shared memory)
+template <int NI, bool GATED, bool LIST>
+__global__ void __launch_bounds__(kUdThreads, NI <= 8 ? (LIST ? 6 : 4) : 2)
     up_down_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ wu,
                    const __nv_bfloat16* __restrict__ wdt, int K, int n_tiles, int S, int nan_fill,
                    const int32_t* __restrict__ packed, const int32_t* __restrict__ counts,
                    const int32_t* __restrict__ flag, __nv_bfloat16* __restrict__ y, int32_t* __restrict__ lcol,
                    float* __restrict__ lh, int32_t* __restrict__ lnnz) {
-  constexpr int CAP = kUdCap * THREADS / kUdThreads;
-  extern __shared__ int list_j[];                                  // [CAP] active columns, then
-  float* list_h = reinterpret_cast<float*>(list_j + CAP);          // [CAP] their g, then h, then (gated)
-  uint4* xs = reinterpret_cast<uint4*>(list_h + CAP);              // [K / 8] x_r
-  __shared__ int tile_base[THREADS], tile_cnt[THREADS];
-  __shared__ int warp_total[THREADS / 32];
-  __shared__ float red[THREADS * 8];                               // the shares' partial sums
+  extern __shared__ int list_j[];                                  // [kUdCap] active columns, then
+  float* list_h = reinterpret_cast<float*>(list_j + kUdCap);       // [kUdCap] their g, then h, then (gated)
+  uint4* xs = reinterpret_cast<uint4*>(list_h + kUdCap);           // [K / 8] x_r
+  __shared__ int tile_base[kUdThreads], tile_cnt[kUdThreads];
+  __shared__ int warp_total[kUdThreads / 32];
+  __shared__ float red[kUdThreads * 8];                            // the shares' partial sums
   constexpr int CPT = (NI + 7) / 8;                                // chunks per thread (K / 8 > threads: K = 4096)
   const int r = blockIdx.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
@@ -286,22 +283,22 @@ __global__ void __launch_bounds__(THREADS, (NI <= 8 ? (LIST ? 6 : 4) : 2) * kUdT
   uint4* yrow = LIST ? nullptr : reinterpret_cast<uint4*>(y + (long long)r * K);
   if (flag[r]) {
     if (nan_fill && !LIST)
-      for (int c = tid; c < K8; c += THREADS) yrow[c] = make_uint4(0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u,
+      for (int c = tid; c < K8; c += kUdThreads) yrow[c] = make_uint4(0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u,
                                                                       0x7fc07fc0u);
     return;
   }
   if (GATED) {  // read by step 2, after the barriers of step 1
     const uint4* xrow = reinterpret_cast<const uint4*>(x + (long long)r * K);
-    for (int c = tid; c < K8; c += THREADS) xs[c] = __ldg(xrow + c);
+    for (int c = tid; c < K8; c += kUdThreads) xs[c] = __ldg(xrow + c);
   }
   // step 3's layout: `groups` shares of the entries, each over K8 threads (one share once K8 >= threads)
-  const int groups = K8 >= THREADS ? 1 : THREADS / K8;
+  const int groups = K8 >= kUdThreads ? 1 : kUdThreads / K8;
   const int grp = groups == 1 ? 0 : (tid / K8 < groups ? tid / K8 : -1);
   const int cc0 = groups == 1 ? tid : tid % K8;
   float a[CPT * 8];
 #pragma unroll
   for (int i = 0; i < CPT * 8; ++i) a[i] = 0.f;
-  const int window = min(THREADS, CAP / S);
+  const int window = min(kUdThreads, kUdCap / S);
   const long long lrow = (long long)r * n_tiles * S;  // LIST: the row's place in lcol / lh (width n_tiles * S)
   int listed = 0;                                     // LIST: entries of the earlier windows
   for (int t0 = 0; t0 < n_tiles; t0 += window) {
@@ -314,7 +311,7 @@ __global__ void __launch_bounds__(THREADS, (NI <= 8 ? (LIST ? 6 : 4) : 2) * kUdT
     __syncthreads();
     int base = 0, count = 0;
 #pragma unroll
-    for (int w = 0; w < THREADS / 32; ++w) {
+    for (int w = 0; w < kUdThreads / 32; ++w) {
       if (w < warp) base += warp_total[w];
       count += warp_total[w];
     }
@@ -323,7 +320,7 @@ __global__ void __launch_bounds__(THREADS, (NI <= 8 ? (LIST ? 6 : 4) : 2) * kUdT
       tile_cnt[tid] = c;
     }
     __syncthreads();
-    for (int t = warp; t < nt; t += THREADS / 32) {
+    for (int t = warp; t < nt; t += kUdThreads / 32) {
       const int cnt = tile_cnt[t], b = tile_base[t];
       const int32_t* words = packed + (rt0 + t) * S;
       for (int i = lane; i < cnt; i += 32) {
@@ -335,7 +332,7 @@ __global__ void __launch_bounds__(THREADS, (NI <= 8 ? (LIST ? 6 : 4) : 2) * kUdT
     __syncthreads();
     // 2. up
     if (GATED) {
-      for (int e = warp; e < count; e += THREADS / 32) {
+      for (int e = warp; e < count; e += kUdThreads / 32) {
         constexpr int G = (LIST && NI <= 8) ? 2 : NI;  // W_u chunks in flight per lane (LIST: 40 registers)
         const float u = row_dot_shared<NI, G>(xs, wu + (long long)list_j[e] * K, K);
         if (lane == 0) list_h[e] *= u;
@@ -343,7 +340,7 @@ __global__ void __launch_bounds__(THREADS, (NI <= 8 ? (LIST ? 6 : 4) : 2) * kUdT
       __syncthreads();
     }
     if (LIST) {
-      for (int i = tid; i < count; i += THREADS) {
+      for (int i = tid; i < count; i += kUdThreads) {
         lcol[lrow + listed + i] = list_j[i];
         lh[lrow + listed + i] = list_h[i];
       }
@@ -351,7 +348,7 @@ __global__ void __launch_bounds__(THREADS, (NI <= 8 ? (LIST ? 6 : 4) : 2) * kUdT
     } else if (grp >= 0) {  // 3. down
 #pragma unroll
       for (int q = 0; q < CPT; ++q) {
-        const int cc = cc0 + q * THREADS;
+        const int cc = cc0 + q * kUdThreads;
         if (cc < K8)
           gathered_axpy<8>(a + 8 * q, reinterpret_cast<const uint4*>(wdt) + cc, list_j, list_h, grp, groups, count,
                            K8);
@@ -362,7 +359,7 @@ __global__ void __launch_bounds__(THREADS, (NI <= 8 ? (LIST ? 6 : 4) : 2) * kUdT
   if (LIST) {
     if (tid == 0) lnnz[r] = listed;
   } else {
-    store_shares<CPT, THREADS>(a, red, yrow, K8, cc0, grp, groups);
+    store_shares<CPT, kUdThreads>(a, red, yrow, K8, cc0, grp, groups);
   }
 }
 
@@ -1041,19 +1038,15 @@ template <int NI>
 static cudaError_t launch_up_down(bool gated, unsigned rows, cudaStream_t stream, const __nv_bfloat16* x,
                                   const __nv_bfloat16* wu, const __nv_bfloat16* wdt, int K, int n_tiles, int S,
                                   int nan_fill, const int32_t* packed, const int32_t* counts, const int32_t* flag,
-                                  __nv_bfloat16* y, int32_t* lcol, float* lh, int32_t* lnnz, int threads = 256) {
-  const size_t xs_bytes = gated ? (size_t)K * 2 : 0;
-#define TWELL_UD_K(G_, L_, T_)                                                                                    \
-  twell::up_down_kernel<NI, G_, L_, T_><<<rows, T_, (size_t)twell::kUdCap * T_ / twell::kUdThreads * 8 + xs_bytes, \
-                                          stream>>>(x, wu, wdt, K, n_tiles, S, nan_fill, packed, counts, flag, y,  \
-                                                    lcol, lh, lnnz)
-  constexpr int kHalf = NI <= 2 ? 256 : 128;  // 128 from K > 512 (at K <= 512 its 40 registers would spill)
-  if (lcol != nullptr && threads == 128) {
-    if (gated) TWELL_UD_K(true, true, kHalf); else TWELL_UD_K(false, true, kHalf);
-  } else if (lcol != nullptr) {
-    if (gated) TWELL_UD_K(true, true, 256); else TWELL_UD_K(false, true, 256);
+                                  __nv_bfloat16* y, int32_t* lcol, float* lh, int32_t* lnnz) {
+  const size_t smem = (size_t)twell::kUdCap * 8 + (gated ? (size_t)K * 2 : 0);
+#define TWELL_UD_K(G_, L_)                                                                                        \
+  twell::up_down_kernel<NI, G_, L_><<<rows, twell::kUdThreads, smem, stream>>>(x, wu, wdt, K, n_tiles, S, nan_fill, \
+                                                                              packed, counts, flag, y, lcol, lh, lnnz)
+  if (lcol != nullptr) {
+    if (gated) TWELL_UD_K(true, true); else TWELL_UD_K(false, true);
   } else {
-    if (gated) TWELL_UD_K(true, false, 256); else TWELL_UD_K(false, false, 256);
+    if (gated) TWELL_UD_K(true, false); else TWELL_UD_K(false, false);
   }
 #undef TWELL_UD_K
   return cudaGetLastError();
@@ -1145,10 +1138,10 @@ cudaError_t twell_up_down_launch(const void* x, const void* wu, const void* wdt,
 // sfl_slices_launch over W_dT (common/slices.cu). x/wu null for the non-gated op (h = the stored bf16 value).
 cudaError_t twell_up_list_launch(const void* x, const void* wu, int rows, int K, int N, int S, const int32_t* packed,
                                  const int32_t* counts, const int32_t* flag, int32_t* lcol, float* lh, int32_t* lnnz,
-                                 int threads, cudaStream_t stream) {
+                                 cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
   if (K % 64 != 0 || K > 4096 || N % twell::kTileN != 0 || N <= 0 || S < 1 || S > twell::kTileN ||
-      lcol == nullptr || lh == nullptr || lnnz == nullptr || (threads != 128 && threads != 256))
+      lcol == nullptr || lh == nullptr || lnnz == nullptr)
     return cudaErrorInvalidValue;
   const int n_tiles = N / twell::kTileN, ni = (K / 8 + 31) / 32;
   const bool gated = wu != nullptr;
@@ -1156,7 +1149,7 @@ cudaError_t twell_up_list_launch(const void* x, const void* wu, int rows, int K,
   const auto* ub = reinterpret_cast<const __nv_bfloat16*>(wu);
 #define TWELL_UL(NI_)                                                                                             \
   launch_up_down<NI_>(gated, (unsigned)rows, stream, xb, ub, nullptr, K, n_tiles, S, 0, packed, counts, flag, nullptr, \
-                      lcol, lh, lnnz, threads)
+                      lcol, lh, lnnz)
   if (ni <= 2) return TWELL_UL(2);
   if (ni <= 4) return TWELL_UL(4);
   if (ni <= 8) return TWELL_UL(8);

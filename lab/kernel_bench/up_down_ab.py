@@ -2,8 +2,8 @@
 up_down (one block per row, h in shared memory) and up_list + down_slices (the rows' entries as compact lists, then
 y slice-major over W_dT), timed in rotation with the L2 flushed before each call (bench_inference's Timer;
 decode_paths' rotation), medians. (At 3bbd7c7 it also ran up_down at 3 blocks per SM, which lost to 4; at b7d99d0
-up_list at 4 and 5 blocks per SM, which lost to 6; round 12 times up_list's 128-thread block and slices at 1, 2 and 4
-rows per block.) The d2t and the dense FFN are timed beside them for scale.
+up_list at 4 and 5 blocks per SM, which lost to 6; at c2eeae7 up_list with a 128-thread block, which won on the uniform
+profile and lost on the paper-like one; round 12 times slices at 1, 2 and 4 rows per block.) The d2t and the dense FFN are timed beside them for scale.
 Writes JSONL rows with provenance.
 
     PYTHONPATH=. python lab/kernel_bench/up_down_ab.py --out up_down_ab.jsonl
@@ -60,15 +60,14 @@ def main() -> int:
                 ext.down(wdt, packed, counts, flag, hval, ys["split"], empty, 4, T, 0)
 
             def list_slices():
-                ext.up_list(x, wu, packed, counts, flag, lcol, lh, lnnz, N, 256)
-                ext.down_slices(wdt, lcol, lnnz, flag, lh, ys["list_slices"], 4)
+                ext.up_list(x, wu, packed, counts, flag, lcol, lh, lnnz, N)
+                ext.down_slices(wdt, lcol, lnnz, flag, lh, ys["list_slices"], 1)
 
             fns = {"split": split, "list_slices": list_slices,
-                   "up_list": lambda: ext.up_list(x, wu, packed, counts, flag, lcol, lh, lnnz, N, 256),
-                   "up_list_128": lambda: ext.up_list(x, wu, packed, counts, flag, lcol, lh, lnnz, N, 128),
-                   "down_slices": lambda: ext.down_slices(wdt, lcol, lnnz, flag, lh, ys["list_slices"], 4),
+                   "up_list": lambda: ext.up_list(x, wu, packed, counts, flag, lcol, lh, lnnz, N),
+                   "down_slices": lambda: ext.down_slices(wdt, lcol, lnnz, flag, lh, ys["list_slices"], 1),
                    "down_slices_r2": lambda: ext.down_slices(wdt, lcol, lnnz, flag, lh, ys["list_slices"], 2),
-                   "down_slices_r1": lambda: ext.down_slices(wdt, lcol, lnnz, flag, lh, ys["list_slices"], 1),
+                   "down_slices_r4": lambda: ext.down_slices(wdt, lcol, lnnz, flag, lh, ys["list_slices"], 4),
                    "up_down": lambda: ext.up_down(x, wu, wdt, packed, counts, flag, ys["up_down"], 0),
                    "d2t": lambda: ext.d2t_gemm(x, wg, packed, counts, flag, False, 0),
                    "dense": lambda: dense_gated(x, wg, wu, wd)}
