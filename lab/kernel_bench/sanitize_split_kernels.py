@@ -82,12 +82,12 @@ def inference(gen: torch.Generator) -> bool:
         y1 = torch.full((M, K), float("nan"), device=DEV, dtype=BF)
         ext.up_down(xg, wug, wdt, packed, counts, flag, y1, 0)
         light = ~flag.bool()
+        lcol = torch.full((M, T * S), -1, device=DEV, dtype=torch.int32)
+        lh = torch.full((M, T * S), float("nan"), device=DEV)
+        lnnz = torch.zeros(M, device=DEV, dtype=torch.int32)
+        ext.up_list(xg, wug, packed, counts, flag, lcol, lh, lnnz, N)
         for rows in (4, 2, 1):   # slices' rows per block
             y2 = torch.full((M, K), float("nan"), device=DEV, dtype=BF)
-            lcol = torch.full((M, T * S), -1, device=DEV, dtype=torch.int32)
-            lh = torch.full((M, T * S), float("nan"), device=DEV)
-            lnnz = torch.zeros(M, device=DEV, dtype=torch.int32)
-            ext.up_list(xg, wug, packed, counts, flag, lcol, lh, lnnz, N)
             ext.down_slices(wdt, lcol, lnnz, flag, lh, y2, rows)
             torch.cuda.synchronize()
             ok = K < 2048 or torch.equal(y1[light], y2[light])   # the same sums where up_down runs one share
