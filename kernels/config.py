@@ -100,6 +100,9 @@ class KernelConfig:
             (kernels/README.md, round 11): 12% faster from 4096 rows at uniform activity, but 2% slower to 8192 rows
             on the paper-like profile and in the calibrated model's prefill, even from 16384; the non-gated block
             (no W_u rows to read) lost with it everywhere and keeps up_down.
+        d2t_up: the large-M gated path (from up_list_min_m rows, K <= 2048, fused d2t) runs its up step inside the
+            fused d2t: warps of the GEMM's kernel list the rows of finished row bands while the tensor cores go on;
+            a follow-up up_list takes the rows they did not reach. Same bits either way (kernels/README.md, round 13).
         d2t: "fused" (sm_90: the gate GEMM's epilogue writes TwELL) or "cublas" (gate GEMM, then compaction).
         d2t_overlap_min_k: fused d2t: K at or above which compaction warps overlap the next tile's mainloop.
         d2t_max_ctas: > 0 caps the fused d2t's persistent grid (tests); 0 = one CTA per SM.
@@ -134,6 +137,7 @@ class KernelConfig:
     rows_decode_max_m: int = ROWS_DECODE_MAX_M
     decode_rows_slices: int = 0
     up_list_min_m: int = 16384
+    d2t_up: bool = True
     train_width: int = 128
     train_dense_above: float = 0.007
     train_dense_above_large: float = 0.01  # from train_large_m rows (kernels/train/README.md: crossover by M)
@@ -182,7 +186,7 @@ class KernelConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
                 raise bad(name, "must be a number in [0, 1]")
-        for name in ("self_timing", "train_shrink", "train_fused_dense"):
+        for name in ("self_timing", "d2t_up", "train_shrink", "train_fused_dense"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a bool")
         parsed = (parse_crossover(self.crossover, "crossover"),

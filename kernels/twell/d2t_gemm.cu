@@ -13,6 +13,13 @@
 //   tile; warps 1-3 of warpgroup 0 compact it (one warp per row, as the compaction kernel) meanwhile. This hides
 //   the epilogue behind the mainloop when K is large enough for the mainloop to cover it.
 //
+// UP (K <= 2048, gated, the large-M path): the up step runs inside the GEMM. The consumers publish each finished
+// tile per row band (a device-scope counter per band); warps 1-3 of warpgroup 0 claim units of published rows and
+// write up_list's entry lists (column, h = g * (x_r . W_u[j])) while the tensor cores go on, the W_u rows brought
+// into a shared-memory ring by bulk copies. The ring takes one GEMM stage (3 stages). Whatever is not claimed when a
+// CTA's own tiles are done is left to a follow-up up_list from the ticket on (no spinning on other CTAs, so no
+// deadlock where the grid is not all resident). Same products and sums as up_list: the same bits.
+//
 // Output is bit-compatible with kernels/FORMAT.md (ascending columns, true counts, flag on overflow or a
 // non-finite gate value). The fp32 summation order differs from cuBLAS, so a value within rounding of 0 may be
 // classified differently than a cuBLAS-then-compact d2t would (its h is ~0 either way; tests allow exactly that).
@@ -39,10 +46,28 @@ constexpr int STAGING_BYTES = BM * ROW_WORDS * 4;  // 66 KB
 constexpr int STASH_BYTES = 256 * 32 * 4;          // 32 KB
 constexpr int COMPACT_WARPS = 3;                   // OV: warps 1-3 of the producer warpgroup
 constexpr int RB = 4;                              // OV: rows per compaction step (interleaved warp scans)
-template <bool OV>
+// UP: the gather warps' shared memory (after the stash): per warp a ring of UP_SLOTS W_u rows and a list window
+constexpr int UP_WARPS = 3, UP_SLOTS = 4, UP_ROW_BYTES = 4096, UP_LIST = 64;
+constexpr int UP_UNIT = 8;  // rows per claim
+constexpr int UP_BYTES = UP_WARPS * (UP_SLOTS * UP_ROW_BYTES + UP_LIST * 8);
+template <bool OV, bool UP = false>
 struct Cfg {
-  static constexpr int STAGES = OV ? 3 : 4;
-  static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + (OV ? STAGING_BYTES : STASH_BYTES) + 1024;  // + align
+  static constexpr int STAGES = (OV || UP) ? 3 : 4;
+  static constexpr int SMEM_BYTES =
+      STAGES * STAGE_BYTES + (OV ? STAGING_BYTES : STASH_BYTES) + (UP ? UP_BYTES : 0) + 1024;  // + align
+};
+static_assert(Cfg<false, true>::SMEM_BYTES <= 232448 - 256, "UP: shared memory over the 227 KB of a block");
+
+// UP: the fused up step's inputs and outputs (up_list's: lcol / lh [M, T * S], lnnz [M]) and its workspace
+struct UpArgs {
+  const __nv_bfloat16* x;
+  const __nv_bfloat16* wu;
+  int32_t* lcol;
+  float* lh;
+  int32_t* lnnz;
+  int32_t* ready;   // [m_tiles] zeroed: tiles of each row band published (one per consumer warpgroup and tile)
+  int32_t* ticket;  // [1] zeroed: units of UP_UNIT rows claimed; the follow-up up_list starts there
+  int gather;       // 0: the gather warps claim nothing (the 3-stage GEMM alone, for the A/B)
 };
 
 __device__ __forceinline__ uint32_t saddr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
@@ -225,6 +250,139 @@ __device__ __forceinline__ void compact_rows(const uint4 (&v)[RB], int lane, int
   }
 }
 
+// ---- UP: the up step inside the GEMM
+__device__ __forceinline__ int ld_acquire(const int32_t* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+// one contiguous global -> shared copy (16-byte aligned, a multiple of 16 bytes) completing on `bar`
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
+  mbar_expect_tx(bar, bytes);
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(saddr(dst)), "l"(src), "r"(bytes), "r"(saddr(bar)) : "memory");
+}
+
+// A consumer warpgroup's tiles of row band mt are in TwELL: every thread's stores are made visible at device
+// scope before the band's counter moves (called a mainloop after the stores, so the fences find them done).
+__device__ __forceinline__ void publish(int32_t* ready, int mt, int c, bool leader) {
+  __threadfence();
+  if (c == 0) asm volatile("bar.sync 1, 128;" ::: "memory");  // this warpgroup's threads only
+  else asm volatile("bar.sync 2, 128;" ::: "memory");
+  if (leader) {
+    __threadfence();
+    atomicAdd(ready + mt, 1);
+  }
+}
+
+// The next unit of UP_UNIT rows whose band is published (claimed in order), or -1: every unit is claimed, or this
+// CTA's consumers are done and the next band is not ready yet (the follow-up up_list takes it from there).
+__device__ int claim_unit(int32_t* ticket, const int32_t* ready, int units, int need, const volatile int* done) {
+  for (;;) {
+    const int t = *reinterpret_cast<volatile int32_t*>(ticket);
+    if (t >= units) return -1;
+    if (ld_acquire(ready + t / (BM / UP_UNIT)) >= need) {
+      if (atomicCAS(ticket, t, t + 1) == t) return t;
+      continue;
+    }
+    if (*done == 2) return -1;
+    __nanosleep(256);
+  }
+}
+
+// One gather warp: up_list's work (kernels/twell/twell_kernels.cu, up_down_kernel LIST) for the rows it claims.
+// Per row: x_r in registers (K <= 2048: 8 chunks per lane), the capped tile counts scanned over the lanes, the
+// entries listed in column order (a lane finds its entry's tile by a binary search over the scan), then each W_u
+// row comes into the ring by one bulk copy, UP_SLOTS in flight, and u = x_r . W_u[j] sums exactly as up_list's
+// row_dot_shared. TwELL is read through L2 only (ld.cg): it is written by this kernel.
+template <int NI>
+__device__ void up_gather(const UpArgs& up, int M, int K, int T, int S, const int32_t* packed, const int32_t* counts,
+                          const int32_t* flag, uint8_t* ring, int* list_j, float* list_g, uint64_t* bars,
+                          const volatile int* done, int lane) {
+  if (!up.gather) return;
+  const int K8 = K >> 3, units = (M + UP_UNIT - 1) / UP_UNIT;
+  const unsigned bytes = (unsigned)K * 2;
+  unsigned used = 0;  // W_u rows taken through the ring: slot used % UP_SLOTS, phase parity (used / UP_SLOTS) & 1
+  for (;;) {
+    int unit = 0;
+    if (lane == 0) unit = claim_unit(up.ticket, up.ready, units, 2 * T, done);
+    unit = __shfl_sync(kFull, unit, 0);
+    if (unit < 0) return;
+    const int r_end = min(M, (unit + 1) * UP_UNIT);
+    for (int r = unit * UP_UNIT; r < r_end; ++r) {
+      if (__ldcg(flag + r)) continue;  // a dense backup row: no list (as up_list)
+      const uint4* xrow = reinterpret_cast<const uint4*>(up.x + (long long)r * K);
+      const long long lrow = (long long)r * T * S;
+      int listed = 0;
+      for (int t0 = 0; t0 < T; t0 += 32) {
+        const int nt = min(32, T - t0);
+        const long long rt0 = (long long)r * T + t0;
+        const int c = lane < nt ? min(__ldcg(counts + rt0 + lane), S) : 0;
+        const int incl = warp_inclusive_sum(c);
+        const int n = __shfl_sync(kFull, incl, 31);
+        for (int e0 = 0; e0 < n; e0 += UP_LIST) {
+          const int m = min(UP_LIST, n - e0);
+          for (int b = 0; b < m; b += 32) {
+            const int e = e0 + b + lane;
+            int pos = 0;  // e's tile: the number of tiles whose inclusive count is <= e
+#pragma unroll
+            for (int s = 16; s > 0; s >>= 1)
+              if (__shfl_sync(kFull, incl, pos + s - 1) <= e) pos += s;
+            const int ti = __shfl_sync(kFull, incl, pos), tc = __shfl_sync(kFull, c, pos);
+            if (b + lane < m) {
+              const uint32_t wd = (uint32_t)__ldcg(packed + (rt0 + pos) * S + (e - (ti - tc)));
+              list_j[b + lane] = (t0 + pos) * BN + (int)(wd & 0xffffu);
+              list_g[b + lane] = bf16hi(wd);
+            }
+          }
+          __syncwarp();
+          uint4 xr[NI];  // x_r, loaded per window (its registers are free while the list is made)
+#pragma unroll
+          for (int i = 0; i < NI; ++i) {
+            const int cc = lane + 32 * i;
+            xr[i] = cc < K8 ? __ldg(xrow + cc) : make_uint4(0, 0, 0, 0);
+          }
+          if (lane == 0)
+            for (int k = 0; k < min(UP_SLOTS, m); ++k) {
+              const unsigned slot = (used + k) % UP_SLOTS;
+              bulk_load(ring + slot * UP_ROW_BYTES, up.wu + (long long)list_j[k] * K, bytes, bars + slot);
+            }
+          for (int k = 0; k < m; ++k) {
+            const unsigned q = used + k, slot = q % UP_SLOTS;
+            mbar_wait(bars + slot, (q / UP_SLOTS) & 1u);
+            const uint4* w = reinterpret_cast<const uint4*>(ring + slot * UP_ROW_BYTES);
+            float d = 0.f;
+#pragma unroll
+            for (int i = 0; i < NI; ++i)  // x_r stays packed: converted per entry, not hoisted as 64 floats
+              asm volatile("" : "+r"(xr[i].x), "+r"(xr[i].y), "+r"(xr[i].z), "+r"(xr[i].w));
+#pragma unroll
+            for (int i0 = 0; i0 < NI; i0 += 2) {  // two chunks of the slot at a time (80 registers)
+              uint4 wv[2];
+#pragma unroll
+              for (int i = 0; i < 2; ++i) wv[i] = lane + 32 * (i0 + i) < K8 ? w[lane + 32 * (i0 + i)] : make_uint4(0, 0, 0, 0);
+#pragma unroll
+              for (int i = 0; i < 2; ++i)
+                if (lane + 32 * (i0 + i) < K8) d = dot8(xr[i0 + i], wv[i], d);
+            }
+            const float u = warp_sum(d);
+            __syncwarp();  // every lane is done with the slot
+            if (lane == 0) {
+              if (k + UP_SLOTS < m)
+                bulk_load(ring + slot * UP_ROW_BYTES, up.wu + (long long)list_j[k + UP_SLOTS] * K, bytes, bars + slot);
+              up.lcol[lrow + listed + k] = list_j[k];
+              up.lh[lrow + listed + k] = list_g[k] * u;
+            }
+          }
+          used += m;
+          listed += m;
+          __syncwarp();  // the next window rewrites the list
+        }
+      }
+      if (lane == 0) up.lnnz[r] = listed;
+    }
+  }
+}
+
 // Tile order: groups of GM row tiles, column-tile major inside a group, so the CTAs running at once touch ~GM row
 // tiles of x and a few column tiles of W: both stay in L2 even when W does not fit (4096 x 11008).
 constexpr int GM = 16;
@@ -236,17 +394,19 @@ __device__ __forceinline__ void tile_of(int u, int m_tiles, int T, int& mt, int&
   mt = first + (local - nt * gm);
 }
 
-template <bool OV>
+template <bool OV, bool UP>
 __global__ void __launch_bounds__(THREADS, 1)
     d2t_gemm_kernel(const __grid_constant__ CUtensorMap tm_x, const __grid_constant__ CUtensorMap tm_w, int M,
                     int N, int K, int S, int32_t* __restrict__ packed, int32_t* __restrict__ counts,
-                    int32_t* __restrict__ flag) {
-  constexpr int STAGES = Cfg<OV>::STAGES;
+                    int32_t* __restrict__ flag, const UpArgs up) {
+  constexpr int STAGES = Cfg<OV, UP>::STAGES;
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full_bar[STAGES];
   __shared__ __align__(8) uint64_t empty_bar[STAGES];
   __shared__ __align__(8) uint64_t staged_bar;   // OV: the consumers wrote a tile into `staging`
   __shared__ __align__(8) uint64_t drained_bar;  // OV: the compaction warps are done reading it
+  __shared__ __align__(8) uint64_t ring_bar[UP ? UP_WARPS * UP_SLOTS : 1];  // UP: the gather warps' ring slots
+  __shared__ int consumers_done;                                            // UP: warpgroups past their last tile
   uint8_t* ring = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint32_t* staging = reinterpret_cast<uint32_t*>(ring + STAGES * STAGE_BYTES);  // OV: staging, else the stash
 
@@ -263,12 +423,17 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
     mbar_init(&staged_bar, 256);           // every consumer thread
     mbar_init(&drained_bar, COMPACT_WARPS);
+    if (UP)
+      for (int s = 0; s < UP_WARPS * UP_SLOTS; ++s) mbar_init(&ring_bar[s], 1);
+    consumers_done = 0;
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
 
   if (wg == 0) {  // producer warpgroup: warp 0 issues the TMA loads; OV: warps 1-3 write TwELL from `staging`
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 80;");
+    // UP: the gather warps hold x_r (32 registers) on top of their state; 96 + 2 x 200 still fits the SM's file
+    if (UP) asm volatile("setmaxnreg.dec.sync.aligned.u32 96;");
+    else asm volatile("setmaxnreg.dec.sync.aligned.u32 80;");
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (warp == 0) {
       if (lane == 0) {
@@ -304,14 +469,21 @@ __global__ void __launch_bounds__(THREADS, 1)
         __syncwarp();
         if (lane == 0) mbar_arrive(&drained_bar);
       }
+    } else if (UP) {
+      const int gw = warp - 1;
+      uint8_t* up_smem = reinterpret_cast<uint8_t*>(staging) + STASH_BYTES;
+      int* list = reinterpret_cast<int*>(up_smem + UP_WARPS * UP_SLOTS * UP_ROW_BYTES) + gw * 2 * UP_LIST;
+      up_gather<8>(up, M, K, T, S, packed, counts, flag, up_smem + gw * UP_SLOTS * UP_ROW_BYTES, list,
+                   reinterpret_cast<float*>(list + UP_LIST), &ring_bar[gw * UP_SLOTS], &consumers_done, lane);
     }
   } else {  // consumers: warpgroup c owns rows [64 c, 64 c + 64) of the block tile
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 208;");
+    if (UP) asm volatile("setmaxnreg.inc.sync.aligned.u32 200;");
+    else asm volatile("setmaxnreg.inc.sync.aligned.u32 208;");
     const int c = wg - 1;
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
     const bool leader = (threadIdx.x & 127) == 0;
     float d[128];
-    int stage = 0;
+    int stage = 0, published = -1;  // UP: the row band of the last tile whose TwELL is not yet published
     unsigned phase = 0, t = 0;
     for (int u = blockIdx.x; u < units; u += gridDim.x, ++t) {
       int mt, nt;
@@ -345,6 +517,8 @@ __global__ void __launch_bounds__(THREADS, 1)
       wgmma_wait<0>();
       fence_acc(d);
       if (leader) mbar_arrive(&empty_bar[prev]);
+      if (UP && published >= 0) publish(up.ready, published, c, leader);  // the previous tile's stores are done
+      if (UP) published = mt;
 
       // This lane holds rows r0 and r0 + 8 of the tile, columns 8j + 2q + {0, 1} (j < 32, q = lane % 4).
       const int r0 = c * 64 + warp * 16 + (lane >> 2);
@@ -384,6 +558,10 @@ __global__ void __launch_bounds__(THREADS, 1)
         write_row(stash, m1, bads & 2, lane, row0 + 8, M, nt, T, S, packed, counts, flag);
       }
     }
+    if (UP) {
+      if (published >= 0) publish(up.ready, published, c, leader);
+      if (leader) atomicAdd(&consumers_done, 1);
+    }
   }
 }
 
@@ -420,12 +598,43 @@ static bool encode(CUtensorMap* map, const void* base, int rows, int K, int box_
 }  // namespace d2tg
 
 namespace d2tg {
-template <bool OV>
+template <bool OV, bool UP>
 static cudaError_t set_smem() {
-  return cudaFuncSetAttribute(d2t_gemm_kernel<OV>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg<OV>::SMEM_BYTES);
+  return cudaFuncSetAttribute(d2t_gemm_kernel<OV, UP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              Cfg<OV, UP>::SMEM_BYTES);
 }
 
 static int g_device_ready[64];  // 1 + SM count once the smem attributes are set on that device
+
+// The checks, tensor maps and grid every variant shares; launches d2t_gemm_kernel<OV, UP>.
+template <bool OV, bool UP>
+static cudaError_t launch(const void* x, const void* w, int M, int N, int K, int S, int32_t* packed, int32_t* counts,
+                          int32_t* flag, const UpArgs& up, int max_ctas, cudaStream_t stream) {
+  if (M <= 0) return cudaSuccess;
+  if (K <= 0 || K % BK != 0 || N <= 0 || N % BN != 0 || S < 1 || S > BN) return cudaErrorInvalidValue;
+  if ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) & 15) return cudaErrorInvalidValue;
+  CUtensorMap tm_x, tm_w;
+  if (!encode(&tm_x, x, M, K, BM) || !encode(&tm_w, w, N, K, BN)) return cudaErrorNotSupported;
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
+  if (g_device_ready[dev] == 0) {
+    if ((e = set_smem<false, false>()) != cudaSuccess || (e = set_smem<true, false>()) != cudaSuccess ||
+        (e = set_smem<false, true>()) != cudaSuccess)
+      return e;
+    int sms = 0;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    g_device_ready[dev] = 1 + sms;
+  }
+  const long long sms = g_device_ready[dev] - 1;
+  const long long units = (long long)((M + BM - 1) / BM) * (N / BN);
+  long long grid = units < sms ? units : sms;  // persistent: one CTA per SM at most
+  if (max_ctas > 0 && grid > max_ctas) grid = max_ctas;
+  d2t_gemm_kernel<OV, UP><<<(unsigned)grid, THREADS, Cfg<OV, UP>::SMEM_BYTES, stream>>>(tm_x, tm_w, M, N, K, S, packed,
+                                                                                       counts, flag, up);
+  return cudaGetLastError();
+}
 }  // namespace d2tg
 
 extern "C" {
@@ -443,33 +652,28 @@ int twell_d2t_gemm_supported(int device) {
 // (compaction warps), 0 = the consumers write TwELL themselves. max_ctas > 0 caps the persistent grid.
 cudaError_t twell_d2t_gemm_launch(const void* x, const void* w, int M, int N, int K, int S, int32_t* packed,
                                   int32_t* counts, int32_t* flag, int overlap, int max_ctas, cudaStream_t stream) {
-  if (M <= 0) return cudaSuccess;
-  if (K <= 0 || K % d2tg::BK != 0 || N <= 0 || N % d2tg::BN != 0 || S < 1 || S > d2tg::BN) return cudaErrorInvalidValue;
-  if ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) & 15) return cudaErrorInvalidValue;
-  CUtensorMap tm_x, tm_w;
-  if (!d2tg::encode(&tm_x, x, M, K, d2tg::BM) || !d2tg::encode(&tm_w, w, N, K, d2tg::BN))
-    return cudaErrorNotSupported;
-  int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return e;
-  if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
-  if (d2tg::g_device_ready[dev] == 0) {
-    if ((e = d2tg::set_smem<false>()) != cudaSuccess || (e = d2tg::set_smem<true>()) != cudaSuccess) return e;
-    int sms = 0;
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    d2tg::g_device_ready[dev] = 1 + sms;
-  }
-  const long long sms = d2tg::g_device_ready[dev] - 1;
-  const long long units = (long long)((M + d2tg::BM - 1) / d2tg::BM) * (N / d2tg::BN);
-  long long grid = units < sms ? units : sms;  // persistent: one CTA per SM at most
-  if (max_ctas > 0 && grid > max_ctas) grid = max_ctas;
-  if (overlap)
-    d2tg::d2t_gemm_kernel<true><<<(unsigned)grid, d2tg::THREADS, d2tg::Cfg<true>::SMEM_BYTES, stream>>>(
-        tm_x, tm_w, M, N, K, S, packed, counts, flag);
-  else
-    d2tg::d2t_gemm_kernel<false><<<(unsigned)grid, d2tg::THREADS, d2tg::Cfg<false>::SMEM_BYTES, stream>>>(
-        tm_x, tm_w, M, N, K, S, packed, counts, flag);
-  return cudaGetLastError();
+  const d2tg::UpArgs none{};
+  return overlap ? d2tg::launch<true, false>(x, w, M, N, K, S, packed, counts, flag, none, max_ctas, stream)
+                 : d2tg::launch<false, false>(x, w, M, N, K, S, packed, counts, flag, none, max_ctas, stream);
 }
+
+// d2t with the up step inside (UP): as twell_d2t_gemm_launch (its own epilogue), and wu [N, K] bf16 16-byte aligned,
+// K <= 2048; lcol / lh [M, N/256 * S], lnnz [M] as up_list writes them, for the rows before ticket[0] * unit rows
+// (twell_d2t_up_unit_rows); ws int32 [ceil(M / 128) + 1] zeroed (the band counters, then the ticket). The rows from
+// the ticket on are the follow-up up_list's (twell_up_list_launch with first_unit = the ticket). gather 0: the
+// gather warps claim nothing (the GEMM with UP's 3 stages alone).
+cudaError_t twell_d2t_up_launch(const void* x, const void* w, const void* wu, int M, int N, int K, int S,
+                                int32_t* packed, int32_t* counts, int32_t* flag, int32_t* lcol, float* lh,
+                                int32_t* lnnz, int32_t* ws, int gather, int max_ctas, cudaStream_t stream) {
+  if (K > 2048 || wu == nullptr || (reinterpret_cast<uintptr_t>(wu) & 15) || lcol == nullptr || lh == nullptr ||
+      lnnz == nullptr || ws == nullptr)
+    return cudaErrorInvalidValue;
+  const int m_tiles = (M + d2tg::BM - 1) / d2tg::BM;
+  const d2tg::UpArgs up{reinterpret_cast<const __nv_bfloat16*>(x), reinterpret_cast<const __nv_bfloat16*>(wu),
+                        lcol, lh, lnnz, ws, ws + m_tiles, gather};
+  return d2tg::launch<false, true>(x, w, M, N, K, S, packed, counts, flag, up, max_ctas, stream);
+}
+
+int twell_d2t_up_unit_rows() { return d2tg::UP_UNIT; }
 
 }  // extern "C"

@@ -1,0 +1,125 @@
+"""A/B of the large-M gated path's first two steps: the fused d2t then up_list (today's path) against the fused d2t
+with the up step inside (d2t_up: gather warps list the rows of finished row bands during the GEMM; a follow-up
+up_list takes the rest), each followed by the same down step (down_slices). Also d2t_up with its gather warps off
+(the GEMM at 3 stages alone) to separate the ring's cost from the overlap. Checks, per case, that both paths give
+the same TwELL counts and flags, the same lists and the same y bits on every unflagged row; logs the share of rows
+the gather warps listed. Timed in rotation with the L2 flushed before each call, medians. JSONL with provenance.
+
+    PYTHONPATH=. python lab/kernel_bench/d2t_up_ab.py --out d2t_up_ab.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from sfl.experiments.kernel_bench.bench_inference import BF, DEV, Timer, dense_gated, make_case, make_weights
+from sfl.experiments.kernel_bench.decode_paths import rotate
+from sfl.experiments.provenance import collect
+from sfl.kernels.loader import load_twell
+
+CASES = [(65536, "uniform", 0.005, 0.0), (65536, "paper", 0.005, 0.001), (65536, "uniform", 0.0025, 0.0),
+         (65536, "uniform", 0.01, 0.0), (65536, "uniform", 0.005, 0.01), (16384, "uniform", 0.005, 0.0),
+         (16384, "paper", 0.005, 0.001), (32768, "paper", 0.005, 0.001), (65536, "paper", 0.01, 0.001)]
+
+
+def same_lists(lnnz0, lcol0, lh0, lnnz1, lcol1, lh1, ok) -> bool:
+    if not torch.equal(lnnz0[ok], lnnz1[ok]):
+        return False
+    width = lcol0.shape[1]
+    valid = (torch.arange(width, device=DEV)[None, :] < lnnz0[:, None]) & ok[:, None]
+    return torch.equal(lcol0[valid], lcol1[valid]) and torch.equal(lh0[valid].view(torch.int32),
+                                                                   lh1[valid].view(torch.int32))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--quick", action="store_true", help="the first two cases only")
+    args = ap.parse_args()
+    ext = load_twell()
+    timer = Timer()
+    K, N, S = 2048, 5632, 32
+    T = N // 256
+    wg32, wu32, wd32 = make_weights(K, N)
+    wu, wd = wu32.to(BF), wd32.to(BF)
+    wdt = wd.t().contiguous()
+    prov = collect({"what": "d2t_up A/B"})
+    cases = CASES[:2] if args.quick else CASES
+    with open(args.out, "w") as f:
+        for i, (M, pattern, p, heavy) in enumerate(cases):
+            x, wg = make_case(wg32, M, K, N, pattern, p, heavy, seed=100 + i)
+            m_tiles = (M + 127) // 128
+            bufs = []
+            for _ in range(2):   # [0]: d2t + up_list, [1]: d2t_up + the follow-up
+                bufs.append(dict(packed=torch.empty(M, T, S, device=DEV, dtype=torch.int32),
+                                 counts=torch.empty(M, T, device=DEV, dtype=torch.int32),
+                                 flag=torch.zeros(M, device=DEV, dtype=torch.int32),
+                                 lcol=torch.empty(M, T * S, device=DEV, dtype=torch.int32),
+                                 lh=torch.empty(M, T * S, device=DEV, dtype=torch.float32),
+                                 lnnz=torch.empty(M, device=DEV, dtype=torch.int32),
+                                 y=torch.empty(M, K, device=DEV, dtype=BF)))
+            a, b = bufs
+            ws = torch.zeros(m_tiles + 1, device=DEV, dtype=torch.int32)
+
+            def today():
+                a["flag"].zero_()
+                ext.d2t_gemm(x, wg, a["packed"], a["counts"], a["flag"], False, 0)
+                ext.up_list(x, wu, a["packed"], a["counts"], a["flag"], a["lcol"], a["lh"], a["lnnz"], N)
+                ext.down_slices(wdt, a["lcol"], a["lnnz"], a["flag"], a["lh"], a["y"], 1)
+
+            def fused(gather: bool = True, down: bool = True):
+                b["flag"].zero_()
+                ws.zero_()
+                ext.d2t_up(x, wg, wu, b["packed"], b["counts"], b["flag"], b["lcol"], b["lh"], b["lnnz"], ws,
+                           gather, 0)
+                ext.up_list(x, wu, b["packed"], b["counts"], b["flag"], b["lcol"], b["lh"], b["lnnz"], N,
+                            first_unit=ws[-1:])
+                if down:
+                    ext.down_slices(wdt, b["lcol"], b["lnnz"], b["flag"], b["lh"], b["y"], 1)
+
+            def fused_gemm_only(gather: bool):
+                b["flag"].zero_()
+                ws.zero_()
+                ext.d2t_up(x, wg, wu, b["packed"], b["counts"], b["flag"], b["lcol"], b["lh"], b["lnnz"], ws,
+                           gather, 0)
+
+            today()
+            fused()
+            torch.cuda.synchronize()
+            listed_in_kernel = min(M, int(ws[-1].item()) * 8) / M
+            ok = ~a["flag"].bool()
+            checks = {"counts": torch.equal(a["counts"], b["counts"]), "flag": torch.equal(a["flag"], b["flag"]),
+                      "lists": same_lists(a["lnnz"], a["lcol"], a["lh"], b["lnnz"], b["lcol"], b["lh"], ok),
+                      "y_bits": torch.equal(a["y"][ok], b["y"][ok])}
+            fns = {"today": today, "fused_up": fused, "fused_up_gather_off": lambda: fused(False),
+                   "d2t": lambda: ext.d2t_gemm(x, wg, a["packed"], a["counts"], a["flag"], False, 0),
+                   "d2t_up_kernel": lambda: fused_gemm_only(True),
+                   "d2t_up_kernel_gather_off": lambda: fused_gemm_only(False),
+                   "up_list": lambda: ext.up_list(x, wu, a["packed"], a["counts"], a["flag"], a["lcol"], a["lh"],
+                                                  a["lnnz"], N),
+                   "down_slices": lambda: ext.down_slices(wdt, a["lcol"], a["lnnz"], a["flag"], a["lh"], a["y"], 1),
+                   "dense": lambda: dense_gated(x, wg, wu, wd)}
+            for fn in fns.values():
+                fn()
+            ms = rotate(timer, fns, args.reps)
+            fused()   # the ticket of a timed call, for the record
+            torch.cuda.synchronize()
+            listed_timed = min(M, int(ws[-1].item()) * 8) / M
+            nnz = a["counts"].clamp(max=S).sum(1).float()
+            row = {**prov, "M": M, "K": K, "N": N, "S": S, "pattern": pattern, "activity": p, "heavy_frac": heavy,
+                   "nnz_mean": nnz[ok].mean().item(), "flagged_rows": int((~ok).sum()), "ms": ms, "checks": checks,
+                   "rows_listed_in_kernel": listed_in_kernel, "rows_listed_in_kernel_timed": listed_timed}
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            print(f"M={M} {pattern} p={p} heavy={heavy} nnz={row['nnz_mean']:.1f} in-kernel={listed_timed:.3f} "
+                  + " ".join(f"{k}={v:.3f}" for k, v in ms.items()) + f" checks={checks}", flush=True)
+            del x, wg, bufs, a, b, ws
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
