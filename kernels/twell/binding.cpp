@@ -128,10 +128,10 @@ void up_down(const at::Tensor& x, const at::Tensor& wu, const at::Tensor& wdt, c
 // the large-M path's two steps (what the runtime runs from up_list_min_m rows): up_list writes each unflagged row's
 // entries (column, h) into lcol / lh [M, T * S] and their count into lnnz; down_slices sums y = sum h W_dT[j]
 // slice-major (common/slices.cu). x/w_up empty for the non-gated op.
-// first_unit (int32 [1]): only the rows from first_unit * d2t_up's unit rows on (the follow-up of d2t_up)
+// rest (d2t_up's workspace past its ceil(M / 128) band counters): only the rows d2t_up's gather warps left
 void up_list(const at::Tensor& x, const at::Tensor& wu, const at::Tensor& packed, const at::Tensor& counts,
              const at::Tensor& flag, at::Tensor lcol, at::Tensor lh, at::Tensor lnnz, int64_t N,
-             const c10::optional<at::Tensor>& first_unit) {
+             const c10::optional<at::Tensor>& rest) {
   req(packed, "packed", at::kInt, 3);
   req(counts, "counts", at::kInt, 2);
   req(flag, "flag", at::kInt, 1);
@@ -153,7 +153,7 @@ void up_list(const at::Tensor& x, const at::Tensor& wu, const at::Tensor& packed
   const c10::cuda::CUDAGuard guard(packed.device());
   check(twell_up_list_launch(gated ? x.data_ptr() : nullptr, gated ? wu.data_ptr() : nullptr, (int)M, (int)K, (int)N,
                              (int)S, i32(packed), i32(counts), i32(flag), i32(lcol), lh.data_ptr<float>(), i32(lnnz),
-                             first_unit.has_value() ? i32(*first_unit) : nullptr, twell_d2t_up_unit_rows(),
+                             rest.has_value() ? i32(*rest) : nullptr, twell_d2t_up_unit_rows(),
                              c10::cuda::getCurrentCUDAStream().stream()),
         "up_list");
 }
@@ -304,8 +304,8 @@ void d2t_gemm(const at::Tensor& x, const at::Tensor& w, at::Tensor packed, at::T
 }
 
 // The fused d2t with the up step inside (d2t_gemm.cu, UP; K <= 2048): d2t_gemm's outputs plus up_list's lists
-// (lcol / lh [M, N/256 * S], lnnz [M]) for the rows before ws[-1] * unit_rows; ws int32 [ceil(M / 128) + 1] zeroed.
-// Run up_list(..., first_unit=ws[-1:]) after it for the rest. gather=False: the gather warps claim nothing.
+// (lcol / lh [M, N/256 * S], lnnz [M]) for the rows its gather warps finished; ws int32 [d2t_up_ws(M)] zeroed.
+// Run up_list(..., rest=ws[ceil(M / 128):]) after it for the others. gather=False: the gather warps claim nothing.
 void d2t_up(const at::Tensor& x, const at::Tensor& w, const at::Tensor& wu, at::Tensor packed, at::Tensor counts,
             at::Tensor flag, at::Tensor lcol, at::Tensor lh, at::Tensor lnnz, at::Tensor ws, bool gather,
             int64_t max_ctas) {
@@ -324,7 +324,7 @@ void d2t_up(const at::Tensor& x, const at::Tensor& w, const at::Tensor& wu, at::
   TORCH_CHECK(K % 64 == 0 && K <= 2048 && N % 256 == 0, "d2t_up: needs K % 64 == 0, K <= 2048, N % 256 == 0");
   TORCH_CHECK(packed.size(0) == M && packed.size(1) * 256 == N && counts.size(0) == M && counts.size(1) * 256 == N &&
                   flag.size(0) == M && lcol.size(0) == M && lcol.size(1) == N / 256 * S && lh.sizes() == lcol.sizes() &&
-                  lnnz.size(0) == M && ws.size(0) == (M + 127) / 128 + 1,
+                  lnnz.size(0) == M && ws.size(0) == twell_d2t_up_ws(M),
               "d2t_up: output / workspace shapes");
   const c10::cuda::CUDAGuard guard(x.device());
   check(twell_d2t_up_launch(x.data_ptr(), w.data_ptr(), wu.data_ptr(), (int)M, (int)N, (int)K, (int)S, i32(packed),
@@ -332,6 +332,8 @@ void d2t_up(const at::Tensor& x, const at::Tensor& w, const at::Tensor& wu, at::
                             gather ? 1 : 0, (int)max_ctas, c10::cuda::getCurrentCUDAStream().stream()),
         "d2t_up");
 }
+
+int64_t d2t_up_ws(int64_t M) { return twell_d2t_up_ws(M); }
 
 bool d2t_gemm_supported(int64_t device) { return twell_d2t_gemm_supported((int)device) != 0; }
 
@@ -355,9 +357,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("up_down", &up_down, "y = TwELL(h) @ W_d^T with h = g * (x . W_u[j]) (gated) in one kernel, one block per row");
   m.def("up_list", &up_list, "the large-M up step: each row's TwELL entries and h = g * (x . W_u[j]) as a compact list",
         py::arg("x"), py::arg("wu"), py::arg("packed"), py::arg("counts"), py::arg("flag"), py::arg("lcol"),
-        py::arg("lh"), py::arg("lnnz"), py::arg("N"), py::arg("first_unit") = py::none());
+        py::arg("lh"), py::arg("lnnz"), py::arg("N"), py::arg("rest") = py::none());
   m.def("d2t_up", &d2t_up, "fused d2t with the up step inside (K <= 2048): TwELL and up_list's lists of the rows "
         "its gather warps claimed");
+  m.def("d2t_up_ws", &d2t_up_ws, "int32 elements of d2t_up's workspace for M rows");
   m.def("down_slices", &down_slices, "the large-M down step: y = sum h W_dT[j] over up_list's entries, slice-major");
   m.def("finalize", &finalize, "fp32 accumulator -> bf16 output");
   m.def("relu_mul_stats", &relu_mul_stats, "dense path: relu(g) * u (or relu(g)) in one pass, measuring activity (and the L1 sum)");

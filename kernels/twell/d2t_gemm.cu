@@ -66,7 +66,8 @@ struct UpArgs {
   float* lh;
   int32_t* lnnz;
   int32_t* ready;   // [m_tiles] zeroed: tiles of each row band published (one per consumer warpgroup and tile)
-  int32_t* ticket;  // [1] zeroed: units of UP_UNIT rows claimed; the follow-up up_list starts there
+  int32_t* rest;    // [2 + units] zeroed: units of UP_UNIT rows claimed (the ticket), then the number of abandoned
+                    // units and their list: the follow-up up_list's rows
   int gather;       // 0: the gather warps claim nothing (the 3-stage GEMM alone, for the A/B)
 };
 
@@ -275,19 +276,24 @@ __device__ __forceinline__ void publish(int32_t* ready, int mt, int c, bool lead
   }
 }
 
-// The next unit of UP_UNIT rows whose band is published (claimed in order), or -1: every unit is claimed, or this
-// CTA's consumers are done and the next band is not ready yet (the follow-up up_list takes it from there).
-__device__ int claim_unit(int32_t* ticket, const int32_t* ready, int units, int need, const volatile int* done) {
-  for (;;) {
-    const int t = *reinterpret_cast<volatile int32_t*>(ticket);
-    if (t >= units) return -1;
-    if (ld_acquire(ready + t / (BM / UP_UNIT)) >= need) {
-      if (atomicCAS(ticket, t, t + 1) == t) return t;
-      continue;
+// The next unit of UP_UNIT rows (claimed in order by one atomicAdd: a compare-and-swap on the ticket serialised the
+// claims), once its band is published; -1 when this CTA's consumers are done (the follow-up up_list, at full
+// occupancy, takes the units not claimed yet) or every unit is claimed. A claimed unit whose band is still not
+// published when the consumers are done goes to the abandoned list for the follow-up: it may wait on CTAs that are
+// not resident yet (a grid larger than the SMs it gets), so waiting for it here could deadlock.
+__device__ int claim_unit(int32_t* rest, const int32_t* ready, int units, int need, const volatile int* done) {
+  if (*done == 2) return -1;
+  const int t = atomicAdd(rest, 1);
+  if (t >= units) return -1;
+  const int32_t* band = ready + t / (BM / UP_UNIT);
+  while (ld_acquire(band) < need) {
+    if (*done == 2 && ld_acquire(band) < need) {
+      rest[2 + atomicAdd(rest + 1, 1)] = t;
+      return -1;
     }
-    if (*done == 2) return -1;
     __nanosleep(256);
   }
+  return t;
 }
 
 // One gather warp: up_list's work (kernels/twell/twell_kernels.cu, up_down_kernel LIST) for the rows it claims.
@@ -305,7 +311,7 @@ __device__ void up_gather(const UpArgs& up, int M, int K, int T, int S, const in
   unsigned used = 0;  // W_u rows taken through the ring: slot used % UP_SLOTS, phase parity (used / UP_SLOTS) & 1
   for (;;) {
     int unit = 0;
-    if (lane == 0) unit = claim_unit(up.ticket, up.ready, units, 2 * T, done);
+    if (lane == 0) unit = claim_unit(up.rest, up.ready, units, 2 * T, done);
     unit = __shfl_sync(kFull, unit, 0);
     if (unit < 0) return;
     const int r_end = min(M, (unit + 1) * UP_UNIT);
@@ -658,10 +664,10 @@ cudaError_t twell_d2t_gemm_launch(const void* x, const void* w, int M, int N, in
 }
 
 // d2t with the up step inside (UP): as twell_d2t_gemm_launch (its own epilogue), and wu [N, K] bf16 16-byte aligned,
-// K <= 2048; lcol / lh [M, N/256 * S], lnnz [M] as up_list writes them, for the rows before ticket[0] * unit rows
-// (twell_d2t_up_unit_rows); ws int32 [ceil(M / 128) + 1] zeroed (the band counters, then the ticket). The rows from
-// the ticket on are the follow-up up_list's (twell_up_list_launch with first_unit = the ticket). gather 0: the
-// gather warps claim nothing (the GEMM with UP's 3 stages alone).
+// K <= 2048; lcol / lh [M, N/256 * S], lnnz [M] as up_list writes them, for the units of twell_d2t_up_unit_rows()
+// rows its gather warps claimed and finished; ws int32 [twell_d2t_up_ws(M)] zeroed: the band counters [ceil(M / 128)],
+// then `rest` [2 + units]. The other rows are the follow-up's: twell_up_list_launch with rest = ws + ceil(M / 128).
+// gather 0: the gather warps claim nothing (the GEMM with UP's 3 stages alone, for the A/B).
 cudaError_t twell_d2t_up_launch(const void* x, const void* w, const void* wu, int M, int N, int K, int S,
                                 int32_t* packed, int32_t* counts, int32_t* flag, int32_t* lcol, float* lh,
                                 int32_t* lnnz, int32_t* ws, int gather, int max_ctas, cudaStream_t stream) {
@@ -675,5 +681,8 @@ cudaError_t twell_d2t_up_launch(const void* x, const void* w, const void* wu, in
 }
 
 int twell_d2t_up_unit_rows() { return d2tg::UP_UNIT; }
+long long twell_d2t_up_ws(long long M) {
+  return (M + d2tg::BM - 1) / d2tg::BM + 2 + (M + d2tg::UP_UNIT - 1) / d2tg::UP_UNIT;
+}
 
 }  // extern "C"

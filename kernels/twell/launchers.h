@@ -19,7 +19,7 @@ cudaError_t twell_up_down_launch(const void* x, const void* wu, const void* wdt,
                                  void* y, cudaStream_t stream);
 cudaError_t twell_up_list_launch(const void* x, const void* wu, int rows, int K, int N, int S, const int32_t* packed,
                                  const int32_t* counts, const int32_t* flag, int32_t* lcol, float* lh, int32_t* lnnz,
-                                 const int32_t* first_unit, int unit_rows, cudaStream_t stream);
+                                 const int32_t* rest, int unit_rows, cudaStream_t stream);
 cudaError_t twell_finalize_launch(const float* yacc, const int32_t* flag, int rows, int K, int nan_fill, void* y,
                                   cudaStream_t stream);
 cudaError_t twell_row_stats_launch(const int32_t* counts, const int32_t* flag, int rows, int N,
@@ -35,6 +35,7 @@ cudaError_t twell_d2t_up_launch(const void* x, const void* w, const void* wu, in
                                 int32_t* packed, int32_t* counts, int32_t* flag, int32_t* lcol, float* lh,
                                 int32_t* lnnz, int32_t* ws, int gather, int max_ctas, cudaStream_t stream);
 int twell_d2t_up_unit_rows();
+long long twell_d2t_up_ws(long long M);  // int32 elements of d2t_up's workspace
 cudaError_t twell_decode_fused_launch(const void* x, const void* wg, const void* wu, const void* wdt, int rows,
                                       int K, int N, float* yacc, int32_t* nnz, int32_t* flag, cudaStream_t stream);
 cudaError_t twell_decode_rows_launch(const void* g, long long ldg, const void* x, const void* wu, const void* wdt,

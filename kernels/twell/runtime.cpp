@@ -633,7 +633,7 @@ at::Tensor sparse_path(Call& c, bool sync_free) {
   const bool fused_up = up_list && P.cfg.d2t_up && P.cfg.fused_d2t && K <= 2048 &&
                         twell_d2t_gemm_supported(c.x.get_device());  // (the op's tensors are 16-byte aligned)
   const int64_t m_tiles = (M + 127) / 128;
-  at::Tensor flag_ws = zeroed({M + (fused_up ? m_tiles + 1 : 0)}, i32o, c.stream);
+  at::Tensor flag_ws = zeroed({M + (fused_up ? twell_d2t_up_ws(M) : 0)}, i32o, c.stream);
   at::Tensor flag = flag_ws.narrow(0, 0, M);
   at::Tensor y = at::empty({M, K}, c.x.options());
   at::Tensor lcol, lh, lnnz;

@@ -375,16 +375,25 @@ __global__ void __launch_bounds__(kUdThreads, NI <= 8 ? (LIST ? 6 : 4) : 2)
                                lh, lnnz);
 }
 
-// up_list after the fused d2t with the up step inside: the rows from *first_unit * unit_rows on (those before are
-// listed already), grid-strided. 5 blocks per SM: the row loop's state does not fit 6 blocks' 40 registers.
+// up_list after the fused d2t with the up step inside: the rows its gather warps left, grid-strided. rest = the
+// ticket (units of unit_rows rows claimed), the number of claimed units they abandoned, the abandoned units: their
+// rows first, then every row from the ticket on. 4 blocks per SM: the row loop's state does not fit 6 blocks' 40
+// registers (5: a spill).
 template <int NI, bool GATED>
-__global__ void __launch_bounds__(kUdThreads, NI <= 8 ? 5 : 2)
+__global__ void __launch_bounds__(kUdThreads, NI <= 8 ? 4 : 2)
     up_list_rest_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ wu, int K,
                         int n_tiles, int S, const int32_t* __restrict__ packed, const int32_t* __restrict__ counts,
                         const int32_t* __restrict__ flag, int32_t* __restrict__ lcol, float* __restrict__ lh,
-                        int32_t* __restrict__ lnnz, int rows, const int32_t* __restrict__ first_unit, int unit_rows) {
-  for (int r = *first_unit * unit_rows + (int)blockIdx.x; r < rows; r += (int)gridDim.x)
-    up_down_row<NI, GATED, true>(r, x, wu, nullptr, K, n_tiles, S, 0, packed, counts, flag, nullptr, lcol, lh, lnnz);
+                        int32_t* __restrict__ lnnz, int rows, const int32_t* __restrict__ rest, int unit_rows) {
+  const int units = (rows + unit_rows - 1) / unit_rows;
+  const int from = min(rest[0], units) * unit_rows, abandoned = rest[1] * unit_rows;
+  const int n = abandoned + max(0, rows - from);
+  for (int v = (int)blockIdx.x; v < n; v += (int)gridDim.x) {
+    const int r = v < abandoned ? rest[2 + v / unit_rows] * unit_rows + v % unit_rows : from + (v - abandoned);
+    if (r < rows)
+      up_down_row<NI, GATED, true>(r, x, wu, nullptr, K, n_tiles, S, 0, packed, counts, flag, nullptr, lcol, lh,
+                                   lnnz);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1063,15 +1072,15 @@ static cudaError_t launch_up_down(bool gated, unsigned rows, cudaStream_t stream
                                   const __nv_bfloat16* wu, const __nv_bfloat16* wdt, int K, int n_tiles, int S,
                                   int nan_fill, const int32_t* packed, const int32_t* counts, const int32_t* flag,
                                   __nv_bfloat16* y, int32_t* lcol, float* lh, int32_t* lnnz,
-                                  const int32_t* first_unit = nullptr, int unit_rows = 0, unsigned blocks = 0) {
+                                  const int32_t* rest = nullptr, int unit_rows = 0, unsigned blocks = 0) {
   const size_t smem = (size_t)twell::kUdCap * 8 + (gated ? (size_t)K * 2 : 0);
-  if (first_unit != nullptr) {
+  if (rest != nullptr) {
     if (gated)
       twell::up_list_rest_kernel<NI, true><<<blocks, twell::kUdThreads, smem, stream>>>(
-          x, wu, K, n_tiles, S, packed, counts, flag, lcol, lh, lnnz, (int)rows, first_unit, unit_rows);
+          x, wu, K, n_tiles, S, packed, counts, flag, lcol, lh, lnnz, (int)rows, rest, unit_rows);
     else
       twell::up_list_rest_kernel<NI, false><<<blocks, twell::kUdThreads, smem, stream>>>(
-          x, wu, K, n_tiles, S, packed, counts, flag, lcol, lh, lnnz, (int)rows, first_unit, unit_rows);
+          x, wu, K, n_tiles, S, packed, counts, flag, lcol, lh, lnnz, (int)rows, rest, unit_rows);
     return cudaGetLastError();
   }
 #define TWELL_UD_K(G_, L_)                                                                                        \
@@ -1170,11 +1179,11 @@ cudaError_t twell_up_down_launch(const void* x, const void* wu, const void* wdt,
 
 // up_list (the large-M path's up step): lcol / lh [rows, N / 256 * S], lnnz [rows]; the down step is
 // sfl_slices_launch over W_dT (common/slices.cu). x/wu null for the non-gated op (h = the stored bf16 value).
-// first_unit non-null (after twell_d2t_up_launch): only the rows from *first_unit * unit_rows on, by a grid of
-// 5 blocks per SM striding over them.
+// rest non-null (after twell_d2t_up_launch, its workspace past the band counters): only the rows its gather warps
+// left, by a grid of 4 blocks per SM striding over them.
 cudaError_t twell_up_list_launch(const void* x, const void* wu, int rows, int K, int N, int S, const int32_t* packed,
                                  const int32_t* counts, const int32_t* flag, int32_t* lcol, float* lh, int32_t* lnnz,
-                                 const int32_t* first_unit, int unit_rows, cudaStream_t stream) {
+                                 const int32_t* rest, int unit_rows, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
   if (K % 64 != 0 || K > 4096 || N % twell::kTileN != 0 || N <= 0 || S < 1 || S > twell::kTileN ||
       lcol == nullptr || lh == nullptr || lnnz == nullptr)
@@ -1184,16 +1193,16 @@ cudaError_t twell_up_list_launch(const void* x, const void* wu, int rows, int K,
   const auto* xb = reinterpret_cast<const __nv_bfloat16*>(x);
   const auto* ub = reinterpret_cast<const __nv_bfloat16*>(wu);
   unsigned blocks = (unsigned)rows;
-  if (first_unit != nullptr) {
+  if (rest != nullptr) {
     if (unit_rows < 1) return cudaErrorInvalidValue;
     int dev = 0, sms = 0;
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    blocks = (unsigned)std::min<long long>(rows, 5LL * std::max(sms, 1));
+    blocks = (unsigned)std::min<long long>(rows, 4LL * std::max(sms, 1));
   }
 #define TWELL_UL(NI_)                                                                                             \
   launch_up_down<NI_>(gated, (unsigned)rows, stream, xb, ub, nullptr, K, n_tiles, S, 0, packed, counts, flag, nullptr, \
-                      lcol, lh, lnnz, first_unit, unit_rows, blocks)
+                      lcol, lh, lnnz, rest, unit_rows, blocks)
   if (ni <= 2) return TWELL_UL(2);
   if (ni <= 4) return TWELL_UL(4);
   if (ni <= 8) return TWELL_UL(8);
