@@ -305,9 +305,9 @@ void d2t_gemm(const at::Tensor& x, const at::Tensor& w, at::Tensor packed, at::T
 
 // The fused d2t with the up step inside (d2t_gemm.cu, UP; K <= 2048): d2t_gemm's outputs plus up_list's lists
 // (lcol / lh [M, N/256 * S], lnnz [M]) for the rows its gather warps finished; ws int32 [d2t_up_ws(M)] zeroed.
-// Run up_list(..., rest=ws[ceil(M / 128):]) after it for the others. gather=False: the gather warps claim nothing.
+// Run up_list(..., rest=ws[ceil(M / 128):]) after it for the others. gather: W_u rows in flight per gather warp (1..4; 0: the gather warps claim nothing).
 void d2t_up(const at::Tensor& x, const at::Tensor& w, const at::Tensor& wu, at::Tensor packed, at::Tensor counts,
-            at::Tensor flag, at::Tensor lcol, at::Tensor lh, at::Tensor lnnz, at::Tensor ws, bool gather,
+            at::Tensor flag, at::Tensor lcol, at::Tensor lh, at::Tensor lnnz, at::Tensor ws, int64_t gather,
             int64_t max_ctas) {
   req(x, "x", at::kBFloat16, 2);
   req(w, "w_gate", at::kBFloat16, 2);
@@ -329,7 +329,7 @@ void d2t_up(const at::Tensor& x, const at::Tensor& w, const at::Tensor& wu, at::
   const c10::cuda::CUDAGuard guard(x.device());
   check(twell_d2t_up_launch(x.data_ptr(), w.data_ptr(), wu.data_ptr(), (int)M, (int)N, (int)K, (int)S, i32(packed),
                             i32(counts), i32(flag), i32(lcol), lh.data_ptr<float>(), i32(lnnz), i32(ws),
-                            gather ? 1 : 0, (int)max_ctas, c10::cuda::getCurrentCUDAStream().stream()),
+                            (int)gather, (int)max_ctas, c10::cuda::getCurrentCUDAStream().stream()),
         "d2t_up");
 }
 

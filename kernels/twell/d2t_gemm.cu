@@ -68,7 +68,7 @@ struct UpArgs {
   int32_t* ready;   // [m_tiles] zeroed: tiles of each row band published (one per consumer warpgroup and tile)
   int32_t* rest;    // [2 + units] zeroed: units of UP_UNIT rows claimed (the ticket), then the number of abandoned
                     // units and their list: the follow-up up_list's rows
-  int gather;       // 0: the gather warps claim nothing (the 3-stage GEMM alone, for the A/B)
+  int gather;       // W_u rows in flight per gather warp (1..UP_SLOTS); 0: claim nothing (the 3-stage GEMM alone)
 };
 
 __device__ __forceinline__ uint32_t saddr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
@@ -305,10 +305,11 @@ template <int NI>
 __device__ void up_gather(const UpArgs& up, int M, int K, int T, int S, const int32_t* packed, const int32_t* counts,
                           const int32_t* flag, uint8_t* ring, int* list_j, float* list_g, uint64_t* bars,
                           const volatile int* done, int lane) {
-  if (!up.gather) return;
+  const int slots = min(up.gather, UP_SLOTS);  // ring slots in flight (the A/B varies it); 0: claim nothing
+  if (slots <= 0) return;
   const int K8 = K >> 3, units = (M + UP_UNIT - 1) / UP_UNIT;
   const unsigned bytes = (unsigned)K * 2;
-  unsigned used = 0;  // W_u rows taken through the ring: slot used % UP_SLOTS, phase parity (used / UP_SLOTS) & 1
+  unsigned used = 0;  // W_u rows taken through the ring: slot used % slots, phase parity (used / slots) & 1
   for (;;) {
     int unit = 0;
     if (lane == 0) unit = claim_unit(up.rest, up.ready, units, 2 * T, done);
@@ -349,13 +350,13 @@ __device__ void up_gather(const UpArgs& up, int M, int K, int T, int S, const in
             xr[i] = cc < K8 ? __ldg(xrow + cc) : make_uint4(0, 0, 0, 0);
           }
           if (lane == 0)
-            for (int k = 0; k < min(UP_SLOTS, m); ++k) {
-              const unsigned slot = (used + k) % UP_SLOTS;
+            for (int k = 0; k < min(slots, m); ++k) {
+              const unsigned slot = (used + k) % slots;
               bulk_load(ring + slot * UP_ROW_BYTES, up.wu + (long long)list_j[k] * K, bytes, bars + slot);
             }
           for (int k = 0; k < m; ++k) {
-            const unsigned q = used + k, slot = q % UP_SLOTS;
-            mbar_wait(bars + slot, (q / UP_SLOTS) & 1u);
+            const unsigned q = used + k, slot = q % slots;
+            mbar_wait(bars + slot, (q / slots) & 1u);
             const uint4* w = reinterpret_cast<const uint4*>(ring + slot * UP_ROW_BYTES);
             float d = 0.f;
 #pragma unroll
@@ -373,8 +374,8 @@ __device__ void up_gather(const UpArgs& up, int M, int K, int T, int S, const in
             const float u = warp_sum(d);
             __syncwarp();  // every lane is done with the slot
             if (lane == 0) {
-              if (k + UP_SLOTS < m)
-                bulk_load(ring + slot * UP_ROW_BYTES, up.wu + (long long)list_j[k + UP_SLOTS] * K, bytes, bars + slot);
+              if (k + slots < m)
+                bulk_load(ring + slot * UP_ROW_BYTES, up.wu + (long long)list_j[k + slots] * K, bytes, bars + slot);
               up.lcol[lrow + listed + k] = list_j[k];
               up.lh[lrow + listed + k] = list_g[k] * u;
             }
@@ -667,7 +668,8 @@ cudaError_t twell_d2t_gemm_launch(const void* x, const void* w, int M, int N, in
 // K <= 2048; lcol / lh [M, N/256 * S], lnnz [M] as up_list writes them, for the units of twell_d2t_up_unit_rows()
 // rows its gather warps claimed and finished; ws int32 [twell_d2t_up_ws(M)] zeroed: the band counters [ceil(M / 128)],
 // then `rest` [2 + units]. The other rows are the follow-up's: twell_up_list_launch with rest = ws + ceil(M / 128).
-// gather 0: the gather warps claim nothing (the GEMM with UP's 3 stages alone, for the A/B).
+// gather: W_u rows in flight per gather warp (1..4); 0: the gather warps claim nothing (the GEMM with UP's 3 stages
+// alone, for the A/B).
 cudaError_t twell_d2t_up_launch(const void* x, const void* w, const void* wu, int M, int N, int K, int S,
                                 int32_t* packed, int32_t* counts, int32_t* flag, int32_t* lcol, float* lh,
                                 int32_t* lnnz, int32_t* ws, int gather, int max_ctas, cudaStream_t stream) {
