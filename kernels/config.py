@@ -105,6 +105,8 @@ class KernelConfig:
             a follow-up up_list takes the rows they did not reach. Same bits either way (kernels/README.md, round 13).
         d2t: "fused" (sm_90: the gate GEMM's epilogue writes TwELL) or "cublas" (gate GEMM, then compaction).
         d2t_overlap_min_k: fused d2t: K at or above which compaction warps overlap the next tile's mainloop.
+        d2t_cluster: fused d2t below d2t_overlap_min_k: 2 = CTA pairs (thread-block clusters) share each W_g tile by
+            TMA multicast (a third fewer bytes from the L2 per tile), 1 = every CTA loads its own.
         d2t_max_ctas: > 0 caps the fused d2t's persistent grid (tests); 0 = one CTA per SM.
         gate_scratch_mb: cuBLAS d2t only: bf16 gate-output scratch budget (rows are chunked beyond it).
         decode_tiles_per_warp: tiles per warp in the decode-size down kernel (fp32 atomic split).
@@ -131,6 +133,7 @@ class KernelConfig:
     d2t: str = "fused"
     d2t_overlap_min_k: int = 4096
     d2t_max_ctas: int = 0
+    d2t_cluster: int = 1
     gate_scratch_mb: int = 1024
     decode_tiles_per_warp: int = 4
     fused_decode_max_m: int = FUSED_DECODE_MAX_M
@@ -175,6 +178,8 @@ class KernelConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= top:
                 raise bad(name, f"must be an integer in 0..{top}")
+        if isinstance(self.d2t_cluster, bool) or self.d2t_cluster not in (1, 2):
+            raise bad("d2t_cluster", "must be 1 or 2")
         if isinstance(self.train_dw_nb, bool) or self.train_dw_nb not in (0, 1, 2, 4, 8):
             raise bad("train_dw_nb", "must be 0 (from the rows, kernels/train/README.md), 1, 2, 4 or 8")
         if isinstance(self.backup_rows, bool) or not isinstance(self.backup_rows, int) or self.backup_rows < -1:

@@ -204,7 +204,7 @@ def test_parse_crossover_and_crossover_at():
 
 
 def test_plan_args_layout():
-    """plan_args is what runtime.cpp's parse_config reads: 16 ints in a fixed order, then floats
+    """plan_args is what runtime.cpp's parse_config reads: 17 ints in a fixed order, then floats
     [flagged_dense_above, activity_hint, n, m1, p1, ..., n', m1', p1', ...] with the gated table first."""
     from sfl.kernels.config import KernelConfig
     from sfl.kernels.twell import ops
@@ -212,10 +212,10 @@ def test_plan_args_layout():
     cfg = KernelConfig(mode="sparse", slots=16, decode_max_m=32, self_timing=False, measure_every=7, d2t="cublas",
                        d2t_overlap_min_k=2048, d2t_max_ctas=3, gate_scratch_mb=64,
                        decode_tiles_per_warp=5, fused_decode_max_m=4, rows_decode_max_m=48, decode_rows_slices=3,
-                       backup_rows=40, up_list_min_m=9000, d2t_up=False, flagged_dense_above=0.1,
+                       backup_rows=40, up_list_min_m=9000, d2t_up=False, d2t_cluster=2, flagged_dense_above=0.1,
                        activity_hint=0.03, crossover="1:0.01,64:0.002", crossover_nongated="8:0.2")
     ints, floats = ops.plan_args(cfg)
-    assert ints == [1, 16, 32, 0, 7, 0, 2048, 3, 64, 5, 4, 48, 3, 40, 9000, 0]
+    assert ints == [1, 16, 32, 0, 7, 0, 2048, 3, 64, 5, 4, 48, 3, 40, 9000, 0, 2]
     assert all(type(v) is int for v in ints) and all(type(v) is float for v in floats)
     assert floats == [0.1, 0.03, 2.0, 1.0, 0.01, 64.0, 0.002, 2.0, 1.0, 0.0, 8.0, 0.2]
     ints, _ = ops.plan_args(KernelConfig())

@@ -279,9 +279,10 @@ void decode_fused(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& w
 // x [M, K], w [N, K] bf16 contiguous and 16-byte aligned; packed [M, N/256, S] and counts [M, N/256] are fully
 // written; flag [M] must be zeroed by the caller. overlap: the epilogue variant (true: compaction warps overlap
 // the next tile's mainloop; false: the consumer warps write TwELL themselves). max_ctas > 0 caps the persistent
-// grid (0: one CTA per SM).
+// grid (0: one CTA per SM). cluster 2 (overlap false): CTA pairs share each W_g tile by TMA multicast.
 void d2t_gemm(const at::Tensor& x, const at::Tensor& w, at::Tensor packed, at::Tensor counts, at::Tensor flag,
-              bool overlap, int64_t max_ctas) {
+              bool overlap, int64_t max_ctas, int64_t cluster) {
+  TORCH_CHECK(cluster == 1 || (cluster == 2 && !overlap), "d2t_gemm: cluster must be 1, or 2 without overlap");
   req(x, "x", at::kBFloat16, 2);
   req(w, "w_gate", at::kBFloat16, 2);
   req(packed, "packed", at::kInt, 3);
@@ -298,7 +299,7 @@ void d2t_gemm(const at::Tensor& x, const at::Tensor& w, at::Tensor packed, at::T
               "d2t_gemm: x and w_gate must be 16-byte aligned (call .clone() on an offset view)");
   const c10::cuda::CUDAGuard guard(x.device());
   check(twell_d2t_gemm_launch(x.data_ptr(), w.data_ptr(), (int)M, (int)N, (int)K, (int)packed.size(2), i32(packed),
-                              i32(counts), i32(flag), overlap ? 1 : 0, (int)max_ctas,
+                              i32(counts), i32(flag), overlap ? 1 : 0, (int)cluster, (int)max_ctas,
                               c10::cuda::getCurrentCUDAStream().stream()),
         "d2t_gemm");
 }
@@ -308,7 +309,8 @@ void d2t_gemm(const at::Tensor& x, const at::Tensor& w, at::Tensor packed, at::T
 // Run up_list(..., rest=ws[ceil(M / 128):]) after it for the others. gather: W_u rows in flight per gather warp (1..4; 0: the gather warps claim nothing).
 void d2t_up(const at::Tensor& x, const at::Tensor& w, const at::Tensor& wu, at::Tensor packed, at::Tensor counts,
             at::Tensor flag, at::Tensor lcol, at::Tensor lh, at::Tensor lnnz, at::Tensor ws, int64_t gather,
-            int64_t max_ctas) {
+            int64_t max_ctas, int64_t cluster) {
+  TORCH_CHECK(cluster == 1 || cluster == 2, "d2t_up: cluster must be 1 or 2");
   req(x, "x", at::kBFloat16, 2);
   req(w, "w_gate", at::kBFloat16, 2);
   req(wu, "w_up", at::kBFloat16, 2);
@@ -329,7 +331,7 @@ void d2t_up(const at::Tensor& x, const at::Tensor& w, const at::Tensor& wu, at::
   const c10::cuda::CUDAGuard guard(x.device());
   check(twell_d2t_up_launch(x.data_ptr(), w.data_ptr(), wu.data_ptr(), (int)M, (int)N, (int)K, (int)S, i32(packed),
                             i32(counts), i32(flag), i32(lcol), lh.data_ptr<float>(), i32(lnnz), i32(ws),
-                            (int)gather, (int)max_ctas, c10::cuda::getCurrentCUDAStream().stream()),
+                            (int)gather, (int)cluster, (int)max_ctas, c10::cuda::getCurrentCUDAStream().stream()),
         "d2t_up");
 }
 
@@ -349,7 +351,9 @@ py::dict plan_info(int64_t id);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compact", &compact, "bf16 gate pre-activation rows -> ReLU -> TwELL (packed, counts, flag)");
-  m.def("d2t_gemm", &d2t_gemm, "fused d2t (sm_90a): tensor-core gate GEMM whose epilogue writes TwELL");
+  m.def("d2t_gemm", &d2t_gemm, "fused d2t (sm_90a): tensor-core gate GEMM whose epilogue writes TwELL", py::arg("x"),
+        py::arg("w"), py::arg("packed"), py::arg("counts"), py::arg("flag"), py::arg("overlap"), py::arg("max_ctas"),
+        py::arg("cluster") = 1);
   m.def("d2t_gemm_supported", &d2t_gemm_supported, "whether this device can run d2t_gemm (sm_90 + tensor-map encoder)");
   m.def("decode_fused", &decode_fused, "rows <= 8: fused gate GEMV + up + down into an fp32 accumulator");
   m.def("gated_up", &gated_up, "h = g * (x . W_u[j]) for every stored TwELL entry (fp32)");
@@ -359,7 +363,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("wu"), py::arg("packed"), py::arg("counts"), py::arg("flag"), py::arg("lcol"),
         py::arg("lh"), py::arg("lnnz"), py::arg("N"), py::arg("rest") = py::none());
   m.def("d2t_up", &d2t_up, "fused d2t with the up step inside (K <= 2048): TwELL and up_list's lists of the rows "
-        "its gather warps claimed");
+        "its gather warps claimed", py::arg("x"), py::arg("w"), py::arg("wu"), py::arg("packed"), py::arg("counts"),
+        py::arg("flag"), py::arg("lcol"), py::arg("lh"), py::arg("lnnz"), py::arg("ws"), py::arg("gather"),
+        py::arg("max_ctas"), py::arg("cluster") = 1);
   m.def("d2t_up_ws", &d2t_up_ws, "int32 elements of d2t_up's workspace for M rows");
   m.def("down_slices", &down_slices, "the large-M down step: y = sum h W_dT[j] over up_list's entries, slice-major");
   m.def("finalize", &finalize, "fp32 accumulator -> bf16 output");

@@ -99,6 +99,29 @@ __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint
       ::"r"(saddr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(saddr(bar)), "r"(c0), "r"(c1) : "memory");
 }
 
+// The same into both CTAs of a 2-CTA cluster (the same shared-memory offset and barrier in each, ctaMask 0b11).
+__device__ __forceinline__ void tma_load_pair(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%3, %4}], [%2], %5;"
+      ::"r"(saddr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(saddr(bar)), "r"(c0), "r"(c1), "h"((uint16_t)3)
+      : "memory");
+}
+// Arrive on the barrier at the same offset in CTA `peer` of this cluster.
+__device__ __forceinline__ void mbar_arrive_peer(uint64_t* b, unsigned peer) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(saddr(b)), "r"(peer));
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+}
+__device__ __forceinline__ unsigned cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_sync() {  // every thread of both CTAs (not warp-aligned: warps diverge here)
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+}
+
 // Shared-memory matrix descriptor: K-major, 128B swizzle, 8-row groups 1024 bytes apart (SBO); LBO unused.
 __device__ __forceinline__ uint64_t desc_sw128(const void* p) {
   return ((uint64_t)((saddr(p) & 0x3FFFF) >> 4)) | (1ull << 16) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
@@ -401,7 +424,10 @@ __device__ __forceinline__ void tile_of(int u, int m_tiles, int T, int& mt, int&
   mt = first + (local - nt * gm);
 }
 
-template <bool OV, bool UP>
+// CL = 2 (K < d2t_overlap_min_k only): the two CTAs of a cluster take row tiles 2p and 2p + 1 of one column tile
+// and share its W_g tile: each loads half of it into both (TMA multicast), so the GEMM reads 1 MB instead of 1.5 MB
+// from the L2 per 128 x 256 tile at K = 2048. A stage is refilled once the consumers of both CTAs are done with it.
+template <bool OV, bool UP, int CL>
 __global__ void __launch_bounds__(THREADS, 1)
     d2t_gemm_kernel(const __grid_constant__ CUtensorMap tm_x, const __grid_constant__ CUtensorMap tm_w, int M,
                     int N, int K, int S, int32_t* __restrict__ packed, int32_t* __restrict__ counts,
@@ -419,14 +445,17 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   const int T = N / BN;
   const int m_tiles = (M + BM - 1) / BM;
-  const int units = m_tiles * T;
+  const int pairs = (m_tiles + CL - 1) / CL;  // CL = 1: row tiles
+  const int units = pairs * T;
   const int KB = K / BK;
   const int wg = threadIdx.x / 128;
+  const unsigned rank = CL == 1 ? 0u : cluster_rank();
+  const int u0 = (int)blockIdx.x / CL, u_step = (int)gridDim.x / CL;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full_bar[s], 1);   // the producer's arrive (+ 48 KB of TMA bytes)
-      mbar_init(&empty_bar[s], 2);  // one arrive per consumer warpgroup
+      mbar_init(&empty_bar[s], 2 * CL);  // one arrive per consumer warpgroup (of both CTAs with CL = 2)
     }
     mbar_init(&staged_bar, 256);           // every consumer thread
     mbar_init(&drained_bar, COMPACT_WARPS);
@@ -435,7 +464,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     consumers_done = 0;
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  __syncthreads();
+  if (CL == 1) __syncthreads();
+  else cluster_sync();  // the peer's multicasts and arrives find this CTA's barriers initialised
 
   if (wg == 0) {  // producer warpgroup: warp 0 issues the TMA loads; OV: warps 1-3 write TwELL from `staging`
     // UP: the gather warps hold x_r (32 registers) on top of their state; 96 + 2 x 200 still fits the SM's file
@@ -446,15 +476,20 @@ __global__ void __launch_bounds__(THREADS, 1)
       if (lane == 0) {
         int stage = 0;
         unsigned phase = 0;
-        for (int u = blockIdx.x; u < units; u += gridDim.x) {
+        for (int u = u0; u < units; u += u_step) {
           int mt, nt;
-          tile_of(u, m_tiles, T, mt, nt);
+          tile_of(u, pairs, T, mt, nt);
+          mt = mt * CL + (int)rank;
           for (int kb = 0; kb < KB; ++kb) {
-            mbar_wait(&empty_bar[stage], phase ^ 1u);  // both consumer warpgroups are done with this stage
+            mbar_wait(&empty_bar[stage], phase ^ 1u);  // the consumer warpgroups (of both CTAs) are done with it
             uint8_t* a = ring + stage * STAGE_BYTES;
             mbar_expect_tx(&full_bar[stage], STAGE_BYTES);
             tma_load(a, &tm_x, &full_bar[stage], kb * BK, mt * BM);  // rows past M arrive as zeros
-            tma_load(a + A_BYTES, &tm_w, &full_bar[stage], kb * BK, nt * BN);
+            if (CL == 1)
+              tma_load(a + A_BYTES, &tm_w, &full_bar[stage], kb * BK, nt * BN);
+            else  // this CTA's half of the W_g tile, into both CTAs
+              tma_load_pair(a + A_BYTES + rank * (B_BYTES / 2), &tm_w, &full_bar[stage], kb * BK,
+                            nt * BN + (int)rank * (BN / 2));
             if (++stage == STAGES) { stage = 0; phase ^= 1u; }
           }
         }
@@ -463,9 +498,10 @@ __global__ void __launch_bounds__(THREADS, 1)
       // Compaction of each finished tile (one warp per row, 8 values per lane, RB rows' warp scans interleaved)
       // while the consumers already run the next tile's mainloop.
       unsigned t = 0;
-      for (int u = blockIdx.x; u < units; u += gridDim.x, ++t) {
+      for (int u = u0; u < units; u += u_step, ++t) {
         int mt, nt;
-        tile_of(u, m_tiles, T, mt, nt);
+        tile_of(u, pairs, T, mt, nt);
+        mt = mt * CL + (int)rank;
         mbar_wait(&staged_bar, t & 1u);
         for (int r = (warp - 1) * RB; r < BM && mt * BM + r < M; r += COMPACT_WARPS * RB) {
           uint4 v[RB];
@@ -492,9 +528,10 @@ __global__ void __launch_bounds__(THREADS, 1)
     float d[128];
     int stage = 0, published = -1;  // UP: the row band of the last tile whose TwELL is not yet published
     unsigned phase = 0, t = 0;
-    for (int u = blockIdx.x; u < units; u += gridDim.x, ++t) {
+    for (int u = u0; u < units; u += u_step, ++t) {
       int mt, nt;
-      tile_of(u, m_tiles, T, mt, nt);
+      tile_of(u, pairs, T, mt, nt);
+      mt = mt * CL + (int)rank;
       // k-block 0 is peeled so that the accumulators are provably dead between tiles (write-only first wgmma)
       mbar_wait(&full_bar[stage], phase);
       {
@@ -517,13 +554,19 @@ __global__ void __launch_bounds__(THREADS, 1)
         for (int kk = 0; kk < BK / 16; ++kk) wgmma_m64n256k16(d, desc_sw128(a + 32 * kk), desc_sw128(b + 32 * kk));
         wgmma_commit();
         wgmma_wait<1>();  // the previous k-block's wgmma are done: its stage can be refilled
-        if (leader) mbar_arrive(&empty_bar[prev]);
+        if (leader) {
+          mbar_arrive(&empty_bar[prev]);
+          if (CL == 2) mbar_arrive_peer(&empty_bar[prev], rank ^ 1u);
+        }
         prev = stage;
         if (++stage == STAGES) { stage = 0; phase ^= 1u; }
       }
       wgmma_wait<0>();
       fence_acc(d);
-      if (leader) mbar_arrive(&empty_bar[prev]);
+      if (leader) {
+        mbar_arrive(&empty_bar[prev]);
+        if (CL == 2) mbar_arrive_peer(&empty_bar[prev], rank ^ 1u);
+      }
       if (UP && published >= 0) publish(up.ready, published, c, leader);  // the previous tile's stores are done
       if (UP) published = mt;
 
@@ -570,6 +613,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       if (leader) atomicAdd(&consumers_done, 1);
     }
   }
+  if (CL == 2) cluster_sync();  // no CTA leaves while its peer may still arrive on its barriers
 }
 
 typedef CUresult (*EncodeTiledFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -605,42 +649,90 @@ static bool encode(CUtensorMap* map, const void* base, int rows, int K, int box_
 }  // namespace d2tg
 
 namespace d2tg {
-template <bool OV, bool UP>
+template <bool OV, bool UP, int CL>
 static cudaError_t set_smem() {
-  return cudaFuncSetAttribute(d2t_gemm_kernel<OV, UP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  return cudaFuncSetAttribute(d2t_gemm_kernel<OV, UP, CL>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                               Cfg<OV, UP>::SMEM_BYTES);
 }
 
-static int g_device_ready[64];  // 1 + SM count once the smem attributes are set on that device
+struct DeviceInfo {
+  int ready = 0, sms = 0;
+  int clusters[2] = {0, 0};  // CL = 2: clusters resident at once (cudaOccupancyMaxActiveClusters) without / with UP
+};
+static DeviceInfo g_device[64];
 
-// The checks, tensor maps and grid every variant shares; launches d2t_gemm_kernel<OV, UP>.
-template <bool OV, bool UP>
+template <bool UP>
+static int max_clusters() {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(2);
+  cfg.blockDim = dim3(THREADS);
+  cfg.dynamicSmemBytes = Cfg<false, UP>::SMEM_BYTES;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = 2;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, d2t_gemm_kernel<false, UP, 2>, &cfg) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+// The checks, tensor maps and grid every variant shares; launches d2t_gemm_kernel<OV, UP, CL>.
+template <bool OV, bool UP, int CL>
 static cudaError_t launch(const void* x, const void* w, int M, int N, int K, int S, int32_t* packed, int32_t* counts,
                           int32_t* flag, const UpArgs& up, int max_ctas, cudaStream_t stream) {
   if (M <= 0) return cudaSuccess;
   if (K <= 0 || K % BK != 0 || N <= 0 || N % BN != 0 || S < 1 || S > BN) return cudaErrorInvalidValue;
   if ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) & 15) return cudaErrorInvalidValue;
   CUtensorMap tm_x, tm_w;
-  if (!encode(&tm_x, x, M, K, BM) || !encode(&tm_w, w, N, K, BN)) return cudaErrorNotSupported;
+  if (!encode(&tm_x, x, M, K, BM) || !encode(&tm_w, w, N, K, BN / CL)) return cudaErrorNotSupported;
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
   if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
-  if (g_device_ready[dev] == 0) {
-    if ((e = set_smem<false, false>()) != cudaSuccess || (e = set_smem<true, false>()) != cudaSuccess ||
-        (e = set_smem<false, true>()) != cudaSuccess)
+  DeviceInfo& D = g_device[dev];
+  if (D.ready == 0) {
+    if ((e = set_smem<false, false, 1>()) != cudaSuccess || (e = set_smem<true, false, 1>()) != cudaSuccess ||
+        (e = set_smem<false, true, 1>()) != cudaSuccess || (e = set_smem<false, false, 2>()) != cudaSuccess ||
+        (e = set_smem<false, true, 2>()) != cudaSuccess)
       return e;
-    int sms = 0;
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    g_device_ready[dev] = 1 + sms;
+    cudaDeviceGetAttribute(&D.sms, cudaDevAttrMultiProcessorCount, dev);
+    D.clusters[0] = max_clusters<false>();
+    D.clusters[1] = max_clusters<true>();
+    D.ready = 1;
   }
-  const long long sms = g_device_ready[dev] - 1;
-  const long long units = (long long)((M + BM - 1) / BM) * (N / BN);
-  long long grid = units < sms ? units : sms;  // persistent: one CTA per SM at most
-  if (max_ctas > 0 && grid > max_ctas) grid = max_ctas;
-  d2t_gemm_kernel<OV, UP><<<(unsigned)grid, THREADS, Cfg<OV, UP>::SMEM_BYTES, stream>>>(tm_x, tm_w, M, N, K, S, packed,
-                                                                                       counts, flag, up);
-  return cudaGetLastError();
+  const long long m_tiles = (M + BM - 1) / BM;
+  const long long units = (m_tiles + CL - 1) / CL * (N / BN);
+  // persistent: one CTA per SM at most (CL = 2: the clusters that are resident at once)
+  long long ctas = CL == 1 ? D.sms : 2LL * D.clusters[UP ? 1 : 0];
+  if (max_ctas > 0 && ctas > max_ctas) ctas = max_ctas;
+  long long groups = ctas / CL;
+  if (groups > units) groups = units;
+  if (groups < 1) groups = 1;  // (CL = 2 under max_ctas = 1: one pair)
+  const unsigned grid = (unsigned)(groups * CL);
+  if (CL == 1) {
+    d2t_gemm_kernel<OV, UP, 1><<<grid, THREADS, Cfg<OV, UP>::SMEM_BYTES, stream>>>(tm_x, tm_w, M, N, K, S, packed,
+                                                                                   counts, flag, up);
+    return cudaGetLastError();
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(THREADS);
+  cfg.dynamicSmemBytes = Cfg<OV, UP>::SMEM_BYTES;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = 2;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, d2t_gemm_kernel<OV, UP, CL>, tm_x, tm_w, M, N, K, S, packed, counts, flag, up);
 }
 }  // namespace d2tg
 
@@ -656,12 +748,15 @@ int twell_d2t_gemm_supported(int device) {
 
 // x [M, K], w [N, K] bf16 row-major, 16-byte aligned; K % 64 == 0, N % 256 == 0. packed [M, N/256, S], counts
 // [M, N/256] int32 (fully written), flag [M] int32 zeroed by the caller. overlap: 1 = the overlapped epilogue
-// (compaction warps), 0 = the consumers write TwELL themselves. max_ctas > 0 caps the persistent grid.
+// (compaction warps), 0 = the consumers write TwELL themselves. cluster 2 (overlap 0 only): CTA pairs share the W_g
+// tile by TMA multicast. max_ctas > 0 caps the persistent grid.
 cudaError_t twell_d2t_gemm_launch(const void* x, const void* w, int M, int N, int K, int S, int32_t* packed,
-                                  int32_t* counts, int32_t* flag, int overlap, int max_ctas, cudaStream_t stream) {
+                                  int32_t* counts, int32_t* flag, int overlap, int cluster, int max_ctas,
+                                  cudaStream_t stream) {
   const d2tg::UpArgs none{};
-  return overlap ? d2tg::launch<true, false>(x, w, M, N, K, S, packed, counts, flag, none, max_ctas, stream)
-                 : d2tg::launch<false, false>(x, w, M, N, K, S, packed, counts, flag, none, max_ctas, stream);
+  if (overlap) return d2tg::launch<true, false, 1>(x, w, M, N, K, S, packed, counts, flag, none, max_ctas, stream);
+  if (cluster == 2) return d2tg::launch<false, false, 2>(x, w, M, N, K, S, packed, counts, flag, none, max_ctas, stream);
+  return d2tg::launch<false, false, 1>(x, w, M, N, K, S, packed, counts, flag, none, max_ctas, stream);
 }
 
 // d2t with the up step inside (UP): as twell_d2t_gemm_launch (its own epilogue), and wu [N, K] bf16 16-byte aligned,
@@ -672,14 +767,16 @@ cudaError_t twell_d2t_gemm_launch(const void* x, const void* w, int M, int N, in
 // alone, for the A/B).
 cudaError_t twell_d2t_up_launch(const void* x, const void* w, const void* wu, int M, int N, int K, int S,
                                 int32_t* packed, int32_t* counts, int32_t* flag, int32_t* lcol, float* lh,
-                                int32_t* lnnz, int32_t* ws, int gather, int max_ctas, cudaStream_t stream) {
+                                int32_t* lnnz, int32_t* ws, int gather, int cluster, int max_ctas,
+                                cudaStream_t stream) {
   if (K > 2048 || wu == nullptr || (reinterpret_cast<uintptr_t>(wu) & 15) || lcol == nullptr || lh == nullptr ||
       lnnz == nullptr || ws == nullptr)
     return cudaErrorInvalidValue;
   const int m_tiles = (M + d2tg::BM - 1) / d2tg::BM;
   const d2tg::UpArgs up{reinterpret_cast<const __nv_bfloat16*>(x), reinterpret_cast<const __nv_bfloat16*>(wu),
                         lcol, lh, lnnz, ws, ws + m_tiles, gather};
-  return d2tg::launch<false, true>(x, w, M, N, K, S, packed, counts, flag, up, max_ctas, stream);
+  if (cluster == 2) return d2tg::launch<false, true, 2>(x, w, M, N, K, S, packed, counts, flag, up, max_ctas, stream);
+  return d2tg::launch<false, true, 1>(x, w, M, N, K, S, packed, counts, flag, up, max_ctas, stream);
 }
 
 int twell_d2t_up_unit_rows() { return d2tg::UP_UNIT; }

@@ -30,10 +30,12 @@ cudaError_t twell_relu_mul_stats_launch(const void* g, long long ldg, const void
                                         cudaStream_t stream);
 int twell_d2t_gemm_supported(int device);
 cudaError_t twell_d2t_gemm_launch(const void* x, const void* w, int M, int N, int K, int S, int32_t* packed,
-                                  int32_t* counts, int32_t* flag, int overlap, int max_ctas, cudaStream_t stream);
+                                  int32_t* counts, int32_t* flag, int overlap, int cluster, int max_ctas,
+                                  cudaStream_t stream);
 cudaError_t twell_d2t_up_launch(const void* x, const void* w, const void* wu, int M, int N, int K, int S,
                                 int32_t* packed, int32_t* counts, int32_t* flag, int32_t* lcol, float* lh,
-                                int32_t* lnnz, int32_t* ws, int gather, int max_ctas, cudaStream_t stream);
+                                int32_t* lnnz, int32_t* ws, int gather, int cluster, int max_ctas,
+                                cudaStream_t stream);
 int twell_d2t_up_unit_rows();
 long long twell_d2t_up_ws(long long M);  // int32 elements of d2t_up's workspace
 cudaError_t twell_decode_fused_launch(const void* x, const void* wg, const void* wu, const void* wdt, int rows,

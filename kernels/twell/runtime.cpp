@@ -112,7 +112,7 @@ at::Tensor kept_empty(at::IntArrayRef size, const at::TensorOptions& opts, cudaS
 struct Config {
   int mode = kAuto, slots = 32, decode_max_m = 64, measure_every = 16, d2t_overlap_min_k = 4096, d2t_max_ctas = 0;
   int decode_tiles_per_warp = 4, fused_decode_max_m = 2, rows_decode_max_m = 64;
-  int decode_rows_slices = 0, backup_rows = -1, up_list_min_m = 16384;
+  int decode_rows_slices = 0, backup_rows = -1, up_list_min_m = 16384, d2t_cluster = 1;
   bool self_timing = true, fused_d2t = true, d2t_up = true;
   int64_t gate_scratch_mb = 1024;
   double flagged_dense_above = 0.05, activity_hint = 0.0;
@@ -121,7 +121,7 @@ struct Config {
 };
 
 Config parse_config(at::IntArrayRef ic, at::ArrayRef<double> fc) {
-  TORCH_CHECK(ic.size() == 16 && fc.size() >= 4, "sfl_twell::ffn: malformed plan arguments (build them with "
+  TORCH_CHECK(ic.size() == 17 && fc.size() >= 4, "sfl_twell::ffn: malformed plan arguments (build them with "
               "kernels.twell.ops.plan_args)");
   Config c;
   c.mode = (int)ic[0]; c.slots = (int)ic[1]; c.decode_max_m = (int)ic[2]; c.self_timing = ic[3] != 0;
@@ -129,6 +129,7 @@ Config parse_config(at::IntArrayRef ic, at::ArrayRef<double> fc) {
   c.d2t_max_ctas = (int)ic[7]; c.gate_scratch_mb = ic[8]; c.decode_tiles_per_warp = (int)ic[9];
   c.fused_decode_max_m = (int)ic[10]; c.rows_decode_max_m = (int)ic[11]; c.decode_rows_slices = (int)ic[12];
   c.backup_rows = (int)ic[13]; c.up_list_min_m = (int)ic[14]; c.d2t_up = ic[15] != 0;
+  c.d2t_cluster = (int)ic[16];
   c.flagged_dense_above = fc[0];
   c.activity_hint = fc[1];
   size_t i = 2;
@@ -513,7 +514,8 @@ void d2t_into(const at::Tensor& x, const at::Tensor& w, at::Tensor& packed, at::
   const int S = (int)packed.size(2);
   if (cfg.fused_d2t && twell_d2t_gemm_supported(x.get_device())) {
     check(twell_d2t_gemm_launch(x.data_ptr(), w.data_ptr(), (int)M, (int)N, (int)K, S, i32(packed), i32(counts),
-                                i32(flag), K >= cfg.d2t_overlap_min_k ? 1 : 0, cfg.d2t_max_ctas, stream),
+                                i32(flag), K >= cfg.d2t_overlap_min_k ? 1 : 0, cfg.d2t_cluster, cfg.d2t_max_ctas,
+                                stream),
           "d2t_gemm");
     if (variant) *variant = "fused";
     return;
@@ -645,7 +647,7 @@ at::Tensor sparse_path(Call& c, bool sync_free) {
   if (fused_up) {
     check(twell_d2t_up_launch(c.x.data_ptr(), c.gate_w().data_ptr(), c.wu.data_ptr(), (int)M, (int)N, (int)K, S,
                               i32(packed), i32(counts), i32(flag), i32(lcol), lh.data_ptr<float>(), i32(lnnz),
-                              i32(flag_ws) + M, 4, P.cfg.d2t_max_ctas, c.stream),
+                              i32(flag_ws) + M, 4, P.cfg.d2t_cluster, P.cfg.d2t_max_ctas, c.stream),
           "d2t_up");
     P.last_d2t = "fused+up";
   } else {

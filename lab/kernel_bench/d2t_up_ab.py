@@ -1,7 +1,8 @@
 """A/B of the large-M gated path's first two steps: the fused d2t then up_list (today's path) against the fused d2t
 with the up step inside (d2t_up: gather warps list the rows of finished row bands during the GEMM; a follow-up
 up_list takes the rest), each followed by the same down step (down_slices). Also d2t_up with its gather warps off
-(the GEMM at 3 stages alone) to separate the ring's cost from the overlap. Checks, per case, that both paths give
+(the GEMM at 3 stages alone) to separate the ring's cost from the overlap, and both paths with the d2t's CTA pairs
+sharing each W_g tile (d2t_cluster 2). Checks, per case, that both paths give
 the same TwELL counts and flags, the same lists and the same y bits on every unflagged row; logs the share of rows
 the gather warps listed. Timed in rotation with the L2 flushed before each call, medians. JSONL with provenance.
 
@@ -70,38 +71,51 @@ def main() -> int:
             a, b = bufs
             ws = torch.zeros(ext.d2t_up_ws(M), device=DEV, dtype=torch.int32)
 
-            def today():
+            def today(cluster: int = 1):
                 a["flag"].zero_()
-                ext.d2t_gemm(x, wg, a["packed"], a["counts"], a["flag"], False, 0)
+                ext.d2t_gemm(x, wg, a["packed"], a["counts"], a["flag"], False, 0, cluster)
                 ext.up_list(x, wu, a["packed"], a["counts"], a["flag"], a["lcol"], a["lh"], a["lnnz"], N)
                 ext.down_slices(wdt, a["lcol"], a["lnnz"], a["flag"], a["lh"], a["y"], 1)
 
-            def fused(gather: int = 4, down: bool = True):
+            def fused(gather: int = 4, down: bool = True, cluster: int = 1):
                 b["flag"].zero_()
                 ws.zero_()
                 ext.d2t_up(x, wg, wu, b["packed"], b["counts"], b["flag"], b["lcol"], b["lh"], b["lnnz"], ws,
-                           gather, 0)
+                           gather, 0, cluster)
                 ext.up_list(x, wu, b["packed"], b["counts"], b["flag"], b["lcol"], b["lh"], b["lnnz"], N,
                             rest=ws[m_tiles:])
                 if down:
                     ext.down_slices(wdt, b["lcol"], b["lnnz"], b["flag"], b["lh"], b["y"], 1)
 
-            def fused_gemm_only(gather: int):
+            def fused_gemm_only(gather: int, cluster: int = 1):
                 b["flag"].zero_()
                 ws.zero_()
                 ext.d2t_up(x, wg, wu, b["packed"], b["counts"], b["flag"], b["lcol"], b["lh"], b["lnnz"], ws,
-                           gather, 0)
+                           gather, 0, cluster)
 
-            today()
+            checks = {}
+            for name, run_b in (("up", lambda: fused()), ("pair", lambda: today(2)), ("pair_up", lambda: fused(4, True, 2))):
+                today()
+                if name == "pair":   # the CTA-pair d2t into b's buffers: d2t + up_list + slices as today
+                    b["flag"].zero_()
+                    ext.d2t_gemm(x, wg, b["packed"], b["counts"], b["flag"], False, 0, 2)
+                    ext.up_list(x, wu, b["packed"], b["counts"], b["flag"], b["lcol"], b["lh"], b["lnnz"], N)
+                    ext.down_slices(wdt, b["lcol"], b["lnnz"], b["flag"], b["lh"], b["y"], 1)
+                else:
+                    run_b()
+                torch.cuda.synchronize()
+                ok = ~a["flag"].bool()
+                checks[name] = (torch.equal(a["counts"], b["counts"]) and torch.equal(a["flag"], b["flag"])
+                                and same_lists(a["lnnz"], a["lcol"], a["lh"], b["lnnz"], b["lcol"], b["lh"], ok)
+                                and torch.equal(a["y"][ok], b["y"][ok]))
             fused()
             torch.cuda.synchronize()
             listed_in_kernel = in_kernel(ws, m_tiles, M)
-            ok = ~a["flag"].bool()
-            checks = {"counts": torch.equal(a["counts"], b["counts"]), "flag": torch.equal(a["flag"], b["flag"]),
-                      "lists": same_lists(a["lnnz"], a["lcol"], a["lh"], b["lnnz"], b["lcol"], b["lh"], ok),
-                      "y_bits": torch.equal(a["y"][ok], b["y"][ok])}
-            fns = {"today": today, "fused_up": fused, "fused_up_gather_off": lambda: fused(0),
+            fns = {"today": today, "today_pair": lambda: today(2), "fused_up": fused,
+                   "fused_up_pair": lambda: fused(4, True, 2), "fused_up_gather_off": lambda: fused(0),
                    "d2t": lambda: ext.d2t_gemm(x, wg, a["packed"], a["counts"], a["flag"], False, 0),
+                   "d2t_pair": lambda: ext.d2t_gemm(x, wg, a["packed"], a["counts"], a["flag"], False, 0, 2),
+                   "d2t_up_kernel_pair": lambda: fused_gemm_only(4, 2),
                    "d2t_up_kernel": lambda: fused_gemm_only(4),
                    "d2t_up_kernel_2_in_flight": lambda: fused_gemm_only(2),
                    "d2t_up_kernel_1_in_flight": lambda: fused_gemm_only(1),
@@ -118,6 +132,9 @@ def main() -> int:
                 fused(g)
                 torch.cuda.synchronize()
                 listed_timed[g] = in_kernel(ws, m_tiles, M)
+            fused(4, True, 2)
+            torch.cuda.synchronize()
+            listed_timed["pair"] = in_kernel(ws, m_tiles, M)
             nnz = a["counts"].clamp(max=S).sum(1).float()
             row = {**prov, "M": M, "K": K, "N": N, "S": S, "pattern": pattern, "activity": p, "heavy_frac": heavy,
                    "nnz_mean": nnz[ok].mean().item(), "flagged_rows": int((~ok).sum()), "ms": ms, "checks": checks,
