@@ -337,6 +337,12 @@ void d2t_up(const at::Tensor& x, const at::Tensor& w, const at::Tensor& wu, at::
 
 int64_t d2t_up_ws(int64_t M) { return twell_d2t_up_ws(M); }
 
+std::vector<int64_t> d2t_grid_info() {
+  int sms = 0, pairs = 0, pairs_up = 0;
+  twell_d2t_grid_info(&sms, &pairs, &pairs_up);
+  return {sms, pairs, pairs_up};
+}
+
 bool d2t_gemm_supported(int64_t device) { return twell_d2t_gemm_supported((int)device) != 0; }
 
 std::string source_hash() { return TWELL_STR(TWELL_SRC_HASH); }
@@ -367,6 +373,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("flag"), py::arg("lcol"), py::arg("lh"), py::arg("lnnz"), py::arg("ws"), py::arg("gather"),
         py::arg("max_ctas"), py::arg("cluster") = 1);
   m.def("d2t_up_ws", &d2t_up_ws, "int32 elements of d2t_up's workspace for M rows");
+  m.def("d2t_grid_info", &d2t_grid_info, "[SMs, CTA pairs resident at once, the same with the up step] (after a launch)");
   m.def("down_slices", &down_slices, "the large-M down step: y = sum h W_dT[j] over up_list's entries, slice-major");
   m.def("finalize", &finalize, "fp32 accumulator -> bf16 output");
   m.def("relu_mul_stats", &relu_mul_stats, "dense path: relu(g) * u (or relu(g)) in one pass, measuring activity (and the L1 sum)");

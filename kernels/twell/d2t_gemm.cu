@@ -780,6 +780,17 @@ cudaError_t twell_d2t_up_launch(const void* x, const void* w, const void* wu, in
 }
 
 int twell_d2t_up_unit_rows() { return d2tg::UP_UNIT; }
+
+// The fused d2t's persistent grids on the current device (after a first launch): SMs, CTA pairs resident at once
+// without / with UP (cudaOccupancyMaxActiveClusters). For logs.
+void twell_d2t_grid_info(int* sms, int* pairs, int* pairs_up) {
+  int dev = 0;
+  cudaGetDevice(&dev);
+  const d2tg::DeviceInfo& D = d2tg::g_device[dev < 0 || dev >= 64 ? 0 : dev];
+  *sms = D.sms;
+  *pairs = D.clusters[0];
+  *pairs_up = D.clusters[1];
+}
 long long twell_d2t_up_ws(long long M) {
   return (M + d2tg::BM - 1) / d2tg::BM + 2 + (M + d2tg::UP_UNIT - 1) / d2tg::UP_UNIT;
 }

@@ -37,6 +37,7 @@ cudaError_t twell_d2t_up_launch(const void* x, const void* w, const void* wu, in
                                 int32_t* lnnz, int32_t* ws, int gather, int cluster, int max_ctas,
                                 cudaStream_t stream);
 int twell_d2t_up_unit_rows();
+void twell_d2t_grid_info(int* sms, int* pairs, int* pairs_up);
 long long twell_d2t_up_ws(long long M);  // int32 elements of d2t_up's workspace
 cudaError_t twell_decode_fused_launch(const void* x, const void* wg, const void* wu, const void* wdt, int rows,
                                       int K, int N, float* yacc, int32_t* nnz, int32_t* flag, cudaStream_t stream);
