@@ -111,7 +111,7 @@ __device__ __forceinline__ void tma_load_pair(void* dst, const CUtensorMap* map,
 __device__ __forceinline__ void mbar_arrive_peer(uint64_t* b, unsigned peer) {
   uint32_t remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(saddr(b)), "r"(peer));
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
 }
 __device__ __forceinline__ unsigned cluster_rank() {
   unsigned r;
