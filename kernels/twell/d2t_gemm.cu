@@ -69,6 +69,7 @@ struct UpArgs {
   int32_t* rest;    // [2 + units] zeroed: units of UP_UNIT rows claimed (the ticket), then the number of abandoned
                     // units and their list: the follow-up up_list's rows
   int gather;       // W_u rows in flight per gather warp (1..UP_SLOTS); 0: claim nothing (the 3-stage GEMM alone)
+  int hints;        // 1: L2 policies (x evict_first; W_g and W_u evict_last)
 };
 
 __device__ __forceinline__ uint32_t saddr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
@@ -97,6 +98,22 @@ __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
       ::"r"(saddr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(saddr(bar)), "r"(c0), "r"(c1) : "memory");
+}
+
+// The same with an L2 eviction policy (createpolicy): UP keeps W_g and W_u in the L2 while x streams through.
+__device__ __forceinline__ void tma_load_hint(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1,
+                                              uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1, {%3, %4}], [%2], %5;"
+      ::"r"(saddr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(saddr(bar)), "r"(c0), "r"(c1), "l"(policy)
+      : "memory");
+}
+__device__ __forceinline__ uint64_t l2_policy(bool evict_last) {
+  uint64_t p;
+  if (evict_last) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
+  else asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+  return p;
 }
 
 // The same into both CTAs of a 2-CTA cluster (the same shared-memory offset and barrier in each, ctaMask 0b11).
@@ -280,11 +297,17 @@ __device__ __forceinline__ int ld_acquire(const int32_t* p) {
   asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
-// one contiguous global -> shared copy (16-byte aligned, a multiple of 16 bytes) completing on `bar`
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
+// one contiguous global -> shared copy (16-byte aligned, a multiple of 16 bytes) completing on `bar`; policy 0:
+// no L2 hint
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes, uint64_t* bar, uint64_t policy) {
   mbar_expect_tx(bar, bytes);
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(saddr(dst)), "l"(src), "r"(bytes), "r"(saddr(bar)) : "memory");
+  if (policy == 0)
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(saddr(dst)), "l"(src), "r"(bytes), "r"(saddr(bar)) : "memory");
+  else
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+                 " [%0], [%1], %2, [%3], %4;"
+                 ::"r"(saddr(dst)), "l"(src), "r"(bytes), "r"(saddr(bar)), "l"(policy) : "memory");
 }
 
 // A consumer warpgroup's tiles of row band mt are in TwELL: every thread's stores are made visible at device
@@ -330,6 +353,7 @@ __device__ void up_gather(const UpArgs& up, int M, int K, int T, int S, const in
                           const volatile int* done, int lane) {
   const int slots = min(up.gather, UP_SLOTS);  // ring slots in flight (the A/B varies it); 0: claim nothing
   if (slots <= 0) return;
+  const uint64_t keep = up.hints ? l2_policy(true) : 0;
   const int K8 = K >> 3, units = (M + UP_UNIT - 1) / UP_UNIT;
   const unsigned bytes = (unsigned)K * 2;
   unsigned used = 0;  // W_u rows taken through the ring: slot used % slots, phase parity (used / slots) & 1
@@ -375,7 +399,7 @@ __device__ void up_gather(const UpArgs& up, int M, int K, int T, int S, const in
           if (lane == 0)
             for (int k = 0; k < min(slots, m); ++k) {
               const unsigned slot = (used + k) % slots;
-              bulk_load(ring + slot * UP_ROW_BYTES, up.wu + (long long)list_j[k] * K, bytes, bars + slot);
+              bulk_load(ring + slot * UP_ROW_BYTES, up.wu + (long long)list_j[k] * K, bytes, bars + slot, keep);
             }
           for (int k = 0; k < m; ++k) {
             const unsigned q = used + k, slot = q % slots;
@@ -398,7 +422,8 @@ __device__ void up_gather(const UpArgs& up, int M, int K, int T, int S, const in
             __syncwarp();  // every lane is done with the slot
             if (lane == 0) {
               if (k + slots < m)
-                bulk_load(ring + slot * UP_ROW_BYTES, up.wu + (long long)list_j[k + slots] * K, bytes, bars + slot);
+                bulk_load(ring + slot * UP_ROW_BYTES, up.wu + (long long)list_j[k + slots] * K, bytes, bars + slot,
+                          keep);
               up.lcol[lrow + listed + k] = list_j[k];
               up.lh[lrow + listed + k] = list_g[k] * u;
             }
@@ -476,6 +501,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       if (lane == 0) {
         int stage = 0;
         unsigned phase = 0;
+        const uint64_t stream_policy = UP ? l2_policy(false) : 0, keep_policy = UP ? l2_policy(true) : 0;
         for (int u = u0; u < units; u += u_step) {
           int mt, nt;
           tile_of(u, pairs, T, mt, nt);
@@ -484,8 +510,14 @@ __global__ void __launch_bounds__(THREADS, 1)
             mbar_wait(&empty_bar[stage], phase ^ 1u);  // the consumer warpgroups (of both CTAs) are done with it
             uint8_t* a = ring + stage * STAGE_BYTES;
             mbar_expect_tx(&full_bar[stage], STAGE_BYTES);
-            tma_load(a, &tm_x, &full_bar[stage], kb * BK, mt * BM);  // rows past M arrive as zeros
-            if (CL == 1)
+            if (UP && up.hints) {
+              tma_load_hint(a, &tm_x, &full_bar[stage], kb * BK, mt * BM, stream_policy);
+            } else {
+              tma_load(a, &tm_x, &full_bar[stage], kb * BK, mt * BM);  // rows past M arrive as zeros
+            }
+            if (CL == 1 && UP && up.hints)
+              tma_load_hint(a + A_BYTES, &tm_w, &full_bar[stage], kb * BK, nt * BN, keep_policy);
+            else if (CL == 1)
               tma_load(a + A_BYTES, &tm_w, &full_bar[stage], kb * BK, nt * BN);
             else  // this CTA's half of the W_g tile, into both CTAs
               tma_load_pair(a + A_BYTES + rank * (B_BYTES / 2), &tm_w, &full_bar[stage], kb * BK,
@@ -764,17 +796,17 @@ cudaError_t twell_d2t_gemm_launch(const void* x, const void* w, int M, int N, in
 // rows its gather warps claimed and finished; ws int32 [twell_d2t_up_ws(M)] zeroed: the band counters [ceil(M / 128)],
 // then `rest` [2 + units]. The other rows are the follow-up's: twell_up_list_launch with rest = ws + ceil(M / 128).
 // gather: W_u rows in flight per gather warp (1..4); 0: the gather warps claim nothing (the GEMM with UP's 3 stages
-// alone, for the A/B).
+// alone, for the A/B). hints 1: L2 eviction policies (x evict_first, W_g and W_u evict_last).
 cudaError_t twell_d2t_up_launch(const void* x, const void* w, const void* wu, int M, int N, int K, int S,
                                 int32_t* packed, int32_t* counts, int32_t* flag, int32_t* lcol, float* lh,
-                                int32_t* lnnz, int32_t* ws, int gather, int cluster, int max_ctas,
+                                int32_t* lnnz, int32_t* ws, int gather, int hints, int cluster, int max_ctas,
                                 cudaStream_t stream) {
   if (K > 2048 || wu == nullptr || (reinterpret_cast<uintptr_t>(wu) & 15) || lcol == nullptr || lh == nullptr ||
       lnnz == nullptr || ws == nullptr)
     return cudaErrorInvalidValue;
   const int m_tiles = (M + d2tg::BM - 1) / d2tg::BM;
   const d2tg::UpArgs up{reinterpret_cast<const __nv_bfloat16*>(x), reinterpret_cast<const __nv_bfloat16*>(wu),
-                        lcol, lh, lnnz, ws, ws + m_tiles, gather};
+                        lcol, lh, lnnz, ws, ws + m_tiles, gather, hints};
   if (cluster == 2) return d2tg::launch<false, true, 2>(x, w, M, N, K, S, packed, counts, flag, up, max_ctas, stream);
   return d2tg::launch<false, true, 1>(x, w, M, N, K, S, packed, counts, flag, up, max_ctas, stream);
 }

@@ -34,7 +34,7 @@ cudaError_t twell_d2t_gemm_launch(const void* x, const void* w, int M, int N, in
                                   cudaStream_t stream);
 cudaError_t twell_d2t_up_launch(const void* x, const void* w, const void* wu, int M, int N, int K, int S,
                                 int32_t* packed, int32_t* counts, int32_t* flag, int32_t* lcol, float* lh,
-                                int32_t* lnnz, int32_t* ws, int gather, int cluster, int max_ctas,
+                                int32_t* lnnz, int32_t* ws, int gather, int hints, int cluster, int max_ctas,
                                 cudaStream_t stream);
 int twell_d2t_up_unit_rows();
 void twell_d2t_grid_info(int* sms, int* pairs, int* pairs_up);

@@ -647,7 +647,7 @@ at::Tensor sparse_path(Call& c, bool sync_free) {
   if (fused_up) {
     check(twell_d2t_up_launch(c.x.data_ptr(), c.gate_w().data_ptr(), c.wu.data_ptr(), (int)M, (int)N, (int)K, S,
                               i32(packed), i32(counts), i32(flag), i32(lcol), lh.data_ptr<float>(), i32(lnnz),
-                              i32(flag_ws) + M, 4, P.cfg.d2t_cluster, P.cfg.d2t_max_ctas, c.stream),
+                              i32(flag_ws) + M, 4, 1, P.cfg.d2t_cluster, P.cfg.d2t_max_ctas, c.stream),
           "d2t_up");
     P.last_d2t = "fused+up";
   } else {

@@ -77,24 +77,25 @@ def main() -> int:
                 ext.up_list(x, wu, a["packed"], a["counts"], a["flag"], a["lcol"], a["lh"], a["lnnz"], N)
                 ext.down_slices(wdt, a["lcol"], a["lnnz"], a["flag"], a["lh"], a["y"], 1)
 
-            def fused(gather: int = 4, down: bool = True, cluster: int = 1):
+            def fused(gather: int = 4, down: bool = True, cluster: int = 1, hints: bool = False):
                 b["flag"].zero_()
                 ws.zero_()
                 ext.d2t_up(x, wg, wu, b["packed"], b["counts"], b["flag"], b["lcol"], b["lh"], b["lnnz"], ws,
-                           gather, 0, cluster)
+                           gather, 0, cluster, hints)
                 ext.up_list(x, wu, b["packed"], b["counts"], b["flag"], b["lcol"], b["lh"], b["lnnz"], N,
                             rest=ws[m_tiles:])
                 if down:
                     ext.down_slices(wdt, b["lcol"], b["lnnz"], b["flag"], b["lh"], b["y"], 1)
 
-            def fused_gemm_only(gather: int, cluster: int = 1):
+            def fused_gemm_only(gather: int, cluster: int = 1, hints: bool = False):
                 b["flag"].zero_()
                 ws.zero_()
                 ext.d2t_up(x, wg, wu, b["packed"], b["counts"], b["flag"], b["lcol"], b["lh"], b["lnnz"], ws,
-                           gather, 0, cluster)
+                           gather, 0, cluster, hints)
 
             checks = {}
-            for name, run_b in (("up", lambda: fused()), ("pair", lambda: today(2)), ("pair_up", lambda: fused(4, True, 2))):
+            for name, run_b in (("up", lambda: fused()), ("pair", lambda: today(2)), ("pair_up", lambda: fused(4, True, 2)),
+                                ("pair_up_hints", lambda: fused(4, True, 2, True))):
                 today()
                 if name == "pair":   # the CTA-pair d2t into b's buffers: d2t + up_list + slices as today
                     b["flag"].zero_()
@@ -113,6 +114,9 @@ def main() -> int:
             listed_in_kernel = in_kernel(ws, m_tiles, M)
             fns = {"today": today, "today_pair": lambda: today(2), "fused_up": fused,
                    "fused_up_pair": lambda: fused(4, True, 2), "fused_up_gather_off": lambda: fused(0),
+                   "fused_up_hints": lambda: fused(4, True, 1, True), "fused_up_pair_hints": lambda: fused(4, True, 2, True),
+                   "d2t_up_kernel_hints": lambda: fused_gemm_only(4, 1, True),
+                   "d2t_up_kernel_gather_off_hints": lambda: fused_gemm_only(0, 1, True),
                    "d2t": lambda: ext.d2t_gemm(x, wg, a["packed"], a["counts"], a["flag"], False, 0),
                    "d2t_pair": lambda: ext.d2t_gemm(x, wg, a["packed"], a["counts"], a["flag"], False, 0, 2),
                    "d2t_up_kernel_pair": lambda: fused_gemm_only(4, 2),
@@ -132,9 +136,10 @@ def main() -> int:
                 fused(g)
                 torch.cuda.synchronize()
                 listed_timed[g] = in_kernel(ws, m_tiles, M)
-            fused(4, True, 2)
-            torch.cuda.synchronize()
-            listed_timed["pair"] = in_kernel(ws, m_tiles, M)
+            for key, cl, hi in (("pair", 2, False), ("hints", 1, True), ("pair_hints", 2, True)):
+                fused(4, True, cl, hi)
+                torch.cuda.synchronize()
+                listed_timed[key] = in_kernel(ws, m_tiles, M)
             nnz = a["counts"].clamp(max=S).sum(1).float()
             row = {**prov, "M": M, "K": K, "N": N, "S": S, "pattern": pattern, "activity": p, "heavy_frac": heavy,
                    "nnz_mean": nnz[ok].mean().item(), "flagged_rows": int((~ok).sum()), "ms": ms, "checks": checks,
