@@ -309,7 +309,7 @@ void d2t_gemm(const at::Tensor& x, const at::Tensor& w, at::Tensor packed, at::T
 // Run up_list(..., rest=ws[ceil(M / 128):]) after it for the others. gather: W_u rows in flight per gather warp (1..4; 0: the gather warps claim nothing).
 void d2t_up(const at::Tensor& x, const at::Tensor& w, const at::Tensor& wu, at::Tensor packed, at::Tensor counts,
             at::Tensor flag, at::Tensor lcol, at::Tensor lh, at::Tensor lnnz, at::Tensor ws, int64_t gather,
-            int64_t max_ctas, int64_t cluster, bool hints) {
+            int64_t max_ctas, int64_t cluster, int64_t hints) {
   TORCH_CHECK(cluster == 1 || cluster == 2, "d2t_up: cluster must be 1 or 2");
   req(x, "x", at::kBFloat16, 2);
   req(w, "w_gate", at::kBFloat16, 2);
@@ -331,7 +331,7 @@ void d2t_up(const at::Tensor& x, const at::Tensor& w, const at::Tensor& wu, at::
   const c10::cuda::CUDAGuard guard(x.device());
   check(twell_d2t_up_launch(x.data_ptr(), w.data_ptr(), wu.data_ptr(), (int)M, (int)N, (int)K, (int)S, i32(packed),
                             i32(counts), i32(flag), i32(lcol), lh.data_ptr<float>(), i32(lnnz), i32(ws),
-                            (int)gather, hints ? 1 : 0, (int)cluster, (int)max_ctas,
+                            (int)gather, (int)hints, (int)cluster, (int)max_ctas,
                             c10::cuda::getCurrentCUDAStream().stream()),
         "d2t_up");
 }
@@ -372,7 +372,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("d2t_up", &d2t_up, "fused d2t with the up step inside (K <= 2048): TwELL and up_list's lists of the rows "
         "its gather warps claimed", py::arg("x"), py::arg("w"), py::arg("wu"), py::arg("packed"), py::arg("counts"),
         py::arg("flag"), py::arg("lcol"), py::arg("lh"), py::arg("lnnz"), py::arg("ws"), py::arg("gather"),
-        py::arg("max_ctas"), py::arg("cluster") = 1, py::arg("hints") = false);
+        py::arg("max_ctas"), py::arg("cluster") = 1, py::arg("hints") = 0);
   m.def("d2t_up_ws", &d2t_up_ws, "int32 elements of d2t_up's workspace for M rows");
   m.def("d2t_grid_info", &d2t_grid_info, "[SMs, CTA pairs resident at once, the same with the up step] (after a launch)");
   m.def("down_slices", &down_slices, "the large-M down step: y = sum h W_dT[j] over up_list's entries, slice-major");

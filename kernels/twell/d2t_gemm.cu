@@ -69,7 +69,8 @@ struct UpArgs {
   int32_t* rest;    // [2 + units] zeroed: units of UP_UNIT rows claimed (the ticket), then the number of abandoned
                     // units and their list: the follow-up up_list's rows
   int gather;       // W_u rows in flight per gather warp (1..UP_SLOTS); 0: claim nothing (the 3-stage GEMM alone)
-  int hints;        // 1: L2 policies (x evict_first; W_g and W_u evict_last)
+  int hints;        // bit 0: L2 policies (x evict_first; W_g and W_u evict_last); bit 1: the W_u rows by cp.async
+                    // through the load/store units (each lane 16-byte pieces) instead of bulk copies by the TMA unit
 };
 
 __device__ __forceinline__ uint32_t saddr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
@@ -353,7 +354,21 @@ __device__ void up_gather(const UpArgs& up, int M, int K, int T, int S, const in
                           const volatile int* done, int lane) {
   const int slots = min(up.gather, UP_SLOTS);  // ring slots in flight (the A/B varies it); 0: claim nothing
   if (slots <= 0) return;
-  const uint64_t keep = up.hints ? l2_policy(true) : 0;
+  const uint64_t keep = (up.hints & 1) ? l2_policy(true) : 0;
+  const bool lsu = (up.hints & 2) != 0;
+  // W_u[j] into a ring slot: one bulk copy by lane 0 (TMA), or (lsu) 16-byte cp.async pieces by every lane, each
+  // lane's completion counted by the slot's barrier (32 arrivals)
+  auto fetch = [&](uint8_t* slot_mem, int j, uint64_t* bar) {
+    const __nv_bfloat16* src = up.wu + (long long)j * K;
+    if (!lsu) {
+      if (lane == 0) bulk_load(slot_mem, src, bytes, bar, keep);
+      return;
+    }
+    for (int c = lane; c < K8; c += 32)
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(saddr(slot_mem + 16 * c)),
+                   "l"(reinterpret_cast<const uint4*>(src) + c) : "memory");
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(saddr(bar)) : "memory");
+  };
   const int K8 = K >> 3, units = (M + UP_UNIT - 1) / UP_UNIT;
   const unsigned bytes = (unsigned)K * 2;
   unsigned used = 0;  // W_u rows taken through the ring: slot used % slots, phase parity (used / slots) & 1
@@ -396,11 +411,10 @@ __device__ void up_gather(const UpArgs& up, int M, int K, int T, int S, const in
             const int cc = lane + 32 * i;
             xr[i] = cc < K8 ? __ldg(xrow + cc) : make_uint4(0, 0, 0, 0);
           }
-          if (lane == 0)
-            for (int k = 0; k < min(slots, m); ++k) {
-              const unsigned slot = (used + k) % slots;
-              bulk_load(ring + slot * UP_ROW_BYTES, up.wu + (long long)list_j[k] * K, bytes, bars + slot, keep);
-            }
+          for (int k = 0; k < min(slots, m); ++k) {
+            const unsigned slot = (used + k) % slots;
+            fetch(ring + slot * UP_ROW_BYTES, list_j[k], bars + slot);
+          }
           for (int k = 0; k < m; ++k) {
             const unsigned q = used + k, slot = q % slots;
             mbar_wait(bars + slot, (q / slots) & 1u);
@@ -420,10 +434,8 @@ __device__ void up_gather(const UpArgs& up, int M, int K, int T, int S, const in
             }
             const float u = warp_sum(d);
             __syncwarp();  // every lane is done with the slot
+            if (k + slots < m) fetch(ring + slot * UP_ROW_BYTES, list_j[k + slots], bars + slot);
             if (lane == 0) {
-              if (k + slots < m)
-                bulk_load(ring + slot * UP_ROW_BYTES, up.wu + (long long)list_j[k + slots] * K, bytes, bars + slot,
-                          keep);
               up.lcol[lrow + listed + k] = list_j[k];
               up.lh[lrow + listed + k] = list_g[k] * u;
             }
@@ -485,7 +497,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     mbar_init(&staged_bar, 256);           // every consumer thread
     mbar_init(&drained_bar, COMPACT_WARPS);
     if (UP)
-      for (int s = 0; s < UP_WARPS * UP_SLOTS; ++s) mbar_init(&ring_bar[s], 1);
+      for (int s = 0; s < UP_WARPS * UP_SLOTS; ++s) mbar_init(&ring_bar[s], (up.hints & 2) ? 32 : 1);
     consumers_done = 0;
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -510,12 +522,12 @@ __global__ void __launch_bounds__(THREADS, 1)
             mbar_wait(&empty_bar[stage], phase ^ 1u);  // the consumer warpgroups (of both CTAs) are done with it
             uint8_t* a = ring + stage * STAGE_BYTES;
             mbar_expect_tx(&full_bar[stage], STAGE_BYTES);
-            if (UP && up.hints) {
+            if (UP && (up.hints & 1)) {
               tma_load_hint(a, &tm_x, &full_bar[stage], kb * BK, mt * BM, stream_policy);
             } else {
               tma_load(a, &tm_x, &full_bar[stage], kb * BK, mt * BM);  // rows past M arrive as zeros
             }
-            if (CL == 1 && UP && up.hints)
+            if (CL == 1 && UP && (up.hints & 1))
               tma_load_hint(a + A_BYTES, &tm_w, &full_bar[stage], kb * BK, nt * BN, keep_policy);
             else if (CL == 1)
               tma_load(a + A_BYTES, &tm_w, &full_bar[stage], kb * BK, nt * BN);
@@ -796,7 +808,8 @@ cudaError_t twell_d2t_gemm_launch(const void* x, const void* w, int M, int N, in
 // rows its gather warps claimed and finished; ws int32 [twell_d2t_up_ws(M)] zeroed: the band counters [ceil(M / 128)],
 // then `rest` [2 + units]. The other rows are the follow-up's: twell_up_list_launch with rest = ws + ceil(M / 128).
 // gather: W_u rows in flight per gather warp (1..4); 0: the gather warps claim nothing (the GEMM with UP's 3 stages
-// alone, for the A/B). hints 1: L2 eviction policies (x evict_first, W_g and W_u evict_last).
+// alone, for the A/B). hints: bit 0 L2 eviction policies (x evict_first, W_g and W_u evict_last), bit 1 the W_u rows
+// by cp.async through the load/store units instead of the TMA unit.
 cudaError_t twell_d2t_up_launch(const void* x, const void* w, const void* wu, int M, int N, int K, int S,
                                 int32_t* packed, int32_t* counts, int32_t* flag, int32_t* lcol, float* lh,
                                 int32_t* lnnz, int32_t* ws, int gather, int hints, int cluster, int max_ctas,

@@ -77,7 +77,7 @@ def main() -> int:
                 ext.up_list(x, wu, a["packed"], a["counts"], a["flag"], a["lcol"], a["lh"], a["lnnz"], N)
                 ext.down_slices(wdt, a["lcol"], a["lnnz"], a["flag"], a["lh"], a["y"], 1)
 
-            def fused(gather: int = 4, down: bool = True, cluster: int = 1, hints: bool = False):
+            def fused(gather: int = 4, down: bool = True, cluster: int = 1, hints: int = 0):
                 b["flag"].zero_()
                 ws.zero_()
                 ext.d2t_up(x, wg, wu, b["packed"], b["counts"], b["flag"], b["lcol"], b["lh"], b["lnnz"], ws,
@@ -87,7 +87,7 @@ def main() -> int:
                 if down:
                     ext.down_slices(wdt, b["lcol"], b["lnnz"], b["flag"], b["lh"], b["y"], 1)
 
-            def fused_gemm_only(gather: int, cluster: int = 1, hints: bool = False):
+            def fused_gemm_only(gather: int, cluster: int = 1, hints: int = 0):
                 b["flag"].zero_()
                 ws.zero_()
                 ext.d2t_up(x, wg, wu, b["packed"], b["counts"], b["flag"], b["lcol"], b["lh"], b["lnnz"], ws,
@@ -95,7 +95,7 @@ def main() -> int:
 
             checks = {}
             for name, run_b in (("up", lambda: fused()), ("pair", lambda: today(2)), ("pair_up", lambda: fused(4, True, 2)),
-                                ("pair_up_hints", lambda: fused(4, True, 2, True))):
+                                ("pair_up_hints", lambda: fused(4, True, 2, 1)), ("lsu", lambda: fused(4, True, 1, 2))):
                 today()
                 if name == "pair":   # the CTA-pair d2t into b's buffers: d2t + up_list + slices as today
                     b["flag"].zero_()
@@ -114,9 +114,11 @@ def main() -> int:
             listed_in_kernel = in_kernel(ws, m_tiles, M)
             fns = {"today": today, "today_pair": lambda: today(2), "fused_up": fused,
                    "fused_up_pair": lambda: fused(4, True, 2), "fused_up_gather_off": lambda: fused(0),
-                   "fused_up_hints": lambda: fused(4, True, 1, True), "fused_up_pair_hints": lambda: fused(4, True, 2, True),
-                   "d2t_up_kernel_hints": lambda: fused_gemm_only(4, 1, True),
-                   "d2t_up_kernel_gather_off_hints": lambda: fused_gemm_only(0, 1, True),
+                   "fused_up_hints": lambda: fused(4, True, 1, 1), "fused_up_pair_hints": lambda: fused(4, True, 2, 1),
+                   "fused_up_lsu": lambda: fused(4, True, 1, 2), "fused_up_lsu_hints": lambda: fused(4, True, 1, 3),
+                   "d2t_up_kernel_lsu": lambda: fused_gemm_only(4, 1, 2),
+                   "d2t_up_kernel_hints": lambda: fused_gemm_only(4, 1, 1),
+                   "d2t_up_kernel_gather_off_hints": lambda: fused_gemm_only(0, 1, 1),
                    "d2t": lambda: ext.d2t_gemm(x, wg, a["packed"], a["counts"], a["flag"], False, 0),
                    "d2t_pair": lambda: ext.d2t_gemm(x, wg, a["packed"], a["counts"], a["flag"], False, 0, 2),
                    "d2t_up_kernel_pair": lambda: fused_gemm_only(4, 2),
@@ -136,7 +138,7 @@ def main() -> int:
                 fused(g)
                 torch.cuda.synchronize()
                 listed_timed[g] = in_kernel(ws, m_tiles, M)
-            for key, cl, hi in (("pair", 2, False), ("hints", 1, True), ("pair_hints", 2, True)):
+            for key, cl, hi in (("pair", 2, 0), ("hints", 1, 1), ("pair_hints", 2, 1), ("lsu", 1, 2)):
                 fused(4, True, cl, hi)
                 torch.cuda.synchronize()
                 listed_timed[key] = in_kernel(ws, m_tiles, M)
