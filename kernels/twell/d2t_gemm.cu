@@ -354,6 +354,8 @@ __device__ void up_gather(const UpArgs& up, int M, int K, int T, int S, const in
                           const volatile int* done, int lane) {
   const int slots = min(up.gather, UP_SLOTS);  // ring slots in flight (the A/B varies it); 0: claim nothing
   if (slots <= 0) return;
+  const int K8 = K >> 3, units = (M + UP_UNIT - 1) / UP_UNIT;
+  const unsigned bytes = (unsigned)K * 2;
   const uint64_t keep = (up.hints & 1) ? l2_policy(true) : 0;
   const bool lsu = (up.hints & 2) != 0;
   // W_u[j] into a ring slot: one bulk copy by lane 0 (TMA), or (lsu) 16-byte cp.async pieces by every lane, each
@@ -369,8 +371,6 @@ __device__ void up_gather(const UpArgs& up, int M, int K, int T, int S, const in
                    "l"(reinterpret_cast<const uint4*>(src) + c) : "memory");
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(saddr(bar)) : "memory");
   };
-  const int K8 = K >> 3, units = (M + UP_UNIT - 1) / UP_UNIT;
-  const unsigned bytes = (unsigned)K * 2;
   unsigned used = 0;  // W_u rows taken through the ring: slot used % slots, phase parity (used / slots) & 1
   for (;;) {
     int unit = 0;
