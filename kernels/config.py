@@ -100,13 +100,8 @@ class KernelConfig:
             (kernels/README.md, round 11): 12% faster from 4096 rows at uniform activity, but 2% slower to 8192 rows
             on the paper-like profile and in the calibrated model's prefill, even from 16384; the non-gated block
             (no W_u rows to read) lost with it everywhere and keeps up_down.
-        d2t_up: the large-M gated path (from up_list_min_m rows, K <= 2048, fused d2t) runs its up step inside the
-            fused d2t: warps of the GEMM's kernel list the rows of finished row bands while the tensor cores go on;
-            a follow-up up_list takes the rows they did not reach. Same bits either way (kernels/README.md, round 13).
         d2t: "fused" (sm_90: the gate GEMM's epilogue writes TwELL) or "cublas" (gate GEMM, then compaction).
         d2t_overlap_min_k: fused d2t: K at or above which compaction warps overlap the next tile's mainloop.
-        d2t_cluster: fused d2t below d2t_overlap_min_k: 2 = CTA pairs (thread-block clusters) share each W_g tile by
-            TMA multicast (a third fewer bytes from the L2 per tile), 1 = every CTA loads its own.
         d2t_max_ctas: > 0 caps the fused d2t's persistent grid (tests); 0 = one CTA per SM.
         gate_scratch_mb: cuBLAS d2t only: bf16 gate-output scratch budget (rows are chunked beyond it).
         decode_tiles_per_warp: tiles per warp in the decode-size down kernel (fp32 atomic split).
@@ -133,14 +128,12 @@ class KernelConfig:
     d2t: str = "fused"
     d2t_overlap_min_k: int = 4096
     d2t_max_ctas: int = 0
-    d2t_cluster: int = 1
     gate_scratch_mb: int = 1024
     decode_tiles_per_warp: int = 4
     fused_decode_max_m: int = FUSED_DECODE_MAX_M
     rows_decode_max_m: int = ROWS_DECODE_MAX_M
     decode_rows_slices: int = 0
     up_list_min_m: int = 16384
-    d2t_up: bool = True
     train_width: int = 128
     train_dense_above: float = 0.007
     train_dense_above_large: float = 0.01  # from train_large_m rows (kernels/train/README.md: crossover by M)
@@ -178,8 +171,6 @@ class KernelConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= top:
                 raise bad(name, f"must be an integer in 0..{top}")
-        if isinstance(self.d2t_cluster, bool) or self.d2t_cluster not in (1, 2):
-            raise bad("d2t_cluster", "must be 1 or 2")
         if isinstance(self.train_dw_nb, bool) or self.train_dw_nb not in (0, 1, 2, 4, 8):
             raise bad("train_dw_nb", "must be 0 (from the rows, kernels/train/README.md), 1, 2, 4 or 8")
         if isinstance(self.backup_rows, bool) or not isinstance(self.backup_rows, int) or self.backup_rows < -1:
@@ -191,7 +182,7 @@ class KernelConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
                 raise bad(name, "must be a number in [0, 1]")
-        for name in ("self_timing", "d2t_up", "train_shrink", "train_fused_dense"):
+        for name in ("self_timing", "train_shrink", "train_fused_dense"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a bool")
         parsed = (parse_crossover(self.crossover, "crossover"),

@@ -204,7 +204,7 @@ def test_parse_crossover_and_crossover_at():
 
 
 def test_plan_args_layout():
-    """plan_args is what runtime.cpp's parse_config reads: 17 ints in a fixed order, then floats
+    """plan_args is what runtime.cpp's parse_config reads: 15 ints in a fixed order, then floats
     [flagged_dense_above, activity_hint, n, m1, p1, ..., n', m1', p1', ...] with the gated table first."""
     from sfl.kernels.config import KernelConfig
     from sfl.kernels.twell import ops
@@ -212,14 +212,14 @@ def test_plan_args_layout():
     cfg = KernelConfig(mode="sparse", slots=16, decode_max_m=32, self_timing=False, measure_every=7, d2t="cublas",
                        d2t_overlap_min_k=2048, d2t_max_ctas=3, gate_scratch_mb=64,
                        decode_tiles_per_warp=5, fused_decode_max_m=4, rows_decode_max_m=48, decode_rows_slices=3,
-                       backup_rows=40, up_list_min_m=9000, d2t_up=False, d2t_cluster=2, flagged_dense_above=0.1,
-                       activity_hint=0.03, crossover="1:0.01,64:0.002", crossover_nongated="8:0.2")
+                       backup_rows=40, up_list_min_m=9000, flagged_dense_above=0.1, activity_hint=0.03,
+                       crossover="1:0.01,64:0.002", crossover_nongated="8:0.2")
     ints, floats = ops.plan_args(cfg)
-    assert ints == [1, 16, 32, 0, 7, 0, 2048, 3, 64, 5, 4, 48, 3, 40, 9000, 0, 2]
+    assert ints == [1, 16, 32, 0, 7, 0, 2048, 3, 64, 5, 4, 48, 3, 40, 9000]
     assert all(type(v) is int for v in ints) and all(type(v) is float for v in floats)
     assert floats == [0.1, 0.03, 2.0, 1.0, 0.01, 64.0, 0.002, 2.0, 1.0, 0.0, 8.0, 0.2]
     ints, _ = ops.plan_args(KernelConfig())
-    assert ints[0] == 0 and ints[3] == 1 and ints[5] == 1 and ints[15] == 1   # auto, self-timing, fused d2t, d2t_up
+    assert ints[0] == 0 and ints[3] == 1 and ints[5] == 1   # auto, self-timing on, fused d2t
     assert ops.plan_args(KernelConfig(mode="dense"))[0][0] == 2
     plan = ops.Plan(cfg)
     assert (plan.icfg, plan.fcfg) == ops.plan_args(cfg) and plan.config is cfg

@@ -134,14 +134,10 @@ SHAPES = [(576, 1536, True), (2048, 5632, True), (2048, 8192, False), (4096, 110
 def test_ffn_vs_fp32(ffn, K, N, gated, M):
     x, wg, wu, wd = make_problem(M, K, N, 0.01, seed=M * 7 + K + N, gated=gated)
     poison()
-    # mode="sparse": exercise the kernels at every M (auto may pick dense for 16 < M <= 64). Above decode sizes:
-    # up_down, up_list + slices (gated K <= 2048: with the up step inside the d2t, and without), CTA pairs
-    variants = ([dict(up_list_min_m=0), dict(up_list_min_m=1), dict(up_list_min_m=1, d2t_up=False),
-                 dict(up_list_min_m=1, d2t_cluster=2), dict(up_list_min_m=0, d2t_cluster=2)]
-                if M > 64 else [dict(up_list_min_m=0)])
-    for v in variants:
+    # mode="sparse": exercise the kernels at every M (auto may pick dense for 16 < M <= 64)
+    for up_list_min_m in ((0, 1) if M > 64 else (0,)):   # above decode sizes: up_down, and up_list + slices
         stats = torch.zeros(3, device=DEV, dtype=torch.int64)
-        y = run(ffn, x, wg, wu, wd, gated, stats=stats, mode="sparse", **v)
+        y = run(ffn, x, wg, wu, wd, gated, stats=stats, mode="sparse", up_list_min_m=up_list_min_m)
         torch.cuda.synchronize()
         check(y, x, wg, wu, wd, gated)
         check_stats(stats, F.relu(F.linear(x, wg if gated else wu)))
@@ -154,10 +150,9 @@ def test_modes_and_many_heavy_rows(ffn, mode, p):
     K, N, M = 2048, 5632, 2500
     x, wg, wu, wd = make_problem(M, K, N, p, seed=11)
     x[::3, 3:] *= 5
-    for d2t, up_list_min_m, cl in (("fused", 0, 1), ("fused", 1, 1), ("fused", 1, 2), ("cublas", 4096, 1)):
-        poison()   # cublas: 1 MB scratch, 256-row chunks; cl: d2t_cluster
-        y = run(ffn, x, wg, wu, wd, mode=mode, d2t=d2t, gate_scratch_mb=1, up_list_min_m=up_list_min_m,
-                d2t_cluster=cl)
+    for d2t, up_list_min_m in (("fused", 0), ("fused", 1), ("cublas", 4096)):   # cublas: 1 MB scratch, 256-row chunks
+        poison()
+        y = run(ffn, x, wg, wu, wd, mode=mode, d2t=d2t, gate_scratch_mb=1, up_list_min_m=up_list_min_m)
         torch.cuda.synchronize()
         check(y, x, wg, wu, wd, True)
 
@@ -1089,37 +1084,35 @@ FUSED_CASES = [(1, 576, 1536), (7, 2048, 5632), (129, 576, 1536), (1000, 2048, 5
 
 @pytest.mark.parametrize("M,K,N", FUSED_CASES)
 @pytest.mark.parametrize("S", [32, 256])
-@pytest.mark.parametrize("overlap,cluster", [(False, 1), (True, 1), (False, 2)])
-def test_fused_d2t_vs_fp32(ffn, M, K, N, S, overlap, cluster):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_fused_d2t_vs_fp32(ffn, M, K, N, S, overlap):
     """The tensor-core d2t with the TwELL epilogue against float64 math, on adversarial rows (heavy, whole tile,
-    all active, all zero, NaN/+-Inf), odd M (partial row tiles, an odd number of them for the CTA pairs), poisoned
-    outputs, both slot counts, both epilogues (consumer warps write TwELL / compaction warps overlapping the next
-    tile) and CTA pairs sharing the W_g tile (cluster 2)."""
+    all active, all zero, NaN/+-Inf), odd M (partial row tiles), poisoned outputs, both slot counts, both epilogues
+    (consumer warps write TwELL / compaction warps overlapping the next tile)."""
     x, wg, _, _ = make_problem(M, K, N, 0.01, seed=M + K + S + int(overlap))
     ext = _fused_or_skip(x, wg)
     T = N // 256
     packed = torch.full((M, T, S), -7, device=DEV, dtype=torch.int32)
     counts = torch.full((M, T), -7, device=DEV, dtype=torch.int32)
     flag = torch.zeros(M, device=DEV, dtype=torch.int32)
-    ext.d2t_gemm(x, wg, packed, counts, flag, overlap, 0, cluster)
+    ext.d2t_gemm(x, wg, packed, counts, flag, overlap, 0)
     torch.cuda.synchronize()
     check_twell_vs_fp32(packed, counts, flag, x, wg, S)
 
 
-@pytest.mark.parametrize("overlap,ctas,cluster", [(False, 1, 1), (False, 3, 1), (True, 1, 1), (True, 3, 1),
-                                                 (False, 2, 2), (False, 6, 2)])
-def test_fused_d2t_persistent_grid(ffn, overlap, ctas, cluster):
+@pytest.mark.parametrize("overlap,ctas", [(False, 1), (False, 3), (True, 1), (True, 3)])
+def test_fused_d2t_persistent_grid(ffn, overlap, ctas):
     """Any persistent grid size gives the same TwELL as the full grid and the other epilogue (one CTA walks every
-    tile; 3 share them unevenly; one or three CTA pairs walk every pair of row tiles)."""
+    tile; 3 share them unevenly)."""
     M, K, N = 700, 576, 1536
     x, wg, _, _ = make_problem(M, K, N, 0.03, seed=ctas)
     ext = _fused_or_skip(x, wg)
     outs = []
-    for ov, c, cl in ((overlap, ctas, cluster), (not overlap, 0, 1)):
+    for ov, c in ((overlap, ctas), (not overlap, 0)):
         packed = torch.full((M, N // 256, 32), -7, device=DEV, dtype=torch.int32)
         counts = torch.full((M, N // 256), -7, device=DEV, dtype=torch.int32)
         flag = torch.zeros(M, device=DEV, dtype=torch.int32)
-        ext.d2t_gemm(x, wg, packed, counts, flag, ov, c, cl)
+        ext.d2t_gemm(x, wg, packed, counts, flag, ov, c)
         outs.append((packed, counts, flag))
     torch.cuda.synchronize()
     check_twell_vs_fp32(*outs[0], x, wg, 32)
@@ -1127,48 +1120,6 @@ def test_fused_d2t_persistent_grid(ffn, overlap, ctas, cluster):
     assert torch.equal(c0, c1) and torch.equal(f0, f1)
     valid = torch.arange(32, device=DEV)[None, None, :] < c0.clamp(max=32)[:, :, None]
     assert torch.equal(p0[valid], p1[valid])
-
-
-@pytest.mark.parametrize("M,K,N,S", [(1000, 2048, 5632, 32), (4500, 576, 1536, 8), (129, 2048, 2816, 256),
-                                     (3, 576, 1536, 32)])
-def test_d2t_up_equals_d2t_then_up_list(ffn, M, K, N, S):
-    """The fused d2t with the up step inside (gather warps listing the rows of published row bands during the GEMM),
-    then the follow-up up_list over the rows it left: the same TwELL counts and flags as d2t_gemm and the same lists,
-    bit for bit, as up_list, with every gather depth (0: the follow-up does every row), one CTA or a few (rows left
-    unclaimed or abandoned), CTA pairs, on adversarial rows (flagged rows get no list), odd M, poisoned outputs."""
-    x, wg, wu, _ = make_problem(M, K, N, 0.01, seed=M + S)
-    ext = _fused_or_skip(x, wg)
-    T, m_tiles = N // 256, (M + 127) // 128
-
-    def outputs():
-        return dict(packed=torch.full((M, T, S), -7, device=DEV, dtype=torch.int32),
-                    counts=torch.full((M, T), -7, device=DEV, dtype=torch.int32),
-                    flag=torch.zeros(M, device=DEV, dtype=torch.int32),
-                    lcol=torch.full((M, T * S), -7, device=DEV, dtype=torch.int32),
-                    lh=torch.full((M, T * S), float("nan"), device=DEV),
-                    lnnz=torch.full((M,), -7, device=DEV, dtype=torch.int32))
-
-    ref = outputs()
-    ext.d2t_gemm(x, wg, ref["packed"], ref["counts"], ref["flag"], False, 0)
-    ext.up_list(x, wu, ref["packed"], ref["counts"], ref["flag"], ref["lcol"], ref["lh"], ref["lnnz"], N)
-    ok = ~ref["flag"].bool()
-    assert M < 12 or (~ok).any(), "the problem should have flagged rows"
-    valid = (torch.arange(T * S, device=DEV)[None, :] < ref["lnnz"][:, None]) & ok[:, None]
-    for gather, ctas, cluster in ((4, 0, 1), (1, 0, 1), (0, 0, 1), (4, 1, 1), (4, 3, 1), (4, 0, 2), (2, 4, 2)):
-        o = outputs()
-        ws = torch.full((ext.d2t_up_ws(M),), 0, device=DEV, dtype=torch.int32)
-        ext.d2t_up(x, wg, wu, o["packed"], o["counts"], o["flag"], o["lcol"], o["lh"], o["lnnz"], ws, gather, ctas,
-                   cluster)
-        ext.up_list(x, wu, o["packed"], o["counts"], o["flag"], o["lcol"], o["lh"], o["lnnz"], N,
-                    rest=ws[m_tiles:])
-        torch.cuda.synchronize()
-        case = f"gather {gather}, ctas {ctas}, cluster {cluster}"
-        assert torch.equal(o["counts"], ref["counts"]) and torch.equal(o["flag"], ref["flag"]), case
-        assert torch.equal(o["lnnz"], ref["lnnz"]), f"{case}: list lengths (flagged rows: none written)"
-        assert torch.equal(o["lcol"][valid], ref["lcol"][valid]), f"{case}: columns"
-        assert torch.equal(o["lh"][valid].view(torch.int32), ref["lh"][valid].view(torch.int32)), f"{case}: h bits"
-        if gather == 0:
-            assert int(ws[m_tiles]) == 0, "gather 0 claims nothing"
 
 
 def test_fused_d2t_op_and_ffn_use_it(ffn):

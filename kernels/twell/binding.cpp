@@ -128,10 +128,8 @@ void up_down(const at::Tensor& x, const at::Tensor& wu, const at::Tensor& wdt, c
 // the large-M path's two steps (what the runtime runs from up_list_min_m rows): up_list writes each unflagged row's
 // entries (column, h) into lcol / lh [M, T * S] and their count into lnnz; down_slices sums y = sum h W_dT[j]
 // slice-major (common/slices.cu). x/w_up empty for the non-gated op.
-// rest (d2t_up's workspace past its ceil(M / 128) band counters): only the rows d2t_up's gather warps left
 void up_list(const at::Tensor& x, const at::Tensor& wu, const at::Tensor& packed, const at::Tensor& counts,
-             const at::Tensor& flag, at::Tensor lcol, at::Tensor lh, at::Tensor lnnz, int64_t N,
-             const c10::optional<at::Tensor>& rest) {
+             const at::Tensor& flag, at::Tensor lcol, at::Tensor lh, at::Tensor lnnz, int64_t N) {
   req(packed, "packed", at::kInt, 3);
   req(counts, "counts", at::kInt, 2);
   req(flag, "flag", at::kInt, 1);
@@ -153,7 +151,6 @@ void up_list(const at::Tensor& x, const at::Tensor& wu, const at::Tensor& packed
   const c10::cuda::CUDAGuard guard(packed.device());
   check(twell_up_list_launch(gated ? x.data_ptr() : nullptr, gated ? wu.data_ptr() : nullptr, (int)M, (int)K, (int)N,
                              (int)S, i32(packed), i32(counts), i32(flag), i32(lcol), lh.data_ptr<float>(), i32(lnnz),
-                             rest.has_value() ? i32(*rest) : nullptr, twell_d2t_up_unit_rows(),
                              c10::cuda::getCurrentCUDAStream().stream()),
         "up_list");
 }
@@ -279,10 +276,9 @@ void decode_fused(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& w
 // x [M, K], w [N, K] bf16 contiguous and 16-byte aligned; packed [M, N/256, S] and counts [M, N/256] are fully
 // written; flag [M] must be zeroed by the caller. overlap: the epilogue variant (true: compaction warps overlap
 // the next tile's mainloop; false: the consumer warps write TwELL themselves). max_ctas > 0 caps the persistent
-// grid (0: one CTA per SM). cluster 2 (overlap false): CTA pairs share each W_g tile by TMA multicast.
+// grid (0: one CTA per SM).
 void d2t_gemm(const at::Tensor& x, const at::Tensor& w, at::Tensor packed, at::Tensor counts, at::Tensor flag,
-              bool overlap, int64_t max_ctas, int64_t cluster) {
-  TORCH_CHECK(cluster == 1 || (cluster == 2 && !overlap), "d2t_gemm: cluster must be 1, or 2 without overlap");
+              bool overlap, int64_t max_ctas) {
   req(x, "x", at::kBFloat16, 2);
   req(w, "w_gate", at::kBFloat16, 2);
   req(packed, "packed", at::kInt, 3);
@@ -299,49 +295,9 @@ void d2t_gemm(const at::Tensor& x, const at::Tensor& w, at::Tensor packed, at::T
               "d2t_gemm: x and w_gate must be 16-byte aligned (call .clone() on an offset view)");
   const c10::cuda::CUDAGuard guard(x.device());
   check(twell_d2t_gemm_launch(x.data_ptr(), w.data_ptr(), (int)M, (int)N, (int)K, (int)packed.size(2), i32(packed),
-                              i32(counts), i32(flag), overlap ? 1 : 0, (int)cluster, (int)max_ctas,
+                              i32(counts), i32(flag), overlap ? 1 : 0, (int)max_ctas,
                               c10::cuda::getCurrentCUDAStream().stream()),
         "d2t_gemm");
-}
-
-// The fused d2t with the up step inside (d2t_gemm.cu, UP; K <= 2048): d2t_gemm's outputs plus up_list's lists
-// (lcol / lh [M, N/256 * S], lnnz [M]) for the rows its gather warps finished; ws int32 [d2t_up_ws(M)] zeroed.
-// Run up_list(..., rest=ws[ceil(M / 128):]) after it for the others. gather: W_u rows in flight per gather warp (1..4; 0: the gather warps claim nothing).
-void d2t_up(const at::Tensor& x, const at::Tensor& w, const at::Tensor& wu, at::Tensor packed, at::Tensor counts,
-            at::Tensor flag, at::Tensor lcol, at::Tensor lh, at::Tensor lnnz, at::Tensor ws, int64_t gather,
-            int64_t max_ctas, int64_t cluster, int64_t hints) {
-  TORCH_CHECK(cluster == 1 || cluster == 2, "d2t_up: cluster must be 1 or 2");
-  req(x, "x", at::kBFloat16, 2);
-  req(w, "w_gate", at::kBFloat16, 2);
-  req(wu, "w_up", at::kBFloat16, 2);
-  req(packed, "packed", at::kInt, 3);
-  req(counts, "counts", at::kInt, 2);
-  req(flag, "flag", at::kInt, 1);
-  req(lcol, "lcol", at::kInt, 2);
-  req(lh, "lh", at::kFloat, 2);
-  req(lnnz, "lnnz", at::kInt, 1);
-  req(ws, "ws", at::kInt, 1);
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), S = packed.size(2);
-  TORCH_CHECK(w.size(1) == K && wu.size(0) == N && wu.size(1) == K, "d2t_up: w_gate / w_up must be [N, K]");
-  TORCH_CHECK(K % 64 == 0 && K <= 2048 && N % 256 == 0, "d2t_up: needs K % 64 == 0, K <= 2048, N % 256 == 0");
-  TORCH_CHECK(packed.size(0) == M && packed.size(1) * 256 == N && counts.size(0) == M && counts.size(1) * 256 == N &&
-                  flag.size(0) == M && lcol.size(0) == M && lcol.size(1) == N / 256 * S && lh.sizes() == lcol.sizes() &&
-                  lnnz.size(0) == M && ws.size(0) == twell_d2t_up_ws(M),
-              "d2t_up: output / workspace shapes");
-  const c10::cuda::CUDAGuard guard(x.device());
-  check(twell_d2t_up_launch(x.data_ptr(), w.data_ptr(), wu.data_ptr(), (int)M, (int)N, (int)K, (int)S, i32(packed),
-                            i32(counts), i32(flag), i32(lcol), lh.data_ptr<float>(), i32(lnnz), i32(ws),
-                            (int)gather, (int)hints, (int)cluster, (int)max_ctas,
-                            c10::cuda::getCurrentCUDAStream().stream()),
-        "d2t_up");
-}
-
-int64_t d2t_up_ws(int64_t M) { return twell_d2t_up_ws(M); }
-
-std::vector<int64_t> d2t_grid_info() {
-  int sms = 0, pairs = 0, pairs_up = 0;
-  twell_d2t_grid_info(&sms, &pairs, &pairs_up);
-  return {sms, pairs, pairs_up};
 }
 
 bool d2t_gemm_supported(int64_t device) { return twell_d2t_gemm_supported((int)device) != 0; }
@@ -358,23 +314,13 @@ py::dict plan_info(int64_t id);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compact", &compact, "bf16 gate pre-activation rows -> ReLU -> TwELL (packed, counts, flag)");
-  m.def("d2t_gemm", &d2t_gemm, "fused d2t (sm_90a): tensor-core gate GEMM whose epilogue writes TwELL", py::arg("x"),
-        py::arg("w"), py::arg("packed"), py::arg("counts"), py::arg("flag"), py::arg("overlap"), py::arg("max_ctas"),
-        py::arg("cluster") = 1);
+  m.def("d2t_gemm", &d2t_gemm, "fused d2t (sm_90a): tensor-core gate GEMM whose epilogue writes TwELL");
   m.def("d2t_gemm_supported", &d2t_gemm_supported, "whether this device can run d2t_gemm (sm_90 + tensor-map encoder)");
   m.def("decode_fused", &decode_fused, "rows <= 8: fused gate GEMV + up + down into an fp32 accumulator");
   m.def("gated_up", &gated_up, "h = g * (x . W_u[j]) for every stored TwELL entry (fp32)");
   m.def("down", &down, "y = TwELL(h) @ W_d^T (fp32 accumulate)");
   m.def("up_down", &up_down, "y = TwELL(h) @ W_d^T with h = g * (x . W_u[j]) (gated) in one kernel, one block per row");
-  m.def("up_list", &up_list, "the large-M up step: each row's TwELL entries and h = g * (x . W_u[j]) as a compact list",
-        py::arg("x"), py::arg("wu"), py::arg("packed"), py::arg("counts"), py::arg("flag"), py::arg("lcol"),
-        py::arg("lh"), py::arg("lnnz"), py::arg("N"), py::arg("rest") = py::none());
-  m.def("d2t_up", &d2t_up, "fused d2t with the up step inside (K <= 2048): TwELL and up_list's lists of the rows "
-        "its gather warps claimed", py::arg("x"), py::arg("w"), py::arg("wu"), py::arg("packed"), py::arg("counts"),
-        py::arg("flag"), py::arg("lcol"), py::arg("lh"), py::arg("lnnz"), py::arg("ws"), py::arg("gather"),
-        py::arg("max_ctas"), py::arg("cluster") = 1, py::arg("hints") = 0);
-  m.def("d2t_up_ws", &d2t_up_ws, "int32 elements of d2t_up's workspace for M rows");
-  m.def("d2t_grid_info", &d2t_grid_info, "[SMs, CTA pairs resident at once, the same with the up step] (after a launch)");
+  m.def("up_list", &up_list, "the large-M up step: each row's TwELL entries and h = g * (x . W_u[j]) as a compact list");
   m.def("down_slices", &down_slices, "the large-M down step: y = sum h W_dT[j] over up_list's entries, slice-major");
   m.def("finalize", &finalize, "fp32 accumulator -> bf16 output");
   m.def("relu_mul_stats", &relu_mul_stats, "dense path: relu(g) * u (or relu(g)) in one pass, measuring activity (and the L1 sum)");

@@ -13,13 +13,6 @@
 //   tile; warps 1-3 of warpgroup 0 compact it (one warp per row, as the compaction kernel) meanwhile. This hides
 //   the epilogue behind the mainloop when K is large enough for the mainloop to cover it.
 //
-// UP (K <= 2048, gated, the large-M path): the up step runs inside the GEMM. The consumers publish each finished
-// tile per row band (a device-scope counter per band); warps 1-3 of warpgroup 0 claim units of published rows and
-// write up_list's entry lists (column, h = g * (x_r . W_u[j])) while the tensor cores go on, the W_u rows brought
-// into a shared-memory ring by bulk copies. The ring takes one GEMM stage (3 stages). Whatever is not claimed when a
-// CTA's own tiles are done is left to a follow-up up_list from the ticket on (no spinning on other CTAs, so no
-// deadlock where the grid is not all resident). Same products and sums as up_list: the same bits.
-//
 // Output is bit-compatible with kernels/FORMAT.md (ascending columns, true counts, flag on overflow or a
 // non-finite gate value). The fp32 summation order differs from cuBLAS, so a value within rounding of 0 may be
 // classified differently than a cuBLAS-then-compact d2t would (its h is ~0 either way; tests allow exactly that).
@@ -46,31 +39,10 @@ constexpr int STAGING_BYTES = BM * ROW_WORDS * 4;  // 66 KB
 constexpr int STASH_BYTES = 256 * 32 * 4;          // 32 KB
 constexpr int COMPACT_WARPS = 3;                   // OV: warps 1-3 of the producer warpgroup
 constexpr int RB = 4;                              // OV: rows per compaction step (interleaved warp scans)
-// UP: the gather warps' shared memory (after the stash): per warp a ring of UP_SLOTS W_u rows and a list window
-constexpr int UP_WARPS = 3, UP_SLOTS = 4, UP_ROW_BYTES = 4096, UP_LIST = 64;
-constexpr int UP_UNIT = 8;  // rows per claim
-constexpr int UP_BYTES = UP_WARPS * (UP_SLOTS * UP_ROW_BYTES + UP_LIST * 8);
-template <bool OV, bool UP = false>
+template <bool OV>
 struct Cfg {
-  static constexpr int STAGES = (OV || UP) ? 3 : 4;
-  static constexpr int SMEM_BYTES =
-      STAGES * STAGE_BYTES + (OV ? STAGING_BYTES : STASH_BYTES) + (UP ? UP_BYTES : 0) + 1024;  // + align
-};
-static_assert(Cfg<false, true>::SMEM_BYTES <= 232448 - 256, "UP: shared memory over the 227 KB of a block");
-
-// UP: the fused up step's inputs and outputs (up_list's: lcol / lh [M, T * S], lnnz [M]) and its workspace
-struct UpArgs {
-  const __nv_bfloat16* x;
-  const __nv_bfloat16* wu;
-  int32_t* lcol;
-  float* lh;
-  int32_t* lnnz;
-  int32_t* ready;   // [m_tiles] zeroed: tiles of each row band published (one per consumer warpgroup and tile)
-  int32_t* rest;    // [2 + units] zeroed: units of UP_UNIT rows claimed (the ticket), then the number of abandoned
-                    // units and their list: the follow-up up_list's rows
-  int gather;       // W_u rows in flight per gather warp (1..UP_SLOTS); 0: claim nothing (the 3-stage GEMM alone)
-  int hints;        // bit 0: L2 policies (x evict_first; W_g and W_u evict_last); bit 1: the W_u rows by cp.async
-                    // through the load/store units (each lane 16-byte pieces) instead of bulk copies by the TMA unit
+  static constexpr int STAGES = OV ? 3 : 4;
+  static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + (OV ? STAGING_BYTES : STASH_BYTES) + 1024;  // + align
 };
 
 __device__ __forceinline__ uint32_t saddr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
@@ -99,45 +71,6 @@ __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
       ::"r"(saddr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(saddr(bar)), "r"(c0), "r"(c1) : "memory");
-}
-
-// The same with an L2 eviction policy (createpolicy): UP keeps W_g and W_u in the L2 while x streams through.
-__device__ __forceinline__ void tma_load_hint(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1,
-                                              uint64_t policy) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
-      " [%0], [%1, {%3, %4}], [%2], %5;"
-      ::"r"(saddr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(saddr(bar)), "r"(c0), "r"(c1), "l"(policy)
-      : "memory");
-}
-__device__ __forceinline__ uint64_t l2_policy(bool evict_last) {
-  uint64_t p;
-  if (evict_last) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
-  else asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
-  return p;
-}
-
-// The same into both CTAs of a 2-CTA cluster (the same shared-memory offset and barrier in each, ctaMask 0b11).
-__device__ __forceinline__ void tma_load_pair(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%3, %4}], [%2], %5;"
-      ::"r"(saddr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(saddr(bar)), "r"(c0), "r"(c1), "h"((uint16_t)3)
-      : "memory");
-}
-// Arrive on the barrier at the same offset in CTA `peer` of this cluster.
-__device__ __forceinline__ void mbar_arrive_peer(uint64_t* b, unsigned peer) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(saddr(b)), "r"(peer));
-  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
-}
-__device__ __forceinline__ unsigned cluster_rank() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ void cluster_sync() {  // every thread of both CTAs (not warp-aligned: warps diverge here)
-  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
 }
 
 // Shared-memory matrix descriptor: K-major, 128B swizzle, 8-row groups 1024 bytes apart (SBO); LBO unused.
@@ -292,164 +225,6 @@ __device__ __forceinline__ void compact_rows(const uint4 (&v)[RB], int lane, int
   }
 }
 
-// ---- UP: the up step inside the GEMM
-__device__ __forceinline__ int ld_acquire(const int32_t* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-// one contiguous global -> shared copy (16-byte aligned, a multiple of 16 bytes) completing on `bar`; policy 0:
-// no L2 hint
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes, uint64_t* bar, uint64_t policy) {
-  mbar_expect_tx(bar, bytes);
-  if (policy == 0)
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(saddr(dst)), "l"(src), "r"(bytes), "r"(saddr(bar)) : "memory");
-  else
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
-                 " [%0], [%1], %2, [%3], %4;"
-                 ::"r"(saddr(dst)), "l"(src), "r"(bytes), "r"(saddr(bar)), "l"(policy) : "memory");
-}
-
-// A consumer warpgroup's tiles of row band mt are in TwELL: every thread's stores are made visible at device
-// scope before the band's counter moves (called a mainloop after the stores, so the fences find them done).
-__device__ __forceinline__ void publish(int32_t* ready, int mt, int c, bool leader) {
-  __threadfence();
-  if (c == 0) asm volatile("bar.sync 1, 128;" ::: "memory");  // this warpgroup's threads only
-  else asm volatile("bar.sync 2, 128;" ::: "memory");
-  if (leader) {
-    __threadfence();
-    atomicAdd(ready + mt, 1);
-  }
-}
-
-// The next unit of UP_UNIT rows (claimed in order by one atomicAdd: a compare-and-swap on the ticket serialised the
-// claims), once its band is published; -1 when this CTA's consumers are done (the follow-up up_list, at full
-// occupancy, takes the units not claimed yet) or every unit is claimed. A claimed unit whose band is still not
-// published when the consumers are done goes to the abandoned list for the follow-up: it may wait on CTAs that are
-// not resident yet (a grid larger than the SMs it gets), so waiting for it here could deadlock.
-__device__ int claim_unit(int32_t* rest, const int32_t* ready, int units, int need, const volatile int* done) {
-  if (*done == 2) return -1;
-  const int t = atomicAdd(rest, 1);
-  if (t >= units) return -1;
-  const int32_t* band = ready + t / (BM / UP_UNIT);
-  while (ld_acquire(band) < need) {
-    if (*done == 2 && ld_acquire(band) < need) {
-      rest[2 + atomicAdd(rest + 1, 1)] = t;
-      return -1;
-    }
-    __nanosleep(256);
-  }
-  return t;
-}
-
-// One gather warp: up_list's work (kernels/twell/twell_kernels.cu, up_down_kernel LIST) for the rows it claims.
-// Per row: x_r in registers (K <= 2048: 8 chunks per lane), the capped tile counts scanned over the lanes, the
-// entries listed in column order (a lane finds its entry's tile by a binary search over the scan), then each W_u
-// row comes into the ring by one bulk copy, UP_SLOTS in flight, and u = x_r . W_u[j] sums exactly as up_list's
-// row_dot_shared. TwELL is read through L2 only (ld.cg): it is written by this kernel.
-template <int NI>
-__device__ void up_gather(const UpArgs& up, int M, int K, int T, int S, const int32_t* packed, const int32_t* counts,
-                          const int32_t* flag, uint8_t* ring, int* list_j, float* list_g, uint64_t* bars,
-                          const volatile int* done, int lane) {
-  const int slots = min(up.gather, UP_SLOTS);  // ring slots in flight (the A/B varies it); 0: claim nothing
-  if (slots <= 0) return;
-  const int K8 = K >> 3, units = (M + UP_UNIT - 1) / UP_UNIT;
-  const unsigned bytes = (unsigned)K * 2;
-  const uint64_t keep = (up.hints & 1) ? l2_policy(true) : 0;
-  const bool lsu = (up.hints & 2) != 0;
-  // W_u[j] into a ring slot: one bulk copy by lane 0 (TMA), or (lsu) 16-byte cp.async pieces by every lane, each
-  // lane's completion counted by the slot's barrier (32 arrivals)
-  auto fetch = [&](uint8_t* slot_mem, int j, uint64_t* bar) {
-    const __nv_bfloat16* src = up.wu + (long long)j * K;
-    if (!lsu) {
-      if (lane == 0) bulk_load(slot_mem, src, bytes, bar, keep);
-      return;
-    }
-    for (int c = lane; c < K8; c += 32)
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(saddr(slot_mem + 16 * c)),
-                   "l"(reinterpret_cast<const uint4*>(src) + c) : "memory");
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(saddr(bar)) : "memory");
-  };
-  unsigned used = 0;  // W_u rows taken through the ring: slot used % slots, phase parity (used / slots) & 1
-  for (;;) {
-    int unit = 0;
-    if (lane == 0) unit = claim_unit(up.rest, up.ready, units, 2 * T, done);
-    unit = __shfl_sync(kFull, unit, 0);
-    if (unit < 0) return;
-    const int r_end = min(M, (unit + 1) * UP_UNIT);
-    for (int r = unit * UP_UNIT; r < r_end; ++r) {
-      if (__ldcg(flag + r)) continue;  // a dense backup row: no list (as up_list)
-      const uint4* xrow = reinterpret_cast<const uint4*>(up.x + (long long)r * K);
-      const long long lrow = (long long)r * T * S;
-      int listed = 0;
-      for (int t0 = 0; t0 < T; t0 += 32) {
-        const int nt = min(32, T - t0);
-        const long long rt0 = (long long)r * T + t0;
-        const int c = lane < nt ? min(__ldcg(counts + rt0 + lane), S) : 0;
-        const int incl = warp_inclusive_sum(c);
-        const int n = __shfl_sync(kFull, incl, 31);
-        for (int e0 = 0; e0 < n; e0 += UP_LIST) {
-          const int m = min(UP_LIST, n - e0);
-          for (int b = 0; b < m; b += 32) {
-            const int e = e0 + b + lane;
-            int pos = 0;  // e's tile: the number of tiles whose inclusive count is <= e
-#pragma unroll
-            for (int s = 16; s > 0; s >>= 1)
-              if (__shfl_sync(kFull, incl, pos + s - 1) <= e) pos += s;
-            const int ti = __shfl_sync(kFull, incl, pos), tc = __shfl_sync(kFull, c, pos);
-            if (b + lane < m) {
-              const uint32_t wd = (uint32_t)__ldcg(packed + (rt0 + pos) * S + (e - (ti - tc)));
-              list_j[b + lane] = (t0 + pos) * BN + (int)(wd & 0xffffu);
-              list_g[b + lane] = bf16hi(wd);
-            }
-          }
-          __syncwarp();
-          uint4 xr[NI];  // x_r, loaded per window (its registers are free while the list is made)
-#pragma unroll
-          for (int i = 0; i < NI; ++i) {
-            const int cc = lane + 32 * i;
-            xr[i] = cc < K8 ? __ldg(xrow + cc) : make_uint4(0, 0, 0, 0);
-          }
-          for (int k = 0; k < min(slots, m); ++k) {
-            const unsigned slot = (used + k) % slots;
-            fetch(ring + slot * UP_ROW_BYTES, list_j[k], bars + slot);
-          }
-          for (int k = 0; k < m; ++k) {
-            const unsigned q = used + k, slot = q % slots;
-            mbar_wait(bars + slot, (q / slots) & 1u);
-            const uint4* w = reinterpret_cast<const uint4*>(ring + slot * UP_ROW_BYTES);
-            float d = 0.f;
-#pragma unroll
-            for (int i = 0; i < NI; ++i)  // x_r stays packed: converted per entry, not hoisted as 64 floats
-              asm volatile("" : "+r"(xr[i].x), "+r"(xr[i].y), "+r"(xr[i].z), "+r"(xr[i].w));
-#pragma unroll
-            for (int i0 = 0; i0 < NI; i0 += 2) {  // two chunks of the slot at a time (80 registers)
-              uint4 wv[2];
-#pragma unroll
-              for (int i = 0; i < 2; ++i) wv[i] = lane + 32 * (i0 + i) < K8 ? w[lane + 32 * (i0 + i)] : make_uint4(0, 0, 0, 0);
-#pragma unroll
-              for (int i = 0; i < 2; ++i)
-                if (lane + 32 * (i0 + i) < K8) d = dot8(xr[i0 + i], wv[i], d);
-            }
-            const float u = warp_sum(d);
-            __syncwarp();  // every lane is done with the slot
-            if (k + slots < m) fetch(ring + slot * UP_ROW_BYTES, list_j[k + slots], bars + slot);
-            if (lane == 0) {
-              up.lcol[lrow + listed + k] = list_j[k];
-              up.lh[lrow + listed + k] = list_g[k] * u;
-            }
-          }
-          used += m;
-          listed += m;
-          __syncwarp();  // the next window rewrites the list
-        }
-      }
-      if (lane == 0) up.lnnz[r] = listed;
-    }
-  }
-}
-
 // Tile order: groups of GM row tiles, column-tile major inside a group, so the CTAs running at once touch ~GM row
 // tiles of x and a few column tiles of W: both stay in L2 even when W does not fit (4096 x 11008).
 constexpr int GM = 16;
@@ -461,79 +236,53 @@ __device__ __forceinline__ void tile_of(int u, int m_tiles, int T, int& mt, int&
   mt = first + (local - nt * gm);
 }
 
-// CL = 2 (K < d2t_overlap_min_k only): the two CTAs of a cluster take row tiles 2p and 2p + 1 of one column tile
-// and share its W_g tile: each loads half of it into both (TMA multicast), so the GEMM reads 1 MB instead of 1.5 MB
-// from the L2 per 128 x 256 tile at K = 2048. A stage is refilled once the consumers of both CTAs are done with it.
-template <bool OV, bool UP, int CL>
+template <bool OV>
 __global__ void __launch_bounds__(THREADS, 1)
     d2t_gemm_kernel(const __grid_constant__ CUtensorMap tm_x, const __grid_constant__ CUtensorMap tm_w, int M,
                     int N, int K, int S, int32_t* __restrict__ packed, int32_t* __restrict__ counts,
-                    int32_t* __restrict__ flag, const UpArgs up) {
-  constexpr int STAGES = Cfg<OV, UP>::STAGES;
+                    int32_t* __restrict__ flag) {
+  constexpr int STAGES = Cfg<OV>::STAGES;
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full_bar[STAGES];
   __shared__ __align__(8) uint64_t empty_bar[STAGES];
   __shared__ __align__(8) uint64_t staged_bar;   // OV: the consumers wrote a tile into `staging`
   __shared__ __align__(8) uint64_t drained_bar;  // OV: the compaction warps are done reading it
-  __shared__ __align__(8) uint64_t ring_bar[UP ? UP_WARPS * UP_SLOTS : 1];  // UP: the gather warps' ring slots
-  __shared__ int consumers_done;                                            // UP: warpgroups past their last tile
   uint8_t* ring = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint32_t* staging = reinterpret_cast<uint32_t*>(ring + STAGES * STAGE_BYTES);  // OV: staging, else the stash
 
   const int T = N / BN;
   const int m_tiles = (M + BM - 1) / BM;
-  const int pairs = (m_tiles + CL - 1) / CL;  // CL = 1: row tiles
-  const int units = pairs * T;
+  const int units = m_tiles * T;
   const int KB = K / BK;
   const int wg = threadIdx.x / 128;
-  const unsigned rank = CL == 1 ? 0u : cluster_rank();
-  const int u0 = (int)blockIdx.x / CL, u_step = (int)gridDim.x / CL;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full_bar[s], 1);   // the producer's arrive (+ 48 KB of TMA bytes)
-      mbar_init(&empty_bar[s], 2 * CL);  // one arrive per consumer warpgroup (of both CTAs with CL = 2)
+      mbar_init(&empty_bar[s], 2);  // one arrive per consumer warpgroup
     }
     mbar_init(&staged_bar, 256);           // every consumer thread
     mbar_init(&drained_bar, COMPACT_WARPS);
-    if (UP)
-      for (int s = 0; s < UP_WARPS * UP_SLOTS; ++s) mbar_init(&ring_bar[s], (up.hints & 2) ? 32 : 1);
-    consumers_done = 0;
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  if (CL == 1) __syncthreads();
-  else cluster_sync();  // the peer's multicasts and arrives find this CTA's barriers initialised
+  __syncthreads();
 
   if (wg == 0) {  // producer warpgroup: warp 0 issues the TMA loads; OV: warps 1-3 write TwELL from `staging`
-    // UP: the gather warps hold x_r (32 registers) on top of their state; 96 + 2 x 200 still fits the SM's file
-    if (UP) asm volatile("setmaxnreg.dec.sync.aligned.u32 96;");
-    else asm volatile("setmaxnreg.dec.sync.aligned.u32 80;");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 80;");
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (warp == 0) {
       if (lane == 0) {
         int stage = 0;
         unsigned phase = 0;
-        const uint64_t stream_policy = UP ? l2_policy(false) : 0, keep_policy = UP ? l2_policy(true) : 0;
-        for (int u = u0; u < units; u += u_step) {
+        for (int u = blockIdx.x; u < units; u += gridDim.x) {
           int mt, nt;
-          tile_of(u, pairs, T, mt, nt);
-          mt = mt * CL + (int)rank;
+          tile_of(u, m_tiles, T, mt, nt);
           for (int kb = 0; kb < KB; ++kb) {
-            mbar_wait(&empty_bar[stage], phase ^ 1u);  // the consumer warpgroups (of both CTAs) are done with it
+            mbar_wait(&empty_bar[stage], phase ^ 1u);  // both consumer warpgroups are done with this stage
             uint8_t* a = ring + stage * STAGE_BYTES;
             mbar_expect_tx(&full_bar[stage], STAGE_BYTES);
-            if (UP && (up.hints & 1)) {
-              tma_load_hint(a, &tm_x, &full_bar[stage], kb * BK, mt * BM, stream_policy);
-            } else {
-              tma_load(a, &tm_x, &full_bar[stage], kb * BK, mt * BM);  // rows past M arrive as zeros
-            }
-            if (CL == 1 && UP && (up.hints & 1))
-              tma_load_hint(a + A_BYTES, &tm_w, &full_bar[stage], kb * BK, nt * BN, keep_policy);
-            else if (CL == 1)
-              tma_load(a + A_BYTES, &tm_w, &full_bar[stage], kb * BK, nt * BN);
-            else  // this CTA's half of the W_g tile, into both CTAs
-              tma_load_pair(a + A_BYTES + rank * (B_BYTES / 2), &tm_w, &full_bar[stage], kb * BK,
-                            nt * BN + (int)rank * (BN / 2));
+            tma_load(a, &tm_x, &full_bar[stage], kb * BK, mt * BM);  // rows past M arrive as zeros
+            tma_load(a + A_BYTES, &tm_w, &full_bar[stage], kb * BK, nt * BN);
             if (++stage == STAGES) { stage = 0; phase ^= 1u; }
           }
         }
@@ -542,10 +291,9 @@ __global__ void __launch_bounds__(THREADS, 1)
       // Compaction of each finished tile (one warp per row, 8 values per lane, RB rows' warp scans interleaved)
       // while the consumers already run the next tile's mainloop.
       unsigned t = 0;
-      for (int u = u0; u < units; u += u_step, ++t) {
+      for (int u = blockIdx.x; u < units; u += gridDim.x, ++t) {
         int mt, nt;
-        tile_of(u, pairs, T, mt, nt);
-        mt = mt * CL + (int)rank;
+        tile_of(u, m_tiles, T, mt, nt);
         mbar_wait(&staged_bar, t & 1u);
         for (int r = (warp - 1) * RB; r < BM && mt * BM + r < M; r += COMPACT_WARPS * RB) {
           uint4 v[RB];
@@ -556,26 +304,18 @@ __global__ void __launch_bounds__(THREADS, 1)
         __syncwarp();
         if (lane == 0) mbar_arrive(&drained_bar);
       }
-    } else if (UP) {
-      const int gw = warp - 1;
-      uint8_t* up_smem = reinterpret_cast<uint8_t*>(staging) + STASH_BYTES;
-      int* list = reinterpret_cast<int*>(up_smem + UP_WARPS * UP_SLOTS * UP_ROW_BYTES) + gw * 2 * UP_LIST;
-      up_gather<8>(up, M, K, T, S, packed, counts, flag, up_smem + gw * UP_SLOTS * UP_ROW_BYTES, list,
-                   reinterpret_cast<float*>(list + UP_LIST), &ring_bar[gw * UP_SLOTS], &consumers_done, lane);
     }
   } else {  // consumers: warpgroup c owns rows [64 c, 64 c + 64) of the block tile
-    if (UP) asm volatile("setmaxnreg.inc.sync.aligned.u32 200;");
-    else asm volatile("setmaxnreg.inc.sync.aligned.u32 208;");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 208;");
     const int c = wg - 1;
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
     const bool leader = (threadIdx.x & 127) == 0;
     float d[128];
-    int stage = 0, published = -1;  // UP: the row band of the last tile whose TwELL is not yet published
+    int stage = 0;
     unsigned phase = 0, t = 0;
-    for (int u = u0; u < units; u += u_step, ++t) {
+    for (int u = blockIdx.x; u < units; u += gridDim.x, ++t) {
       int mt, nt;
-      tile_of(u, pairs, T, mt, nt);
-      mt = mt * CL + (int)rank;
+      tile_of(u, m_tiles, T, mt, nt);
       // k-block 0 is peeled so that the accumulators are provably dead between tiles (write-only first wgmma)
       mbar_wait(&full_bar[stage], phase);
       {
@@ -598,21 +338,13 @@ __global__ void __launch_bounds__(THREADS, 1)
         for (int kk = 0; kk < BK / 16; ++kk) wgmma_m64n256k16(d, desc_sw128(a + 32 * kk), desc_sw128(b + 32 * kk));
         wgmma_commit();
         wgmma_wait<1>();  // the previous k-block's wgmma are done: its stage can be refilled
-        if (leader) {
-          mbar_arrive(&empty_bar[prev]);
-          if (CL == 2) mbar_arrive_peer(&empty_bar[prev], rank ^ 1u);
-        }
+        if (leader) mbar_arrive(&empty_bar[prev]);
         prev = stage;
         if (++stage == STAGES) { stage = 0; phase ^= 1u; }
       }
       wgmma_wait<0>();
       fence_acc(d);
-      if (leader) {
-        mbar_arrive(&empty_bar[prev]);
-        if (CL == 2) mbar_arrive_peer(&empty_bar[prev], rank ^ 1u);
-      }
-      if (UP && published >= 0) publish(up.ready, published, c, leader);  // the previous tile's stores are done
-      if (UP) published = mt;
+      if (leader) mbar_arrive(&empty_bar[prev]);
 
       // This lane holds rows r0 and r0 + 8 of the tile, columns 8j + 2q + {0, 1} (j < 32, q = lane % 4).
       const int r0 = c * 64 + warp * 16 + (lane >> 2);
@@ -652,12 +384,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         write_row(stash, m1, bads & 2, lane, row0 + 8, M, nt, T, S, packed, counts, flag);
       }
     }
-    if (UP) {
-      if (published >= 0) publish(up.ready, published, c, leader);
-      if (leader) atomicAdd(&consumers_done, 1);
-    }
   }
-  if (CL == 2) cluster_sync();  // no CTA leaves while its peer may still arrive on its barriers
 }
 
 typedef CUresult (*EncodeTiledFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -693,91 +420,12 @@ static bool encode(CUtensorMap* map, const void* base, int rows, int K, int box_
 }  // namespace d2tg
 
 namespace d2tg {
-template <bool OV, bool UP, int CL>
+template <bool OV>
 static cudaError_t set_smem() {
-  return cudaFuncSetAttribute(d2t_gemm_kernel<OV, UP, CL>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              Cfg<OV, UP>::SMEM_BYTES);
+  return cudaFuncSetAttribute(d2t_gemm_kernel<OV>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg<OV>::SMEM_BYTES);
 }
 
-struct DeviceInfo {
-  int ready = 0, sms = 0;
-  int clusters[2] = {0, 0};  // CL = 2: clusters resident at once (cudaOccupancyMaxActiveClusters) without / with UP
-};
-static DeviceInfo g_device[64];
-
-template <bool UP>
-static int max_clusters() {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(2);
-  cfg.blockDim = dim3(THREADS);
-  cfg.dynamicSmemBytes = Cfg<false, UP>::SMEM_BYTES;
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = 2;
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, d2t_gemm_kernel<false, UP, 2>, &cfg) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  return n;
-}
-
-// The checks, tensor maps and grid every variant shares; launches d2t_gemm_kernel<OV, UP, CL>.
-template <bool OV, bool UP, int CL>
-static cudaError_t launch(const void* x, const void* w, int M, int N, int K, int S, int32_t* packed, int32_t* counts,
-                          int32_t* flag, const UpArgs& up, int max_ctas, cudaStream_t stream) {
-  if (M <= 0) return cudaSuccess;
-  if (K <= 0 || K % BK != 0 || N <= 0 || N % BN != 0 || S < 1 || S > BN) return cudaErrorInvalidValue;
-  if ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) & 15) return cudaErrorInvalidValue;
-  CUtensorMap tm_x, tm_w;
-  if (!encode(&tm_x, x, M, K, BM) || !encode(&tm_w, w, N, K, BN / CL)) return cudaErrorNotSupported;
-  int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return e;
-  if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
-  DeviceInfo& D = g_device[dev];
-  if (D.ready == 0) {
-    if ((e = set_smem<false, false, 1>()) != cudaSuccess || (e = set_smem<true, false, 1>()) != cudaSuccess ||
-        (e = set_smem<false, true, 1>()) != cudaSuccess || (e = set_smem<false, false, 2>()) != cudaSuccess ||
-        (e = set_smem<false, true, 2>()) != cudaSuccess)
-      return e;
-    cudaDeviceGetAttribute(&D.sms, cudaDevAttrMultiProcessorCount, dev);
-    D.clusters[0] = max_clusters<false>();
-    D.clusters[1] = max_clusters<true>();
-    D.ready = 1;
-  }
-  const long long m_tiles = (M + BM - 1) / BM;
-  const long long units = (m_tiles + CL - 1) / CL * (N / BN);
-  // persistent: one CTA per SM at most (CL = 2: the clusters that are resident at once)
-  long long ctas = CL == 1 ? D.sms : 2LL * D.clusters[UP ? 1 : 0];
-  if (max_ctas > 0 && ctas > max_ctas) ctas = max_ctas;
-  long long groups = ctas / CL;
-  if (groups > units) groups = units;
-  if (groups < 1) groups = 1;  // (CL = 2 under max_ctas = 1: one pair)
-  const unsigned grid = (unsigned)(groups * CL);
-  if (CL == 1) {
-    d2t_gemm_kernel<OV, UP, 1><<<grid, THREADS, Cfg<OV, UP>::SMEM_BYTES, stream>>>(tm_x, tm_w, M, N, K, S, packed,
-                                                                                   counts, flag, up);
-    return cudaGetLastError();
-  }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(THREADS);
-  cfg.dynamicSmemBytes = Cfg<OV, UP>::SMEM_BYTES;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = 2;
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, d2t_gemm_kernel<OV, UP, CL>, tm_x, tm_w, M, N, K, S, packed, counts, flag, up);
-}
+static int g_device_ready[64];  // 1 + SM count once the smem attributes are set on that device
 }  // namespace d2tg
 
 extern "C" {
@@ -792,52 +440,36 @@ int twell_d2t_gemm_supported(int device) {
 
 // x [M, K], w [N, K] bf16 row-major, 16-byte aligned; K % 64 == 0, N % 256 == 0. packed [M, N/256, S], counts
 // [M, N/256] int32 (fully written), flag [M] int32 zeroed by the caller. overlap: 1 = the overlapped epilogue
-// (compaction warps), 0 = the consumers write TwELL themselves. cluster 2 (overlap 0 only): CTA pairs share the W_g
-// tile by TMA multicast. max_ctas > 0 caps the persistent grid.
+// (compaction warps), 0 = the consumers write TwELL themselves. max_ctas > 0 caps the persistent grid.
 cudaError_t twell_d2t_gemm_launch(const void* x, const void* w, int M, int N, int K, int S, int32_t* packed,
-                                  int32_t* counts, int32_t* flag, int overlap, int cluster, int max_ctas,
-                                  cudaStream_t stream) {
-  const d2tg::UpArgs none{};
-  if (overlap) return d2tg::launch<true, false, 1>(x, w, M, N, K, S, packed, counts, flag, none, max_ctas, stream);
-  if (cluster == 2) return d2tg::launch<false, false, 2>(x, w, M, N, K, S, packed, counts, flag, none, max_ctas, stream);
-  return d2tg::launch<false, false, 1>(x, w, M, N, K, S, packed, counts, flag, none, max_ctas, stream);
-}
-
-// d2t with the up step inside (UP): as twell_d2t_gemm_launch (its own epilogue), and wu [N, K] bf16 16-byte aligned,
-// K <= 2048; lcol / lh [M, N/256 * S], lnnz [M] as up_list writes them, for the units of twell_d2t_up_unit_rows()
-// rows its gather warps claimed and finished; ws int32 [twell_d2t_up_ws(M)] zeroed: the band counters [ceil(M / 128)],
-// then `rest` [2 + units]. The other rows are the follow-up's: twell_up_list_launch with rest = ws + ceil(M / 128).
-// gather: W_u rows in flight per gather warp (1..4); 0: the gather warps claim nothing (the GEMM with UP's 3 stages
-// alone, for the A/B). hints: bit 0 L2 eviction policies (x evict_first, W_g and W_u evict_last), bit 1 the W_u rows
-// by cp.async through the load/store units instead of the TMA unit.
-cudaError_t twell_d2t_up_launch(const void* x, const void* w, const void* wu, int M, int N, int K, int S,
-                                int32_t* packed, int32_t* counts, int32_t* flag, int32_t* lcol, float* lh,
-                                int32_t* lnnz, int32_t* ws, int gather, int hints, int cluster, int max_ctas,
-                                cudaStream_t stream) {
-  if (K > 2048 || wu == nullptr || (reinterpret_cast<uintptr_t>(wu) & 15) || lcol == nullptr || lh == nullptr ||
-      lnnz == nullptr || ws == nullptr)
-    return cudaErrorInvalidValue;
-  const int m_tiles = (M + d2tg::BM - 1) / d2tg::BM;
-  const d2tg::UpArgs up{reinterpret_cast<const __nv_bfloat16*>(x), reinterpret_cast<const __nv_bfloat16*>(wu),
-                        lcol, lh, lnnz, ws, ws + m_tiles, gather, hints};
-  if (cluster == 2) return d2tg::launch<false, true, 2>(x, w, M, N, K, S, packed, counts, flag, up, max_ctas, stream);
-  return d2tg::launch<false, true, 1>(x, w, M, N, K, S, packed, counts, flag, up, max_ctas, stream);
-}
-
-int twell_d2t_up_unit_rows() { return d2tg::UP_UNIT; }
-
-// The fused d2t's persistent grids on the current device (after a first launch): SMs, CTA pairs resident at once
-// without / with UP (cudaOccupancyMaxActiveClusters). For logs.
-void twell_d2t_grid_info(int* sms, int* pairs, int* pairs_up) {
+                                  int32_t* counts, int32_t* flag, int overlap, int max_ctas, cudaStream_t stream) {
+  if (M <= 0) return cudaSuccess;
+  if (K <= 0 || K % d2tg::BK != 0 || N <= 0 || N % d2tg::BN != 0 || S < 1 || S > d2tg::BN) return cudaErrorInvalidValue;
+  if ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) & 15) return cudaErrorInvalidValue;
+  CUtensorMap tm_x, tm_w;
+  if (!d2tg::encode(&tm_x, x, M, K, d2tg::BM) || !d2tg::encode(&tm_w, w, N, K, d2tg::BN))
+    return cudaErrorNotSupported;
   int dev = 0;
-  cudaGetDevice(&dev);
-  const d2tg::DeviceInfo& D = d2tg::g_device[dev < 0 || dev >= 64 ? 0 : dev];
-  *sms = D.sms;
-  *pairs = D.clusters[0];
-  *pairs_up = D.clusters[1];
-}
-long long twell_d2t_up_ws(long long M) {
-  return (M + d2tg::BM - 1) / d2tg::BM + 2 + (M + d2tg::UP_UNIT - 1) / d2tg::UP_UNIT;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
+  if (d2tg::g_device_ready[dev] == 0) {
+    if ((e = d2tg::set_smem<false>()) != cudaSuccess || (e = d2tg::set_smem<true>()) != cudaSuccess) return e;
+    int sms = 0;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    d2tg::g_device_ready[dev] = 1 + sms;
+  }
+  const long long sms = d2tg::g_device_ready[dev] - 1;
+  const long long units = (long long)((M + d2tg::BM - 1) / d2tg::BM) * (N / d2tg::BN);
+  long long grid = units < sms ? units : sms;  // persistent: one CTA per SM at most
+  if (max_ctas > 0 && grid > max_ctas) grid = max_ctas;
+  if (overlap)
+    d2tg::d2t_gemm_kernel<true><<<(unsigned)grid, d2tg::THREADS, d2tg::Cfg<true>::SMEM_BYTES, stream>>>(
+        tm_x, tm_w, M, N, K, S, packed, counts, flag);
+  else
+    d2tg::d2t_gemm_kernel<false><<<(unsigned)grid, d2tg::THREADS, d2tg::Cfg<false>::SMEM_BYTES, stream>>>(
+        tm_x, tm_w, M, N, K, S, packed, counts, flag);
+  return cudaGetLastError();
 }
 
 }  // extern "C"

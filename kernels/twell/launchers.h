@@ -19,7 +19,7 @@ cudaError_t twell_up_down_launch(const void* x, const void* wu, const void* wdt,
                                  void* y, cudaStream_t stream);
 cudaError_t twell_up_list_launch(const void* x, const void* wu, int rows, int K, int N, int S, const int32_t* packed,
                                  const int32_t* counts, const int32_t* flag, int32_t* lcol, float* lh, int32_t* lnnz,
-                                 const int32_t* rest, int unit_rows, cudaStream_t stream);
+                                 cudaStream_t stream);
 cudaError_t twell_finalize_launch(const float* yacc, const int32_t* flag, int rows, int K, int nan_fill, void* y,
                                   cudaStream_t stream);
 cudaError_t twell_row_stats_launch(const int32_t* counts, const int32_t* flag, int rows, int N,
@@ -30,15 +30,7 @@ cudaError_t twell_relu_mul_stats_launch(const void* g, long long ldg, const void
                                         cudaStream_t stream);
 int twell_d2t_gemm_supported(int device);
 cudaError_t twell_d2t_gemm_launch(const void* x, const void* w, int M, int N, int K, int S, int32_t* packed,
-                                  int32_t* counts, int32_t* flag, int overlap, int cluster, int max_ctas,
-                                  cudaStream_t stream);
-cudaError_t twell_d2t_up_launch(const void* x, const void* w, const void* wu, int M, int N, int K, int S,
-                                int32_t* packed, int32_t* counts, int32_t* flag, int32_t* lcol, float* lh,
-                                int32_t* lnnz, int32_t* ws, int gather, int hints, int cluster, int max_ctas,
-                                cudaStream_t stream);
-int twell_d2t_up_unit_rows();
-void twell_d2t_grid_info(int* sms, int* pairs, int* pairs_up);
-long long twell_d2t_up_ws(long long M);  // int32 elements of d2t_up's workspace
+                                  int32_t* counts, int32_t* flag, int overlap, int max_ctas, cudaStream_t stream);
 cudaError_t twell_decode_fused_launch(const void* x, const void* wg, const void* wu, const void* wdt, int rows,
                                       int K, int N, float* yacc, int32_t* nnz, int32_t* flag, cudaStream_t stream);
 cudaError_t twell_decode_rows_launch(const void* g, long long ldg, const void* x, const void* wu, const void* wdt,

@@ -112,8 +112,8 @@ at::Tensor kept_empty(at::IntArrayRef size, const at::TensorOptions& opts, cudaS
 struct Config {
   int mode = kAuto, slots = 32, decode_max_m = 64, measure_every = 16, d2t_overlap_min_k = 4096, d2t_max_ctas = 0;
   int decode_tiles_per_warp = 4, fused_decode_max_m = 2, rows_decode_max_m = 64;
-  int decode_rows_slices = 0, backup_rows = -1, up_list_min_m = 16384, d2t_cluster = 1;
-  bool self_timing = true, fused_d2t = true, d2t_up = true;
+  int decode_rows_slices = 0, backup_rows = -1, up_list_min_m = 16384;
+  bool self_timing = true, fused_d2t = true;
   int64_t gate_scratch_mb = 1024;
   double flagged_dense_above = 0.05, activity_hint = 0.0;
   std::vector<int64_t> xo_m[2];  // crossover tables: [0] non-gated, [1] gated
@@ -121,15 +121,14 @@ struct Config {
 };
 
 Config parse_config(at::IntArrayRef ic, at::ArrayRef<double> fc) {
-  TORCH_CHECK(ic.size() == 17 && fc.size() >= 4, "sfl_twell::ffn: malformed plan arguments (build them with "
+  TORCH_CHECK(ic.size() == 15 && fc.size() >= 4, "sfl_twell::ffn: malformed plan arguments (build them with "
               "kernels.twell.ops.plan_args)");
   Config c;
   c.mode = (int)ic[0]; c.slots = (int)ic[1]; c.decode_max_m = (int)ic[2]; c.self_timing = ic[3] != 0;
   c.measure_every = (int)ic[4]; c.fused_d2t = ic[5] != 0; c.d2t_overlap_min_k = (int)ic[6];
   c.d2t_max_ctas = (int)ic[7]; c.gate_scratch_mb = ic[8]; c.decode_tiles_per_warp = (int)ic[9];
   c.fused_decode_max_m = (int)ic[10]; c.rows_decode_max_m = (int)ic[11]; c.decode_rows_slices = (int)ic[12];
-  c.backup_rows = (int)ic[13]; c.up_list_min_m = (int)ic[14]; c.d2t_up = ic[15] != 0;
-  c.d2t_cluster = (int)ic[16];
+  c.backup_rows = (int)ic[13]; c.up_list_min_m = (int)ic[14];
   c.flagged_dense_above = fc[0];
   c.activity_hint = fc[1];
   size_t i = 2;
@@ -514,8 +513,7 @@ void d2t_into(const at::Tensor& x, const at::Tensor& w, at::Tensor& packed, at::
   const int S = (int)packed.size(2);
   if (cfg.fused_d2t && twell_d2t_gemm_supported(x.get_device())) {
     check(twell_d2t_gemm_launch(x.data_ptr(), w.data_ptr(), (int)M, (int)N, (int)K, S, i32(packed), i32(counts),
-                                i32(flag), K >= cfg.d2t_overlap_min_k ? 1 : 0, cfg.d2t_cluster, cfg.d2t_max_ctas,
-                                stream),
+                                i32(flag), K >= cfg.d2t_overlap_min_k ? 1 : 0, cfg.d2t_max_ctas, stream),
           "d2t_gemm");
     if (variant) *variant = "fused";
     return;
@@ -629,30 +627,9 @@ at::Tensor sparse_path(Call& c, bool sync_free) {
   const auto i32o = c.x.options().dtype(at::kInt);
   at::Tensor packed = at::empty({M, T, S}, i32o);
   at::Tensor counts = at::empty({M, T}, i32o);
-  const bool up_list = !small && c.wg && P.cfg.up_list_min_m > 0 && M >= P.cfg.up_list_min_m;
-  // the large-M gated path with the up step inside the fused d2t (K <= 2048; kernels/README.md, round 13); its
-  // workspace (band counters, ticket) is zeroed with the flags by one memset
-  const bool fused_up = up_list && P.cfg.d2t_up && P.cfg.fused_d2t && K <= 2048 &&
-                        twell_d2t_gemm_supported(c.x.get_device());  // (the op's tensors are 16-byte aligned)
-  const int64_t m_tiles = (M + 127) / 128;
-  at::Tensor flag_ws = zeroed({M + (fused_up ? twell_d2t_up_ws(M) : 0)}, i32o, c.stream);
-  at::Tensor flag = flag_ws.narrow(0, 0, M);
+  at::Tensor flag = zeroed({M}, i32o, c.stream);
   at::Tensor y = at::empty({M, K}, c.x.options());
-  at::Tensor lcol, lh, lnnz;
-  if (up_list) {
-    lcol = at::empty({M, T * S}, i32o);
-    lh = at::empty({M, T * S}, c.x.options().dtype(at::kFloat));
-    lnnz = at::empty({M}, i32o);
-  }
-  if (fused_up) {
-    check(twell_d2t_up_launch(c.x.data_ptr(), c.gate_w().data_ptr(), c.wu.data_ptr(), (int)M, (int)N, (int)K, S,
-                              i32(packed), i32(counts), i32(flag), i32(lcol), lh.data_ptr<float>(), i32(lnnz),
-                              i32(flag_ws) + M, 4, 1, P.cfg.d2t_cluster, P.cfg.d2t_max_ctas, c.stream),
-          "d2t_up");
-    P.last_d2t = "fused+up";
-  } else {
-    d2t_into(c.x, c.gate_w(), packed, counts, flag, P.cfg, c.stream, &P.last_d2t);
-  }
+  d2t_into(c.x, c.gate_w(), packed, counts, flag, P.cfg, c.stream, &P.last_d2t);
   // a backup block needs the flagged-row count on the device; the measurement slot is the layer's one
   const int64_t cap = small ? 0 : P.backup_cap(M);
   at::Tensor st = measure   ? P.measurement_slot(c.stream)
@@ -680,13 +657,15 @@ at::Tensor sparse_path(Call& c, bool sync_free) {
           "down");
     check(twell_finalize_launch(yacc.data_ptr<float>(), i32(flag), (int)M, (int)K, 1, y.data_ptr(), c.stream),
           "finalize");
-  } else if (up_list) {
-    // gated: up (one block per row; after d2t_up only the rows its gather warps left) writes the rows' entries;
-    // down reads W_dT one L2-sized slice at a time (same bits). Non-gated there is no W_u row to read, and the
-    // split lost (kernels/README.md, round 11).
-    check(twell_up_list_launch(c.x.data_ptr(), c.wu.data_ptr(), (int)M, (int)K, (int)N, S, i32(packed), i32(counts),
-                               i32(flag), i32(lcol), lh.data_ptr<float>(), i32(lnnz),
-                               fused_up ? i32(flag_ws) + M + m_tiles : nullptr, twell_d2t_up_unit_rows(), c.stream),
+  } else if (!small && c.wg && P.cfg.up_list_min_m > 0 && M >= P.cfg.up_list_min_m) {
+    // gated: up (one block per row) writes the rows' entries; down reads W_dT one L2-sized slice at a time (same
+    // bits). Non-gated there is no W_u row to read, and the split lost (kernels/README.md, round 11).
+    at::Tensor lcol = at::empty({M, T * S}, i32o);
+    at::Tensor lh = at::empty({M, T * S}, c.x.options().dtype(at::kFloat));
+    at::Tensor lnnz = at::empty({M}, i32o);
+    check(twell_up_list_launch(c.wg ? c.x.data_ptr() : nullptr, c.wg ? c.wu.data_ptr() : nullptr, (int)M, (int)K,
+                               (int)N, S, i32(packed), i32(counts), i32(flag), i32(lcol), lh.data_ptr<float>(),
+                               i32(lnnz), c.stream),
           "up_list");
     check(sfl_slices_launch(wdt.data_ptr(), nullptr, (int)M, (int)K, (int)(T * S), i32(lcol), i32(lnnz), i32(flag),
                             lh.data_ptr<float>(), nullptr, y.data_ptr(), kSlicesRows, c.stream),

@@ -25,7 +25,6 @@
 #include <cooperative_groups.h>
 #include <stdint.h>
 
-#include <algorithm>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -265,12 +264,12 @@ __global__ void __launch_bounds__(128, 1) down_kernel(const __nv_bfloat16* __res
 constexpr int kUdThreads = 256;
 constexpr int kUdCap = 2048;  // entries per window (16 KB of shared memory)
 template <int NI, bool GATED, bool LIST>
-__device__ __forceinline__ void up_down_row(int r, const __nv_bfloat16* __restrict__ x,
-                                            const __nv_bfloat16* __restrict__ wu, const __nv_bfloat16* __restrict__ wdt,
-                                            int K, int n_tiles, int S, int nan_fill, const int32_t* __restrict__ packed,
-                                            const int32_t* __restrict__ counts, const int32_t* __restrict__ flag,
-                                            __nv_bfloat16* __restrict__ y, int32_t* __restrict__ lcol,
-                                            float* __restrict__ lh, int32_t* __restrict__ lnnz) {
+__global__ void __launch_bounds__(kUdThreads, NI <= 8 ? (LIST ? 6 : 4) : 2)
+    up_down_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ wu,
+                   const __nv_bfloat16* __restrict__ wdt, int K, int n_tiles, int S, int nan_fill,
+                   const int32_t* __restrict__ packed, const int32_t* __restrict__ counts,
+                   const int32_t* __restrict__ flag, __nv_bfloat16* __restrict__ y, int32_t* __restrict__ lcol,
+                   float* __restrict__ lh, int32_t* __restrict__ lnnz) {
   extern __shared__ int list_j[];                                  // [kUdCap] active columns, then
   float* list_h = reinterpret_cast<float*>(list_j + kUdCap);       // [kUdCap] their g, then h, then (gated)
   uint4* xs = reinterpret_cast<uint4*>(list_h + kUdCap);           // [K / 8] x_r
@@ -278,6 +277,7 @@ __device__ __forceinline__ void up_down_row(int r, const __nv_bfloat16* __restri
   __shared__ int warp_total[kUdThreads / 32];
   __shared__ float red[kUdThreads * 8];                            // the shares' partial sums
   constexpr int CPT = (NI + 7) / 8;                                // chunks per thread (K / 8 > threads: K = 4096)
+  const int r = blockIdx.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
   const int K8 = K >> 3;
   uint4* yrow = LIST ? nullptr : reinterpret_cast<uint4*>(y + (long long)r * K);
@@ -360,39 +360,6 @@ __device__ __forceinline__ void up_down_row(int r, const __nv_bfloat16* __restri
     if (tid == 0) lnnz[r] = listed;
   } else {
     store_shares<CPT, kUdThreads>(a, red, yrow, K8, cc0, grp, groups);
-  }
-}
-
-// One block per row.
-template <int NI, bool GATED, bool LIST>
-__global__ void __launch_bounds__(kUdThreads, NI <= 8 ? (LIST ? 6 : 4) : 2)
-    up_down_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ wu,
-                   const __nv_bfloat16* __restrict__ wdt, int K, int n_tiles, int S, int nan_fill,
-                   const int32_t* __restrict__ packed, const int32_t* __restrict__ counts,
-                   const int32_t* __restrict__ flag, __nv_bfloat16* __restrict__ y, int32_t* __restrict__ lcol,
-                   float* __restrict__ lh, int32_t* __restrict__ lnnz) {
-  up_down_row<NI, GATED, LIST>((int)blockIdx.x, x, wu, wdt, K, n_tiles, S, nan_fill, packed, counts, flag, y, lcol,
-                               lh, lnnz);
-}
-
-// up_list after the fused d2t with the up step inside: the rows its gather warps left, grid-strided. rest = the
-// ticket (units of unit_rows rows claimed), the number of claimed units they abandoned, the abandoned units: their
-// rows first, then every row from the ticket on. 4 blocks per SM: the row loop's state does not fit 6 blocks' 40
-// registers (5: a spill).
-template <int NI, bool GATED>
-__global__ void __launch_bounds__(kUdThreads, NI <= 8 ? 4 : 2)
-    up_list_rest_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ wu, int K,
-                        int n_tiles, int S, const int32_t* __restrict__ packed, const int32_t* __restrict__ counts,
-                        const int32_t* __restrict__ flag, int32_t* __restrict__ lcol, float* __restrict__ lh,
-                        int32_t* __restrict__ lnnz, int rows, const int32_t* __restrict__ rest, int unit_rows) {
-  const int units = (rows + unit_rows - 1) / unit_rows;
-  const int from = min(rest[0], units) * unit_rows, abandoned = rest[1] * unit_rows;
-  const int n = abandoned + max(0, rows - from);
-  for (int v = (int)blockIdx.x; v < n; v += (int)gridDim.x) {
-    const int r = v < abandoned ? rest[2 + v / unit_rows] * unit_rows + v % unit_rows : from + (v - abandoned);
-    if (r < rows)
-      up_down_row<NI, GATED, true>(r, x, wu, nullptr, K, n_tiles, S, 0, packed, counts, flag, nullptr, lcol, lh,
-                                   lnnz);
   }
 }
 
@@ -1071,18 +1038,8 @@ template <int NI>
 static cudaError_t launch_up_down(bool gated, unsigned rows, cudaStream_t stream, const __nv_bfloat16* x,
                                   const __nv_bfloat16* wu, const __nv_bfloat16* wdt, int K, int n_tiles, int S,
                                   int nan_fill, const int32_t* packed, const int32_t* counts, const int32_t* flag,
-                                  __nv_bfloat16* y, int32_t* lcol, float* lh, int32_t* lnnz,
-                                  const int32_t* rest = nullptr, int unit_rows = 0, unsigned blocks = 0) {
+                                  __nv_bfloat16* y, int32_t* lcol, float* lh, int32_t* lnnz) {
   const size_t smem = (size_t)twell::kUdCap * 8 + (gated ? (size_t)K * 2 : 0);
-  if (rest != nullptr) {
-    if (gated)
-      twell::up_list_rest_kernel<NI, true><<<blocks, twell::kUdThreads, smem, stream>>>(
-          x, wu, K, n_tiles, S, packed, counts, flag, lcol, lh, lnnz, (int)rows, rest, unit_rows);
-    else
-      twell::up_list_rest_kernel<NI, false><<<blocks, twell::kUdThreads, smem, stream>>>(
-          x, wu, K, n_tiles, S, packed, counts, flag, lcol, lh, lnnz, (int)rows, rest, unit_rows);
-    return cudaGetLastError();
-  }
 #define TWELL_UD_K(G_, L_)                                                                                        \
   twell::up_down_kernel<NI, G_, L_><<<rows, twell::kUdThreads, smem, stream>>>(x, wu, wdt, K, n_tiles, S, nan_fill, \
                                                                               packed, counts, flag, y, lcol, lh, lnnz)
@@ -1179,11 +1136,9 @@ cudaError_t twell_up_down_launch(const void* x, const void* wu, const void* wdt,
 
 // up_list (the large-M path's up step): lcol / lh [rows, N / 256 * S], lnnz [rows]; the down step is
 // sfl_slices_launch over W_dT (common/slices.cu). x/wu null for the non-gated op (h = the stored bf16 value).
-// rest non-null (after twell_d2t_up_launch, its workspace past the band counters): only the rows its gather warps
-// left, by a grid of 4 blocks per SM striding over them.
 cudaError_t twell_up_list_launch(const void* x, const void* wu, int rows, int K, int N, int S, const int32_t* packed,
                                  const int32_t* counts, const int32_t* flag, int32_t* lcol, float* lh, int32_t* lnnz,
-                                 const int32_t* rest, int unit_rows, cudaStream_t stream) {
+                                 cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
   if (K % 64 != 0 || K > 4096 || N % twell::kTileN != 0 || N <= 0 || S < 1 || S > twell::kTileN ||
       lcol == nullptr || lh == nullptr || lnnz == nullptr)
@@ -1192,17 +1147,9 @@ cudaError_t twell_up_list_launch(const void* x, const void* wu, int rows, int K,
   const bool gated = wu != nullptr;
   const auto* xb = reinterpret_cast<const __nv_bfloat16*>(x);
   const auto* ub = reinterpret_cast<const __nv_bfloat16*>(wu);
-  unsigned blocks = (unsigned)rows;
-  if (rest != nullptr) {
-    if (unit_rows < 1) return cudaErrorInvalidValue;
-    int dev = 0, sms = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    blocks = (unsigned)std::min<long long>(rows, 4LL * std::max(sms, 1));
-  }
 #define TWELL_UL(NI_)                                                                                             \
   launch_up_down<NI_>(gated, (unsigned)rows, stream, xb, ub, nullptr, K, n_tiles, S, 0, packed, counts, flag, nullptr, \
-                      lcol, lh, lnnz, rest, unit_rows, blocks)
+                      lcol, lh, lnnz)
   if (ni <= 2) return TWELL_UL(2);
   if (ni <= 4) return TWELL_UL(4);
   if (ni <= 8) return TWELL_UL(8);

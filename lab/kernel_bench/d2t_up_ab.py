@@ -7,6 +7,10 @@ the same TwELL counts and flags, the same lists and the same y bits on every unf
 the gather warps listed. Timed in rotation with the L2 flushed before each call, medians. JSONL with provenance.
 
     PYTHONPATH=. python lab/kernel_bench/d2t_up_ab.py --out d2t_up_ab.jsonl
+
+The variants it times left the production path after these measurements (kernels/README.md, round 13;
+kernels/lab/README.md): run it against the sources of commit 063b7da (`git worktree add ../d2t_up 063b7da`), which
+have d2t_up, the d2t's `cluster` argument and up_list's `rest`. Logs: lab/results/kernel_bench/d2t_up/.
 """
 from __future__ import annotations
 

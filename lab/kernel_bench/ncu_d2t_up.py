@@ -5,6 +5,8 @@ profiles it. Variants: up (gather warps on), off (gather warps off: the 3-stage 
     ncu --clock-control none --kernel-name regex:d2t_gemm_kernel --launch-skip 2 --launch-count 1 \
         --section SpeedOfLight --section WarpStateStats --section SourceCounters --section SchedulerStats \
         python lab/kernel_bench/ncu_d2t_up.py --variant up
+
+Runs against the sources of commit 063b7da (d2t_up left the production path: kernels/README.md, round 13).
 """
 from __future__ import annotations
 
