@@ -57,6 +57,10 @@ cudaError_t sfltrain_csr_by_neuron_launch(const int32_t* ell_col, int W, const i
 
 namespace {
 
+// rows per block of common/slices.cu for the forward's y (over W_dT) and the backward's dx (over W_g and W_u); the
+// inference op's y runs 1 (kernels/README.md, round 12)
+constexpr int kFwdSlicesRows = 4, kBwdSlicesRows = 4;
+
 void check(cudaError_t e, const char* what) {
   TORCH_CHECK(e == cudaSuccess, "sparse training kernel '", what, "' failed: ", cudaGetErrorString(e),
               " (invalid value = unsupported shape/knob; see kernels/train/README.md)");
@@ -191,8 +195,9 @@ void bwd_impl(bool block, bool gated, const at::Tensor& dy, const at::Tensor& wg
         block ? "bwd_block" : "bwd_rows");
 }
 
+// rows: rows per block of common/slices.cu (1, 2 or 4; 0: its default, 4)
 void dx_slices(bool gated, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& ell_col, const at::Tensor& nnz,
-               const at::Tensor& flag, const at::Tensor& cg, const at::Tensor& cu, at::Tensor dx) {
+               const at::Tensor& flag, const at::Tensor& cg, const at::Tensor& cu, at::Tensor dx, int64_t rows) {
   req(wu, "w_up", at::kBFloat16, 2);
   req(ell_col, "ell_col", at::kInt, 2);
   req(nnz, "nnz", at::kInt, 1);
@@ -211,8 +216,8 @@ void dx_slices(bool gated, const at::Tensor& wg, const at::Tensor& wu, const at:
   // gated: dx = sum cg W_g[j] + cu W_u[j]; non-gated: sum cg W_u[j] (common/slices.cu)
   check(sfl_slices_launch(gated ? wg.data_ptr() : wu.data_ptr(), gated ? wu.data_ptr() : nullptr, (int)M, (int)K,
                           (int)ell_col.size(1), i32(ell_col), i32(nnz), i32(flag), cg.data_ptr<float>(),
-                          gated ? cu.data_ptr<float>() : nullptr, dx.data_ptr(), 0, stream()),
-        "dx_slices");
+                          gated ? cu.data_ptr<float>() : nullptr, dx.data_ptr(), (int)rows, stream()),
+        "dx_slices (rows per block 1, 2 or 4; 0: the default)");
 }
 
 void dw(bool gated, int64_t nb, const at::Tensor& x, const at::Tensor& dy, const at::Tensor& perm,
@@ -482,7 +487,7 @@ std::vector<at::Tensor> ffn_fwd_rows(const c10::optional<at::Tensor>& w_gate, co
   at::Tensor ell_u = at::empty({gated ? M : 0, gated ? width : 0}, f32o), h = at::empty({M, width}, f32o);
   // the light rows: u, h = a u and the L1 row sums one block per row, then y = sum h W_d[:, j] slice-major
   fwd_impl(true, gated, x, w_up, wdt, ell_col, ell_a, nnz, flag, ell_u, y.narrow(0, 0, 0), rowabs, h);
-  dx_slices(false, wdt, wdt, ell_col, nnz, flag, h, h, y);
+  dx_slices(false, wdt, wdt, ell_col, nnz, flag, h, h, y, kFwdSlicesRows);
   at::Tensor last = want_last ? last_active_ell(ell_col, nnz, flag, N) : at::empty({0}, i64o);
   int64_t* lp = want_last ? last.data_ptr<int64_t>() : nullptr;
   const int64_t cap = std::min(M, std::max<int64_t>(0, backup_cap)), two_per_sm = 2 * std::max<int64_t>(1, sms);
@@ -558,7 +563,7 @@ std::vector<at::Tensor> ffn_bwd(const at::Tensor& dy_in, const at::Tensor& gl1, 
   at::Tensor cg = at::empty({M, W}, f32o), cu = at::empty({gated ? M : 0, gated ? W : 0}, f32o);
   // the light rows' coefficients (an empty dx: no dx there), then dx one L2-sized K slice of W_g / W_u at a time
   bwd_impl(true, gated, dy, first, w_up, wdt, ell_col, ell_a, ell_u, nnz, flag, c, cg, cu, dx.narrow(0, 0, 0));
-  dx_slices(gated, first, w_up, ell_col, nnz, flag, cg, cu, dx);
+  dx_slices(gated, first, w_up, ell_col, nnz, flag, cg, cu, dx, kBwdSlicesRows);
   at::Tensor perm, colptr;
   if (perm_in.has_value() && perm_in->defined()) {
     perm = *perm_in;
@@ -609,7 +614,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ffn_fwd_gate", &ffn_fwd_gate, "the training op's forward, first call: gate GEMM, ELL, the summary's copy");
   m.def("ffn_fwd_rows", &ffn_fwd_rows, "the training op's forward, second call: the light rows, the backup rows, L1");
   m.def("ffn_bwd", &ffn_bwd, "the training op's backward in one call (ops._ffn_bwd_impl's cuda backend)");
-  m.def("dx_slices", &dx_slices, "dx of the light rows from bwd_block's coefficients, slice-major (bwd_block with an empty dx first)");
+  m.def("dx_slices", &dx_slices, "dx of the light rows from bwd_block's coefficients, slice-major (bwd_block with an empty dx first)",
+        py::arg("gated"), py::arg("wg"), py::arg("wu"), py::arg("ell_col"), py::arg("nnz"), py::arg("flag"),
+        py::arg("cg"), py::arg("cu"), py::arg("dx"), py::arg("rows") = 0);
   m.def("dw", &dw, "neuron-major weight gradients from the CSR-by-neuron transpose");
   m.def("dense_bwd", &dense_bwd, "dense path backward elementwise: dh + L1 term -> dg (in place), du");
   m.def("last_active", &last_active, "per column, the last row where a bf16 matrix is relu-active (-1 if none)");
