@@ -473,8 +473,13 @@ def test_block_kernels_equal_warp_kernels(K, N, W, gated):
     rs = torch.full((M,), float("nan"), device=DEV)
     ext.fwd_block(gated, x, wu, wdt, ell_col, ell_a, nnz, flag, us, ys[:0], rs, hs)
     assert bool(ys.isnan().all())
-    ext.dx_slices(False, wdt, wdt, ell_col, nnz, flag, hs, hs, ys)
+    ext.dx_slices(False, wdt, wdt, ell_col, nnz, flag, hs, hs, ys, 1)   # the op's block shape: one row per block
     torch.cuda.synchronize()
+    for rows in (2, 4):   # slices' other block shapes: the same bits
+        yo = torch.full((M, K), float("nan"), device=DEV, dtype=BF)
+        ext.dx_slices(False, wdt, wdt, ell_col, nnz, flag, hs, hs, yo, rows)
+        torch.cuda.synchronize()
+        assert torch.equal(yo[light], ys[light]) and bool(yo[~light].isnan().all()), f"y, {rows} rows per block"
     assert torch.equal(rs, r0)
     assert torch.equal(hs[valid], (ell_a.float() * (u0 if gated else 1.0))[valid])
     if gated:
@@ -489,8 +494,13 @@ def test_block_kernels_equal_warp_kernels(K, N, W, gated):
     dx = torch.full((M, K), float("nan"), device=DEV, dtype=BF)
     ext.bwd_block(gated, dy, wg, wu, wdt, ell_col, ell_a, u1, nnz, flag, l1c, cg, cu, dx.new_empty(0, K))
     assert bool(dx.isnan().all())
-    ext.dx_slices(gated, wg, wu, ell_col, nnz, flag, cg, cu, dx)
+    ext.dx_slices(gated, wg, wu, ell_col, nnz, flag, cg, cu, dx, 1)
     torch.cuda.synchronize()
+    for rows in (2, 4):
+        do = torch.full((M, K), float("nan"), device=DEV, dtype=BF)
+        ext.dx_slices(gated, wg, wu, ell_col, nnz, flag, cg, cu, do, rows)
+        torch.cuda.synchronize()
+        assert torch.equal(do[light], dx[light]) and bool(do[~light].isnan().all()), f"dx, {rows} rows per block"
     assert torch.equal(cg[valid], g0[valid]) and (not gated or torch.equal(cu[valid], c0[valid]))
     assert torch.equal(dx[light], d0[light]) and bool(dx[~light].isnan().all())
     assert torch.equal(r0, r1) and bool((r1[~light] == 0).all())

@@ -57,9 +57,10 @@ cudaError_t sfltrain_csr_by_neuron_launch(const int32_t* ell_col, int W, const i
 
 namespace {
 
-// rows per block of common/slices.cu for the forward's y (over W_dT) and the backward's dx (over W_g and W_u); the
-// inference op's y runs 1 (kernels/README.md, round 12)
-constexpr int kFwdSlicesRows = 4, kBwdSlicesRows = 4;
+// rows per block of common/slices.cu for the forward's y (over W_dT) and the backward's dx (over W_g and W_u): one,
+// so a block retires with its own row's entries (2-3% / 1% faster than 4 at M 8192-65536, the same bits;
+// kernels/train/README.md, round 13)
+constexpr int kFwdSlicesRows = 1, kBwdSlicesRows = 1;
 
 void check(cudaError_t e, const char* what) {
   TORCH_CHECK(e == cudaSuccess, "sparse training kernel '", what, "' failed: ", cudaGetErrorString(e),

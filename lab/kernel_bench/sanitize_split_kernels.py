@@ -41,13 +41,15 @@ def training(gen: torch.Generator) -> bool:
         us, ur, h = nan(M, W), nan(M, W), nan(M, W)
         rs, rr = torch.empty(M, device=DEV), torch.empty(M, device=DEV)
         ext.fwd_block(gated, x, wu, wdt, ell_col, ell_a, nnz, flag, us, ys[:0], rs, h)
-        ext.dx_slices(False, wdt, wdt, ell_col, nnz, flag, h, h, ys)
+        for rows in (4, 2, 1):   # every block shape of slices (the op runs 1 since round 13); the last one is checked
+            ext.dx_slices(False, wdt, wdt, ell_col, nnz, flag, h, h, ys, rows)
         ext.fwd_rows(gated, x, wu, wdt, ell_col, ell_a, nnz, flag, ur, yr, rr)
         l1c = torch.full((1,), 0.01, device=DEV)
         dxs, dxr = nan(M, K, dtype=BF), nan(M, K, dtype=BF)
         cgs, cus, cgr, cur = nan(M, W), nan(M, W), nan(M, W), nan(M, W)
         ext.bwd_block(gated, dy, wg, wu, wdt, ell_col, ell_a, ur, nnz, flag, l1c, cgs, cus, dxs[:0])
-        ext.dx_slices(gated, wg, wu, ell_col, nnz, flag, cgs, cus, dxs)
+        for rows in (4, 2, 1):
+            ext.dx_slices(gated, wg, wu, ell_col, nnz, flag, cgs, cus, dxs, rows)
         ext.bwd_rows(gated, dy, wg, wu, wdt, ell_col, ell_a, ur, nnz, flag, l1c, cgr, cur, dxr)
         torch.cuda.synchronize()
         light = ~flag.bool()
