@@ -360,7 +360,10 @@ __device__ void up_gather(const UpArgs& up, int M, int K, int T, int S, const in
   const bool lsu = (up.hints & 2) != 0;
   // W_u[j] into a ring slot: one bulk copy by lane 0 (TMA), or (lsu) 16-byte cp.async pieces by every lane, each
   // lane's completion counted by the slot's barrier (32 arrivals)
+  const bool no_loads = (up.hints & 8) != 0;  // diagnostic: no W_u copies, the dots run on whatever the slot holds
   auto fetch = [&](uint8_t* slot_mem, int j, uint64_t* bar) {
+    if (no_loads) return;
+    if (up.hints & 4) j &= 63;  // diagnostic: 64 W_u rows (256 KB) that stay in the L2; h is then wrong
     const __nv_bfloat16* src = up.wu + (long long)j * K;
     if (!lsu) {
       if (lane == 0) bulk_load(slot_mem, src, bytes, bar, keep);
@@ -417,7 +420,7 @@ __device__ void up_gather(const UpArgs& up, int M, int K, int T, int S, const in
           }
           for (int k = 0; k < m; ++k) {
             const unsigned q = used + k, slot = q % slots;
-            mbar_wait(bars + slot, (q / slots) & 1u);
+            if (!no_loads) mbar_wait(bars + slot, (q / slots) & 1u);
             const uint4* w = reinterpret_cast<const uint4*>(ring + slot * UP_ROW_BYTES);
             float d = 0.f;
 #pragma unroll
