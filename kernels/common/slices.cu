@@ -19,8 +19,9 @@ namespace sflslices {
 
 using namespace sfl;
 
-// ROWS: 4 (256 threads, the training op's) or 1-2: a block then retires with its own row's entries instead of waiting
-// for the longest of four (the inference op runs 1: 2-6% faster, kernels/README.md round 12)
+// ROWS: 1, 2 or 4 rows per block (64 threads per row). Both ops run 1 (kernels/README.md, rounds 12 and 13): a block
+// then retires with its own row's entries instead of waiting for the longest of four (1-6% faster, the same sums).
+// 4 stays the launcher's default.
 constexpr int kChunks = 64, kRows = 4;
 
 template <bool TWO, int ROWS>
