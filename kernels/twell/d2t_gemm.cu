@@ -328,11 +328,28 @@ __device__ __forceinline__ void publish(int32_t* ready, int mt, int c, bool lead
 // occupancy, takes the units not claimed yet) or every unit is claimed. A claimed unit whose band is still not
 // published when the consumers are done goes to the abandoned list for the follow-up: it may wait on CTAs that are
 // not resident yet (a grid larger than the SMs it gets), so waiting for it here could deadlock.
-__device__ int claim_unit(int32_t* rest, const int32_t* ready, int units, int need, const volatile int* done) {
+__device__ __forceinline__ int ld_relaxed(const int32_t* p) {
+  int v;
+  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ int claim_unit(int32_t* rest, const int32_t* ready, int units, int need, const volatile int* done,
+                          bool relaxed) {
   if (*done == 2) return -1;
   const int t = atomicAdd(rest, 1);
   if (t >= units) return -1;
   const int32_t* band = ready + t / (BM / UP_UNIT);
+  if (relaxed) {  // diagnostic: poll without the L1 invalidation of an acquire, then one acquire
+    while (ld_relaxed(band) < need) {
+      if (*done == 2 && ld_acquire(band) < need) {
+        rest[2 + atomicAdd(rest + 1, 1)] = t;
+        return -1;
+      }
+      __nanosleep(1000);
+    }
+    ld_acquire(band);
+    return t;
+  }
   while (ld_acquire(band) < need) {
     if (*done == 2 && ld_acquire(band) < need) {
       rest[2 + atomicAdd(rest + 1, 1)] = t;
@@ -377,7 +394,7 @@ __device__ void up_gather(const UpArgs& up, int M, int K, int T, int S, const in
   unsigned used = 0;  // W_u rows taken through the ring: slot used % slots, phase parity (used / slots) & 1
   for (;;) {
     int unit = 0;
-    if (lane == 0) unit = claim_unit(up.rest, up.ready, units, 2 * T, done);
+    if (lane == 0) unit = claim_unit(up.rest, up.ready, units, 2 * T, done, (up.hints & 16) != 0);
     unit = __shfl_sync(kFull, unit, 0);
     if (unit < 0) return;
     const int r_end = min(M, (unit + 1) * UP_UNIT);

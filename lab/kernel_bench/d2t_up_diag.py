@@ -1,7 +1,8 @@
 """Diagnostic of d2t_up (branch lab/d2t-up-diag): why the GEMM slows while its gather warps work. The kernel alone at
 M 65536, 0.5% (uniform and paper-like), in rotation with the L2 flushed: gather warps off, on, on with their W_u reads
 confined to 64 rows that stay in the L2 (hints bit 2: the lists' h are then wrong), and on without any W_u copy
-(hints bit 3: the dots run on stale shared memory), each with the share of rows listed in the kernel.
+(hints bit 3: the dots run on stale shared memory), each with the share of rows listed in the kernel. Branch
+lab/d2t-up-poll adds hints bit 4: the claim loop polls its band with relaxed loads (no L1 invalidation per poll).
 """
 from __future__ import annotations
 
@@ -42,8 +43,8 @@ def main() -> int:
                 ws.zero_()
                 ext.d2t_up(x, wg, wu, packed, counts, flag, lcol, lh, lnnz, ws, gather, 0, 1, hints)
 
-            variants = {"off": (0, 0), "on": (4, 0), "on_l2_resident_wu": (4, 4), "on_no_wu_loads": (4, 8),
-                        "on_lsu": (4, 2), "on_lsu_l2_resident_wu": (4, 6)}
+            variants = {"off": (0, 0), "on": (4, 0), "on_relaxed_polls": (4, 16), "on_no_wu_loads": (4, 8),
+                        "on_no_wu_loads_relaxed_polls": (4, 24)}
             fns = {k: (lambda g=g, h=h: run(g, h)) for k, (g, h) in variants.items()}
             fns["d2t"] = lambda: ext.d2t_gemm(x, wg, packed, counts, flag, False, 0)
             for fn in fns.values():
