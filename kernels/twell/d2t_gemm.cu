@@ -136,12 +136,14 @@ __device__ __forceinline__ void wgmma_m64n256k16_first(float (&d)[128], uint64_t
 }
 
 // ReLU activity of the two bf16 of a pair (bit 0: low half, bit 1: high half): positive (sign clear, non-zero;
-// +Inf included) or NaN, as sfl::relu_active; nonfinite |= an Inf or NaN among them.
+// +Inf included) or NaN, as sfl::relu_active; nonfinite |= an Inf or NaN among them. Float compares on the halves
+// as fp32 (a bf16 is the top half of an fp32): active = !(v <= 0), non-finite = !(|v| < Inf); exact because the
+// kernels build without flush-to-zero (a positive subnormal stays active). The SIMD integer compares this replaced
+// (__vcmpgts2 and co.) are emulated on sm_90: the epilogue ran 2-4% longer with them (kernels/README.md, round 13).
 __device__ __forceinline__ unsigned pair_active(uint32_t p, bool& nonfinite) {
-  const uint32_t mag = p & 0x7fff7fffu;
-  const uint32_t act = __vcmpgts2(p, 0u) | __vcmpgtu2(mag, 0x7f807f80u);  // 0xffff per active half
-  nonfinite |= __vcmpgeu2(mag, 0x7f807f80u) != 0u;
-  return (act & 1u) | ((act >> 15) & 2u);
+  const float lo = __uint_as_float(p << 16), hi = __uint_as_float(p & 0xffff0000u);
+  nonfinite |= !(fabsf(lo) < __int_as_float(0x7f800000)) || !(fabsf(hi) < __int_as_float(0x7f800000));
+  return (unsigned)!(lo <= 0.f) | ((unsigned)!(hi <= 0.f) << 1);
 }
 
 // Epilogue of one row (all 32 lanes call it; quads of lanes share a row): m = this lane's activity bits (bit 2j+b =
