@@ -278,7 +278,7 @@ void decode_fused(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& w
 // the next tile's mainloop; false: the consumer warps write TwELL themselves). max_ctas > 0 caps the persistent
 // grid (0: one CTA per SM).
 void d2t_gemm(const at::Tensor& x, const at::Tensor& w, at::Tensor packed, at::Tensor counts, at::Tensor flag,
-              bool overlap, int64_t max_ctas) {
+              int64_t overlap, int64_t max_ctas) {
   req(x, "x", at::kBFloat16, 2);
   req(w, "w_gate", at::kBFloat16, 2);
   req(packed, "packed", at::kInt, 3);
@@ -295,7 +295,7 @@ void d2t_gemm(const at::Tensor& x, const at::Tensor& w, at::Tensor packed, at::T
               "d2t_gemm: x and w_gate must be 16-byte aligned (call .clone() on an offset view)");
   const c10::cuda::CUDAGuard guard(x.device());
   check(twell_d2t_gemm_launch(x.data_ptr(), w.data_ptr(), (int)M, (int)N, (int)K, (int)packed.size(2), i32(packed),
-                              i32(counts), i32(flag), overlap ? 1 : 0, (int)max_ctas,
+                              i32(counts), i32(flag), (int)overlap, (int)max_ctas,
                               c10::cuda::getCurrentCUDAStream().stream()),
         "d2t_gemm");
 }

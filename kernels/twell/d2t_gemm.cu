@@ -144,6 +144,14 @@ __device__ __forceinline__ unsigned pair_active(uint32_t p, bool& nonfinite) {
   return (act & 1u) | ((act >> 15) & 2u);
 }
 
+// The same from float compares on the pair's halves (exact without flush-to-zero): active = !(v <= 0) (positive,
+// +Inf, NaN), non-finite = !(|v| < Inf). The SIMD compares above are emulated on sm_90 (several instructions each).
+__device__ __forceinline__ unsigned pair_active_fp(uint32_t p, bool& nonfinite) {
+  const float lo = __uint_as_float(p << 16), hi = __uint_as_float(p & 0xffff0000u);
+  nonfinite |= !(fabsf(lo) < __int_as_float(0x7f800000)) || !(fabsf(hi) < __int_as_float(0x7f800000));
+  return (unsigned)!(lo <= 0.f) | ((unsigned)!(hi <= 0.f) << 1);
+}
+
 // Epilogue of one row (all 32 lanes call it; quads of lanes share a row): m = this lane's activity bits (bit 2j+b =
 // column 8j + 2q + b), vals[256 j] = this lane's bf16 pair j (in shared memory, so that it can be indexed by a
 // run-time j). Writes the row's tile words in ascending column order (the first S), its true count and its flag
@@ -240,7 +248,7 @@ template <bool OV>
 __global__ void __launch_bounds__(THREADS, 1)
     d2t_gemm_kernel(const __grid_constant__ CUtensorMap tm_x, const __grid_constant__ CUtensorMap tm_w, int M,
                     int N, int K, int S, int32_t* __restrict__ packed, int32_t* __restrict__ counts,
-                    int32_t* __restrict__ flag) {
+                    int32_t* __restrict__ flag, int fastmask) {
   constexpr int STAGES = Cfg<OV>::STAGES;
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full_bar[STAGES];
@@ -371,8 +379,13 @@ __global__ void __launch_bounds__(THREADS, 1)
           const uint32_t p0 = pack2(d[4 * j], d[4 * j + 1]), p1 = pack2(d[4 * j + 2], d[4 * j + 3]);
           stash[256 * j] = p0;
           pk[j] = p1;
-          m0 |= (uint64_t)pair_active(p0, bad0) << (2 * j);
-          m1 |= (uint64_t)pair_active(p1, bad1) << (2 * j);
+          if (fastmask) {
+            m0 |= (uint64_t)pair_active_fp(p0, bad0) << (2 * j);
+            m1 |= (uint64_t)pair_active_fp(p1, bad1) << (2 * j);
+          } else {
+            m0 |= (uint64_t)pair_active(p0, bad0) << (2 * j);
+            m1 |= (uint64_t)pair_active(p1, bad1) << (2 * j);
+          }
         }
         int bads = (bad0 ? 1 : 0) | (bad1 ? 2 : 0);
         bads |= __shfl_xor_sync(kFull, bads, 1);
@@ -463,12 +476,12 @@ cudaError_t twell_d2t_gemm_launch(const void* x, const void* w, int M, int N, in
   const long long units = (long long)((M + d2tg::BM - 1) / d2tg::BM) * (N / d2tg::BN);
   long long grid = units < sms ? units : sms;  // persistent: one CTA per SM at most
   if (max_ctas > 0 && grid > max_ctas) grid = max_ctas;
-  if (overlap)
+  if (overlap == 1)
     d2tg::d2t_gemm_kernel<true><<<(unsigned)grid, d2tg::THREADS, d2tg::Cfg<true>::SMEM_BYTES, stream>>>(
-        tm_x, tm_w, M, N, K, S, packed, counts, flag);
+        tm_x, tm_w, M, N, K, S, packed, counts, flag, overlap == 2 ? 1 : 0);
   else
     d2tg::d2t_gemm_kernel<false><<<(unsigned)grid, d2tg::THREADS, d2tg::Cfg<false>::SMEM_BYTES, stream>>>(
-        tm_x, tm_w, M, N, K, S, packed, counts, flag);
+        tm_x, tm_w, M, N, K, S, packed, counts, flag, overlap == 2 ? 1 : 0);
   return cudaGetLastError();
 }
 
