@@ -2,11 +2,14 @@
 // shared memory by the TMA engine), with an epilogue that rounds g to bf16, applies ReLU and writes TwELL. No dense
 // [M, N] g ever reaches device memory.
 //
-// Block tile 128 rows x 256 columns = exactly one TwELL tile wide. Persistent and warp-specialised:
+// Tiles are 256 columns wide = exactly one TwELL tile. Persistent and warp-specialised:
 // - warpgroup 0, warp 0: one thread issues the TMA loads into a ring of stages guarded by mbarriers;
-// - warpgroups 1 and 2 each own 64 rows and issue m64n256k16 wgmma (128 fp32 accumulators per thread).
-// Tiles are walked in groups of 16 row tiles, column-tile major inside a group (L2 reuse of x and W).
-// Two epilogues (template OV; the host picks by K, kernels/README.md):
+// - warpgroups 1 and 2 issue m64n256k16 wgmma (128 fp32 accumulators per thread). Cooperative (PP = false): a
+//   tile is 128 rows, each warpgroup owns 64 of them. Ping-pong (PP = true): a tile is 64 rows and the warpgroups
+//   take the CTA's tiles in turn, so one warpgroup's epilogue runs while the other's wgmma keep the tensor cores
+//   busy; a turn barrier lets a warpgroup's mainloop start only once the other has waited for its last stage.
+// Tiles are walked in groups of 2048 rows, column-tile major inside a group (L2 reuse of x and W).
+// Epilogues (template OV; the host picks, kernels/README.md):
 // - OV = false (4 stages): the consumer warps write TwELL from their registers. A quad of lanes holds a row's
 //   tile; each lane loops over its own active entries only, ranking them with the quad's activity masks.
 // - OV = true (3 stages): the consumers store the tile as bf16 into shared memory and go straight on to the next
@@ -27,21 +30,24 @@ namespace d2tg {
 
 using namespace sfl;
 
-constexpr int BM = 128, BN = 256, BK = 64, THREADS = 384;
-constexpr int A_BYTES = BM * BK * 2;             // 16 KB: 128 rows x 128 bytes (one 128B swizzle row each)
+constexpr int BN = 256, BK = 64, THREADS = 384;
 constexpr int B_BYTES = BN * BK * 2;             // 32 KB
-constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
 // OV (overlapped epilogue): the finished tile goes to shared memory as bf16 for the compaction warps: 128 rows of
 // 256 values, rows padded by 4 words so that the consumers' stores (8 rows x 4 words per instruction) hit 32
 // different banks. Otherwise the consumers write TwELL themselves, parking one row half's values in a stash.
 constexpr int ROW_WORDS = BN / 2 + 4;
-constexpr int STAGING_BYTES = BM * ROW_WORDS * 4;  // 66 KB
+constexpr int STAGING_BYTES = 128 * ROW_WORDS * 4;  // 66 KB
 constexpr int STASH_BYTES = 256 * 32 * 4;          // 32 KB
 constexpr int COMPACT_WARPS = 3;                   // OV: warps 1-3 of the producer warpgroup
 constexpr int RB = 4;                              // OV: rows per compaction step (interleaved warp scans)
-template <bool OV>
+template <bool OV, bool PP>
 struct Cfg {
-  static constexpr int STAGES = OV ? 3 : 4;
+  static_assert(!(OV && PP), "the overlapped epilogue runs on cooperative tiles");
+  static constexpr int TM = PP ? 64 : 128;            // rows per tile
+  static constexpr int A_BYTES = TM * BK * 2;         // x: TM rows x 128 bytes (one 128B swizzle row each)
+  static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+  static constexpr int STAGES = OV ? 3 : 4;           // PP: 5 would not fit beside the stash
+  static constexpr int GM = 2048 / TM;                // row tiles per group of the tile order
   static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + (OV ? STAGING_BYTES : STASH_BYTES) + 1024;  // + align
 };
 
@@ -229,7 +235,7 @@ __device__ __forceinline__ void compact_rows(const uint4 (&v)[RB], int lane, int
 
 // Tile order: groups of GM row tiles, column-tile major inside a group, so the CTAs running at once touch ~GM row
 // tiles of x and a few column tiles of W: both stay in L2 even when W does not fit (4096 x 11008).
-constexpr int GM = 16;
+template <int GM>
 __device__ __forceinline__ void tile_of(int u, int m_tiles, int T, int& mt, int& nt) {
   const int group = u / (GM * T), first = group * GM;
   const int gm = min(GM, m_tiles - first);
@@ -238,22 +244,24 @@ __device__ __forceinline__ void tile_of(int u, int m_tiles, int T, int& mt, int&
   mt = first + (local - nt * gm);
 }
 
-template <bool OV>
+template <bool OV, bool PP>
 __global__ void __launch_bounds__(THREADS, 1)
     d2t_gemm_kernel(const __grid_constant__ CUtensorMap tm_x, const __grid_constant__ CUtensorMap tm_w, int M,
                     int N, int K, int S, int32_t* __restrict__ packed, int32_t* __restrict__ counts,
                     int32_t* __restrict__ flag) {
-  constexpr int STAGES = Cfg<OV>::STAGES;
+  using C = Cfg<OV, PP>;
+  constexpr int STAGES = C::STAGES, STAGE_BYTES = C::STAGE_BYTES, A_BYTES = C::A_BYTES, TM = C::TM;
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full_bar[STAGES];
   __shared__ __align__(8) uint64_t empty_bar[STAGES];
   __shared__ __align__(8) uint64_t staged_bar;   // OV: the consumers wrote a tile into `staging`
   __shared__ __align__(8) uint64_t drained_bar;  // OV: the compaction warps are done reading it
+  __shared__ __align__(8) uint64_t turn_bar[2];  // PP: warpgroup c may start its next mainloop
   uint8_t* ring = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint32_t* staging = reinterpret_cast<uint32_t*>(ring + STAGES * STAGE_BYTES);  // OV: staging, else the stash
 
   const int T = N / BN;
-  const int m_tiles = (M + BM - 1) / BM;
+  const int m_tiles = (M + TM - 1) / TM;
   const int units = m_tiles * T;
   const int KB = K / BK;
   const int wg = threadIdx.x / 128;
@@ -261,10 +269,12 @@ __global__ void __launch_bounds__(THREADS, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full_bar[s], 1);   // the producer's arrive (+ 48 KB of TMA bytes)
-      mbar_init(&empty_bar[s], 2);  // one arrive per consumer warpgroup
+      mbar_init(&empty_bar[s], PP ? 1 : 2);  // one arrive per consumer warpgroup reading the stage
     }
     mbar_init(&staged_bar, 256);           // every consumer thread
     mbar_init(&drained_bar, COMPACT_WARPS);
+    mbar_init(&turn_bar[0], 1);
+    mbar_init(&turn_bar[1], 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -278,12 +288,12 @@ __global__ void __launch_bounds__(THREADS, 1)
         unsigned phase = 0;
         for (int u = blockIdx.x; u < units; u += gridDim.x) {
           int mt, nt;
-          tile_of(u, m_tiles, T, mt, nt);
+          tile_of<C::GM>(u, m_tiles, T, mt, nt);
           for (int kb = 0; kb < KB; ++kb) {
             mbar_wait(&empty_bar[stage], phase ^ 1u);  // both consumer warpgroups are done with this stage
             uint8_t* a = ring + stage * STAGE_BYTES;
             mbar_expect_tx(&full_bar[stage], STAGE_BYTES);
-            tma_load(a, &tm_x, &full_bar[stage], kb * BK, mt * BM);  // rows past M arrive as zeros
+            tma_load(a, &tm_x, &full_bar[stage], kb * BK, mt * TM);  // rows past M arrive as zeros
             tma_load(a + A_BYTES, &tm_w, &full_bar[stage], kb * BK, nt * BN);
             if (++stage == STAGES) { stage = 0; phase ^= 1u; }
           }
@@ -295,33 +305,42 @@ __global__ void __launch_bounds__(THREADS, 1)
       unsigned t = 0;
       for (int u = blockIdx.x; u < units; u += gridDim.x, ++t) {
         int mt, nt;
-        tile_of(u, m_tiles, T, mt, nt);
+        tile_of<C::GM>(u, m_tiles, T, mt, nt);
         mbar_wait(&staged_bar, t & 1u);
-        for (int r = (warp - 1) * RB; r < BM && mt * BM + r < M; r += COMPACT_WARPS * RB) {
+        for (int r = (warp - 1) * RB; r < TM && mt * TM + r < M; r += COMPACT_WARPS * RB) {
           uint4 v[RB];
 #pragma unroll
           for (int q = 0; q < RB; ++q) v[q] = *reinterpret_cast<const uint4*>(staging + (r + q) * ROW_WORDS + 4 * lane);
-          compact_rows<RB>(v, lane, mt * BM + r, M, nt, T, S, packed, counts, flag);
+          compact_rows<RB>(v, lane, mt * TM + r, M, nt, T, S, packed, counts, flag);
         }
         __syncwarp();
         if (lane == 0) mbar_arrive(&drained_bar);
       }
     }
-  } else {  // consumers: warpgroup c owns rows [64 c, 64 c + 64) of the block tile
+  } else {  // consumers: warpgroup c owns rows [64 c, 64 c + 64) of each tile (PP: the CTA's tiles t = c mod 2)
     asm volatile("setmaxnreg.inc.sync.aligned.u32 208;");
     const int c = wg - 1;
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
     const bool leader = (threadIdx.x & 127) == 0;
+    const int a_off = PP ? 0 : c * (64 * 128);
     float d[128];
     int stage = 0;
-    unsigned phase = 0, t = 0;
-    for (int u = blockIdx.x; u < units; u += gridDim.x, ++t) {
+    unsigned phase = 0, t = PP ? c : 0;
+    for (int u = blockIdx.x + (PP ? c * gridDim.x : 0); u < units; u += (PP ? 2 : 1) * gridDim.x, t += PP ? 2 : 1) {
       int mt, nt;
-      tile_of(u, m_tiles, T, mt, nt);
+      tile_of<C::GM>(u, m_tiles, T, mt, nt);
+      if (PP) {
+        // The CTA's tile t fills ring slots t KB .. t KB + KB - 1. Wait for the other warpgroup to have seen its
+        // tile t - 1 loaded: every earlier fill of a slot is then complete, so a parity wait cannot pass early.
+        const long long k0 = (long long)t * KB;
+        stage = (int)(k0 % STAGES);
+        phase = (unsigned)(k0 / STAGES) & 1u;
+        if (t > 0) mbar_wait(&turn_bar[c], ((t >> 1) - (c == 0 ? 1u : 0u)) & 1u);
+      }
       // k-block 0 is peeled so that the accumulators are provably dead between tiles (write-only first wgmma)
       mbar_wait(&full_bar[stage], phase);
       {
-        const uint8_t* a = ring + stage * STAGE_BYTES + c * (64 * 128);
+        const uint8_t* a = ring + stage * STAGE_BYTES + a_off;
         const uint8_t* b = ring + stage * STAGE_BYTES + A_BYTES;
         wgmma_fence();
         wgmma_m64n256k16_first(d, desc_sw128(a), desc_sw128(b));
@@ -333,7 +352,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       if (++stage == STAGES) { stage = 0; phase ^= 1u; }
       for (int kb = 1; kb < KB; ++kb) {
         mbar_wait(&full_bar[stage], phase);
-        const uint8_t* a = ring + stage * STAGE_BYTES + c * (64 * 128);
+        const uint8_t* a = ring + stage * STAGE_BYTES + a_off;
         const uint8_t* b = ring + stage * STAGE_BYTES + A_BYTES;
         wgmma_fence();
 #pragma unroll
@@ -344,12 +363,13 @@ __global__ void __launch_bounds__(THREADS, 1)
         prev = stage;
         if (++stage == STAGES) { stage = 0; phase ^= 1u; }
       }
+      if (PP && leader) mbar_arrive(&turn_bar[c ^ 1]);  // every stage of this tile has been loaded
       wgmma_wait<0>();
       fence_acc(d);
       if (leader) mbar_arrive(&empty_bar[prev]);
 
       // This lane holds rows r0 and r0 + 8 of the tile, columns 8j + 2q + {0, 1} (j < 32, q = lane % 4).
-      const int r0 = c * 64 + warp * 16 + (lane >> 2);
+      const int r0 = a_off / 128 + warp * 16 + (lane >> 2);
       if (OV) {
         // to shared memory as bf16 (rounded as the cuBLAS output is); the compaction warps take it from there
         mbar_wait(&drained_bar, (t & 1u) ^ 1u);  // the previous tile has been read out of `staging`
@@ -379,7 +399,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         int bads = (bad0 ? 1 : 0) | (bad1 ? 2 : 0);
         bads |= __shfl_xor_sync(kFull, bads, 1);
         bads |= __shfl_xor_sync(kFull, bads, 2);
-        const int row0 = mt * BM + r0;
+        const int row0 = mt * TM + r0;
         write_row(stash, m0, bads & 1, lane, row0, M, nt, T, S, packed, counts, flag);
 #pragma unroll
         for (int j = 0; j < 32; ++j) stash[256 * j] = pk[j];  // only this thread reads these words: no barrier
@@ -422,12 +442,27 @@ static bool encode(CUtensorMap* map, const void* base, int rows, int K, int box_
 }  // namespace d2tg
 
 namespace d2tg {
-template <bool OV>
+template <bool OV, bool PP>
 static cudaError_t set_smem() {
-  return cudaFuncSetAttribute(d2t_gemm_kernel<OV>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg<OV>::SMEM_BYTES);
+  return cudaFuncSetAttribute(d2t_gemm_kernel<OV, PP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              Cfg<OV, PP>::SMEM_BYTES);
 }
 
 static int g_device_ready[64];  // 1 + SM count once the smem attributes are set on that device
+
+template <bool OV, bool PP>
+static cudaError_t launch(const void* x, const void* w, int M, int N, int K, int S, int32_t* packed, int32_t* counts,
+                          int32_t* flag, long long sms, int max_ctas, cudaStream_t stream) {
+  using C = Cfg<OV, PP>;
+  CUtensorMap tm_x, tm_w;
+  if (!encode(&tm_x, x, M, K, C::TM) || !encode(&tm_w, w, N, K, BN)) return cudaErrorNotSupported;
+  const long long units = (long long)((M + C::TM - 1) / C::TM) * (N / BN);
+  long long grid = units < sms ? units : sms;  // persistent: one CTA per SM at most
+  if (max_ctas > 0 && grid > max_ctas) grid = max_ctas;
+  d2t_gemm_kernel<OV, PP><<<(unsigned)grid, THREADS, C::SMEM_BYTES, stream>>>(tm_x, tm_w, M, N, K, S, packed,
+                                                                               counts, flag);
+  return cudaGetLastError();
+}
 }  // namespace d2tg
 
 extern "C" {
@@ -441,37 +476,31 @@ int twell_d2t_gemm_supported(int device) {
 }
 
 // x [M, K], w [N, K] bf16 row-major, 16-byte aligned; K % 64 == 0, N % 256 == 0. packed [M, N/256, S], counts
-// [M, N/256] int32 (fully written), flag [M] int32 zeroed by the caller. overlap: 1 = the overlapped epilogue
-// (compaction warps), 0 = the consumers write TwELL themselves. max_ctas > 0 caps the persistent grid.
+// [M, N/256] int32 (fully written), flag [M] int32 zeroed by the caller. epilogue: 0 = cooperative tiles, the
+// consumers write TwELL themselves; 1 = cooperative tiles, compaction warps overlap the next mainloop; 2 =
+// ping-pong tiles, the consumers write TwELL themselves. max_ctas > 0 caps the persistent grid.
 cudaError_t twell_d2t_gemm_launch(const void* x, const void* w, int M, int N, int K, int S, int32_t* packed,
-                                  int32_t* counts, int32_t* flag, int overlap, int max_ctas, cudaStream_t stream) {
+                                  int32_t* counts, int32_t* flag, int epilogue, int max_ctas, cudaStream_t stream) {
   if (M <= 0) return cudaSuccess;
   if (K <= 0 || K % d2tg::BK != 0 || N <= 0 || N % d2tg::BN != 0 || S < 1 || S > d2tg::BN) return cudaErrorInvalidValue;
+  if (epilogue < 0 || epilogue > 2) return cudaErrorInvalidValue;
   if ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) & 15) return cudaErrorInvalidValue;
-  CUtensorMap tm_x, tm_w;
-  if (!d2tg::encode(&tm_x, x, M, K, d2tg::BM) || !d2tg::encode(&tm_w, w, N, K, d2tg::BN))
-    return cudaErrorNotSupported;
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
   if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
   if (d2tg::g_device_ready[dev] == 0) {
-    if ((e = d2tg::set_smem<false>()) != cudaSuccess || (e = d2tg::set_smem<true>()) != cudaSuccess) return e;
+    if ((e = d2tg::set_smem<false, false>()) != cudaSuccess || (e = d2tg::set_smem<true, false>()) != cudaSuccess ||
+        (e = d2tg::set_smem<false, true>()) != cudaSuccess)
+      return e;
     int sms = 0;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     d2tg::g_device_ready[dev] = 1 + sms;
   }
   const long long sms = d2tg::g_device_ready[dev] - 1;
-  const long long units = (long long)((M + d2tg::BM - 1) / d2tg::BM) * (N / d2tg::BN);
-  long long grid = units < sms ? units : sms;  // persistent: one CTA per SM at most
-  if (max_ctas > 0 && grid > max_ctas) grid = max_ctas;
-  if (overlap)
-    d2tg::d2t_gemm_kernel<true><<<(unsigned)grid, d2tg::THREADS, d2tg::Cfg<true>::SMEM_BYTES, stream>>>(
-        tm_x, tm_w, M, N, K, S, packed, counts, flag);
-  else
-    d2tg::d2t_gemm_kernel<false><<<(unsigned)grid, d2tg::THREADS, d2tg::Cfg<false>::SMEM_BYTES, stream>>>(
-        tm_x, tm_w, M, N, K, S, packed, counts, flag);
-  return cudaGetLastError();
+  if (epilogue == 1) return d2tg::launch<true, false>(x, w, M, N, K, S, packed, counts, flag, sms, max_ctas, stream);
+  if (epilogue == 2) return d2tg::launch<false, true>(x, w, M, N, K, S, packed, counts, flag, sms, max_ctas, stream);
+  return d2tg::launch<false, false>(x, w, M, N, K, S, packed, counts, flag, sms, max_ctas, stream);
 }
 
 }  // extern "C"

@@ -1,0 +1,84 @@
+"""A/B: the fused d2t with 64-row ping-pong tiles (epilogue 2: one warpgroup's TwELL epilogue runs under the other's
+mainloop) against 128-row cooperative tiles (epilogue 0; epilogue 1 = compaction warps, timed too) and cuBLAS's
+gate GEMM. Checks the TwELL bit for bit (counts, flags, stored words) between 0 and 2 on the benchmark cases and on
+the tests' adversarial problems; times in rotation with the L2 flushed, medians of 15.
+
+    python lab/kernel_bench/d2t_pingpong_ab.py --out pp.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from sfl.experiments.kernel_bench.bench_inference import DEV, Timer, make_case, make_weights
+from sfl.experiments.kernel_bench.decode_paths import rotate
+from sfl.experiments.provenance import collect
+from sfl.kernels.loader import load_twell
+
+
+def outputs(M, T, S):
+    return (torch.full((M, T, S), -7, device=DEV, dtype=torch.int32),
+            torch.full((M, T), -7, device=DEV, dtype=torch.int32), torch.zeros(M, device=DEV, dtype=torch.int32))
+
+
+def same(ext, x, wg, S, ea=0, eb=2, ctas=0) -> bool:
+    M, N = x.shape[0], wg.shape[0]
+    T = N // 256
+    a, b = outputs(M, T, S), outputs(M, T, S)
+    ext.d2t_gemm(x, wg, *a, ea, 0)
+    ext.d2t_gemm(x, wg, *b, eb, ctas)
+    torch.cuda.synchronize()
+    valid = torch.arange(S, device=DEV)[None, None, :] < a[1].clamp(max=S)[:, :, None]
+    return torch.equal(a[1], b[1]) and torch.equal(a[2], b[2]) and torch.equal(a[0][valid], b[0][valid])
+
+
+CASES = ((65536, 2048, 5632, "uniform", 0.005), (65536, 2048, 5632, "uniform", 0.0025),
+         (65536, 2048, 5632, "paper", 0.005), (65536, 2048, 5632, "uniform", 0.01),
+         (16384, 2048, 5632, "uniform", 0.005), (4096, 2048, 5632, "uniform", 0.005),
+         (1024, 2048, 5632, "uniform", 0.005), (16384, 4096, 11008, "uniform", 0.005),
+         (16384, 576, 1536, "uniform", 0.005))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--reps", type=int, default=15)
+    args = ap.parse_args()
+    sys.path.insert(0, "tests")
+    from test_twell_cuda import make_problem
+
+    ext, timer = load_twell(), Timer()
+    prov = collect({"what": "d2t ping-pong A/B"})
+    checks = {}
+    for M, K, N in ((1000, 2048, 5632), (129, 576, 1536), (7, 2048, 5632), (4096, 2048, 8192), (300, 4096, 11008)):
+        for S in (32, 256):
+            x, wg, _, _ = make_problem(M, K, N, 0.01, seed=M + K + S)
+            checks[f"adversarial M{M} K{K} N{N} S{S}"] = same(ext, x, wg, S) and same(ext, x, wg, S, 1, 2, 3)
+    print(checks, flush=True)
+    S = 32
+    weights = {}
+    with open(args.out, "w") as f:
+        for M, K, N, pattern, p in CASES:
+            if (K, N) not in weights:
+                weights[(K, N)] = make_weights(K, N)[0]
+            x, wg = make_case(weights[(K, N)], M, K, N, pattern, p, 0.0, seed=5)
+            o = outputs(M, N // 256, S)
+            fns = {"d2t_coop": lambda: ext.d2t_gemm(x, wg, *o, 0, 0),
+                   "d2t_pingpong": lambda: ext.d2t_gemm(x, wg, *o, 2, 0),
+                   "d2t_overlap": lambda: ext.d2t_gemm(x, wg, *o, 1, 0),
+                   "cublas_gate_gemm": lambda: torch.mm(x, wg.t())}
+            for fn in fns.values():
+                fn()
+            ms = rotate(timer, fns, args.reps)
+            row = {**prov, "M": M, "K": K, "N": N, "pattern": pattern, "activity": p, "ms": ms,
+                   "same_twell": same(ext, x, wg, S), "checks": checks}
+            f.write(json.dumps(row) + "\n")
+            print(M, K, N, pattern, p, {k: round(v, 3) for k, v in ms.items()}, row["same_twell"], flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
