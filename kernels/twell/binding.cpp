@@ -276,7 +276,8 @@ void decode_fused(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& w
 // x [M, K], w [N, K] bf16 contiguous and 16-byte aligned; packed [M, N/256, S] and counts [M, N/256] are fully
 // written; flag [M] must be zeroed by the caller. epilogue: 0 = 128-row tiles, the consumer warps write TwELL;
 // 1 = 128-row tiles, compaction warps overlap the next tile's mainloop; 2 = 64-row ping-pong tiles, the consumer
-// warps write TwELL. max_ctas > 0 caps the persistent grid (0: one CTA per SM).
+// warps write TwELL; 3 = 2 in CTA pairs sharing each W_g tile. max_ctas > 0 caps the persistent grid (0: one CTA
+// per SM).
 void d2t_gemm(const at::Tensor& x, const at::Tensor& w, at::Tensor packed, at::Tensor counts, at::Tensor flag,
               int64_t epilogue, int64_t max_ctas) {
   req(x, "x", at::kBFloat16, 2);
@@ -291,7 +292,7 @@ void d2t_gemm(const at::Tensor& x, const at::Tensor& w, at::Tensor packed, at::T
                   flag.size(0) == M,
               "d2t_gemm: packed/counts/flag shape mismatch");
   TORCH_CHECK(M <= INT32_MAX && N <= INT32_MAX, "d2t_gemm: too many rows");
-  TORCH_CHECK(epilogue >= 0 && epilogue <= 2, "d2t_gemm: epilogue must be 0, 1 or 2, got ", epilogue);
+  TORCH_CHECK(epilogue >= 0 && epilogue <= 3, "d2t_gemm: epilogue must be 0, 1, 2 or 3, got ", epilogue);
   TORCH_CHECK((reinterpret_cast<uintptr_t>(x.data_ptr()) | reinterpret_cast<uintptr_t>(w.data_ptr())) % 16 == 0,
               "d2t_gemm: x and w_gate must be 16-byte aligned (call .clone() on an offset view)");
   const c10::cuda::CUDAGuard guard(x.device());

@@ -8,6 +8,9 @@
 //   tile is 128 rows, each warpgroup owns 64 of them. Ping-pong (PP = true): a tile is 64 rows and the warpgroups
 //   take the CTA's tiles in turn, so one warpgroup's epilogue runs while the other's wgmma keep the tensor cores
 //   busy; a turn barrier lets a warpgroup's mainloop start only once the other has waited for its last stage.
+//   With CTA pairs (CL = 2), the two CTAs of a cluster take row tiles 2p and 2p + 1 of one column tile and share
+//   its W_g tile: each loads half of it into both (TMA multicast), so the L2 serves 24 KB instead of 40 KB per
+//   k-block and CTA; a stage is refilled once the consumers of both CTAs are done with it.
 // Tiles are walked in groups of 2048 rows, column-tile major inside a group (L2 reuse of x and W).
 // Epilogues (template OV; the host picks, kernels/README.md):
 // - OV = false (4 stages): the consumer warps write TwELL from their registers. A quad of lanes holds a row's
@@ -40,14 +43,15 @@ constexpr int STAGING_BYTES = 128 * ROW_WORDS * 4;  // 66 KB
 constexpr int STASH_BYTES = 256 * 32 * 4;          // 32 KB
 constexpr int COMPACT_WARPS = 3;                   // OV: warps 1-3 of the producer warpgroup
 constexpr int RB = 4;                              // OV: rows per compaction step (interleaved warp scans)
-template <bool OV, bool PP>
+template <bool OV, bool PP, int CL>
 struct Cfg {
   static_assert(!(OV && PP), "the overlapped epilogue runs on cooperative tiles");
+  static_assert(CL == 1 || (CL == 2 && PP), "CTA pairs run ping-pong tiles only");
   static constexpr int TM = PP ? 64 : 128;            // rows per tile
   static constexpr int A_BYTES = TM * BK * 2;         // x: TM rows x 128 bytes (one 128B swizzle row each)
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
   static constexpr int STAGES = OV ? 3 : 4;           // PP: 5 would not fit beside the stash
-  static constexpr int GM = 2048 / TM;                // row tiles per group of the tile order
+  static constexpr int GM = 2048 / (TM * CL);         // units (CL row tiles) per group of the tile order
   static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + (OV ? STAGING_BYTES : STASH_BYTES) + 1024;  // + align
 };
 
@@ -77,6 +81,30 @@ __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
       ::"r"(saddr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(saddr(bar)), "r"(c0), "r"(c1) : "memory");
+}
+
+// The same into both CTAs of a 2-CTA cluster (the same shared-memory offset and barrier in each, ctaMask 0b11).
+__device__ __forceinline__ void tma_load_pair(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%3, %4}], [%2], %5;"
+      ::"r"(saddr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(saddr(bar)), "r"(c0), "r"(c1), "h"((uint16_t)3)
+      : "memory");
+}
+// Arrive on the barrier at the same offset in CTA `peer` of this cluster. A plain arrive: a cluster-scope release
+// on every k-block made the pairs 30% slower (kernels/README.md, round 13).
+__device__ __forceinline__ void mbar_arrive_peer(uint64_t* b, unsigned peer) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(saddr(b)), "r"(peer));
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+}
+__device__ __forceinline__ unsigned cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_sync() {  // every thread of both CTAs (not warp-aligned: warps diverge here)
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
 }
 
 // Shared-memory matrix descriptor: K-major, 128B swizzle, 8-row groups 1024 bytes apart (SBO); LBO unused.
@@ -244,12 +272,12 @@ __device__ __forceinline__ void tile_of(int u, int m_tiles, int T, int& mt, int&
   mt = first + (local - nt * gm);
 }
 
-template <bool OV, bool PP>
+template <bool OV, bool PP, int CL>
 __global__ void __launch_bounds__(THREADS, 1)
     d2t_gemm_kernel(const __grid_constant__ CUtensorMap tm_x, const __grid_constant__ CUtensorMap tm_w, int M,
                     int N, int K, int S, int32_t* __restrict__ packed, int32_t* __restrict__ counts,
                     int32_t* __restrict__ flag) {
-  using C = Cfg<OV, PP>;
+  using C = Cfg<OV, PP, CL>;
   constexpr int STAGES = C::STAGES, STAGE_BYTES = C::STAGE_BYTES, A_BYTES = C::A_BYTES, TM = C::TM;
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full_bar[STAGES];
@@ -262,14 +290,17 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   const int T = N / BN;
   const int m_tiles = (M + TM - 1) / TM;
-  const int units = m_tiles * T;
+  const int m_units = (m_tiles + CL - 1) / CL;  // a unit: CL row tiles of one column tile, one per CTA of a pair
+  const int units = m_units * T;
   const int KB = K / BK;
   const int wg = threadIdx.x / 128;
+  const unsigned rank = CL == 1 ? 0u : cluster_rank();
+  const int u0 = (int)blockIdx.x / CL, u_step = (int)gridDim.x / CL;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full_bar[s], 1);   // the producer's arrive (+ 48 KB of TMA bytes)
-      mbar_init(&empty_bar[s], PP ? 1 : 2);  // one arrive per consumer warpgroup reading the stage
+      mbar_init(&empty_bar[s], (PP ? 1 : 2) * CL);  // one arrive per consumer warpgroup reading it (both CTAs)
     }
     mbar_init(&staged_bar, 256);           // every consumer thread
     mbar_init(&drained_bar, COMPACT_WARPS);
@@ -277,7 +308,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     mbar_init(&turn_bar[1], 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  __syncthreads();
+  if (CL == 1) __syncthreads();
+  else cluster_sync();  // the peer's multicasts and arrives find this CTA's barriers initialised
 
   if (wg == 0) {  // producer warpgroup: warp 0 issues the TMA loads; OV: warps 1-3 write TwELL from `staging`
     asm volatile("setmaxnreg.dec.sync.aligned.u32 80;");
@@ -286,15 +318,20 @@ __global__ void __launch_bounds__(THREADS, 1)
       if (lane == 0) {
         int stage = 0;
         unsigned phase = 0;
-        for (int u = blockIdx.x; u < units; u += gridDim.x) {
+        for (int u = u0; u < units; u += u_step) {
           int mt, nt;
-          tile_of<C::GM>(u, m_tiles, T, mt, nt);
+          tile_of<C::GM>(u, m_units, T, mt, nt);
+          mt = mt * CL + (int)rank;
           for (int kb = 0; kb < KB; ++kb) {
             mbar_wait(&empty_bar[stage], phase ^ 1u);  // both consumer warpgroups are done with this stage
             uint8_t* a = ring + stage * STAGE_BYTES;
             mbar_expect_tx(&full_bar[stage], STAGE_BYTES);
             tma_load(a, &tm_x, &full_bar[stage], kb * BK, mt * TM);  // rows past M arrive as zeros
-            tma_load(a + A_BYTES, &tm_w, &full_bar[stage], kb * BK, nt * BN);
+            if (CL == 1)
+              tma_load(a + A_BYTES, &tm_w, &full_bar[stage], kb * BK, nt * BN);
+            else  // this CTA's half of the W_g tile, into both CTAs
+              tma_load_pair(a + A_BYTES + rank * (B_BYTES / 2), &tm_w, &full_bar[stage], kb * BK,
+                            nt * BN + (int)rank * (BN / 2));
             if (++stage == STAGES) { stage = 0; phase ^= 1u; }
           }
         }
@@ -303,9 +340,9 @@ __global__ void __launch_bounds__(THREADS, 1)
       // Compaction of each finished tile (one warp per row, 8 values per lane, RB rows' warp scans interleaved)
       // while the consumers already run the next tile's mainloop.
       unsigned t = 0;
-      for (int u = blockIdx.x; u < units; u += gridDim.x, ++t) {
+      for (int u = u0; u < units; u += u_step, ++t) {
         int mt, nt;
-        tile_of<C::GM>(u, m_tiles, T, mt, nt);
+        tile_of<C::GM>(u, m_units, T, mt, nt);
         mbar_wait(&staged_bar, t & 1u);
         for (int r = (warp - 1) * RB; r < TM && mt * TM + r < M; r += COMPACT_WARPS * RB) {
           uint4 v[RB];
@@ -326,9 +363,10 @@ __global__ void __launch_bounds__(THREADS, 1)
     float d[128];
     int stage = 0;
     unsigned phase = 0, t = PP ? c : 0;
-    for (int u = blockIdx.x + (PP ? c * gridDim.x : 0); u < units; u += (PP ? 2 : 1) * gridDim.x, t += PP ? 2 : 1) {
+    for (int u = u0 + (PP ? c * u_step : 0); u < units; u += (PP ? 2 : 1) * u_step, t += PP ? 2 : 1) {
       int mt, nt;
-      tile_of<C::GM>(u, m_tiles, T, mt, nt);
+      tile_of<C::GM>(u, m_units, T, mt, nt);
+      mt = mt * CL + (int)rank;
       if (PP) {
         // The CTA's tile t fills ring slots t KB .. t KB + KB - 1. Wait for the other warpgroup to have seen its
         // tile t - 1 loaded: every earlier fill of a slot is then complete, so a parity wait cannot pass early.
@@ -359,14 +397,20 @@ __global__ void __launch_bounds__(THREADS, 1)
         for (int kk = 0; kk < BK / 16; ++kk) wgmma_m64n256k16(d, desc_sw128(a + 32 * kk), desc_sw128(b + 32 * kk));
         wgmma_commit();
         wgmma_wait<1>();  // the previous k-block's wgmma are done: its stage can be refilled
-        if (leader) mbar_arrive(&empty_bar[prev]);
+        if (leader) {
+          mbar_arrive(&empty_bar[prev]);
+          if (CL == 2) mbar_arrive_peer(&empty_bar[prev], rank ^ 1u);
+        }
         prev = stage;
         if (++stage == STAGES) { stage = 0; phase ^= 1u; }
       }
       if (PP && leader) mbar_arrive(&turn_bar[c ^ 1]);  // every stage of this tile has been loaded
       wgmma_wait<0>();
       fence_acc(d);
-      if (leader) mbar_arrive(&empty_bar[prev]);
+      if (leader) {
+        mbar_arrive(&empty_bar[prev]);
+        if (CL == 2) mbar_arrive_peer(&empty_bar[prev], rank ^ 1u);
+      }
 
       // This lane holds rows r0 and r0 + 8 of the tile, columns 8j + 2q + {0, 1} (j < 32, q = lane % 4).
       const int r0 = a_off / 128 + warp * 16 + (lane >> 2);
@@ -407,6 +451,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       }
     }
   }
+  if (CL == 2) cluster_sync();  // no CTA leaves while its peer may still arrive on its barriers
 }
 
 typedef CUresult (*EncodeTiledFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -442,26 +487,71 @@ static bool encode(CUtensorMap* map, const void* base, int rows, int K, int box_
 }  // namespace d2tg
 
 namespace d2tg {
-template <bool OV, bool PP>
+template <bool OV, bool PP, int CL>
 static cudaError_t set_smem() {
-  return cudaFuncSetAttribute(d2t_gemm_kernel<OV, PP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              Cfg<OV, PP>::SMEM_BYTES);
+  return cudaFuncSetAttribute(d2t_gemm_kernel<OV, PP, CL>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              Cfg<OV, PP, CL>::SMEM_BYTES);
 }
 
-static int g_device_ready[64];  // 1 + SM count once the smem attributes are set on that device
+static cudaLaunchAttribute pair_attr() {
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = 2;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  return attr;
+}
 
-template <bool OV, bool PP>
+// CTA pairs resident at once (0 if the query fails: the pair variant then runs one pair)
+static int max_pairs() {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(2);
+  cfg.blockDim = dim3(THREADS);
+  cfg.dynamicSmemBytes = Cfg<false, true, 2>::SMEM_BYTES;
+  cudaLaunchAttribute attr = pair_attr();
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, d2t_gemm_kernel<false, true, 2>, &cfg) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+struct DeviceInfo {
+  int ready = 0, sms = 0, pairs = 0;
+};
+static DeviceInfo g_device[64];
+
+template <bool OV, bool PP, int CL>
 static cudaError_t launch(const void* x, const void* w, int M, int N, int K, int S, int32_t* packed, int32_t* counts,
-                          int32_t* flag, long long sms, int max_ctas, cudaStream_t stream) {
-  using C = Cfg<OV, PP>;
+                          int32_t* flag, const DeviceInfo& D, int max_ctas, cudaStream_t stream) {
+  using C = Cfg<OV, PP, CL>;
   CUtensorMap tm_x, tm_w;
-  if (!encode(&tm_x, x, M, K, C::TM) || !encode(&tm_w, w, N, K, BN)) return cudaErrorNotSupported;
-  const long long units = (long long)((M + C::TM - 1) / C::TM) * (N / BN);
-  long long grid = units < sms ? units : sms;  // persistent: one CTA per SM at most
-  if (max_ctas > 0 && grid > max_ctas) grid = max_ctas;
-  d2t_gemm_kernel<OV, PP><<<(unsigned)grid, THREADS, C::SMEM_BYTES, stream>>>(tm_x, tm_w, M, N, K, S, packed,
-                                                                               counts, flag);
-  return cudaGetLastError();
+  if (!encode(&tm_x, x, M, K, C::TM) || !encode(&tm_w, w, N, K, BN / CL)) return cudaErrorNotSupported;
+  const long long units = (long long)((M + C::TM * CL - 1) / (C::TM * CL)) * (N / BN);
+  // persistent: one CTA per SM at most (CL = 2: the pairs that are resident at once)
+  long long ctas = CL == 1 ? D.sms : 2LL * D.pairs;
+  if (max_ctas > 0 && ctas > max_ctas) ctas = max_ctas;
+  long long groups = ctas / CL;
+  if (groups > units) groups = units;
+  if (groups < 1) groups = 1;  // (CL = 2 under max_ctas = 1: one pair)
+  const unsigned grid = (unsigned)(groups * CL);
+  if (CL == 1) {
+    d2t_gemm_kernel<OV, PP, CL><<<grid, THREADS, C::SMEM_BYTES, stream>>>(tm_x, tm_w, M, N, K, S, packed, counts,
+                                                                          flag);
+    return cudaGetLastError();
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(THREADS);
+  cfg.dynamicSmemBytes = C::SMEM_BYTES;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr = pair_attr();
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, d2t_gemm_kernel<OV, PP, CL>, tm_x, tm_w, M, N, K, S, packed, counts, flag);
 }
 }  // namespace d2tg
 
@@ -478,29 +568,34 @@ int twell_d2t_gemm_supported(int device) {
 // x [M, K], w [N, K] bf16 row-major, 16-byte aligned; K % 64 == 0, N % 256 == 0. packed [M, N/256, S], counts
 // [M, N/256] int32 (fully written), flag [M] int32 zeroed by the caller. epilogue: 0 = cooperative tiles, the
 // consumers write TwELL themselves; 1 = cooperative tiles, compaction warps overlap the next mainloop; 2 =
-// ping-pong tiles, the consumers write TwELL themselves. max_ctas > 0 caps the persistent grid.
+// ping-pong tiles, the consumers write TwELL themselves; 3 = 2 in CTA pairs sharing W_g. max_ctas > 0 caps the
+// persistent grid.
 cudaError_t twell_d2t_gemm_launch(const void* x, const void* w, int M, int N, int K, int S, int32_t* packed,
                                   int32_t* counts, int32_t* flag, int epilogue, int max_ctas, cudaStream_t stream) {
+  using namespace d2tg;
   if (M <= 0) return cudaSuccess;
-  if (K <= 0 || K % d2tg::BK != 0 || N <= 0 || N % d2tg::BN != 0 || S < 1 || S > d2tg::BN) return cudaErrorInvalidValue;
-  if (epilogue < 0 || epilogue > 2) return cudaErrorInvalidValue;
+  if (K <= 0 || K % BK != 0 || N <= 0 || N % BN != 0 || S < 1 || S > BN) return cudaErrorInvalidValue;
+  if (epilogue < 0 || epilogue > 3) return cudaErrorInvalidValue;
   if ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) & 15) return cudaErrorInvalidValue;
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
   if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
-  if (d2tg::g_device_ready[dev] == 0) {
-    if ((e = d2tg::set_smem<false, false>()) != cudaSuccess || (e = d2tg::set_smem<true, false>()) != cudaSuccess ||
-        (e = d2tg::set_smem<false, true>()) != cudaSuccess)
+  DeviceInfo& D = g_device[dev];
+  if (D.ready == 0) {
+    if ((e = set_smem<false, false, 1>()) != cudaSuccess || (e = set_smem<true, false, 1>()) != cudaSuccess ||
+        (e = set_smem<false, true, 1>()) != cudaSuccess || (e = set_smem<false, true, 2>()) != cudaSuccess)
       return e;
-    int sms = 0;
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    d2tg::g_device_ready[dev] = 1 + sms;
+    cudaDeviceGetAttribute(&D.sms, cudaDevAttrMultiProcessorCount, dev);
+    D.pairs = max_pairs();
+    D.ready = 1;
   }
-  const long long sms = d2tg::g_device_ready[dev] - 1;
-  if (epilogue == 1) return d2tg::launch<true, false>(x, w, M, N, K, S, packed, counts, flag, sms, max_ctas, stream);
-  if (epilogue == 2) return d2tg::launch<false, true>(x, w, M, N, K, S, packed, counts, flag, sms, max_ctas, stream);
-  return d2tg::launch<false, false>(x, w, M, N, K, S, packed, counts, flag, sms, max_ctas, stream);
+  switch (epilogue) {
+    case 1: return launch<true, false, 1>(x, w, M, N, K, S, packed, counts, flag, D, max_ctas, stream);
+    case 2: return launch<false, true, 1>(x, w, M, N, K, S, packed, counts, flag, D, max_ctas, stream);
+    case 3: return launch<false, true, 2>(x, w, M, N, K, S, packed, counts, flag, D, max_ctas, stream);
+    default: return launch<false, false, 1>(x, w, M, N, K, S, packed, counts, flag, D, max_ctas, stream);
+  }
 }
 
 }  // extern "C"

@@ -1,6 +1,6 @@
 """A/B: the fused d2t with 64-row ping-pong tiles (epilogue 2: one warpgroup's TwELL epilogue runs under the other's
-mainloop) against 128-row cooperative tiles (epilogue 0; epilogue 1 = compaction warps, timed too) and cuBLAS's
-gate GEMM. Checks the TwELL bit for bit (counts, flags, stored words) between 0 and 2 on the benchmark cases and on
+mainloop; 3: the same in CTA pairs sharing each W_g tile by TMA multicast) against 128-row cooperative tiles (epilogue 0; epilogue 1 = compaction warps, timed too) and cuBLAS's
+gate GEMM. Checks the TwELL bit for bit (counts, flags, stored words) between 0 and 2 / 3 on the benchmark cases and on
 the tests' adversarial problems; times in rotation with the L2 flushed, medians of 15.
 
     python lab/kernel_bench/d2t_pingpong_ab.py --out pp.jsonl
@@ -56,7 +56,8 @@ def main() -> int:
     for M, K, N in ((1000, 2048, 5632), (129, 576, 1536), (7, 2048, 5632), (4096, 2048, 8192), (300, 4096, 11008)):
         for S in (32, 256):
             x, wg, _, _ = make_problem(M, K, N, 0.01, seed=M + K + S)
-            checks[f"adversarial M{M} K{K} N{N} S{S}"] = same(ext, x, wg, S) and same(ext, x, wg, S, 1, 2, 3)
+            checks[f"adversarial M{M} K{K} N{N} S{S}"] = (same(ext, x, wg, S) and same(ext, x, wg, S, 1, 2, 3)
+                                                          and same(ext, x, wg, S, 0, 3) and same(ext, x, wg, S, 0, 3, 3))
     print(checks, flush=True)
     S = 32
     weights = {}
@@ -68,13 +69,14 @@ def main() -> int:
             o = outputs(M, N // 256, S)
             fns = {"d2t_coop": lambda: ext.d2t_gemm(x, wg, *o, 0, 0),
                    "d2t_pingpong": lambda: ext.d2t_gemm(x, wg, *o, 2, 0),
+                   "d2t_pingpong_pairs": lambda: ext.d2t_gemm(x, wg, *o, 3, 0),
                    "d2t_overlap": lambda: ext.d2t_gemm(x, wg, *o, 1, 0),
                    "cublas_gate_gemm": lambda: torch.mm(x, wg.t())}
             for fn in fns.values():
                 fn()
             ms = rotate(timer, fns, args.reps)
             row = {**prov, "M": M, "K": K, "N": N, "pattern": pattern, "activity": p, "ms": ms,
-                   "same_twell": same(ext, x, wg, S), "checks": checks}
+                   "same_twell": same(ext, x, wg, S) and same(ext, x, wg, S, 0, 3), "checks": checks}
             f.write(json.dumps(row) + "\n")
             print(M, K, N, pattern, p, {k: round(v, 3) for k, v in ms.items()}, row["same_twell"], flush=True)
     return 0

@@ -19,7 +19,7 @@ def main() -> int:
     ext = load_twell()
     for M, K, N in ((1000, 2048, 5632), (129, 576, 1536), (7, 2048, 5632), (300, 4096, 11008)):
         for S in (32, 256):
-            for epilogue in (0, 1, 2):
+            for epilogue in (0, 1, 2, 3):
                 x, wg, _, _ = make_problem(M, K, N, 0.01, seed=M + K + S)
                 T = N // 256
                 packed = torch.full((M, T, S), -7, device="cuda", dtype=torch.int32)
