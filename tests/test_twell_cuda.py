@@ -1089,7 +1089,7 @@ def test_fused_d2t_vs_fp32(ffn, M, K, N, S, epilogue):
     """The tensor-core d2t with the TwELL epilogue against float64 math, on adversarial rows (heavy, whole tile,
     all active, all zero, NaN/+-Inf), odd M (partial row tiles), poisoned outputs, both slot counts, every
     epilogue (0: 128-row tiles, consumer warps write TwELL; 1: compaction warps overlapping the next tile;
-    2: 64-row ping-pong tiles; 3: the same in CTA pairs sharing W_g, odd row-tile counts included)."""
+    2: 64-row ping-pong tiles; 3: the same with the values picked from registers)."""
     x, wg, _, _ = make_problem(M, K, N, 0.01, seed=M + K + S + epilogue)
     ext = _fused_or_skip(x, wg)
     T = N // 256
@@ -1105,7 +1105,7 @@ def test_fused_d2t_vs_fp32(ffn, M, K, N, S, epilogue):
 @pytest.mark.parametrize("ctas", [1, 3])
 def test_fused_d2t_persistent_grid(ffn, epilogue, ctas):
     """Any persistent grid size gives the same TwELL as the full grid and another epilogue (one CTA walks every
-    tile, its warpgroups alternating in ping-pong; 3 share them unevenly; pairs: one pair)."""
+    tile, its warpgroups alternating in ping-pong; 3 share them unevenly)."""
     M, K, N = 700, 576, 1536
     x, wg, _, _ = make_problem(M, K, N, 0.03, seed=ctas)
     ext = _fused_or_skip(x, wg)

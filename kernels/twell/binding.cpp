@@ -276,8 +276,7 @@ void decode_fused(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& w
 // x [M, K], w [N, K] bf16 contiguous and 16-byte aligned; packed [M, N/256, S] and counts [M, N/256] are fully
 // written; flag [M] must be zeroed by the caller. epilogue: 0 = 128-row tiles, the consumer warps write TwELL;
 // 1 = 128-row tiles, compaction warps overlap the next tile's mainloop; 2 = 64-row ping-pong tiles, the consumer
-// warps write TwELL; 3 = 2 in CTA pairs sharing each W_g tile. max_ctas > 0 caps the persistent grid (0: one CTA
-// per SM).
+// warps write TwELL. max_ctas > 0 caps the persistent grid (0: one CTA per SM).
 void d2t_gemm(const at::Tensor& x, const at::Tensor& w, at::Tensor packed, at::Tensor counts, at::Tensor flag,
               int64_t epilogue, int64_t max_ctas) {
   req(x, "x", at::kBFloat16, 2);

@@ -8,9 +8,6 @@
 //   tile is 128 rows, each warpgroup owns 64 of them. Ping-pong (PP = true): a tile is 64 rows and the warpgroups
 //   take the CTA's tiles in turn, so one warpgroup's epilogue runs while the other's wgmma keep the tensor cores
 //   busy; a turn barrier lets a warpgroup's mainloop start only once the other has waited for its last stage.
-//   With CTA pairs (CL = 2), the two CTAs of a cluster take row tiles 2p and 2p + 1 of one column tile and share
-//   its W_g tile: each loads half of it into both (TMA multicast), so the L2 serves 24 KB instead of 40 KB per
-//   k-block and CTA; a stage is refilled once the consumers of both CTAs are done with it.
 // Tiles are walked in groups of 2048 rows, column-tile major inside a group (L2 reuse of x and W).
 // Epilogues (template OV; the host picks, kernels/README.md):
 // - OV = false (4 stages): the consumer warps write TwELL from their registers. A quad of lanes holds a row's
@@ -43,16 +40,16 @@ constexpr int STAGING_BYTES = 128 * ROW_WORDS * 4;  // 66 KB
 constexpr int STASH_BYTES = 256 * 32 * 4;          // 32 KB
 constexpr int COMPACT_WARPS = 3;                   // OV: warps 1-3 of the producer warpgroup
 constexpr int RB = 4;                              // OV: rows per compaction step (interleaved warp scans)
-template <bool OV, bool PP, int CL>
+template <bool OV, bool PP, bool REG>
 struct Cfg {
   static_assert(!(OV && PP), "the overlapped epilogue runs on cooperative tiles");
-  static_assert(CL == 1 || (CL == 2 && PP), "CTA pairs run ping-pong tiles only");
+  static_assert(!REG || PP, "register-only epilogue: ping-pong tiles only");
   static constexpr int TM = PP ? 64 : 128;            // rows per tile
   static constexpr int A_BYTES = TM * BK * 2;         // x: TM rows x 128 bytes (one 128B swizzle row each)
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-  static constexpr int STAGES = OV ? 3 : 4;           // PP: 5 would not fit beside the stash
-  static constexpr int GM = 2048 / (TM * CL);         // units (CL row tiles) per group of the tile order
-  static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + (OV ? STAGING_BYTES : STASH_BYTES) + 1024;  // + align
+  static constexpr int STAGES = OV ? 3 : (REG ? 5 : 4);  // PP: 5 would not fit beside the stash
+  static constexpr int GM = 2048 / TM;                // row tiles per group of the tile order
+  static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + (OV ? STAGING_BYTES : REG ? 0 : STASH_BYTES) + 1024;
 };
 
 __device__ __forceinline__ uint32_t saddr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
@@ -81,30 +78,6 @@ __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
       ::"r"(saddr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(saddr(bar)), "r"(c0), "r"(c1) : "memory");
-}
-
-// The same into both CTAs of a 2-CTA cluster (the same shared-memory offset and barrier in each, ctaMask 0b11).
-__device__ __forceinline__ void tma_load_pair(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%3, %4}], [%2], %5;"
-      ::"r"(saddr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(saddr(bar)), "r"(c0), "r"(c1), "h"((uint16_t)3)
-      : "memory");
-}
-// Arrive on the barrier at the same offset in CTA `peer` of this cluster. A plain arrive: a cluster-scope release
-// on every k-block made the pairs 30% slower (kernels/README.md, round 13).
-__device__ __forceinline__ void mbar_arrive_peer(uint64_t* b, unsigned peer) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(saddr(b)), "r"(peer));
-  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
-}
-__device__ __forceinline__ unsigned cluster_rank() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ void cluster_sync() {  // every thread of both CTAs (not warp-aligned: warps diverge here)
-  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
 }
 
 // Shared-memory matrix descriptor: K-major, 128B swizzle, 8-row groups 1024 bytes apart (SBO); LBO unused.
@@ -184,7 +157,8 @@ __device__ __forceinline__ unsigned pair_active(uint32_t p, bool& nonfinite) {
 // column 8j + 2q + b), vals[256 j] = this lane's bf16 pair j (in shared memory, so that it can be indexed by a
 // run-time j). Writes the row's tile words in ascending column order (the first S), its true count and its flag
 // (overflow or a non-finite value). The loop runs over this lane's active entries only.
-__device__ __forceinline__ void write_row(const uint32_t* vals, uint64_t m, bool bad, int lane, int row, int M,
+template <typename Vals>
+__device__ __forceinline__ void write_row(const Vals& vals, uint64_t m, bool bad, int lane, int row, int M,
                                           int tile, int T, int S, int32_t* __restrict__ packed,
                                           int32_t* __restrict__ counts, int32_t* __restrict__ flag) {
   const int q = lane & 3;
@@ -202,7 +176,7 @@ __device__ __forceinline__ void write_row(const uint32_t* vals, uint64_t m, bool
     for (int qq = 0; qq < 3; ++qq) rank += qq < q ? __popc((unsigned)(quad[qq] >> (2 * j)) & 3u) : 0;
     rank += b & (int)(m >> (2 * j));                 // the low column of my own pair
     if (rank < S) {
-      const uint32_t bits = (vals[256 * j] >> (16 * b)) & 0xffffu;
+      const uint32_t bits = (vals(j) >> (16 * b)) & 0xffffu;
       out[rank] = (int32_t)((bits << 16) | (uint32_t)(8 * j + 2 * q + b));
     }
   }
@@ -261,6 +235,20 @@ __device__ __forceinline__ void compact_rows(const uint4 (&v)[RB], int lane, int
   }
 }
 
+// v[j] for a run-time j < 32 without local memory: a tree of selects (31 of them, for the rare active entries)
+__device__ __forceinline__ uint32_t pick32(const uint32_t (&v)[32], int j) {
+  uint32_t a[16], b[8], c[4], d[2];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) a[i] = (j & 16) ? v[i + 16] : v[i];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) b[i] = (j & 8) ? a[i + 8] : a[i];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) c[i] = (j & 4) ? b[i + 4] : b[i];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) d[i] = (j & 2) ? c[i + 2] : c[i];
+  return (j & 1) ? d[1] : d[0];
+}
+
 // Tile order: groups of GM row tiles, column-tile major inside a group, so the CTAs running at once touch ~GM row
 // tiles of x and a few column tiles of W: both stay in L2 even when W does not fit (4096 x 11008).
 template <int GM>
@@ -272,12 +260,12 @@ __device__ __forceinline__ void tile_of(int u, int m_tiles, int T, int& mt, int&
   mt = first + (local - nt * gm);
 }
 
-template <bool OV, bool PP, int CL>
+template <bool OV, bool PP, bool REG>
 __global__ void __launch_bounds__(THREADS, 1)
     d2t_gemm_kernel(const __grid_constant__ CUtensorMap tm_x, const __grid_constant__ CUtensorMap tm_w, int M,
                     int N, int K, int S, int32_t* __restrict__ packed, int32_t* __restrict__ counts,
                     int32_t* __restrict__ flag) {
-  using C = Cfg<OV, PP, CL>;
+  using C = Cfg<OV, PP, REG>;
   constexpr int STAGES = C::STAGES, STAGE_BYTES = C::STAGE_BYTES, A_BYTES = C::A_BYTES, TM = C::TM;
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full_bar[STAGES];
@@ -290,17 +278,14 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   const int T = N / BN;
   const int m_tiles = (M + TM - 1) / TM;
-  const int m_units = (m_tiles + CL - 1) / CL;  // a unit: CL row tiles of one column tile, one per CTA of a pair
-  const int units = m_units * T;
+  const int units = m_tiles * T;
   const int KB = K / BK;
   const int wg = threadIdx.x / 128;
-  const unsigned rank = CL == 1 ? 0u : cluster_rank();
-  const int u0 = (int)blockIdx.x / CL, u_step = (int)gridDim.x / CL;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full_bar[s], 1);   // the producer's arrive (+ 48 KB of TMA bytes)
-      mbar_init(&empty_bar[s], (PP ? 1 : 2) * CL);  // one arrive per consumer warpgroup reading it (both CTAs)
+      mbar_init(&empty_bar[s], PP ? 1 : 2);  // one arrive per consumer warpgroup reading the stage
     }
     mbar_init(&staged_bar, 256);           // every consumer thread
     mbar_init(&drained_bar, COMPACT_WARPS);
@@ -308,8 +293,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     mbar_init(&turn_bar[1], 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  if (CL == 1) __syncthreads();
-  else cluster_sync();  // the peer's multicasts and arrives find this CTA's barriers initialised
+  __syncthreads();
 
   if (wg == 0) {  // producer warpgroup: warp 0 issues the TMA loads; OV: warps 1-3 write TwELL from `staging`
     asm volatile("setmaxnreg.dec.sync.aligned.u32 80;");
@@ -318,20 +302,15 @@ __global__ void __launch_bounds__(THREADS, 1)
       if (lane == 0) {
         int stage = 0;
         unsigned phase = 0;
-        for (int u = u0; u < units; u += u_step) {
+        for (int u = blockIdx.x; u < units; u += gridDim.x) {
           int mt, nt;
-          tile_of<C::GM>(u, m_units, T, mt, nt);
-          mt = mt * CL + (int)rank;
+          tile_of<C::GM>(u, m_tiles, T, mt, nt);
           for (int kb = 0; kb < KB; ++kb) {
             mbar_wait(&empty_bar[stage], phase ^ 1u);  // both consumer warpgroups are done with this stage
             uint8_t* a = ring + stage * STAGE_BYTES;
             mbar_expect_tx(&full_bar[stage], STAGE_BYTES);
             tma_load(a, &tm_x, &full_bar[stage], kb * BK, mt * TM);  // rows past M arrive as zeros
-            if (CL == 1)
-              tma_load(a + A_BYTES, &tm_w, &full_bar[stage], kb * BK, nt * BN);
-            else  // this CTA's half of the W_g tile, into both CTAs
-              tma_load_pair(a + A_BYTES + rank * (B_BYTES / 2), &tm_w, &full_bar[stage], kb * BK,
-                            nt * BN + (int)rank * (BN / 2));
+            tma_load(a + A_BYTES, &tm_w, &full_bar[stage], kb * BK, nt * BN);
             if (++stage == STAGES) { stage = 0; phase ^= 1u; }
           }
         }
@@ -340,9 +319,9 @@ __global__ void __launch_bounds__(THREADS, 1)
       // Compaction of each finished tile (one warp per row, 8 values per lane, RB rows' warp scans interleaved)
       // while the consumers already run the next tile's mainloop.
       unsigned t = 0;
-      for (int u = u0; u < units; u += u_step, ++t) {
+      for (int u = blockIdx.x; u < units; u += gridDim.x, ++t) {
         int mt, nt;
-        tile_of<C::GM>(u, m_units, T, mt, nt);
+        tile_of<C::GM>(u, m_tiles, T, mt, nt);
         mbar_wait(&staged_bar, t & 1u);
         for (int r = (warp - 1) * RB; r < TM && mt * TM + r < M; r += COMPACT_WARPS * RB) {
           uint4 v[RB];
@@ -363,10 +342,9 @@ __global__ void __launch_bounds__(THREADS, 1)
     float d[128];
     int stage = 0;
     unsigned phase = 0, t = PP ? c : 0;
-    for (int u = u0 + (PP ? c * u_step : 0); u < units; u += (PP ? 2 : 1) * u_step, t += PP ? 2 : 1) {
+    for (int u = blockIdx.x + (PP ? c * gridDim.x : 0); u < units; u += (PP ? 2 : 1) * gridDim.x, t += PP ? 2 : 1) {
       int mt, nt;
-      tile_of<C::GM>(u, m_units, T, mt, nt);
-      mt = mt * CL + (int)rank;
+      tile_of<C::GM>(u, m_tiles, T, mt, nt);
       if (PP) {
         // The CTA's tile t fills ring slots t KB .. t KB + KB - 1. Wait for the other warpgroup to have seen its
         // tile t - 1 loaded: every earlier fill of a slot is then complete, so a parity wait cannot pass early.
@@ -397,20 +375,14 @@ __global__ void __launch_bounds__(THREADS, 1)
         for (int kk = 0; kk < BK / 16; ++kk) wgmma_m64n256k16(d, desc_sw128(a + 32 * kk), desc_sw128(b + 32 * kk));
         wgmma_commit();
         wgmma_wait<1>();  // the previous k-block's wgmma are done: its stage can be refilled
-        if (leader) {
-          mbar_arrive(&empty_bar[prev]);
-          if (CL == 2) mbar_arrive_peer(&empty_bar[prev], rank ^ 1u);
-        }
+        if (leader) mbar_arrive(&empty_bar[prev]);
         prev = stage;
         if (++stage == STAGES) { stage = 0; phase ^= 1u; }
       }
       if (PP && leader) mbar_arrive(&turn_bar[c ^ 1]);  // every stage of this tile has been loaded
       wgmma_wait<0>();
       fence_acc(d);
-      if (leader) {
-        mbar_arrive(&empty_bar[prev]);
-        if (CL == 2) mbar_arrive_peer(&empty_bar[prev], rank ^ 1u);
-      }
+      if (leader) mbar_arrive(&empty_bar[prev]);
 
       // This lane holds rows r0 and r0 + 8 of the tile, columns 8j + 2q + {0, 1} (j < 32, q = lane % 4).
       const int r0 = a_off / 128 + warp * 16 + (lane >> 2);
@@ -424,6 +396,26 @@ __global__ void __launch_bounds__(THREADS, 1)
           s0[8 * ROW_WORDS + 4 * j] = pack2(d[4 * j + 2], d[4 * j + 3]);
         }
         mbar_arrive(&staged_bar);  // release: these stores are visible to whoever waits on the barrier
+      } else if (REG) {
+        // TwELL straight from the registers: bit 2j + b of m0 / m1 marks column 8j + 2q + b of row r0 / r0 + 8
+        // active; an active entry's value is picked from p0 / p1 by a select tree (no shared memory).
+        uint32_t p0[32], p1[32];
+        uint64_t m0 = 0, m1 = 0;
+        bool bad0 = false, bad1 = false;
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+          p0[j] = pack2(d[4 * j], d[4 * j + 1]);
+          p1[j] = pack2(d[4 * j + 2], d[4 * j + 3]);
+          m0 |= (uint64_t)pair_active(p0[j], bad0) << (2 * j);
+          m1 |= (uint64_t)pair_active(p1[j], bad1) << (2 * j);
+        }
+        int bads = (bad0 ? 1 : 0) | (bad1 ? 2 : 0);
+        bads |= __shfl_xor_sync(kFull, bads, 1);
+        bads |= __shfl_xor_sync(kFull, bads, 2);
+        const int row0 = mt * TM + r0;
+        write_row([&](int j) { return pick32(p0, j); }, m0, bads & 1, lane, row0, M, nt, T, S, packed, counts, flag);
+        write_row([&](int j) { return pick32(p1, j); }, m1, bads & 2, lane, row0 + 8, M, nt, T, S, packed, counts,
+                  flag);
       } else {
         // TwELL straight from the registers: bit 2j + b of m0 / m1 marks column 8j + 2q + b of row r0 / r0 + 8
         // active. The row being written has its bf16 pairs in shared memory (indexed by a run-time j), the
@@ -444,14 +436,14 @@ __global__ void __launch_bounds__(THREADS, 1)
         bads |= __shfl_xor_sync(kFull, bads, 1);
         bads |= __shfl_xor_sync(kFull, bads, 2);
         const int row0 = mt * TM + r0;
-        write_row(stash, m0, bads & 1, lane, row0, M, nt, T, S, packed, counts, flag);
+        const auto from_stash = [&](int j) { return stash[256 * j]; };
+        write_row(from_stash, m0, bads & 1, lane, row0, M, nt, T, S, packed, counts, flag);
 #pragma unroll
         for (int j = 0; j < 32; ++j) stash[256 * j] = pk[j];  // only this thread reads these words: no barrier
-        write_row(stash, m1, bads & 2, lane, row0 + 8, M, nt, T, S, packed, counts, flag);
+        write_row(from_stash, m1, bads & 2, lane, row0 + 8, M, nt, T, S, packed, counts, flag);
       }
     }
   }
-  if (CL == 2) cluster_sync();  // no CTA leaves while its peer may still arrive on its barriers
 }
 
 typedef CUresult (*EncodeTiledFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -487,71 +479,26 @@ static bool encode(CUtensorMap* map, const void* base, int rows, int K, int box_
 }  // namespace d2tg
 
 namespace d2tg {
-template <bool OV, bool PP, int CL>
+template <bool OV, bool PP, bool REG>
 static cudaError_t set_smem() {
-  return cudaFuncSetAttribute(d2t_gemm_kernel<OV, PP, CL>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              Cfg<OV, PP, CL>::SMEM_BYTES);
+  return cudaFuncSetAttribute(d2t_gemm_kernel<OV, PP, REG>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              Cfg<OV, PP, REG>::SMEM_BYTES);
 }
 
-static cudaLaunchAttribute pair_attr() {
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = 2;
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  return attr;
-}
+static int g_device_ready[64];  // 1 + SM count once the smem attributes are set on that device
 
-// CTA pairs resident at once (0 if the query fails: the pair variant then runs one pair)
-static int max_pairs() {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(2);
-  cfg.blockDim = dim3(THREADS);
-  cfg.dynamicSmemBytes = Cfg<false, true, 2>::SMEM_BYTES;
-  cudaLaunchAttribute attr = pair_attr();
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, d2t_gemm_kernel<false, true, 2>, &cfg) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  return n;
-}
-
-struct DeviceInfo {
-  int ready = 0, sms = 0, pairs = 0;
-};
-static DeviceInfo g_device[64];
-
-template <bool OV, bool PP, int CL>
+template <bool OV, bool PP, bool REG>
 static cudaError_t launch(const void* x, const void* w, int M, int N, int K, int S, int32_t* packed, int32_t* counts,
-                          int32_t* flag, const DeviceInfo& D, int max_ctas, cudaStream_t stream) {
-  using C = Cfg<OV, PP, CL>;
+                          int32_t* flag, long long sms, int max_ctas, cudaStream_t stream) {
+  using C = Cfg<OV, PP, REG>;
   CUtensorMap tm_x, tm_w;
-  if (!encode(&tm_x, x, M, K, C::TM) || !encode(&tm_w, w, N, K, BN / CL)) return cudaErrorNotSupported;
-  const long long units = (long long)((M + C::TM * CL - 1) / (C::TM * CL)) * (N / BN);
-  // persistent: one CTA per SM at most (CL = 2: the pairs that are resident at once)
-  long long ctas = CL == 1 ? D.sms : 2LL * D.pairs;
-  if (max_ctas > 0 && ctas > max_ctas) ctas = max_ctas;
-  long long groups = ctas / CL;
-  if (groups > units) groups = units;
-  if (groups < 1) groups = 1;  // (CL = 2 under max_ctas = 1: one pair)
-  const unsigned grid = (unsigned)(groups * CL);
-  if (CL == 1) {
-    d2t_gemm_kernel<OV, PP, CL><<<grid, THREADS, C::SMEM_BYTES, stream>>>(tm_x, tm_w, M, N, K, S, packed, counts,
-                                                                          flag);
-    return cudaGetLastError();
-  }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(THREADS);
-  cfg.dynamicSmemBytes = C::SMEM_BYTES;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr = pair_attr();
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, d2t_gemm_kernel<OV, PP, CL>, tm_x, tm_w, M, N, K, S, packed, counts, flag);
+  if (!encode(&tm_x, x, M, K, C::TM) || !encode(&tm_w, w, N, K, BN)) return cudaErrorNotSupported;
+  const long long units = (long long)((M + C::TM - 1) / C::TM) * (N / BN);
+  long long grid = units < sms ? units : sms;  // persistent: one CTA per SM at most
+  if (max_ctas > 0 && grid > max_ctas) grid = max_ctas;
+  d2t_gemm_kernel<OV, PP, REG><<<(unsigned)grid, THREADS, C::SMEM_BYTES, stream>>>(tm_x, tm_w, M, N, K, S, packed,
+                                                                               counts, flag);
+  return cudaGetLastError();
 }
 }  // namespace d2tg
 
@@ -568,34 +515,32 @@ int twell_d2t_gemm_supported(int device) {
 // x [M, K], w [N, K] bf16 row-major, 16-byte aligned; K % 64 == 0, N % 256 == 0. packed [M, N/256, S], counts
 // [M, N/256] int32 (fully written), flag [M] int32 zeroed by the caller. epilogue: 0 = cooperative tiles, the
 // consumers write TwELL themselves; 1 = cooperative tiles, compaction warps overlap the next mainloop; 2 =
-// ping-pong tiles, the consumers write TwELL themselves; 3 = 2 in CTA pairs sharing W_g. max_ctas > 0 caps the
-// persistent grid.
+// ping-pong tiles, the consumers write TwELL themselves. max_ctas > 0 caps the persistent grid.
 cudaError_t twell_d2t_gemm_launch(const void* x, const void* w, int M, int N, int K, int S, int32_t* packed,
                                   int32_t* counts, int32_t* flag, int epilogue, int max_ctas, cudaStream_t stream) {
-  using namespace d2tg;
   if (M <= 0) return cudaSuccess;
-  if (K <= 0 || K % BK != 0 || N <= 0 || N % BN != 0 || S < 1 || S > BN) return cudaErrorInvalidValue;
+  if (K <= 0 || K % d2tg::BK != 0 || N <= 0 || N % d2tg::BN != 0 || S < 1 || S > d2tg::BN) return cudaErrorInvalidValue;
   if (epilogue < 0 || epilogue > 3) return cudaErrorInvalidValue;
   if ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) & 15) return cudaErrorInvalidValue;
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
   if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
-  DeviceInfo& D = g_device[dev];
-  if (D.ready == 0) {
-    if ((e = set_smem<false, false, 1>()) != cudaSuccess || (e = set_smem<true, false, 1>()) != cudaSuccess ||
-        (e = set_smem<false, true, 1>()) != cudaSuccess || (e = set_smem<false, true, 2>()) != cudaSuccess)
+  if (d2tg::g_device_ready[dev] == 0) {
+    if ((e = d2tg::set_smem<false, false, false>()) != cudaSuccess ||
+        (e = d2tg::set_smem<true, false, false>()) != cudaSuccess ||
+        (e = d2tg::set_smem<false, true, false>()) != cudaSuccess ||
+        (e = d2tg::set_smem<false, true, true>()) != cudaSuccess)
       return e;
-    cudaDeviceGetAttribute(&D.sms, cudaDevAttrMultiProcessorCount, dev);
-    D.pairs = max_pairs();
-    D.ready = 1;
+    int sms = 0;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    d2tg::g_device_ready[dev] = 1 + sms;
   }
-  switch (epilogue) {
-    case 1: return launch<true, false, 1>(x, w, M, N, K, S, packed, counts, flag, D, max_ctas, stream);
-    case 2: return launch<false, true, 1>(x, w, M, N, K, S, packed, counts, flag, D, max_ctas, stream);
-    case 3: return launch<false, true, 2>(x, w, M, N, K, S, packed, counts, flag, D, max_ctas, stream);
-    default: return launch<false, false, 1>(x, w, M, N, K, S, packed, counts, flag, D, max_ctas, stream);
-  }
+  const long long sms = d2tg::g_device_ready[dev] - 1;
+  if (epilogue == 3) return d2tg::launch<false, true, true>(x, w, M, N, K, S, packed, counts, flag, sms, max_ctas, stream);
+  if (epilogue == 1) return d2tg::launch<true, false, false>(x, w, M, N, K, S, packed, counts, flag, sms, max_ctas, stream);
+  if (epilogue == 2) return d2tg::launch<false, true, false>(x, w, M, N, K, S, packed, counts, flag, sms, max_ctas, stream);
+  return d2tg::launch<false, false, false>(x, w, M, N, K, S, packed, counts, flag, sms, max_ctas, stream);
 }
 
 }  // extern "C"
