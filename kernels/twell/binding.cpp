@@ -291,7 +291,7 @@ void d2t_gemm(const at::Tensor& x, const at::Tensor& w, at::Tensor packed, at::T
                   flag.size(0) == M,
               "d2t_gemm: packed/counts/flag shape mismatch");
   TORCH_CHECK(M <= INT32_MAX && N <= INT32_MAX, "d2t_gemm: too many rows");
-  TORCH_CHECK(epilogue >= 0 && epilogue <= 3, "d2t_gemm: epilogue must be 0, 1, 2 or 3, got ", epilogue);
+  TORCH_CHECK(epilogue >= 0 && epilogue <= 5, "d2t_gemm: epilogue must be in 0..5, got ", epilogue);
   TORCH_CHECK((reinterpret_cast<uintptr_t>(x.data_ptr()) | reinterpret_cast<uintptr_t>(w.data_ptr())) % 16 == 0,
               "d2t_gemm: x and w_gate must be 16-byte aligned (call .clone() on an offset view)");
   const c10::cuda::CUDAGuard guard(x.device());

@@ -40,14 +40,14 @@ constexpr int STAGING_BYTES = 128 * ROW_WORDS * 4;  // 66 KB
 constexpr int STASH_BYTES = 256 * 32 * 4;          // 32 KB
 constexpr int COMPACT_WARPS = 3;                   // OV: warps 1-3 of the producer warpgroup
 constexpr int RB = 4;                              // OV: rows per compaction step (interleaved warp scans)
-template <bool OV, bool PP, bool REG>
+template <bool OV, bool PP, int REG>
 struct Cfg {
   static_assert(!(OV && PP), "the overlapped epilogue runs on cooperative tiles");
-  static_assert(!REG || PP, "register-only epilogue: ping-pong tiles only");
+  static_assert(REG == 0 || (!OV && (REG == 4 || (REG == 5 && PP))), "REG: 0 (stash) or the ring's depth");
   static constexpr int TM = PP ? 64 : 128;            // rows per tile
   static constexpr int A_BYTES = TM * BK * 2;         // x: TM rows x 128 bytes (one 128B swizzle row each)
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-  static constexpr int STAGES = OV ? 3 : (REG ? 5 : 4);  // PP: 5 would not fit beside the stash
+  static constexpr int STAGES = OV ? 3 : (REG ? REG : 4);  // PP: 5 would not fit beside the stash
   static constexpr int GM = 2048 / TM;                // row tiles per group of the tile order
   static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + (OV ? STAGING_BYTES : REG ? 0 : STASH_BYTES) + 1024;
 };
@@ -260,7 +260,7 @@ __device__ __forceinline__ void tile_of(int u, int m_tiles, int T, int& mt, int&
   mt = first + (local - nt * gm);
 }
 
-template <bool OV, bool PP, bool REG>
+template <bool OV, bool PP, int REG>
 __global__ void __launch_bounds__(THREADS, 1)
     d2t_gemm_kernel(const __grid_constant__ CUtensorMap tm_x, const __grid_constant__ CUtensorMap tm_w, int M,
                     int N, int K, int S, int32_t* __restrict__ packed, int32_t* __restrict__ counts,
@@ -479,7 +479,7 @@ static bool encode(CUtensorMap* map, const void* base, int rows, int K, int box_
 }  // namespace d2tg
 
 namespace d2tg {
-template <bool OV, bool PP, bool REG>
+template <bool OV, bool PP, int REG>
 static cudaError_t set_smem() {
   return cudaFuncSetAttribute(d2t_gemm_kernel<OV, PP, REG>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                               Cfg<OV, PP, REG>::SMEM_BYTES);
@@ -487,7 +487,7 @@ static cudaError_t set_smem() {
 
 static int g_device_ready[64];  // 1 + SM count once the smem attributes are set on that device
 
-template <bool OV, bool PP, bool REG>
+template <bool OV, bool PP, int REG>
 static cudaError_t launch(const void* x, const void* w, int M, int N, int K, int S, int32_t* packed, int32_t* counts,
                           int32_t* flag, long long sms, int max_ctas, cudaStream_t stream) {
   using C = Cfg<OV, PP, REG>;
@@ -520,27 +520,30 @@ cudaError_t twell_d2t_gemm_launch(const void* x, const void* w, int M, int N, in
                                   int32_t* counts, int32_t* flag, int epilogue, int max_ctas, cudaStream_t stream) {
   if (M <= 0) return cudaSuccess;
   if (K <= 0 || K % d2tg::BK != 0 || N <= 0 || N % d2tg::BN != 0 || S < 1 || S > d2tg::BN) return cudaErrorInvalidValue;
-  if (epilogue < 0 || epilogue > 3) return cudaErrorInvalidValue;
+  if (epilogue < 0 || epilogue > 5) return cudaErrorInvalidValue;
   if ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) & 15) return cudaErrorInvalidValue;
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
   if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
   if (d2tg::g_device_ready[dev] == 0) {
-    if ((e = d2tg::set_smem<false, false, false>()) != cudaSuccess ||
-        (e = d2tg::set_smem<true, false, false>()) != cudaSuccess ||
-        (e = d2tg::set_smem<false, true, false>()) != cudaSuccess ||
-        (e = d2tg::set_smem<false, true, true>()) != cudaSuccess)
+    if ((e = d2tg::set_smem<false, false, 0>()) != cudaSuccess ||
+        (e = d2tg::set_smem<true, false, 0>()) != cudaSuccess ||
+        (e = d2tg::set_smem<false, true, 0>()) != cudaSuccess ||
+        (e = d2tg::set_smem<false, true, 5>()) != cudaSuccess || (e = d2tg::set_smem<false, true, 4>()) != cudaSuccess ||
+        (e = d2tg::set_smem<false, false, 4>()) != cudaSuccess)
       return e;
     int sms = 0;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     d2tg::g_device_ready[dev] = 1 + sms;
   }
   const long long sms = d2tg::g_device_ready[dev] - 1;
-  if (epilogue == 3) return d2tg::launch<false, true, true>(x, w, M, N, K, S, packed, counts, flag, sms, max_ctas, stream);
-  if (epilogue == 1) return d2tg::launch<true, false, false>(x, w, M, N, K, S, packed, counts, flag, sms, max_ctas, stream);
-  if (epilogue == 2) return d2tg::launch<false, true, false>(x, w, M, N, K, S, packed, counts, flag, sms, max_ctas, stream);
-  return d2tg::launch<false, false, false>(x, w, M, N, K, S, packed, counts, flag, sms, max_ctas, stream);
+  if (epilogue == 4) return d2tg::launch<false, true, 4>(x, w, M, N, K, S, packed, counts, flag, sms, max_ctas, stream);
+  if (epilogue == 5) return d2tg::launch<false, false, 4>(x, w, M, N, K, S, packed, counts, flag, sms, max_ctas, stream);
+  if (epilogue == 3) return d2tg::launch<false, true, 5>(x, w, M, N, K, S, packed, counts, flag, sms, max_ctas, stream);
+  if (epilogue == 1) return d2tg::launch<true, false, 0>(x, w, M, N, K, S, packed, counts, flag, sms, max_ctas, stream);
+  if (epilogue == 2) return d2tg::launch<false, true, 0>(x, w, M, N, K, S, packed, counts, flag, sms, max_ctas, stream);
+  return d2tg::launch<false, false, 0>(x, w, M, N, K, S, packed, counts, flag, sms, max_ctas, stream);
 }
 
 }  // extern "C"
