@@ -1084,33 +1084,31 @@ FUSED_CASES = [(1, 576, 1536), (7, 2048, 5632), (129, 576, 1536), (1000, 2048, 5
 
 @pytest.mark.parametrize("M,K,N", FUSED_CASES)
 @pytest.mark.parametrize("S", [32, 256])
-@pytest.mark.parametrize("epilogue", [0, 1, 2, 3])
-def test_fused_d2t_vs_fp32(ffn, M, K, N, S, epilogue):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_fused_d2t_vs_fp32(ffn, M, K, N, S, overlap):
     """The tensor-core d2t with the TwELL epilogue against float64 math, on adversarial rows (heavy, whole tile,
-    all active, all zero, NaN/+-Inf), odd M (partial row tiles), poisoned outputs, both slot counts, every
-    epilogue (0: 128-row tiles, consumer warps write TwELL; 1: compaction warps overlapping the next tile;
-    2: 64-row ping-pong tiles; 3: the same with the values picked from registers)."""
-    x, wg, _, _ = make_problem(M, K, N, 0.01, seed=M + K + S + epilogue)
+    all active, all zero, NaN/+-Inf), odd M (partial row tiles), poisoned outputs, both slot counts, both epilogues
+    (ping-pong tiles whose consumer warps write TwELL / compaction warps overlapping the next tile)."""
+    x, wg, _, _ = make_problem(M, K, N, 0.01, seed=M + K + S + int(overlap))
     ext = _fused_or_skip(x, wg)
     T = N // 256
     packed = torch.full((M, T, S), -7, device=DEV, dtype=torch.int32)
     counts = torch.full((M, T), -7, device=DEV, dtype=torch.int32)
     flag = torch.zeros(M, device=DEV, dtype=torch.int32)
-    ext.d2t_gemm(x, wg, packed, counts, flag, epilogue, 0)
+    ext.d2t_gemm(x, wg, packed, counts, flag, overlap, 0)
     torch.cuda.synchronize()
     check_twell_vs_fp32(packed, counts, flag, x, wg, S)
 
 
-@pytest.mark.parametrize("epilogue", [0, 1, 2, 3])
-@pytest.mark.parametrize("ctas", [1, 3])
-def test_fused_d2t_persistent_grid(ffn, epilogue, ctas):
-    """Any persistent grid size gives the same TwELL as the full grid and another epilogue (one CTA walks every
+@pytest.mark.parametrize("overlap,ctas", [(False, 1), (False, 3), (True, 1), (True, 3)])
+def test_fused_d2t_persistent_grid(ffn, overlap, ctas):
+    """Any persistent grid size gives the same TwELL as the full grid and the other epilogue (one CTA walks every
     tile, its warpgroups alternating in ping-pong; 3 share them unevenly)."""
     M, K, N = 700, 576, 1536
     x, wg, _, _ = make_problem(M, K, N, 0.03, seed=ctas)
     ext = _fused_or_skip(x, wg)
     outs = []
-    for ov, c in ((epilogue, ctas), ((epilogue + 1) % 4, 0)):
+    for ov, c in ((overlap, ctas), (not overlap, 0)):
         packed = torch.full((M, N // 256, 32), -7, device=DEV, dtype=torch.int32)
         counts = torch.full((M, N // 256), -7, device=DEV, dtype=torch.int32)
         flag = torch.zeros(M, device=DEV, dtype=torch.int32)

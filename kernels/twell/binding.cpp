@@ -274,11 +274,11 @@ void decode_fused(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& w
 
 // Fused d2t (d2t_gemm.cu, sm_90a): the gate GEMM on the tensor cores with the TwELL epilogue; no dense g.
 // x [M, K], w [N, K] bf16 contiguous and 16-byte aligned; packed [M, N/256, S] and counts [M, N/256] are fully
-// written; flag [M] must be zeroed by the caller. epilogue: 0 = 128-row tiles, the consumer warps write TwELL;
-// 1 = 128-row tiles, compaction warps overlap the next tile's mainloop; 2 = 64-row ping-pong tiles, the consumer
-// warps write TwELL. max_ctas > 0 caps the persistent grid (0: one CTA per SM).
+// written; flag [M] must be zeroed by the caller. overlap: the epilogue variant (true: compaction warps overlap
+// the next tile's mainloop; false: ping-pong tiles, the consumer warps write TwELL themselves). max_ctas > 0 caps
+// the persistent grid (0: one CTA per SM).
 void d2t_gemm(const at::Tensor& x, const at::Tensor& w, at::Tensor packed, at::Tensor counts, at::Tensor flag,
-              int64_t epilogue, int64_t max_ctas) {
+              bool overlap, int64_t max_ctas) {
   req(x, "x", at::kBFloat16, 2);
   req(w, "w_gate", at::kBFloat16, 2);
   req(packed, "packed", at::kInt, 3);
@@ -291,12 +291,11 @@ void d2t_gemm(const at::Tensor& x, const at::Tensor& w, at::Tensor packed, at::T
                   flag.size(0) == M,
               "d2t_gemm: packed/counts/flag shape mismatch");
   TORCH_CHECK(M <= INT32_MAX && N <= INT32_MAX, "d2t_gemm: too many rows");
-  TORCH_CHECK(epilogue >= 0 && epilogue <= 5, "d2t_gemm: epilogue must be in 0..5, got ", epilogue);
   TORCH_CHECK((reinterpret_cast<uintptr_t>(x.data_ptr()) | reinterpret_cast<uintptr_t>(w.data_ptr())) % 16 == 0,
               "d2t_gemm: x and w_gate must be 16-byte aligned (call .clone() on an offset view)");
   const c10::cuda::CUDAGuard guard(x.device());
   check(twell_d2t_gemm_launch(x.data_ptr(), w.data_ptr(), (int)M, (int)N, (int)K, (int)packed.size(2), i32(packed),
-                              i32(counts), i32(flag), (int)epilogue, (int)max_ctas,
+                              i32(counts), i32(flag), overlap ? 1 : 0, (int)max_ctas,
                               c10::cuda::getCurrentCUDAStream().stream()),
         "d2t_gemm");
 }

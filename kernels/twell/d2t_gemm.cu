@@ -4,17 +4,18 @@
 //
 // Tiles are 256 columns wide = exactly one TwELL tile. Persistent and warp-specialised:
 // - warpgroup 0, warp 0: one thread issues the TMA loads into a ring of stages guarded by mbarriers;
-// - warpgroups 1 and 2 issue m64n256k16 wgmma (128 fp32 accumulators per thread). Cooperative (PP = false): a
-//   tile is 128 rows, each warpgroup owns 64 of them. Ping-pong (PP = true): a tile is 64 rows and the warpgroups
-//   take the CTA's tiles in turn, so one warpgroup's epilogue runs while the other's wgmma keep the tensor cores
-//   busy; a turn barrier lets a warpgroup's mainloop start only once the other has waited for its last stage.
+// - warpgroups 1 and 2 issue m64n256k16 wgmma (128 fp32 accumulators per thread).
 // Tiles are walked in groups of 2048 rows, column-tile major inside a group (L2 reuse of x and W).
-// Epilogues (template OV; the host picks, kernels/README.md):
-// - OV = false (4 stages): the consumer warps write TwELL from their registers. A quad of lanes holds a row's
-//   tile; each lane loops over its own active entries only, ranking them with the quad's activity masks.
-// - OV = true (3 stages): the consumers store the tile as bf16 into shared memory and go straight on to the next
-//   tile; warps 1-3 of warpgroup 0 compact it (one warp per row, as the compaction kernel) meanwhile. This hides
-//   the epilogue behind the mainloop when K is large enough for the mainloop to cover it.
+// Two epilogues (template OV; the host picks by K, kernels/README.md):
+// - OV = false, ping-pong (4 stages): a tile is 64 rows and the two consumer warpgroups take the CTA's tiles in
+//   turn, so one warpgroup writes TwELL from its registers while the other's wgmma keep the tensor cores busy. A
+//   turn barrier lets a warpgroup's mainloop start only once the other has waited for its last stage. A quad of
+//   lanes holds a row's tile; each lane loops over its own active entries only, ranking them with the quad's
+//   activity masks.
+// - OV = true (3 stages): a tile is 128 rows, each consumer warpgroup owns 64 of them; the consumers store the
+//   tile as bf16 into shared memory and go straight on to the next tile; warps 1-3 of warpgroup 0 compact it (one
+//   warp per row, as the compaction kernel) meanwhile. This hides the epilogue behind the mainloop when K is large
+//   enough for the mainloop to cover it.
 //
 // Output is bit-compatible with kernels/FORMAT.md (ascending columns, true counts, flag on overflow or a
 // non-finite gate value). The fp32 summation order differs from cuBLAS, so a value within rounding of 0 may be
@@ -34,22 +35,19 @@ constexpr int BN = 256, BK = 64, THREADS = 384;
 constexpr int B_BYTES = BN * BK * 2;             // 32 KB
 // OV (overlapped epilogue): the finished tile goes to shared memory as bf16 for the compaction warps: 128 rows of
 // 256 values, rows padded by 4 words so that the consumers' stores (8 rows x 4 words per instruction) hit 32
-// different banks. Otherwise the consumers write TwELL themselves, parking one row half's values in a stash.
+// different banks.
 constexpr int ROW_WORDS = BN / 2 + 4;
 constexpr int STAGING_BYTES = 128 * ROW_WORDS * 4;  // 66 KB
-constexpr int STASH_BYTES = 256 * 32 * 4;          // 32 KB
 constexpr int COMPACT_WARPS = 3;                   // OV: warps 1-3 of the producer warpgroup
 constexpr int RB = 4;                              // OV: rows per compaction step (interleaved warp scans)
-template <bool OV, bool PP, int REG>
+template <bool OV>
 struct Cfg {
-  static_assert(!(OV && PP), "the overlapped epilogue runs on cooperative tiles");
-  static_assert(REG == 0 || (!OV && (REG == 4 || (REG == 5 && PP))), "REG: 0 (stash) or the ring's depth");
-  static constexpr int TM = PP ? 64 : 128;            // rows per tile
+  static constexpr int TM = OV ? 128 : 64;             // rows per tile
   static constexpr int A_BYTES = TM * BK * 2;         // x: TM rows x 128 bytes (one 128B swizzle row each)
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-  static constexpr int STAGES = OV ? 3 : (REG ? REG : 4);  // PP: 5 would not fit beside the stash
+  static constexpr int STAGES = OV ? 3 : 4;
   static constexpr int GM = 2048 / TM;                // row tiles per group of the tile order
-  static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + (OV ? STAGING_BYTES : REG ? 0 : STASH_BYTES) + 1024;
+  static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + (OV ? STAGING_BYTES : 0) + 1024;  // + align
 };
 
 __device__ __forceinline__ uint32_t saddr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
@@ -153,12 +151,26 @@ __device__ __forceinline__ unsigned pair_active(uint32_t p, bool& nonfinite) {
   return (unsigned)!(lo <= 0.f) | ((unsigned)!(hi <= 0.f) << 1);
 }
 
+// v[j] for a run-time j < 32 without local memory: a tree of selects (31 of them, for the rare active entries)
+__device__ __forceinline__ uint32_t pick32(const uint32_t (&v)[32], int j) {
+  uint32_t a[16], b[8], c[4], d[2];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) a[i] = (j & 16) ? v[i + 16] : v[i];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) b[i] = (j & 8) ? a[i + 8] : a[i];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) c[i] = (j & 4) ? b[i + 4] : b[i];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) d[i] = (j & 2) ? c[i + 2] : c[i];
+  return (j & 1) ? d[1] : d[0];
+}
+
 // Epilogue of one row (all 32 lanes call it; quads of lanes share a row): m = this lane's activity bits (bit 2j+b =
-// column 8j + 2q + b), vals[256 j] = this lane's bf16 pair j (in shared memory, so that it can be indexed by a
-// run-time j). Writes the row's tile words in ascending column order (the first S), its true count and its flag
-// (overflow or a non-finite value). The loop runs over this lane's active entries only.
-template <typename Vals>
-__device__ __forceinline__ void write_row(const Vals& vals, uint64_t m, bool bad, int lane, int row, int M,
+// column 8j + 2q + b), vals[j] = this lane's bf16 pair j. Writes the row's tile words in ascending column order
+// (the first S), its true count and its flag (overflow or a non-finite value). The loop runs over this lane's active
+// entries only, in ascending column order, so their ranks increase: it stops at the first rank >= S (a heavy row
+// costs a lane at most ~S/4 entries, not 64).
+__device__ __forceinline__ void write_row(const uint32_t (&vals)[32], uint64_t m, bool bad, int lane, int row, int M,
                                           int tile, int T, int S, int32_t* __restrict__ packed,
                                           int32_t* __restrict__ counts, int32_t* __restrict__ flag) {
   const int q = lane & 3;
@@ -175,10 +187,9 @@ __device__ __forceinline__ void write_row(const Vals& vals, uint64_t m, bool bad
 #pragma unroll
     for (int qq = 0; qq < 3; ++qq) rank += qq < q ? __popc((unsigned)(quad[qq] >> (2 * j)) & 3u) : 0;
     rank += b & (int)(m >> (2 * j));                 // the low column of my own pair
-    if (rank < S) {
-      const uint32_t bits = (vals(j) >> (16 * b)) & 0xffffu;
-      out[rank] = (int32_t)((bits << 16) | (uint32_t)(8 * j + 2 * q + b));
-    }
+    if (rank >= S) break;
+    const uint32_t bits = (pick32(vals, j) >> (16 * b)) & 0xffffu;
+    out[rank] = (int32_t)((bits << 16) | (uint32_t)(8 * j + 2 * q + b));
   }
   if (q == 0) {
     counts[(long long)row * T + tile] = total;
@@ -235,20 +246,6 @@ __device__ __forceinline__ void compact_rows(const uint4 (&v)[RB], int lane, int
   }
 }
 
-// v[j] for a run-time j < 32 without local memory: a tree of selects (31 of them, for the rare active entries)
-__device__ __forceinline__ uint32_t pick32(const uint32_t (&v)[32], int j) {
-  uint32_t a[16], b[8], c[4], d[2];
-#pragma unroll
-  for (int i = 0; i < 16; ++i) a[i] = (j & 16) ? v[i + 16] : v[i];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) b[i] = (j & 8) ? a[i + 8] : a[i];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) c[i] = (j & 4) ? b[i + 4] : b[i];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) d[i] = (j & 2) ? c[i + 2] : c[i];
-  return (j & 1) ? d[1] : d[0];
-}
-
 // Tile order: groups of GM row tiles, column-tile major inside a group, so the CTAs running at once touch ~GM row
 // tiles of x and a few column tiles of W: both stay in L2 even when W does not fit (4096 x 11008).
 template <int GM>
@@ -260,12 +257,13 @@ __device__ __forceinline__ void tile_of(int u, int m_tiles, int T, int& mt, int&
   mt = first + (local - nt * gm);
 }
 
-template <bool OV, bool PP, int REG>
+template <bool OV>
 __global__ void __launch_bounds__(THREADS, 1)
     d2t_gemm_kernel(const __grid_constant__ CUtensorMap tm_x, const __grid_constant__ CUtensorMap tm_w, int M,
                     int N, int K, int S, int32_t* __restrict__ packed, int32_t* __restrict__ counts,
                     int32_t* __restrict__ flag) {
-  using C = Cfg<OV, PP, REG>;
+  using C = Cfg<OV>;
+  constexpr bool PP = !OV;  // ping-pong tiles
   constexpr int STAGES = C::STAGES, STAGE_BYTES = C::STAGE_BYTES, A_BYTES = C::A_BYTES, TM = C::TM;
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full_bar[STAGES];
@@ -274,7 +272,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   __shared__ __align__(8) uint64_t drained_bar;  // OV: the compaction warps are done reading it
   __shared__ __align__(8) uint64_t turn_bar[2];  // PP: warpgroup c may start its next mainloop
   uint8_t* ring = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint32_t* staging = reinterpret_cast<uint32_t*>(ring + STAGES * STAGE_BYTES);  // OV: staging, else the stash
+  uint32_t* staging = reinterpret_cast<uint32_t*>(ring + STAGES * STAGE_BYTES);  // OV
 
   const int T = N / BN;
   const int m_tiles = (M + TM - 1) / TM;
@@ -396,7 +394,7 @@ __global__ void __launch_bounds__(THREADS, 1)
           s0[8 * ROW_WORDS + 4 * j] = pack2(d[4 * j + 2], d[4 * j + 3]);
         }
         mbar_arrive(&staged_bar);  // release: these stores are visible to whoever waits on the barrier
-      } else if (REG) {
+      } else {
         // TwELL straight from the registers: bit 2j + b of m0 / m1 marks column 8j + 2q + b of row r0 / r0 + 8
         // active; an active entry's value is picked from p0 / p1 by a select tree (no shared memory).
         uint32_t p0[32], p1[32];
@@ -413,34 +411,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         bads |= __shfl_xor_sync(kFull, bads, 1);
         bads |= __shfl_xor_sync(kFull, bads, 2);
         const int row0 = mt * TM + r0;
-        write_row([&](int j) { return pick32(p0, j); }, m0, bads & 1, lane, row0, M, nt, T, S, packed, counts, flag);
-        write_row([&](int j) { return pick32(p1, j); }, m1, bads & 2, lane, row0 + 8, M, nt, T, S, packed, counts,
-                  flag);
-      } else {
-        // TwELL straight from the registers: bit 2j + b of m0 / m1 marks column 8j + 2q + b of row r0 / r0 + 8
-        // active. The row being written has its bf16 pairs in shared memory (indexed by a run-time j), the
-        // other row's wait in pk (both in registers would spill).
-        uint32_t pk[32];
-        uint32_t* stash = staging + (threadIdx.x - 128);
-        uint64_t m0 = 0, m1 = 0;
-        bool bad0 = false, bad1 = false;
-#pragma unroll
-        for (int j = 0; j < 32; ++j) {
-          const uint32_t p0 = pack2(d[4 * j], d[4 * j + 1]), p1 = pack2(d[4 * j + 2], d[4 * j + 3]);
-          stash[256 * j] = p0;
-          pk[j] = p1;
-          m0 |= (uint64_t)pair_active(p0, bad0) << (2 * j);
-          m1 |= (uint64_t)pair_active(p1, bad1) << (2 * j);
-        }
-        int bads = (bad0 ? 1 : 0) | (bad1 ? 2 : 0);
-        bads |= __shfl_xor_sync(kFull, bads, 1);
-        bads |= __shfl_xor_sync(kFull, bads, 2);
-        const int row0 = mt * TM + r0;
-        const auto from_stash = [&](int j) { return stash[256 * j]; };
-        write_row(from_stash, m0, bads & 1, lane, row0, M, nt, T, S, packed, counts, flag);
-#pragma unroll
-        for (int j = 0; j < 32; ++j) stash[256 * j] = pk[j];  // only this thread reads these words: no barrier
-        write_row(from_stash, m1, bads & 2, lane, row0 + 8, M, nt, T, S, packed, counts, flag);
+        write_row(p0, m0, bads & 1, lane, row0, M, nt, T, S, packed, counts, flag);
+        write_row(p1, m1, bads & 2, lane, row0 + 8, M, nt, T, S, packed, counts, flag);
       }
     }
   }
@@ -479,25 +451,24 @@ static bool encode(CUtensorMap* map, const void* base, int rows, int K, int box_
 }  // namespace d2tg
 
 namespace d2tg {
-template <bool OV, bool PP, int REG>
+template <bool OV>
 static cudaError_t set_smem() {
-  return cudaFuncSetAttribute(d2t_gemm_kernel<OV, PP, REG>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              Cfg<OV, PP, REG>::SMEM_BYTES);
+  return cudaFuncSetAttribute(d2t_gemm_kernel<OV>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg<OV>::SMEM_BYTES);
 }
 
 static int g_device_ready[64];  // 1 + SM count once the smem attributes are set on that device
 
-template <bool OV, bool PP, int REG>
+template <bool OV>
 static cudaError_t launch(const void* x, const void* w, int M, int N, int K, int S, int32_t* packed, int32_t* counts,
                           int32_t* flag, long long sms, int max_ctas, cudaStream_t stream) {
-  using C = Cfg<OV, PP, REG>;
+  using C = Cfg<OV>;
   CUtensorMap tm_x, tm_w;
   if (!encode(&tm_x, x, M, K, C::TM) || !encode(&tm_w, w, N, K, BN)) return cudaErrorNotSupported;
   const long long units = (long long)((M + C::TM - 1) / C::TM) * (N / BN);
   long long grid = units < sms ? units : sms;  // persistent: one CTA per SM at most
   if (max_ctas > 0 && grid > max_ctas) grid = max_ctas;
-  d2t_gemm_kernel<OV, PP, REG><<<(unsigned)grid, THREADS, C::SMEM_BYTES, stream>>>(tm_x, tm_w, M, N, K, S, packed,
-                                                                               counts, flag);
+  d2t_gemm_kernel<OV><<<(unsigned)grid, THREADS, C::SMEM_BYTES, stream>>>(tm_x, tm_w, M, N, K, S, packed, counts,
+                                                                        flag);
   return cudaGetLastError();
 }
 }  // namespace d2tg
@@ -513,37 +484,27 @@ int twell_d2t_gemm_supported(int device) {
 }
 
 // x [M, K], w [N, K] bf16 row-major, 16-byte aligned; K % 64 == 0, N % 256 == 0. packed [M, N/256, S], counts
-// [M, N/256] int32 (fully written), flag [M] int32 zeroed by the caller. epilogue: 0 = cooperative tiles, the
-// consumers write TwELL themselves; 1 = cooperative tiles, compaction warps overlap the next mainloop; 2 =
-// ping-pong tiles, the consumers write TwELL themselves. max_ctas > 0 caps the persistent grid.
+// [M, N/256] int32 (fully written), flag [M] int32 zeroed by the caller. overlap: 1 = the overlapped epilogue
+// (compaction warps), 0 = ping-pong tiles whose consumers write TwELL themselves. max_ctas > 0 caps the persistent
+// grid.
 cudaError_t twell_d2t_gemm_launch(const void* x, const void* w, int M, int N, int K, int S, int32_t* packed,
-                                  int32_t* counts, int32_t* flag, int epilogue, int max_ctas, cudaStream_t stream) {
+                                  int32_t* counts, int32_t* flag, int overlap, int max_ctas, cudaStream_t stream) {
   if (M <= 0) return cudaSuccess;
   if (K <= 0 || K % d2tg::BK != 0 || N <= 0 || N % d2tg::BN != 0 || S < 1 || S > d2tg::BN) return cudaErrorInvalidValue;
-  if (epilogue < 0 || epilogue > 5) return cudaErrorInvalidValue;
   if ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) & 15) return cudaErrorInvalidValue;
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
   if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
   if (d2tg::g_device_ready[dev] == 0) {
-    if ((e = d2tg::set_smem<false, false, 0>()) != cudaSuccess ||
-        (e = d2tg::set_smem<true, false, 0>()) != cudaSuccess ||
-        (e = d2tg::set_smem<false, true, 0>()) != cudaSuccess ||
-        (e = d2tg::set_smem<false, true, 5>()) != cudaSuccess || (e = d2tg::set_smem<false, true, 4>()) != cudaSuccess ||
-        (e = d2tg::set_smem<false, false, 4>()) != cudaSuccess)
-      return e;
+    if ((e = d2tg::set_smem<false>()) != cudaSuccess || (e = d2tg::set_smem<true>()) != cudaSuccess) return e;
     int sms = 0;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     d2tg::g_device_ready[dev] = 1 + sms;
   }
   const long long sms = d2tg::g_device_ready[dev] - 1;
-  if (epilogue == 4) return d2tg::launch<false, true, 4>(x, w, M, N, K, S, packed, counts, flag, sms, max_ctas, stream);
-  if (epilogue == 5) return d2tg::launch<false, false, 4>(x, w, M, N, K, S, packed, counts, flag, sms, max_ctas, stream);
-  if (epilogue == 3) return d2tg::launch<false, true, 5>(x, w, M, N, K, S, packed, counts, flag, sms, max_ctas, stream);
-  if (epilogue == 1) return d2tg::launch<true, false, 0>(x, w, M, N, K, S, packed, counts, flag, sms, max_ctas, stream);
-  if (epilogue == 2) return d2tg::launch<false, true, 0>(x, w, M, N, K, S, packed, counts, flag, sms, max_ctas, stream);
-  return d2tg::launch<false, false, 0>(x, w, M, N, K, S, packed, counts, flag, sms, max_ctas, stream);
+  if (overlap) return d2tg::launch<true>(x, w, M, N, K, S, packed, counts, flag, sms, max_ctas, stream);
+  return d2tg::launch<false>(x, w, M, N, K, S, packed, counts, flag, sms, max_ctas, stream);
 }
 
 }  // extern "C"

@@ -30,7 +30,7 @@ cudaError_t twell_relu_mul_stats_launch(const void* g, long long ldg, const void
                                         cudaStream_t stream);
 int twell_d2t_gemm_supported(int device);
 cudaError_t twell_d2t_gemm_launch(const void* x, const void* w, int M, int N, int K, int S, int32_t* packed,
-                                  int32_t* counts, int32_t* flag, int epilogue, int max_ctas, cudaStream_t stream);
+                                  int32_t* counts, int32_t* flag, int overlap, int max_ctas, cudaStream_t stream);
 cudaError_t twell_decode_fused_launch(const void* x, const void* wg, const void* wu, const void* wdt, int rows,
                                       int K, int N, float* yacc, int32_t* nnz, int32_t* flag, cudaStream_t stream);
 cudaError_t twell_decode_rows_launch(const void* g, long long ldg, const void* x, const void* wu, const void* wdt,
