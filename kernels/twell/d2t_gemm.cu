@@ -286,7 +286,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       mbar_init(&empty_bar[s], PP ? 1 : 2);  // one arrive per consumer warpgroup reading the stage
     }
     mbar_init(&staged_bar, 256);           // every consumer thread
-    mbar_init(&drained_bar, COMPACT_WARPS);
+    mbar_init(&drained_bar, COMPACT_WARPS * 32);  // every compaction lane
     mbar_init(&turn_bar[0], 1);
     mbar_init(&turn_bar[1], 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -327,8 +327,9 @@ __global__ void __launch_bounds__(THREADS, 1)
           for (int q = 0; q < RB; ++q) v[q] = *reinterpret_cast<const uint4*>(staging + (r + q) * ROW_WORDS + 4 * lane);
           compact_rows<RB>(v, lane, mt * TM + r, M, nt, T, S, packed, counts, flag);
         }
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&drained_bar);
+        // Every lane arrives: an arrive releases only its own thread's reads (one lane after __syncwarp left the
+        // other lanes' reads to cumulativity, and racecheck reported them against the consumers' next writes).
+        mbar_arrive(&drained_bar);
       }
     }
   } else {  // consumers: warpgroup c owns rows [64 c, 64 c + 64) of each tile (PP: the CTA's tiles t = c mod 2)
