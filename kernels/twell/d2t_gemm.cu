@@ -282,7 +282,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(&full_bar[s], 1);   // the producer's arrive (+ 48 KB of TMA bytes)
+      mbar_init(&full_bar[s], 1);   // the producer's arrive (+ the stage's TMA bytes)
       mbar_init(&empty_bar[s], PP ? 1 : 2);  // one arrive per consumer warpgroup reading the stage
     }
     mbar_init(&staged_bar, 256);           // every consumer thread
@@ -304,7 +304,7 @@ __global__ void __launch_bounds__(THREADS, 1)
           int mt, nt;
           tile_of<C::GM>(u, m_tiles, T, mt, nt);
           for (int kb = 0; kb < KB; ++kb) {
-            mbar_wait(&empty_bar[stage], phase ^ 1u);  // both consumer warpgroups are done with this stage
+            mbar_wait(&empty_bar[stage], phase ^ 1u);  // the consumer warpgroups reading this stage are done
             uint8_t* a = ring + stage * STAGE_BYTES;
             mbar_expect_tx(&full_bar[stage], STAGE_BYTES);
             tma_load(a, &tm_x, &full_bar[stage], kb * BK, mt * TM);  // rows past M arrive as zeros
