@@ -5,7 +5,7 @@
 //
 // Why: up_list reads a whole W_u row (4 KB at K 2048) from the L2 for every entry: 7.5 GB at M 65536 and 0.5%
 // activity, 15 GB at 1%. Here a block owns BT rows x G TwELL tiles (G * 256 neurons) and walks K in slices of 16
-// columns: each slice of its x rows and of its W_u rows is copied once into shared memory (cp.async, two stages) and
+// columns: each slice of its x rows and of its W_u rows is copied once into shared memory (cp.async, three stages) and
 // every thread adds the slice's products into its entries' fp32 sums, held in registers. Per entry that is
 // (BT + G*256) * K * 2 / (BT * G*256 * p) bytes from the L2: ~1.6 KB at BT 1024, G 4, p 0.5% (x and W_u), against
 // ~4.1 KB for up_list, and half that again at 1%.
@@ -29,10 +29,12 @@ constexpr int kRowsPerThread = kMaxBT / kThreads;
 constexpr int kG = 4;                        // TwELL tiles per block
 constexpr int kTileN = 256;
 constexpr int kKS = 16;                      // K columns per slice: 32 bytes of a row
-constexpr int kPPT = 16;                     // entries per thread and round
+constexpr int kStages = 3;
+constexpr int kPPT = 24;                     // entries per thread and round, their codes and sums in registers
 constexpr int kCap = kThreads * kPPT;        // entries per round
-constexpr int kStageX = kMaxBT * kKS, kStageW = kG * kTileN * kKS;  // bf16 elements per stage
-constexpr size_t kSmem = (size_t)2 * (kStageX + kStageW) * 2 + (size_t)kCap * 4 + (size_t)kMaxBT * kG * (4 + 2);
+constexpr int kStageX = kMaxBT * 2, kStageW = kG * kTileN * 2;  // 16-byte slots per stage
+constexpr size_t kSmem = (size_t)kStages * (kStageX + kStageW) * 16 + (size_t)kMaxBT * kG * (4 + 2);
+static_assert((size_t)kCap * 4 <= (size_t)kStages * (kStageX + kStageW) * 16, "the entry list lives in the stages");
 
 __device__ __forceinline__ void cp16(void* dst, const void* src) {
   const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
@@ -46,10 +48,12 @@ __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0
 // first halves of rows i and i + 4 fall into different banks (random rows: 8 slots per 128 bytes, not 4).
 __device__ __forceinline__ int swz(int i) { return (i >> 2) & 1; }
 
-// copies slice s of the block's x rows and W_u rows into stage buf
-__device__ __forceinline__ void load_slice(uint4* xs, uint4* ws, const __nv_bfloat16* __restrict__ x,
+// copies slice s of the block's x rows and W_u rows into its stage
+__device__ __forceinline__ void load_slice(uint4* stages, const __nv_bfloat16* __restrict__ x,
                                            const __nv_bfloat16* __restrict__ wu, long long row0, int rows, int n0,
                                            int gn, int K, int s) {
+  uint4* xs = stages + (s % kStages) * (kStageX + kStageW);
+  uint4* ws = xs + kStageX;
   const int k0 = s * kKS;
   for (int c = threadIdx.x; c < 2 * rows; c += kThreads) {
     const int i = c >> 1, h = c & 1;
@@ -62,42 +66,35 @@ __device__ __forceinline__ void load_slice(uint4* xs, uint4* ws, const __nv_bflo
   cp_commit();
 }
 
-// acc += x_i . w_j over one slice, K ascending; xf: row i's slice as fp32 (converted once per row change)
-__device__ __forceinline__ float slice_dot(const float* xf, const uint4* ws, int j, float acc) {
-  const int sw = swz(j);
-  const uint4 lo = ws[2 * j + sw], hi = ws[2 * j + (sw ^ 1)];
-  const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+// acc += x_i . w_j over one slice, K ascending, in two chains (even / odd columns) added at the end of the slice
+__device__ __forceinline__ float slice_dot(const uint4* xs, const uint4* ws, int i, int j, float acc) {
+  const int si = swz(i), sj = swz(j);
+  const uint4 xl = xs[2 * i + si], xh = xs[2 * i + (si ^ 1)], wl = ws[2 * j + sj], wh = ws[2 * j + (sj ^ 1)];
+  const uint32_t a[8] = {xl.x, xl.y, xl.z, xl.w, xh.x, xh.y, xh.z, xh.w};
+  const uint32_t b[8] = {wl.x, wl.y, wl.z, wl.w, wh.x, wh.y, wh.z, wh.w};
+  float ev = 0.f, od = 0.f;
 #pragma unroll
   for (int q = 0; q < 8; ++q) {
-    acc = fmaf(xf[2 * q], bf16lo(w[q]), acc);
-    acc = fmaf(xf[2 * q + 1], bf16hi(w[q]), acc);
+    ev = fmaf(bf16lo(a[q]), bf16lo(b[q]), ev);
+    od = fmaf(bf16hi(a[q]), bf16hi(b[q]), od);
   }
-  return acc;
-}
-
-__device__ __forceinline__ void load_xf(float* xf, const uint4* xs, int i) {
-  const int sw = swz(i);
-  const uint4 lo = xs[2 * i + sw], hi = xs[2 * i + (sw ^ 1)];
-  const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-#pragma unroll
-  for (int q = 0; q < 8; ++q) {
-    xf[2 * q] = bf16lo(w[q]);
-    xf[2 * q + 1] = bf16hi(w[q]);
-  }
+  return acc + (ev + od);
 }
 
 // entry code: row in block << 18 | tile in group << 16 | rank in tile << 8 | column in tile
+__device__ __forceinline__ int code_row(uint32_t cd) { return (int)(cd >> 18); }
+__device__ __forceinline__ int code_neuron(uint32_t cd) { return (int)((cd >> 16) & 3u) * kTileN + (int)(cd & 0xffu); }
+
 __global__ void __launch_bounds__(kThreads, 1) up_tiles_kernel(
     const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ wu, int M, int K, int n_tiles, int S,
     int bt, int n_groups, const int32_t* __restrict__ packed, const int32_t* __restrict__ counts,
     const int32_t* __restrict__ flag, int32_t* __restrict__ lcol, float* __restrict__ lh,
     int32_t* __restrict__ lnnz) {
   extern __shared__ uint4 smem[];
-  uint4* xs = smem;                                                  // [2][kMaxBT][2] x slices
-  uint4* ws = xs + 2 * kStageX / 8;                                  // [2][kG * 256][2] W_u slices
-  uint32_t* code = reinterpret_cast<uint32_t*>(ws + 2 * kStageW / 8);  // [kCap] this round's entries
-  int* rowpre = reinterpret_cast<int*>(code + kCap);                 // [kMaxBT][kG] the row's entries before the tile
-  uint16_t* rowcnt = reinterpret_cast<uint16_t*>(rowpre + kMaxBT * kG);  // [kMaxBT][kG] capped counts
+  uint4* stages = smem;                                              // [kStages][x slots, W_u slots]
+  uint32_t* code = reinterpret_cast<uint32_t*>(smem);                // [kCap] a round's entries, before its copies
+  int* rowpre = reinterpret_cast<int*>(smem + kStages * (kStageX + kStageW));  // [kMaxBT][kG] entries before the tile
+  uint16_t* rowcnt = reinterpret_cast<uint16_t*>(rowpre + kMaxBT * kG);        // [kMaxBT][kG] capped counts
   __shared__ int warp_total[kThreads / 32];
 
   const int grp = blockIdx.x % n_groups;
@@ -127,7 +124,7 @@ __global__ void __launch_bounds__(kThreads, 1) up_tiles_kernel(
         pre += c;
       }
       if (grp == 0) lnnz[row0 + rl] = pre;
-    } else if (rl < kMaxBT) {
+    } else {
       for (int t = 0; t < kG; ++t) rowcnt[rl * kG + t] = 0;
     }
     mine[i] = tot;
@@ -142,10 +139,11 @@ __global__ void __launch_bounds__(kThreads, 1) up_tiles_kernel(
     if (w < warp) first += warp_total[w];
     total += warp_total[w];
   }
+  const int n_slices = K / kKS, n0 = t0 * kTileN;
 
   for (int lo = 0; lo < total; lo += kCap) {  // rounds (one unless the block is heavy)
     const int n = min(kCap, total - lo);
-    // 2. this round's entries: each thread lists its rows' entries that fall in [lo, lo + n)
+    // 2. this round's entries, listed in the stages' space: each thread its rows' entries in [lo, lo + n)
     int p = first;
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
@@ -156,7 +154,8 @@ __global__ void __launch_bounds__(kThreads, 1) up_tiles_kernel(
           const int e0 = max(0, lo - p), e1 = min(c, lo + n - p);
           const int32_t* words = packed + ((row0 + rl) * n_tiles + t0 + tg) * S;
           for (int e = e0; e < e1; ++e)
-            code[p + e - lo] = (uint32_t)rl << 18 | (uint32_t)tg << 16 | (uint32_t)e << 8 | ((uint32_t)words[e] & 0xffu);
+            code[p + e - lo] = (uint32_t)rl << 18 | (uint32_t)tg << 16 | (uint32_t)e << 8 |
+                               ((uint32_t)words[e] & 0xffu);
           p += c;
         }
       } else {
@@ -164,60 +163,42 @@ __global__ void __launch_bounds__(kThreads, 1) up_tiles_kernel(
       }
     }
     __syncthreads();
-    // 3. the dot products, K-sliced: thread tid owns entries [tid * ppt, min(n, (tid + 1) * ppt))
+    // 3. thread tid owns entries [tid * ppt, min(n, (tid + 1) * ppt)): codes and sums in registers
     const int ppt = (n + kThreads - 1) / kThreads;
     const int e0 = tid * ppt, mycnt = max(0, min(n - e0, ppt));
-    int xi[kPPT], wj[kPPT];
+    uint32_t cd[kPPT];
     float acc[kPPT];
 #pragma unroll
     for (int q = 0; q < kPPT; ++q) {
-      const uint32_t cd = q < mycnt ? code[e0 + q] : 0u;
-      xi[q] = (int)(cd >> 18);
-      wj[q] = (int)((cd >> 16) & 3u) * kTileN + (int)(cd & 0xffu);
+      cd[q] = q < mycnt ? code[e0 + q] : 0u;
       acc[q] = 0.f;
     }
-    const int n_slices = K / kKS;
-    load_slice(xs, ws, x, wu, row0, rows, t0 * kTileN, gn, K, 0);
+    __syncthreads();  // the copies overwrite the list
+    load_slice(stages, x, wu, row0, rows, n0, gn, K, 0);
+    if (n_slices > 1) load_slice(stages, x, wu, row0, rows, n0, gn, K, 1);
     for (int s = 0; s < n_slices; ++s) {
-      const int b = s & 1;
-      if (s + 1 < n_slices) {
-        load_slice(xs + (b ^ 1) * (kStageX / 8), ws + (b ^ 1) * (kStageW / 8), x, wu, row0, rows, t0 * kTileN, gn,
-                   K, s + 1);
-        cp_wait<1>();
-      } else {
-        cp_wait<0>();
-      }
-      __syncthreads();
-      const uint4* xb = xs + b * (kStageX / 8);
-      const uint4* wb = ws + b * (kStageW / 8);
-      float xf[kKS];
-      int cur = -1;
+      if (s + 1 < n_slices) cp_wait<1>(); else cp_wait<0>();
+      __syncthreads();  // slice s is in; every thread is done with slice s - 1, whose stage the next copy fills
+      if (s + 2 < n_slices) load_slice(stages, x, wu, row0, rows, n0, gn, K, s + 2);
+      const uint4* xb = stages + (s % kStages) * (kStageX + kStageW);
+      const uint4* wb = xb + kStageX;
 #pragma unroll
-      for (int q = 0; q < kPPT; ++q) {
-        if (q < mycnt) {
-          if (xi[q] != cur) {
-            cur = xi[q];
-            load_xf(xf, xb, cur);
-          }
-          acc[q] = slice_dot(xf, wb, wj[q], acc[q]);
-        }
-      }
-      __syncthreads();  // the stage is refilled by the next iteration's copy
+      for (int q = 0; q < kPPT; ++q)
+        if (q < mycnt) acc[q] = slice_dot(xb, wb, code_row(cd[q]), code_neuron(cd[q]), acc[q]);
     }
     // 4. h = g * u into the row's list at its rank
 #pragma unroll
     for (int q = 0; q < kPPT; ++q) {
       if (q < mycnt) {
-        const uint32_t cd = code[e0 + q];
-        const int rl = (int)(cd >> 18), tg = (int)((cd >> 16) & 3u), e = (int)((cd >> 8) & 0xffu);
+        const int rl = code_row(cd[q]), tg = (int)((cd[q] >> 16) & 3u), e = (int)((cd[q] >> 8) & 0xffu);
         const long long r = row0 + rl;
         const uint32_t word = (uint32_t)packed[(r * n_tiles + t0 + tg) * S + e];
         const long long at = r * W + rowpre[rl * kG + tg] + e;
-        lcol[at] = (t0 + tg) * kTileN + (int)(cd & 0xffu);
+        lcol[at] = (t0 + tg) * kTileN + (int)(cd[q] & 0xffu);
         lh[at] = bf16hi(word) * acc[q];
       }
     }
-    __syncthreads();  // the next round rewrites the entry list
+    __syncthreads();  // the next round lists its entries over the stages
   }
 }
 
