@@ -66,17 +66,28 @@ __device__ __forceinline__ void load_slice(uint4* stages, const __nv_bfloat16* _
   cp_commit();
 }
 
+// row i's slice as fp32 (converted once per row: a thread's entries are sorted by row)
+__device__ __forceinline__ void load_xf(float* xf, const uint4* xs, int i) {
+  const int si = swz(i);
+  const uint4 lo = xs[2 * i + si], hi = xs[2 * i + (si ^ 1)];
+  const uint32_t a[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {
+    xf[2 * q] = bf16lo(a[q]);
+    xf[2 * q + 1] = bf16hi(a[q]);
+  }
+}
+
 // acc += x_i . w_j over one slice, K ascending, in two chains (even / odd columns) added at the end of the slice
-__device__ __forceinline__ float slice_dot(const uint4* xs, const uint4* ws, int i, int j, float acc) {
-  const int si = swz(i), sj = swz(j);
-  const uint4 xl = xs[2 * i + si], xh = xs[2 * i + (si ^ 1)], wl = ws[2 * j + sj], wh = ws[2 * j + (sj ^ 1)];
-  const uint32_t a[8] = {xl.x, xl.y, xl.z, xl.w, xh.x, xh.y, xh.z, xh.w};
+__device__ __forceinline__ float slice_dot(const float* xf, const uint4* ws, int j, float acc) {
+  const int sj = swz(j);
+  const uint4 wl = ws[2 * j + sj], wh = ws[2 * j + (sj ^ 1)];
   const uint32_t b[8] = {wl.x, wl.y, wl.z, wl.w, wh.x, wh.y, wh.z, wh.w};
   float ev = 0.f, od = 0.f;
 #pragma unroll
   for (int q = 0; q < 8; ++q) {
-    ev = fmaf(bf16lo(a[q]), bf16lo(b[q]), ev);
-    od = fmaf(bf16hi(a[q]), bf16hi(b[q]), od);
+    ev = fmaf(xf[2 * q], bf16lo(b[q]), ev);
+    od = fmaf(xf[2 * q + 1], bf16hi(b[q]), od);
   }
   return acc + (ev + od);
 }
@@ -89,7 +100,7 @@ __global__ void __launch_bounds__(kThreads, 1) up_tiles_kernel(
     const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ wu, int M, int K, int n_tiles, int S,
     int bt, int n_groups, const int32_t* __restrict__ packed, const int32_t* __restrict__ counts,
     const int32_t* __restrict__ flag, int32_t* __restrict__ lcol, float* __restrict__ lh,
-    int32_t* __restrict__ lnnz) {
+    int32_t* __restrict__ lnnz, int diag) {
   extern __shared__ uint4 smem[];
   uint4* stages = smem;                                              // [kStages][x slots, W_u slots]
   uint32_t* code = reinterpret_cast<uint32_t*>(smem);                // [kCap] a round's entries, before its copies
@@ -174,17 +185,26 @@ __global__ void __launch_bounds__(kThreads, 1) up_tiles_kernel(
       acc[q] = 0.f;
     }
     __syncthreads();  // the copies overwrite the list
-    load_slice(stages, x, wu, row0, rows, n0, gn, K, 0);
-    if (n_slices > 1) load_slice(stages, x, wu, row0, rows, n0, gn, K, 1);
+    if (diag != 2) load_slice(stages, x, wu, row0, rows, n0, gn, K, 0);
+    if (diag != 2 && n_slices > 1) load_slice(stages, x, wu, row0, rows, n0, gn, K, 1);
     for (int s = 0; s < n_slices; ++s) {
       if (s + 1 < n_slices) cp_wait<1>(); else cp_wait<0>();
       __syncthreads();  // slice s is in; every thread is done with slice s - 1, whose stage the next copy fills
-      if (s + 2 < n_slices) load_slice(stages, x, wu, row0, rows, n0, gn, K, s + 2);
+      if (diag != 2 && s + 2 < n_slices) load_slice(stages, x, wu, row0, rows, n0, gn, K, s + 2);
       const uint4* xb = stages + (s % kStages) * (kStageX + kStageW);
       const uint4* wb = xb + kStageX;
+      float xf[kKS];
+      int cur = -1;
 #pragma unroll
-      for (int q = 0; q < kPPT; ++q)
-        if (q < mycnt) acc[q] = slice_dot(xb, wb, code_row(cd[q]), code_neuron(cd[q]), acc[q]);
+      for (int q = 0; q < kPPT; ++q) {
+        if (q < mycnt && diag != 1) {
+          if (code_row(cd[q]) != cur) {
+            cur = code_row(cd[q]);
+            load_xf(xf, xb, cur);
+          }
+          acc[q] = slice_dot(xf, wb, code_neuron(cd[q]), acc[q]);
+        }
+      }
     }
     // 4. h = g * u into the row's list at its rank
 #pragma unroll
@@ -212,6 +232,8 @@ cudaError_t twell_up_tiles_launch(const void* x, const void* wu, int rows, int K
                                   float* lh, int32_t* lnnz, cudaStream_t stream) {
   using namespace twell_up_tiles;
   if (rows <= 0) return cudaSuccess;
+  const int diag = bt >> 16;  // LAB ONLY: 1 = copies only, 2 = sums only
+  bt &= 0xffff;
   if (bt == 0) bt = kMaxBT;
   if (x == nullptr || wu == nullptr || K % kKS != 0 || K <= 0 || N % kTileN != 0 || N <= 0 || S < 1 ||
       S > kTileN || bt < 1 || bt > kMaxBT || ((uintptr_t)x & 15) || ((uintptr_t)wu & 15) || lcol == nullptr ||
@@ -232,7 +254,7 @@ cudaError_t twell_up_tiles_launch(const void* x, const void* wu, int rows, int K
   }
   up_tiles_kernel<<<(unsigned)blocks, kThreads, kSmem, stream>>>(
       reinterpret_cast<const __nv_bfloat16*>(x), reinterpret_cast<const __nv_bfloat16*>(wu), rows, K, n_tiles, S, bt,
-      n_groups, packed, counts, flag, lcol, lh, lnnz);
+      n_groups, packed, counts, flag, lcol, lh, lnnz, diag);
   return cudaGetLastError();
 }
 

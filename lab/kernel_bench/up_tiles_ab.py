@@ -49,10 +49,13 @@ def main() -> int:
                    "up_list": lambda: ext.up_list(x, wu, packed, counts, flag, *lists["list"], N),
                    "up_tiles_1024": lambda: ext.up_tiles(x, wu, packed, counts, flag, *lists["tiles"], 1024),
                    "up_tiles_512": lambda: ext.up_tiles(x, wu, packed, counts, flag, *lists["tiles"], 512),
+                   "diag_copies_only": lambda: ext.up_tiles(x, wu, packed, counts, flag, *lists["tiles"], 1024 | 65536),
+                   "diag_sums_only": lambda: ext.up_tiles(x, wu, packed, counts, flag, *lists["tiles"], 1024 | 131072),
                    "down_slices": lambda: ext.down_slices(wdt, lists["list"][0], lists["list"][2], flag,
                                                           lists["list"][1], ys["list"], 1)}
             for fn in fns.values():
                 fn()
+            ext.up_tiles(x, wu, packed, counts, flag, *lists["tiles"], 1024)
             ext.down_slices(wdt, lists["tiles"][0], lists["tiles"][2], flag, lists["tiles"][1], ys["tiles"], 1)
             torch.cuda.synchronize()
             ok = ~flag.bool()
