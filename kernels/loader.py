@@ -21,8 +21,7 @@ from types import ModuleType
 
 _HERE = Path(__file__).resolve().parent
 TWELL_SOURCES = [_HERE / "twell" / "binding.cpp", _HERE / "twell" / "runtime.cpp", _HERE / "twell" / "twell_kernels.cu",
-                 _HERE / "twell" / "d2t_gemm.cu",
-                 _HERE / "twell" / "up_tiles.cu", _HERE / "common" / "backup_rows.cu", _HERE / "common" / "slices.cu"]
+                 _HERE / "twell" / "d2t_gemm.cu", _HERE / "common" / "backup_rows.cu", _HERE / "common" / "slices.cu"]
 _LOCK = threading.Lock()
 _CACHE: dict[str, ModuleType] = {}
 

@@ -788,60 +788,6 @@ def test_up_down_kernel(ffn, K, N, gated, S):
         assert err3 <= 2 * err16 + 1e-7, f"error {err3:.3e} > 2 x bf16 PyTorch {err16:.3e}"
 
 
-@pytest.mark.parametrize("K,N", [(576, 1536), (2048, 5632), (4096, 11008), (2048, 17408)])
-@pytest.mark.parametrize("S,bt", [(8, 1024), (32, 300), (256, 1024), (32, 1)])
-def test_up_tiles_kernel(ffn, K, N, S, bt):
-    """up_tiles (blocks of bt rows x 4 tiles, K-sliced) writes up_list's lists: the same counts and columns, h within
-    fp32 reordering of up_list's, every listed slot written, flagged rows untouched; y through down_slices within the
-    bf16 budget of float64 math. M 2500 leaves a partial last block; N 1536 a group of 2 tiles; S 256 with 2% activity
-    and heavy rows runs blocks over several rounds of 12288 entries; bt 1 is a block per row."""
-    from sfl.kernels.loader import load_twell
-
-    ext = load_twell()
-    M = 2500 if bt > 1 else 600
-    x, wg, wu, wd = make_problem(M, K, N, 0.02 if S > 8 else 0.005, seed=K + N + S + bt)
-    x[20:40, 3:] *= 3
-    g = F.linear(x, wg)
-    T = N // 256
-    packed = torch.empty(M, T, S, device=DEV, dtype=torch.int32)
-    counts = torch.empty(M, T, device=DEV, dtype=torch.int32)
-    flag = torch.zeros(M, device=DEV, dtype=torch.int32)
-    ext.compact(g, N, packed, counts, flag)
-    ok = ~flag.bool()
-    assert ok.sum() >= 20 and (~ok).sum() >= 3, "the problem should have both kinds of rows"
-    lists = []
-    for fn in (lambda *a: ext.up_list(x, wu, *a, N), lambda *a: ext.up_tiles(x, wu, *a, bt)):
-        poison()
-        lcol = torch.full((M, T * S), -7, device=DEV, dtype=torch.int32)
-        lh = torch.full((M, T * S), float("nan"), device=DEV)
-        lnnz = torch.full((M,), -7, device=DEV, dtype=torch.int32)
-        fn(packed, counts, flag, lcol, lh, lnnz)
-        torch.cuda.synchronize()
-        lists.append((lcol, lh, lnnz))
-    (col0, h0, n0), (col1, h1, n1) = lists
-    assert (n1[~ok] == -7).all(), "flagged rows must be left to the dense backup"
-    assert torch.equal(n1[ok], n0[ok])
-    listed = torch.arange(T * S, device=DEV)[None, :] < n0.clamp(min=0)[:, None]
-    listed &= ok[:, None]
-    if S == 256:
-        per_block = n0.clamp(min=0)[ok].sum().item() / max(1, -(-M // bt))
-        assert bt == 1 or per_block * 4 / T > 12288, "S 256 should run some blocks over several rounds"
-    assert torch.equal(col1[listed], col0[listed]), "columns differ from up_list's"
-    assert not torch.isnan(h1[listed]).any(), "a listed slot was not written"
-    scale = h0[listed].abs().max()
-    torch.testing.assert_close(h1[listed], h0[listed], rtol=1e-3, atol=1e-5 * float(scale))
-    wdt = wd.t().contiguous()
-    y = torch.full((M, K), 3.0, device=DEV, dtype=BF)
-    ext.down_slices(wdt, col1, n1, flag, h1, y, 1)
-    torch.cuda.synchronize()
-    assert (y[~ok] == 3.0).all()
-    ref32 = dense(x[ok].double(), wg.double(), wu.double(), wd.double(), True)
-    ref16 = dense(x[ok], wg, wu, wd, True)
-    nrm = ref32.norm()
-    err, err16 = ((y[ok].double() - ref32).norm() / nrm).item(), ((ref16.double() - ref32).norm() / nrm).item()
-    assert err <= 2 * err16 + 1e-7, f"error {err:.3e} > 2 x bf16 PyTorch {err16:.3e}"
-
-
 # ---------------------------------------------------------------- round 3: compaction v2, grid cap, fused decode
 def test_compact_equals_reference(ffn):
     """The persistent compaction writes exactly what reference.d2t writes, on adversarial rows, strided row views

@@ -155,30 +155,6 @@ void up_list(const at::Tensor& x, const at::Tensor& wu, const at::Tensor& packed
         "up_list");
 }
 
-// up_tiles: up_list's output (the same lists; each dot product's fp32 order differs) from blocks of bt rows x 4 tiles,
-// K-sliced, each W_u and x slice read once per block (kernels/twell/up_tiles.cu). Gated only; bt 0 = 1024.
-void up_tiles(const at::Tensor& x, const at::Tensor& wu, const at::Tensor& packed, const at::Tensor& counts,
-              const at::Tensor& flag, at::Tensor lcol, at::Tensor lh, at::Tensor lnnz, int64_t bt) {
-  req(packed, "packed", at::kInt, 3);
-  req(counts, "counts", at::kInt, 2);
-  req(flag, "flag", at::kInt, 1);
-  req(lcol, "lcol", at::kInt, 2);
-  req(lh, "lh", at::kFloat, 2);
-  req(lnnz, "lnnz", at::kInt, 1);
-  req(x, "x", at::kBFloat16, 2);
-  req(wu, "w_up", at::kBFloat16, 2);
-  const int64_t M = packed.size(0), T = packed.size(1), S = packed.size(2), N = wu.size(0), K = x.size(1);
-  TORCH_CHECK(T * 256 == N && counts.size(0) == M && counts.size(1) == T && flag.size(0) == M &&
-                  lcol.size(0) == M && lcol.size(1) == T * S && lh.sizes() == lcol.sizes() && lnnz.size(0) == M &&
-                  x.size(0) == M && wu.size(1) == K,
-              "up_tiles: shapes (x [M, K], w_up [N, K], lcol / lh [M, N / 256 * S])");
-  const c10::cuda::CUDAGuard guard(packed.device());
-  check(twell_up_tiles_launch(x.data_ptr(), wu.data_ptr(), (int)M, (int)K, (int)N, (int)S, (int)bt, i32(packed),
-                              i32(counts), i32(flag), i32(lcol), lh.data_ptr<float>(), i32(lnnz),
-                              c10::cuda::getCurrentCUDAStream().stream()),
-        "up_tiles");
-}
-
 void down_slices(const at::Tensor& wdt, const at::Tensor& lcol, const at::Tensor& lnnz, const at::Tensor& flag,
                  const at::Tensor& lh, at::Tensor y, int64_t rows) {
   req(wdt, "w_down_t", at::kBFloat16, 2);
@@ -345,7 +321,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("down", &down, "y = TwELL(h) @ W_d^T (fp32 accumulate)");
   m.def("up_down", &up_down, "y = TwELL(h) @ W_d^T with h = g * (x . W_u[j]) (gated) in one kernel, one block per row");
   m.def("up_list", &up_list, "the large-M up step: each row's TwELL entries and h = g * (x . W_u[j]) as a compact list");
-  m.def("up_tiles", &up_tiles, "up_list's lists from blocks of rows x tiles, K-sliced (W_u read once per block)");
   m.def("down_slices", &down_slices, "the large-M down step: y = sum h W_dT[j] over up_list's entries, slice-major");
   m.def("finalize", &finalize, "fp32 accumulator -> bf16 output");
   m.def("relu_mul_stats", &relu_mul_stats, "dense path: relu(g) * u (or relu(g)) in one pass, measuring activity (and the L1 sum)");
