@@ -20,7 +20,6 @@ cudaError_t twell_up_down_launch(const void* x, const void* wu, const void* wdt,
 cudaError_t twell_up_list_launch(const void* x, const void* wu, int rows, int K, int N, int S, const int32_t* packed,
                                  const int32_t* counts, const int32_t* flag, int32_t* lcol, float* lh, int32_t* lnnz,
                                  cudaStream_t stream);
-void twell_lab_set_variant(int v);  // LAB ONLY
 cudaError_t twell_finalize_launch(const float* yacc, const int32_t* flag, int rows, int K, int nan_fill, void* y,
                                   cudaStream_t stream);
 cudaError_t twell_row_stats_launch(const int32_t* counts, const int32_t* flag, int rows, int N,

@@ -263,8 +263,8 @@ __global__ void __launch_bounds__(128, 1) down_kernel(const __nv_bfloat16* __res
 // H200: 1.20 / 1.06 / 1.00 ms at 4 / 5 / 6 blocks, lab/results/kernel_bench/up_down_ab_h200_b7d99d0.jsonl).
 constexpr int kUdThreads = 256;
 constexpr int kUdCap = 2048;  // entries per window (16 KB of shared memory)
-template <int NI, bool GATED, bool LIST, int LG = 2, int LB = 6>
-__global__ void __launch_bounds__(kUdThreads, NI <= 8 ? (LIST ? LB : 4) : 2)
+template <int NI, bool GATED, bool LIST>
+__global__ void __launch_bounds__(kUdThreads, NI <= 8 ? (LIST ? 6 : 4) : 2)
     up_down_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ wu,
                    const __nv_bfloat16* __restrict__ wdt, int K, int n_tiles, int S, int nan_fill,
                    const int32_t* __restrict__ packed, const int32_t* __restrict__ counts,
@@ -333,7 +333,7 @@ __global__ void __launch_bounds__(kUdThreads, NI <= 8 ? (LIST ? LB : 4) : 2)
     // 2. up
     if (GATED) {
       for (int e = warp; e < count; e += kUdThreads / 32) {
-        constexpr int G = (LIST && NI <= 8) ? (LG < NI ? LG : NI) : NI;  // W_u chunks in flight per lane (LIST: 40 registers)
+        constexpr int G = (LIST && NI <= 8) ? 2 : NI;  // W_u chunks in flight per lane (LIST: 40 registers)
         const float u = row_dot_shared<NI, G>(xs, wu + (long long)list_j[e] * K, K);
         if (lane == 0) list_h[e] *= u;
       }
@@ -1034,23 +1034,17 @@ static cudaError_t decode_mr(int ni, const __nv_bfloat16* x, const __nv_bfloat16
 // ============================== extern launchers (called from binding.cpp) ==============================
 // up_down: x/wu null for the non-gated op (h = the stored bf16 value). S <= 256. One block per row.
 // lcol non-null: the LIST form (up_list: the entries to lcol / lh / lnnz, no y).
-static int g_lab_variant = 0;  // LAB ONLY (the up_list G / blocks sweep)
 template <int NI>
 static cudaError_t launch_up_down(bool gated, unsigned rows, cudaStream_t stream, const __nv_bfloat16* x,
                                   const __nv_bfloat16* wu, const __nv_bfloat16* wdt, int K, int n_tiles, int S,
                                   int nan_fill, const int32_t* packed, const int32_t* counts, const int32_t* flag,
                                   __nv_bfloat16* y, int32_t* lcol, float* lh, int32_t* lnnz) {
   const size_t smem = (size_t)twell::kUdCap * 8 + (gated ? (size_t)K * 2 : 0);
-#define TWELL_UD_K(G_, L_, ...)                                                                                   \
-  twell::up_down_kernel<NI, G_, L_, ##__VA_ARGS__><<<rows, twell::kUdThreads, smem, stream>>>(x, wu, wdt, K, n_tiles, S, nan_fill, \
+#define TWELL_UD_K(G_, L_)                                                                                        \
+  twell::up_down_kernel<NI, G_, L_><<<rows, twell::kUdThreads, smem, stream>>>(x, wu, wdt, K, n_tiles, S, nan_fill, \
                                                                               packed, counts, flag, y, lcol, lh, lnnz)
   if (lcol != nullptr) {
-    if (gated && NI == 8 && g_lab_variant == 1) TWELL_UD_K(true, true, 4, 5);
-    else if (gated && NI == 8 && g_lab_variant == 2) TWELL_UD_K(true, true, 4, 4);
-    else if (gated && NI == 8 && g_lab_variant == 3) TWELL_UD_K(true, true, 8, 3);
-    else if (gated && NI == 8 && g_lab_variant == 4) TWELL_UD_K(true, true, 2, 8);
-    else if (gated && NI == 8 && g_lab_variant == 5) TWELL_UD_K(true, true, 1, 8);
-    else if (gated) TWELL_UD_K(true, true); else TWELL_UD_K(false, true);
+    if (gated) TWELL_UD_K(true, true); else TWELL_UD_K(false, true);
   } else {
     if (gated) TWELL_UD_K(true, false); else TWELL_UD_K(false, false);
   }
@@ -1059,8 +1053,6 @@ static cudaError_t launch_up_down(bool gated, unsigned rows, cudaStream_t stream
 }
 
 extern "C" {
-
-void twell_lab_set_variant(int v) { g_lab_variant = v; }  // LAB ONLY
 
 cudaError_t twell_compact_launch(const void* g, long long ldg, int rows, int N, int S, int32_t* packed,
                                  int32_t* counts, int32_t* flag, cudaStream_t stream) {
