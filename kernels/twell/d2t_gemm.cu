@@ -18,7 +18,7 @@
 //   enough for the mainloop to cover it.
 //
 // Output is bit-compatible with kernels/FORMAT.md (ascending columns, true counts, flag on overflow or a
-// non-finite gate value). The fp32 summation order differs from cuBLAS, so a value within rounding of 0 may be
+// non-finite gate value; an overflowing tile's words, which FORMAT.md leaves undefined, are not written). The fp32 summation order differs from cuBLAS, so a value within rounding of 0 may be
 // classified differently than a cuBLAS-then-compact d2t would (its h is ~0 either way; tests allow exactly that).
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -167,9 +167,8 @@ __device__ __forceinline__ uint32_t pick32(const uint32_t (&v)[32], int j) {
 
 // Epilogue of one row (all 32 lanes call it; quads of lanes share a row): m = this lane's activity bits (bit 2j+b =
 // column 8j + 2q + b), vals[j] = this lane's bf16 pair j. Writes the row's tile words in ascending column order
-// (the first S), its true count and its flag (overflow or a non-finite value). The loop runs over this lane's active
-// entries only, in ascending column order, so their ranks increase: it stops at the first rank >= S (a heavy row
-// costs a lane at most ~S/4 entries, not 64).
+// (none when the tile overflows: its row is flagged), its true count and its flag (overflow or a non-finite value).
+// The loop runs over this lane's active entries only, in ascending column order.
 __device__ __forceinline__ void write_row(const uint32_t (&vals)[32], uint64_t m, bool bad, int lane, int row, int M,
                                           int tile, int T, int S, int32_t* __restrict__ packed,
                                           int32_t* __restrict__ counts, int32_t* __restrict__ flag) {
@@ -179,6 +178,13 @@ __device__ __forceinline__ void write_row(const uint32_t (&vals)[32], uint64_t m
   for (int qq = 0; qq < 4; ++qq) quad[qq] = __shfl_sync(kFull, m, (lane & ~3) | qq);
   if (row >= M) return;
   const int total = __popcll(quad[0]) + __popcll(quad[1]) + __popcll(quad[2]) + __popcll(quad[3]);
+  if (total > S) {  // an overflowing tile: its row is flagged and never read from its words (FORMAT.md), so none
+    if (q == 0) {   // are written (a heavy row's S entries per tile held the other warpgroup's mainloop up)
+      counts[(long long)row * T + tile] = total;
+      flag[row] = 1;
+    }
+    return;
+  }
   int32_t* out = packed + ((long long)row * T + tile) * S;
   for (uint64_t left = m; left != 0; left &= left - 1) {
     const int p = __ffsll((long long)left) - 1, j = p >> 1, b = p & 1;
@@ -187,7 +193,6 @@ __device__ __forceinline__ void write_row(const uint32_t (&vals)[32], uint64_t m
 #pragma unroll
     for (int qq = 0; qq < 3; ++qq) rank += qq < q ? __popc((unsigned)(quad[qq] >> (2 * j)) & 3u) : 0;
     rank += b & (int)(m >> (2 * j));                 // the low column of my own pair
-    if (rank >= S) break;
     const uint32_t bits = (pick32(vals, j) >> (16 * b)) & 0xffffu;
     out[rank] = (int32_t)((bits << 16) | (uint32_t)(8 * j + 2 * q + b));
   }
@@ -230,7 +235,7 @@ __device__ __forceinline__ void compact_rows(const uint4 (&v)[RB], int lane, int
     if (row >= M) continue;  // warp-uniform
     int slot = inc[q] - cnt[q];
     int32_t* out = packed + ((long long)row * T + tile) * S;
-    if (act[q]) {
+    if (act[q] && total <= S) {  // an overflowing tile's words are not written (FORMAT.md: never read)
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         if ((act[q] >> i) & 1u) {
