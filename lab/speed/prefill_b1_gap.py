@@ -1,7 +1,7 @@
 """Trial (lab): batch-1 prefill (1 x 2048 tokens, `model.model`), HF's Llama against ours, to place the 0.89-0.94x
 of real_path r5 / r6: ours with mlp_impl "cuda" (auto dispatch, statistics on as in real_path, and off) and with
 mlp_impl "dense" (three F.linear, HF's MLP math: what remains is the rest of our model). Sides alternate per
-block (A B B A), 12 blocks of 5 calls, CUDA events around each call after a sync; medians. GPU only.
+block (A B B A), 12 blocks of 5 calls after 2 untimed ones, CUDA events around each call after a sync; medians. GPU only.
 
     PYTHONPATH=. python lab/speed/prefill_b1_gap.py
 """
@@ -31,27 +31,29 @@ def main() -> None:
     dev = torch.device("cuda")
     ours, hf, g, vocab = calibrated_pair(28, dev)
     ids = torch.randint(0, vocab, (1, 2048), generator=g).to(dev)
-    sides = {"hf": lambda: hf.model(input_ids=ids)}
-
-    def ours_with(impl: str, stats: bool):
+    def setup(impl: str | None, stats: bool = False):
         def run():
-            ours.set_mlp_impl(impl)
-            ours.config.track_sparsity_stats = stats
-            return ours.model(input_ids=ids)
+            if impl is not None:
+                ours.set_mlp_impl(impl)
+                ours.config.track_sparsity_stats = stats
         return run
 
-    sides.update({"cuda_stats": ours_with("cuda", True), "cuda_nostats": ours_with("cuda", False),
-                  "dense_impl": ours_with("dense", False)})
+    sides = {"hf": (setup(None), lambda: hf.model(input_ids=ids)),
+             "cuda_stats": (setup("cuda", True), lambda: ours.model(input_ids=ids)),
+             "cuda_nostats": (setup("cuda", False), lambda: ours.model(input_ids=ids)),
+             "dense_impl": (setup("dense", False), lambda: ours.model(input_ids=ids))}
     times = {k: [] for k in sides}
     with torch.inference_mode():
-        for fn in sides.values():
-            for _ in range(3):
-                fn()
-        for blk in range(12):
+        for blk in range(13):
             order = list(sides) if blk % 2 == 0 else list(reversed(sides))
             for k in order:
+                prep, fn = sides[k]
+                prep()
+                for _ in range(2):  # warm-up after a switch (the plans' first calls measure)
+                    fn()
                 for _ in range(5):
-                    times[k].append(one(sides[k]))
+                    if blk:  # block 0: warm-up only
+                        times[k].append(one(fn))
     med = {k: statistics.median(v) for k, v in times.items()}
     for k, v in med.items():
         print(f"{k:14s} {v:7.2f} ms  hf/this {med['hf'] / v:.3f}x  (p10 {sorted(times[k])[len(times[k]) // 10]:.2f})")
