@@ -36,6 +36,7 @@ def main() -> None:
     wg32, wu32, wd32 = make_weights(K, N)
     wu, wd = wu32.to(BF), wd32.to(BF)
     timer = Timer()
+    ops.load()  # registers the op
     for p in (0.01, 0.02):
         x, wg = make_case(wg32, 4096, K, N, "uniform", p, 0.0, seed=7)
         plan = ops.Plan(KernelConfig())
