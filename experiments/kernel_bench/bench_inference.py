@@ -183,6 +183,14 @@ def graphed(fn):
     return graph.replay, out
 
 
+def twell_buffers(M: int, T: int, S: int) -> tuple[torch.Tensor, ...]:
+    """Outputs of the d2t and of up_list for M rows, T tiles and S slots: packed [M, T, S], counts [M, T], flag [M]
+    (zeroed, as the d2t needs), lcol / lh [M, T * S] and lnnz [M]."""
+    i32 = dict(device=DEV, dtype=torch.int32)
+    return (torch.empty(M, T, S, **i32), torch.empty(M, T, **i32), torch.zeros(M, **i32),
+            torch.empty(M, T * S, **i32), torch.empty(M, T * S, device=DEV, dtype=torch.float32), torch.empty(M, **i32))
+
+
 def sparse_phases(timer: "Timer", x, wg, wu, wd, slots: int, reps: int) -> dict:
     """The gated sparse path's large-M steps timed one by one on this case's TwELL (each after an L2 flush, medians),
     with the bytes the gathers move: d2t (the fused gate GEMM writing TwELL), up_down (up and down in one kernel, the
@@ -194,10 +202,7 @@ def sparse_phases(timer: "Timer", x, wg, wu, wd, slots: int, reps: int) -> dict:
     M, K = x.shape
     N = wg.shape[0]
     T = N // 256
-    i32 = dict(device=DEV, dtype=torch.int32)
-    packed, counts, flag = torch.empty(M, T, slots, **i32), torch.empty(M, T, **i32), torch.zeros(M, **i32)
-    lcol, lnnz = torch.empty(M, T * slots, **i32), torch.empty(M, **i32)
-    lh = torch.empty(M, T * slots, device=DEV, dtype=torch.float32)
+    packed, counts, flag, lcol, lh, lnnz = twell_buffers(M, T, slots)
     y = torch.empty(M, K, device=DEV, dtype=BF)
     wdt = wd.t().contiguous()
     d2t = lambda: ext.d2t_gemm(x, wg, packed, counts, flag, False, 0)  # noqa: E731

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from sfl.experiments.kernel_bench import bench_training as bt
-from sfl.experiments.kernel_bench.bench_inference import BF, DEV, make_case, make_weights
+from sfl.experiments.kernel_bench.bench_inference import BF, DEV, make_case, make_weights, twell_buffers
 from sfl.kernels.loader import load_twell
 
 
@@ -42,12 +42,7 @@ def inference_split(M: int = 65536) -> None:
     wu, wdt = wu32.to(BF), wd32.to(BF).t().contiguous()
     for p in (0.005, 0.01):
         x, wg = make_case(wg32, M, K, N, "uniform", p, 0.0, seed=101)
-        packed = torch.empty(M, T, S, device=DEV, dtype=torch.int32)
-        counts = torch.empty(M, T, device=DEV, dtype=torch.int32)
-        flag = torch.zeros(M, device=DEV, dtype=torch.int32)
-        lcol = torch.empty(M, T * S, device=DEV, dtype=torch.int32)
-        lh = torch.empty(M, T * S, device=DEV, dtype=torch.float32)
-        lnnz = torch.empty(M, device=DEV, dtype=torch.int32)
+        packed, counts, flag, lcol, lh, lnnz = twell_buffers(M, T, S)
         y = torch.empty(M, K, device=DEV, dtype=BF)
         ext.d2t_gemm(x, wg, packed, counts, flag, False, 0)
         for _ in range(2):

@@ -12,7 +12,7 @@ import json
 
 import torch
 
-from sfl.experiments.kernel_bench.bench_inference import BF, DEV, Timer, make_case, make_weights
+from sfl.experiments.kernel_bench.bench_inference import BF, DEV, Timer, make_case, make_weights, twell_buffers
 from sfl.experiments.kernel_bench.decode_paths import rotate
 from sfl.experiments.provenance import collect
 from sfl.kernels.loader import load_twell
@@ -37,12 +37,7 @@ def main() -> int:
     with open(args.out, "w") as f:
         for ci, (M, pattern, p, heavy) in enumerate(CASES):
             x, wg = make_case(wg32, M, K, N, pattern, p, heavy, seed=400 + ci)
-            packed = torch.empty(M, T, S, device=DEV, dtype=torch.int32)
-            counts = torch.empty(M, T, device=DEV, dtype=torch.int32)
-            flag = torch.zeros(M, device=DEV, dtype=torch.int32)
-            lcol = torch.empty(M, T * S, device=DEV, dtype=torch.int32)
-            lh = torch.empty(M, T * S, device=DEV, dtype=torch.float32)
-            lnnz = torch.empty(M, device=DEV, dtype=torch.int32)
+            packed, counts, flag, lcol, lh, lnnz = twell_buffers(M, T, S)
             y = torch.empty(M, K, device=DEV, dtype=BF)
 
             def run(chunks: int, ctas: int) -> None:
