@@ -524,6 +524,82 @@ def test_block_kernels_equal_warp_kernels(K, N, W, gated):
         assert err <= 2 * err16 + 1e-6, (err, err16)
 
 
+@pytest.mark.parametrize("K,N,W,gated", [(2048, 5632, 72, True), (2048, 5632, 128, False), (576, 1536, 64, True),
+                                         (200, 1024, 64, True), (3072, 2048, 256, False)])
+def test_dwd_dh_and_coefficients(K, N, W, gated):
+    """What the op's backward runs for the light entries' coefficients: dwd_dh (neuron-major over dy slices: dW_dT
+    and the partial dot products dy_r . W_dT[j] per 256 columns) then dh_coef. dW_dT has dw part 1's bits at every
+    slice width; the partial sums have the same bits at every width; cg / cu are within fp32 rounding of float64
+    math (at most 2x bwd_block's error of it) and NaN exactly where bwd_block's are (a NaN in dy); entries that are
+    not light (pads, flagged rows) stay unwritten. K = 200 and 576 end in a partial 256-column slice."""
+    from sfl.kernels.train import ops
+
+    ext = ops.load_ext()
+    M = 400
+    x, wg, wu, wd = make_problem(M, K, N, min(0.02, 0.4 * W / N), seed=K + N, gated=gated)
+    g = F.linear(x, wg if gated else wu)
+    ell_col = torch.empty(M, W, device=DEV, dtype=torch.int32)
+    ell_a = torch.empty(M, W, device=DEV, dtype=BF)
+    nnz = torch.empty(M, device=DEV, dtype=torch.int32)
+    flag = torch.empty(M, device=DEV, dtype=torch.int32)
+    ext.compact(g, N, ell_col, ell_a, nnz, flag, None, 0)
+    light = ~flag.bool()
+    assert light.sum() > M // 2 and (~light).sum() >= 1
+    valid = (torch.arange(W, device=DEV)[None, :] < nnz[:, None]) & light[:, None]
+    wdt = wd.t().contiguous()
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    dy = torch.randn(M, K, device=DEV, generator=gen).to(BF)
+    nan_row = int(torch.nonzero(light & (nnz > 0))[5])
+    dy[nan_row, K // 3] = float("nan")
+    ell_u = torch.randn(M, W, device=DEV, generator=gen) if gated else torch.empty(0, 0, device=DEV)
+    l1c = torch.tensor([0.3], device=DEV)
+    perm, colptr = ext.csr_by_neuron(ell_col, nnz, flag, N)
+    nsub = (K // 8 + 31) // 32
+    n = int(colptr[-1])
+    parts, dwdts = {}, {}
+    for nb in (1, 2, 4, 8):
+        poison()
+        part = torch.full((nsub, M * W), float("nan"), device=DEV)
+        dwdt = torch.full((N, K), float("nan"), device=DEV, dtype=BF)
+        ext.dwd_dh(nb, dy, wdt, perm, colptr, ell_a, ell_u, None, dwdt, part)
+        ref = torch.full((N, K), float("nan"), device=DEV, dtype=BF)
+        none = torch.empty(0, 0, device=DEV)
+        ext.dw(gated, nb, x, dy, perm, colptr, ell_a, ell_u, none, none, None, None, None, ref, ref, ref, 1, 1)
+        torch.cuda.synchronize()
+        assert torch.equal(dwdt, ref), f"dW_dT, nb {nb}"
+        assert bool(part[:, n:].isnan().all()), "partial sums written past the light entries"
+        parts[nb], dwdts[nb] = part[:, :n], dwdt
+    for nb in (2, 4, 8):
+        assert torch.equal(parts[nb].view(torch.int32), parts[1].view(torch.int32)), f"partial sums, nb {nb}"
+    cg = torch.full((M, W), float("nan"), device=DEV)
+    cu = torch.full((M, W), float("nan"), device=DEV) if gated else torch.empty(0, 0, device=DEV)
+    part = torch.cat([parts[1], torch.zeros(nsub, M * W - n, device=DEV)], 1)
+    ext.dh_coef(gated, part, K, perm, colptr, ell_a, ell_u, l1c, cg, cu)
+    bg = torch.full((M, W), float("nan"), device=DEV)
+    bu = torch.full((M, W), float("nan"), device=DEV)
+    ext.bwd_block(gated, dy, wg, wu, wdt, ell_col, ell_a, ell_u if gated else bu, nnz, flag, l1c, bg,
+                  bu, dy.new_empty(0, K))
+    torch.cuda.synchronize()
+    assert bool(cg[~valid].isnan().all()) and (not gated or bool(cu[~valid].isnan().all())), "non-light entry written"
+    # float64 math of the same coefficients
+    rows = torch.arange(M, device=DEV)[:, None].expand(M, W)[valid]
+    j = ell_col[valid].long()
+    dh = (dy.double()[rows] * wdt.double()[j]).sum(1)
+    a = ell_a.float()[valid].double()
+    outs = [(cg, bg)] + ([(cu, bu)] if gated else [])
+    if gated:
+        u = ell_u[valid].double()
+        d = dh + 0.3 * torch.sign(a * u)
+        want = [d * u, d * a]
+    else:
+        want = [dh + 0.3 * torch.sign(a)]
+    for (ours, theirs), w64 in zip(outs, want):
+        o, t = ours[valid], theirs[valid]
+        assert torch.equal(o.isnan(), t.isnan()) and bool(o.isnan().any()), "NaN from dy"
+        fin = ~t.isnan()
+        assert rel(o[fin], w64[fin]) <= 2 * rel(t[fin], w64[fin]) + 1e-7
+
+
 @pytest.mark.parametrize("R,C,pad", [(8, 8, 0), (72, 136, 0), (2048, 5632, 0), (136, 64, 24), (1000, 8, 8)])
 def test_transpose_kernel_bit_exact(R, C, pad):
     from sfl.kernels.train import ops

@@ -245,6 +245,15 @@ def profile_phases(M, K, N, p, reps, timer):
     phases["count_nonzero"] = (lambda: torch.count_nonzero(a, dim=1), M * N * 2 / 1e9, "GB")
     phases["count_kernel"] = (lambda: ext.count(a), M * N * 2 / 1e9, "GB")
     phases["l1_abs_sum"] = (lambda: a.abs().sum(dtype=torch.float32), M * N * 2 / 1e9, "GB")
+    # the backward the op runs since round 16: dwd_dh (dW_dT and the light entries' dh dot products, neuron-major
+    # over dy slices), dh_coef (cg, cu from them), dx_slices, dw's part 0 (dW_g, dW_u over x slices)
+    nb_op = ops.dw_chunks(M)
+    part = torch.empty((K // 8 + 31) // 32, M * W, device=DEV)
+    phases["dwd_dh"] = (lambda: ext.dwd_dh(nb_op, gy, wdt, perm, colptr, ell_a, ell_u, None, dwd, part),
+                        E * kb / 1e9, "GB")
+    phases["dh_coef"] = (lambda: ext.dh_coef(True, part, K, perm, colptr, ell_a, ell_u, l1c, cg, cu), 0.0, "-")
+    phases["dw_part0"] = (lambda: ext.dw(True, nb_op, x, gy, perm, colptr, ell_a, ell_u, cg, cu, None, None, None,
+                                         dwg, dwu, dwd, 0, 1), E * kb / 1e9, "GB")
     for nb in (1, 2, 4, 8):  # dw walks K slices of 256 nb columns; ops.dw_chunks picks nb from M
         phases[f"dw_nb{nb}"] = (lambda nb=nb: ext.dw(True, nb, x, gy, perm, colptr, ell_a, ell_u, cg, cu, None,
                                                        None, None, dwg, dwu, dwd), E * 2 * kb / 1e9, "GB")

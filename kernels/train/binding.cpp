@@ -36,7 +36,14 @@ cudaError_t sfltrain_dense_bwd_launch(int gated, void* dh, const void* g, const 
 cudaError_t sfltrain_dw_launch(int gated, int nb, const void* x, const void* dy, int N, int K, int W,
                                const int64_t* perm, const int64_t* colptr, const void* ell_a, const float* ell_u,
                                const float* cg, const float* cu, const void* add_g, const void* add_u,
-                               const void* add_d, void* dwg, void* dwu, void* dwdt, cudaStream_t stream);
+                               const void* add_d, void* dwg, void* dwu, void* dwdt, int part0, int parts,
+                               cudaStream_t stream);
+cudaError_t sfltrain_dwd_dh_launch(int nb, const void* dy, const void* wdt, int N, int K, int W, const int64_t* perm,
+                                   const int64_t* colptr, const void* ell_a, const float* ell_u, const void* add_d,
+                                   void* dwdt, float* part, long long pstride, cudaStream_t stream);
+cudaError_t sfltrain_dh_coef_launch(int gated, const float* part, long long pstride, int K, const int64_t* perm,
+                                    const int64_t* colptr, int N, const void* ell_a, const float* ell_u,
+                                    const float* l1c, float* cg, float* cu, cudaStream_t stream);
 cudaError_t sfltrain_last_active_launch(const void* a, long long lda, int rows, int N, int64_t* last,
                                         cudaStream_t stream);
 cudaError_t sfltrain_last_active_ell_launch(const int32_t* ell_col, int W, const int32_t* nnz, const int32_t* flag,
@@ -224,7 +231,8 @@ void dx_slices(bool gated, const at::Tensor& wg, const at::Tensor& wu, const at:
 void dw(bool gated, int64_t nb, const at::Tensor& x, const at::Tensor& dy, const at::Tensor& perm,
         const at::Tensor& colptr, const at::Tensor& ell_a, const at::Tensor& ell_u, const at::Tensor& cg,
         const at::Tensor& cu, const c10::optional<at::Tensor>& add_g, const c10::optional<at::Tensor>& add_u,
-        const c10::optional<at::Tensor>& add_d, at::Tensor dwg, at::Tensor dwu, at::Tensor dwdt) {
+        const c10::optional<at::Tensor>& add_d, at::Tensor dwg, at::Tensor dwu, at::Tensor dwdt, int64_t part0,
+        int64_t parts) {
   req(x, "x", at::kBFloat16, 2);
   req(dy, "dy", at::kBFloat16, 2);
   req(perm, "perm", at::kLong, 1);
@@ -253,8 +261,60 @@ void dw(bool gated, int64_t nb, const at::Tensor& x, const at::Tensor& dy, const
                            perm.data_ptr<int64_t>(), colptr.data_ptr<int64_t>(), ell_a.data_ptr(), up,
                            cg.data_ptr<float>(), cup, gated ? opt(add_g, "add_g", N, K) : nullptr,
                            opt(add_u, "add_u", N, K), opt(add_d, "add_d", N, K), gp, dwu.data_ptr(),
-                           dwdt.data_ptr(), stream()),
-        "dw");
+                           dwdt.data_ptr(), (int)part0, (int)parts, stream()),
+        "dw (parts: 0, 1 or both)");
+}
+
+// dW_dT (with the addend add_d) and the light entries' dh partial dot products, slice by slice: part
+// [ceil(K / 256), M * W] fp32, column q = CSR position (train_kernels.cu, dwd_dh_kernel)
+void dwd_dh(int64_t nb, const at::Tensor& dy, const at::Tensor& wdt, const at::Tensor& perm, const at::Tensor& colptr,
+            const at::Tensor& ell_a, const c10::optional<at::Tensor>& ell_u, const c10::optional<at::Tensor>& add_d,
+            at::Tensor dwdt, at::Tensor part) {
+  req(dy, "dy", at::kBFloat16, 2);
+  req(wdt, "w_down_t", at::kBFloat16, 2);
+  req(perm, "perm", at::kLong, 1);
+  req(colptr, "colptr", at::kLong, 1);
+  req(ell_a, "ell_a", at::kBFloat16, 2);
+  req(dwdt, "dw_down_t", at::kBFloat16, 2);
+  req(part, "part", at::kFloat, 2);
+  const int64_t K = dy.size(1), N = wdt.size(0), W = ell_a.size(1);
+  TORCH_CHECK(wdt.size(1) == K && dwdt.sizes() == wdt.sizes() && colptr.size(0) == N + 1 &&
+                  part.size(0) == (K / 8 + 31) / 32 && part.size(1) >= ell_a.numel(),
+              "dwd_dh: shapes");
+  const float* up = nullptr;
+  if (ell_u.has_value() && ell_u->defined() && ell_u->numel() > 0) {
+    req(*ell_u, "ell_u", at::kFloat, 2);
+    TORCH_CHECK(ell_u->sizes() == ell_a.sizes(), "dwd_dh: ell_u shape");
+    up = ell_u->data_ptr<float>();
+  }
+  const c10::cuda::CUDAGuard guard(dy.device());
+  check(sfltrain_dwd_dh_launch((int)nb, dy.data_ptr(), wdt.data_ptr(), (int)N, (int)K, (int)W,
+                               perm.data_ptr<int64_t>(), colptr.data_ptr<int64_t>(), ell_a.data_ptr(), up,
+                               opt(add_d, "add_d", N, K), dwdt.data_ptr(), part.data_ptr<float>(), part.size(1),
+                               stream()),
+        "dwd_dh (nb 1, 2, 4 or 8)");
+}
+
+// The light entries' coefficients (bwd_block's cg, cu [M, W]) from dwd_dh's partial dot products; l1c: fp32 [1]
+void dh_coef(bool gated, const at::Tensor& part, int64_t K, const at::Tensor& perm, const at::Tensor& colptr,
+             const at::Tensor& ell_a, const at::Tensor& ell_u, const at::Tensor& l1c, at::Tensor cg, at::Tensor cu) {
+  req(part, "part", at::kFloat, 2);
+  req(ell_a, "ell_a", at::kBFloat16, 2);
+  req(l1c, "l1c", at::kFloat, 1);
+  req(cg, "cg", at::kFloat, 2);
+  TORCH_CHECK(cg.sizes() == ell_a.sizes() && part.size(0) == (K / 8 + 31) / 32 && part.size(1) >= ell_a.numel(),
+              "dh_coef: shapes");
+  if (gated) {
+    req(ell_u, "ell_u", at::kFloat, 2);
+    req(cu, "cu", at::kFloat, 2);
+    TORCH_CHECK(ell_u.sizes() == ell_a.sizes() && cu.sizes() == ell_a.sizes(), "dh_coef: shapes");
+  }
+  const c10::cuda::CUDAGuard guard(part.device());
+  check(sfltrain_dh_coef_launch(gated ? 1 : 0, part.data_ptr<float>(), part.size(1), (int)K,
+                                perm.data_ptr<int64_t>(), colptr.data_ptr<int64_t>(), (int)(colptr.size(0) - 1),
+                                ell_a.data_ptr(), gated ? ell_u.data_ptr<float>() : nullptr, l1c.data_ptr<float>(),
+                                cg.data_ptr<float>(), gated ? cu.data_ptr<float>() : nullptr, stream()),
+        "dh_coef");
 }
 
 // Dense path backward elementwise (fused): dh [M, N] bf16 in/out (becomes dg), g/h (and u, du when gated) same
@@ -561,10 +621,6 @@ std::vector<at::Tensor> ffn_bwd(const at::Tensor& dy_in, const at::Tensor& gl1, 
     dx.index_copy_(0, rows, dxb);
   }
   const at::Tensor wdt = transpose(w_down);
-  at::Tensor cg = at::empty({M, W}, f32o), cu = at::empty({gated ? M : 0, gated ? W : 0}, f32o);
-  // the light rows' coefficients (an empty dx: no dx there), then dx one L2-sized K slice of W_g / W_u at a time
-  bwd_impl(true, gated, dy, first, w_up, wdt, ell_col, ell_a, ell_u, nnz, flag, c, cg, cu, dx.narrow(0, 0, 0));
-  dx_slices(gated, first, w_up, ell_col, nnz, flag, cg, cu, dx, kBwdSlicesRows);
   at::Tensor perm, colptr;
   if (perm_in.has_value() && perm_in->defined()) {
     perm = *perm_in;
@@ -574,7 +630,17 @@ std::vector<at::Tensor> ffn_bwd(const at::Tensor& dy_in, const at::Tensor& gl1, 
   }
   at::Tensor dwg = at::empty({gated ? N : 0, K}, x.options()), dwu = at::empty({N, K}, x.options());
   at::Tensor dwdt = at::empty({N, K}, x.options());
-  dw(gated, nb, x, dy, perm, colptr, ell_a, ell_u, cg, cu, add_g, add_u, add_d, gated ? dwg : dwu, dwu, dwdt);
+  // neuron-major over dy, one L2-sized K slice at a time: dW_dT, and the light entries' dh = dy_r . W_dT[j] in
+  // partial sums per 256 columns (the dy slices dW_dT reads anyway; W_dT[j]'s slice read once per neuron)
+  at::Tensor part = at::empty({(K / 8 + 31) / 32, M * W}, f32o);
+  dwd_dh(nb, dy, wdt, perm, colptr, ell_a, ell_u, add_d, dwdt, part);
+  at::Tensor cg = at::empty({M, W}, f32o), cu = at::empty({gated ? M : 0, gated ? W : 0}, f32o);
+  dh_coef(gated, part, K, perm, colptr, ell_a, ell_u, c, cg, cu);
+  part.reset();
+  // dx one L2-sized K slice of W_g / W_u at a time, then dW_g / dW_u neuron-major over x
+  dx_slices(gated, first, w_up, ell_col, nnz, flag, cg, cu, dx, kBwdSlicesRows);
+  dw(gated, nb, x, dy, perm, colptr, ell_a, ell_u, cg, cu, add_g, add_u, c10::nullopt, gated ? dwg : dwu, dwu, dwdt,
+     0, 1);
   return {dx, dwg, dwu, transpose(dwdt)};  // dW_d in nn.Linear layout
 }
 
@@ -618,7 +684,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dx_slices", &dx_slices, "dx of the light rows from bwd_block's coefficients, slice-major (bwd_block with an empty dx first)",
         py::arg("gated"), py::arg("wg"), py::arg("wu"), py::arg("ell_col"), py::arg("nnz"), py::arg("flag"),
         py::arg("cg"), py::arg("cu"), py::arg("dx"), py::arg("rows") = 0);
-  m.def("dw", &dw, "neuron-major weight gradients from the CSR-by-neuron transpose");
+  m.def("dw", &dw, "neuron-major weight gradients from the CSR-by-neuron transpose (part 0: dW_g, dW_u; 1: dW_dT)",
+        py::arg("gated"), py::arg("nb"), py::arg("x"), py::arg("dy"), py::arg("perm"), py::arg("colptr"),
+        py::arg("ell_a"), py::arg("ell_u"), py::arg("cg"), py::arg("cu"), py::arg("add_g"), py::arg("add_u"),
+        py::arg("add_d"), py::arg("dwg"), py::arg("dwu"), py::arg("dwdt"), py::arg("part0") = 0, py::arg("parts") = 2);
+  m.def("dwd_dh", &dwd_dh, "dW_dT and the light entries' dh partial dot products per 256 columns, neuron-major");
+  m.def("dh_coef", &dh_coef, "the light entries' backward coefficients (bwd_block's cg, cu) from dwd_dh's partials");
   m.def("dense_bwd", &dense_bwd, "dense path backward elementwise: dh + L1 term -> dg (in place), du");
   m.def("last_active", &last_active, "per column, the last row where a bf16 matrix is relu-active (-1 if none)");
   m.def("gather_rows", &gather_rows, "src rows idx, zero rows where idx < 0 (bf16)");

@@ -227,9 +227,10 @@ def _ffn_bwd_impl(dy: Tensor, gl1: Tensor, x: Tensor, w_gate: Tensor | None, w_u
                                                    scale)
         return dx, (dwg if gated else x.new_empty(0, K)), dwu, dwd
     # "cuda": one call into the extension (binding.cpp, ffn_bwd): the backup rows by dense autograd's ops
-    # (reference.dense_rows_backward's, their activations recomputed from x: no [R, N] tensor was kept), the light
-    # rows' coefficients (bwd_block) and dx (dx_slices), the CSR by neuron, dw (their weight-gradient addends
-    # included) and the W_d gradient's transpose. R comes from the forward's pinned summary (its event is complete
+    # (reference.dense_rows_backward's, their activations recomputed from x: no [R, N] tensor was kept), the CSR by
+    # neuron, dwd_dh (dW_dT and the light entries' dh dot products, over dy slices), dh_coef (their coefficients),
+    # dx (dx_slices), dw's part 0 (dW_g, dW_u; the weight-gradient addends included) and the W_d gradient's
+    # transpose. R comes from the forward's pinned summary (its event is complete
     # by now: no stall).
     ext = load_ext()
     R = _backup_count(host)

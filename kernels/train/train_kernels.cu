@@ -443,8 +443,9 @@ __global__ void __launch_bounds__(kRbThreads, NI <= 8 ? (COEF ? (GATED ? 6 : 5) 
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// dw: one warp per (neuron j, K slice of 256*NB, part). part 0: rows of x with coefficients cg (and cu when
-// gated) -> dW_g / dW_u (non-gated: cg -> dW_u). part 1: rows of dy with coefficient h -> dW_dT.
+// dw: one warp per (neuron j, K slice of 256*NB, part), for parts part0 .. part0 + parts - 1. part 0: rows of x
+// with coefficients cg (and cu when gated) -> dW_g / dW_u (non-gated: cg -> dW_u). part 1: rows of dy with
+// coefficient h -> dW_dT (the op runs part 1 as dwd_dh below, which also forms the coefficients' dot products).
 // perm: flat ELL indices (row * W + slot) sorted by neuron; colptr int64 [N + 1].
 // Work order: part, then K slice, then neuron (adjacent warps = adjacent neurons). The warps resident at once
 // then gather from one K slice of one of x / dy (M x 256 NB x 2 bytes, 16 MB at M 16384, NB 2) instead of
@@ -462,15 +463,15 @@ __global__ void __launch_bounds__(128) dw_kernel(const __nv_bfloat16* __restrict
                                                  const __nv_bfloat16* __restrict__ add_u,
                                                  const __nv_bfloat16* __restrict__ add_d,
                                                  __nv_bfloat16* __restrict__ dwg, __nv_bfloat16* __restrict__ dwu,
-                                                 __nv_bfloat16* __restrict__ dwdt) {
+                                                 __nv_bfloat16* __restrict__ dwdt, int part0, int parts) {
   const int K8 = K >> 3;
   const int kslices = (K8 + 32 * NB - 1) / (32 * NB);
   const long long w = warp_id();
   const int lane = threadIdx.x & 31;
-  if (w >= (long long)N * kslices * 2) return;
+  if (w >= (long long)N * kslices * parts) return;
   const int j = (int)(w % N);
   const int ks = (int)((w / N) % kslices);
-  const int part = (int)(w / ((long long)N * kslices));
+  const int part = part0 + (int)(w / ((long long)N * kslices));
   const int cbase = ks * 32 * NB + lane;
   const long long p0 = colptr[j], p1 = colptr[j + 1];
   const uint16_t* av = reinterpret_cast<const uint16_t*>(ell_a);
@@ -540,6 +541,148 @@ __global__ void __launch_bounds__(128) dw_kernel(const __nv_bfloat16* __restrict
       }
       reinterpret_cast<uint4*>(dwu)[off] = pack8(acc2 + 8 * i);
     }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// V values per lane summed over the warp, each by the same xor butterfly (16, 8, 4, 2, 1) warp_sum uses, so a
+// value's bits do not depend on V: after the call lane l holds the sum of value l / (32 / V). At each step a lane
+// keeps half of its values and sends the other half: V - 1 + 5 - log2(V) shuffles instead of 5 V. V: 1 .. 32.
+template <int V>
+__device__ __forceinline__ float warp_sums_scattered(float (&v)[V], int lane) {
+  static_assert(V >= 1 && V <= 32 && (V & (V - 1)) == 0, "V: a power of two up to 32");
+#pragma unroll
+  for (int o = 16, n = V; o >= 1; o >>= 1) {
+    if (n > 1) {
+      const bool upper = (lane & o) != 0;
+      n >>= 1;
+#pragma unroll
+      for (int k = 0; k < n; ++k) {
+        const float keep = upper ? v[k + n] : v[k], send = upper ? v[k] : v[k + n];
+        v[k] = keep + __shfl_xor_sync(kFull, send, o);
+      }
+    } else {
+      v[0] += __shfl_xor_sync(kFull, v[0], o);
+    }
+  }
+  return v[0];
+}
+
+// dwd_dh: dw's part 1 (dW_dT[j] = sum h_e dy_r, the same sums as dw_kernel's) and, from the same dy slices, the
+// backward's dot products dh_e = dy_r . W_dT[j] in partial sums: P[s, q] = dy_r[slice s] . W_dT[j, slice s] for CSR
+// entry q = (r, j) and each 256-column slice s (per lane over its 8 columns, then warp_sums_scattered), whatever NB.
+// The token-major coefficient pass read a whole 4 KB W_dT row per entry; here W_dT[j]'s slice is read once per warp
+// and dy_r's slice, which dW_dT reads anyway, serves both. dh_coef adds the slices up in order.
+template <int NB>
+__global__ void __launch_bounds__(128) dwd_dh_kernel(const __nv_bfloat16* __restrict__ dy,
+                                                     const __nv_bfloat16* __restrict__ wdt, int N, int K, int W,
+                                                     const int64_t* __restrict__ perm,
+                                                     const int64_t* __restrict__ colptr,
+                                                     const __nv_bfloat16* __restrict__ ell_a,
+                                                     const float* __restrict__ ell_u,
+                                                     const __nv_bfloat16* __restrict__ add_d,
+                                                     __nv_bfloat16* __restrict__ dwdt, float* __restrict__ part,
+                                                     long long pstride) {
+  constexpr int V = 2 * NB;  // two rows per step, NB slices each
+  const int K8 = K >> 3, nsub = (K8 + 31) / 32;
+  const int kslices = (K8 + 32 * NB - 1) / (32 * NB);
+  const long long w = warp_id();
+  const int lane = threadIdx.x & 31;
+  if (w >= (long long)N * kslices) return;
+  const int j = (int)(w % N);
+  const int ks = (int)(w / N);
+  const int cbase = ks * 32 * NB + lane;
+  const long long p0 = colptr[j], p1 = colptr[j + 1];
+  const uint16_t* av = reinterpret_cast<const uint16_t*>(ell_a);
+  uint4 wd[NB];
+#pragma unroll
+  for (int i = 0; i < NB; ++i) {
+    const int c = cbase + 32 * i;
+    wd[i] = c < K8 ? __ldg(reinterpret_cast<const uint4*>(wdt) + (long long)j * K8 + c) : make_uint4(0, 0, 0, 0);
+  }
+  float acc[NB * 8];
+#pragma unroll
+  for (int i = 0; i < NB * 8; ++i) acc[i] = 0.f;
+  for (long long q0 = p0; q0 < p1; q0 += 32) {
+    const int ne = (int)min(32LL, p1 - q0);
+    long long r = 0;
+    float hq = 0.f;
+    if (lane < ne) {
+      const long long e = perm[q0 + lane];
+      r = e / W;
+      hq = bf2f(av[e]);
+      if (ell_u != nullptr) hq *= ell_u[e];
+    }
+    float mine[NB];  // lane t: entry q0 + t's partial dot products, one per slice
+#pragma unroll
+    for (int i = 0; i < NB; ++i) mine[i] = 0.f;
+#pragma unroll 1
+    for (int t = 0; t < ne; t += 2) {
+      const bool two = (t + 1) < ne;
+      const long long r0 = __shfl_sync(kFull, r, t);
+      const long long r1 = __shfl_sync(kFull, r, two ? t + 1 : t);
+      const float a0 = __shfl_sync(kFull, hq, t), a1 = two ? __shfl_sync(kFull, hq, t + 1) : 0.f;
+      const uint4* s0 = reinterpret_cast<const uint4*>(dy + r0 * K);
+      const uint4* s1 = reinterpret_cast<const uint4*>(dy + r1 * K);
+      uint4 va[NB], vb[NB];
+#pragma unroll
+      for (int i = 0; i < NB; ++i) {
+        const int c = cbase + 32 * i;
+        va[i] = c < K8 ? __ldg(s0 + c) : make_uint4(0, 0, 0, 0);
+        vb[i] = (c < K8 && two) ? __ldg(s1 + c) : make_uint4(0, 0, 0, 0);
+      }
+      float dots[V];
+#pragma unroll
+      for (int i = 0; i < NB; ++i) {
+        axpy8(a0, va[i], acc + 8 * i);
+        axpy8(a1, vb[i], acc + 8 * i);
+        dots[i] = dot8(va[i], wd[i], 0.f);
+        dots[NB + i] = dot8(vb[i], wd[i], 0.f);
+      }
+      const float sum = warp_sums_scattered<V>(dots, lane);  // value k = row * NB + slice, in lanes k * 32 / V on
+#pragma unroll
+      for (int i = 0; i < NB; ++i) {
+        const float got = __shfl_sync(kFull, sum, (lane == t + 1 ? NB + i : i) * (32 / V));
+        if (lane == t || (two && lane == t + 1)) mine[i] = got;
+      }
+    }
+    if (lane < ne)
+#pragma unroll
+      for (int i = 0; i < NB; ++i)
+        if (ks * NB + i < nsub) part[(long long)(ks * NB + i) * pstride + q0 + lane] = mine[i];
+  }
+#pragma unroll
+  for (int i = 0; i < NB; ++i) {
+    const int c = cbase + 32 * i;
+    if (c >= K8) continue;
+    const long long off = (long long)j * K8 + c;
+    if (add_d != nullptr) axpy8(1.f, reinterpret_cast<const uint4*>(add_d)[off], acc + 8 * i);
+    reinterpret_cast<uint4*>(dwdt)[off] = pack8(acc + 8 * i);
+  }
+}
+
+// dh_coef: per light entry (CSR position q, ELL index e = perm[q]) dh = the slices' partial dot products added in
+// slice order, then bwd_block's coefficients: gated d = dh + c sign(a u), cg = d u, cu = d a; non-gated
+// cg = dh + c sign(a). c = the L1 output's gradient times its scale, read on the device.
+template <bool GATED>
+__global__ void __launch_bounds__(256) dh_coef_kernel(const float* __restrict__ part, long long pstride, int nsub,
+                                                      const int64_t* __restrict__ perm,
+                                                      const int64_t* __restrict__ colptr, int N,
+                                                      const __nv_bfloat16* __restrict__ ell_a,
+                                                      const float* __restrict__ ell_u, const float* __restrict__ l1c,
+                                                      float* __restrict__ cg, float* __restrict__ cu) {
+  const long long q = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (q >= colptr[N]) return;
+  const long long e = perm[q];
+  float dh = part[q];
+  for (int s = 1; s < nsub; ++s) dh += part[(long long)s * pstride + q];
+  const float a = bf2f(reinterpret_cast<const uint16_t*>(ell_a)[e]), c = *l1c;
+  if (GATED) {
+    const float u = ell_u[e], d = dh + c * signf(a * u);
+    cg[e] = d * u;
+    cu[e] = d * a;
+  } else {
+    cg[e] = dh + c * signf(a);
   }
 }
 
@@ -983,12 +1126,14 @@ cudaError_t sfltrain_bwd_block_launch(int gated, const void* dy, const void* wg,
 cudaError_t sfltrain_dw_launch(int gated, int nb, const void* x, const void* dy, int N, int K, int W,
                                const int64_t* perm, const int64_t* colptr, const void* ell_a, const float* ell_u,
                                const float* cg, const float* cu, const void* add_g, const void* add_u,
-                               const void* add_d, void* dwg, void* dwu, void* dwdt, cudaStream_t stream) {
+                               const void* add_d, void* dwg, void* dwu, void* dwdt, int part0, int parts,
+                               cudaStream_t stream) {
   if (N <= 0) return cudaSuccess;
   if (K % 8 != 0 || W < 1) return cudaErrorInvalidValue;
   if (nb != 1 && nb != 2 && nb != 4 && nb != 8) return cudaErrorInvalidValue;
+  if (part0 < 0 || parts < 1 || part0 + parts > 2) return cudaErrorInvalidValue;
   const int kslices = (K / 8 + 32 * nb - 1) / (32 * nb);
-  const long long warps = (long long)N * kslices * 2;
+  const long long warps = (long long)N * kslices * parts;
   const unsigned blocks = sfltrain::blocks_for(warps, 128);
   using bf = __nv_bfloat16;
   const auto* xb = reinterpret_cast<const bf*>(x);
@@ -1004,13 +1149,57 @@ cudaError_t sfltrain_dw_launch(int gated, int nb, const void* x, const void* dy,
   if (nb == NB_) {                                                                                          \
     if (gated)                                                                                              \
       sfltrain::dw_kernel<NB_, true><<<blocks, 128, 0, stream>>>(xb, dyb, N, K, W, perm, colptr, ab, ell_u,  \
-                                                                 cg, cu, ag, au, ad, og, ou, od);           \
+                                                                 cg, cu, ag, au, ad, og, ou, od, part0,     \
+                                                                 parts);                                    \
     else                                                                                                    \
       sfltrain::dw_kernel<NB_, false><<<blocks, 128, 0, stream>>>(xb, dyb, N, K, W, perm, colptr, ab, ell_u, \
-                                                                  cg, cu, ag, au, ad, og, ou, od);          \
+                                                                  cg, cu, ag, au, ad, og, ou, od, part0,    \
+                                                                  parts);                                   \
   }
   SFL_DW(1) SFL_DW(2) SFL_DW(4) SFL_DW(8)
 #undef SFL_DW
+  return cudaGetLastError();
+}
+
+// dwd_dh: dW_dT (with its addend) and the partial dot products part [ceil(K / 256), pstride] fp32 (pstride >= the
+// light entries); dh_coef: the coefficients cg, cu [M, W] from them. l1c: one fp32 on the device.
+cudaError_t sfltrain_dwd_dh_launch(int nb, const void* dy, const void* wdt, int N, int K, int W, const int64_t* perm,
+                                   const int64_t* colptr, const void* ell_a, const float* ell_u, const void* add_d,
+                                   void* dwdt, float* part, long long pstride, cudaStream_t stream) {
+  if (N <= 0) return cudaSuccess;
+  if (K % 8 != 0 || W < 1 || (nb != 1 && nb != 2 && nb != 4 && nb != 8)) return cudaErrorInvalidValue;
+  nb = nb < 4 ? nb : 4;  // at 8 the kernel needs 239 registers and a stack frame; its sums do not depend on nb
+  const int kslices = (K / 8 + 32 * nb - 1) / (32 * nb);
+  const unsigned blocks = sfltrain::blocks_for((long long)N * kslices, 128);
+  using bf = __nv_bfloat16;
+  const auto* dyb = reinterpret_cast<const bf*>(dy);
+  const auto* wb = reinterpret_cast<const bf*>(wdt);
+  const auto* ab = reinterpret_cast<const bf*>(ell_a);
+  const auto* ad = reinterpret_cast<const bf*>(add_d);
+  auto* od = reinterpret_cast<bf*>(dwdt);
+#define SFL_DWD(NB_)                                                                                         \
+  sfltrain::dwd_dh_kernel<NB_><<<blocks, 128, 0, stream>>>(dyb, wb, N, K, W, perm, colptr, ab, ell_u, ad, od, part, \
+                                                           pstride)
+  if (nb == 1) SFL_DWD(1);
+  else if (nb == 2) SFL_DWD(2);
+  else SFL_DWD(4);
+#undef SFL_DWD
+  return cudaGetLastError();
+}
+
+cudaError_t sfltrain_dh_coef_launch(int gated, const float* part, long long pstride, int K, const int64_t* perm,
+                                    const int64_t* colptr, int N, const void* ell_a, const float* ell_u,
+                                    const float* l1c, float* cg, float* cu, cudaStream_t stream) {
+  if (pstride <= 0 || N <= 0) return cudaSuccess;
+  const int nsub = (K / 8 + 31) / 32;
+  const unsigned blocks = (unsigned)((pstride + 255) / 256);
+  const auto* ab = reinterpret_cast<const __nv_bfloat16*>(ell_a);
+  if (gated)
+    sfltrain::dh_coef_kernel<true><<<blocks, 256, 0, stream>>>(part, pstride, nsub, perm, colptr, N, ab, ell_u, l1c,
+                                                               cg, cu);
+  else
+    sfltrain::dh_coef_kernel<false><<<blocks, 256, 0, stream>>>(part, pstride, nsub, perm, colptr, N, ab, nullptr,
+                                                                l1c, cg, nullptr);
   return cudaGetLastError();
 }
 
