@@ -545,34 +545,27 @@ __global__ void __launch_bounds__(128) dw_kernel(const __nv_bfloat16* __restrict
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// V values per lane summed over the warp, each by the same xor butterfly (16, 8, 4, 2, 1) warp_sum uses, so a
-// value's bits do not depend on V: after the call lane l holds the sum of value l / (32 / V). At each step a lane
-// keeps half of its values and sends the other half: V - 1 + 5 - log2(V) shuffles instead of 5 V. V: 1 .. 32.
-template <int V>
-__device__ __forceinline__ float warp_sums_scattered(float (&v)[V], int lane) {
-  static_assert(V >= 1 && V <= 32 && (V & (V - 1)) == 0, "V: a power of two up to 32");
+// acc += h v and returns dot + v . w over one 16-byte chunk, each value of v converted once (dot8's order)
+__device__ __forceinline__ float axpy_dot8(float h, const uint4& v, const uint4& w, float* acc, float dot) {
+  const uint32_t vv[4] = {v.x, v.y, v.z, v.w}, ww[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
-  for (int o = 16, n = V; o >= 1; o >>= 1) {
-    if (n > 1) {
-      const bool upper = (lane & o) != 0;
-      n >>= 1;
-#pragma unroll
-      for (int k = 0; k < n; ++k) {
-        const float keep = upper ? v[k + n] : v[k], send = upper ? v[k] : v[k + n];
-        v[k] = keep + __shfl_xor_sync(kFull, send, o);
-      }
-    } else {
-      v[0] += __shfl_xor_sync(kFull, v[0], o);
-    }
+  for (int k = 0; k < 4; ++k) {
+    const float lo = bf16lo(vv[k]), hi = bf16hi(vv[k]);
+    acc[2 * k] = fmaf(h, lo, acc[2 * k]);
+    acc[2 * k + 1] = fmaf(h, hi, acc[2 * k + 1]);
+    dot = fmaf(lo, bf16lo(ww[k]), dot);
+    dot = fmaf(hi, bf16hi(ww[k]), dot);
   }
-  return v[0];
+  return dot;
 }
 
 // dwd_dh: dw's part 1 (dW_dT[j] = sum h_e dy_r, the same sums as dw_kernel's) and, from the same dy slices, the
 // backward's dot products dh_e = dy_r . W_dT[j] in partial sums: P[s, q] = dy_r[slice s] . W_dT[j, slice s] for CSR
-// entry q = (r, j) and each 256-column slice s (per lane over its 8 columns, then warp_sums_scattered), whatever NB.
-// The token-major coefficient pass read a whole 4 KB W_dT row per entry; here W_dT[j]'s slice is read once per warp
-// and dy_r's slice, which dW_dT reads anyway, serves both. dh_coef adds the slices up in order.
+// entry q = (r, j) and each 256-column slice s. The token-major coefficient pass (bwd_block) read a whole 4 KB W_dT
+// row per entry; here W_dT[j]'s slice is read once per warp and dy_r's slice, which dW_dT reads anyway, serves
+// both. Each lane's 8-column partial goes to shared memory (no shuffle chain in the loop); after each 32 entries
+// lane t adds entry t's 32 partials in lane order. Same bits at every NB; dh_coef adds the slices in order.
+constexpr int kDwdMaxNb = 2;  // shared memory: 16.9 KB per block and slice width
 template <int NB>
 __global__ void __launch_bounds__(128) dwd_dh_kernel(const __nv_bfloat16* __restrict__ dy,
                                                      const __nv_bfloat16* __restrict__ wdt, int N, int K, int W,
@@ -583,12 +576,13 @@ __global__ void __launch_bounds__(128) dwd_dh_kernel(const __nv_bfloat16* __rest
                                                      const __nv_bfloat16* __restrict__ add_d,
                                                      __nv_bfloat16* __restrict__ dwdt, float* __restrict__ part,
                                                      long long pstride) {
-  constexpr int V = 2 * NB;  // two rows per step, NB slices each
+  __shared__ float red_all[4][NB][32][33];  // per warp: [slice][entry of the chunk][lane], padded (no conflicts)
   const int K8 = K >> 3, nsub = (K8 + 31) / 32;
   const int kslices = (K8 + 32 * NB - 1) / (32 * NB);
   const long long w = warp_id();
   const int lane = threadIdx.x & 31;
   if (w >= (long long)N * kslices) return;
+  float(*red)[32][33] = red_all[(threadIdx.x >> 5) & 3];
   const int j = (int)(w % N);
   const int ks = (int)(w / N);
   const int cbase = ks * 32 * NB + lane;
@@ -613,9 +607,6 @@ __global__ void __launch_bounds__(128) dwd_dh_kernel(const __nv_bfloat16* __rest
       hq = bf2f(av[e]);
       if (ell_u != nullptr) hq *= ell_u[e];
     }
-    float mine[NB];  // lane t: entry q0 + t's partial dot products, one per slice
-#pragma unroll
-    for (int i = 0; i < NB; ++i) mine[i] = 0.f;
 #pragma unroll 1
     for (int t = 0; t < ne; t += 2) {
       const bool two = (t + 1) < ne;
@@ -631,25 +622,23 @@ __global__ void __launch_bounds__(128) dwd_dh_kernel(const __nv_bfloat16* __rest
         va[i] = c < K8 ? __ldg(s0 + c) : make_uint4(0, 0, 0, 0);
         vb[i] = (c < K8 && two) ? __ldg(s1 + c) : make_uint4(0, 0, 0, 0);
       }
-      float dots[V];
 #pragma unroll
       for (int i = 0; i < NB; ++i) {
-        axpy8(a0, va[i], acc + 8 * i);
-        axpy8(a1, vb[i], acc + 8 * i);
-        dots[i] = dot8(va[i], wd[i], 0.f);
-        dots[NB + i] = dot8(vb[i], wd[i], 0.f);
-      }
-      const float sum = warp_sums_scattered<V>(dots, lane);  // value k = row * NB + slice, in lanes k * 32 / V on
-#pragma unroll
-      for (int i = 0; i < NB; ++i) {
-        const float got = __shfl_sync(kFull, sum, (lane == t + 1 ? NB + i : i) * (32 / V));
-        if (lane == t || (two && lane == t + 1)) mine[i] = got;
+        red[i][t][lane] = axpy_dot8(a0, va[i], wd[i], acc + 8 * i, 0.f);
+        red[i][t + 1][lane] = axpy_dot8(a1, vb[i], wd[i], acc + 8 * i, 0.f);  // t + 1 <= 31: t is even
       }
     }
+    __syncwarp();
     if (lane < ne)
 #pragma unroll
-      for (int i = 0; i < NB; ++i)
-        if (ks * NB + i < nsub) part[(long long)(ks * NB + i) * pstride + q0 + lane] = mine[i];
+      for (int i = 0; i < NB; ++i) {
+        if (ks * NB + i >= nsub) continue;
+        float sum = red[i][lane][0];
+#pragma unroll 8
+        for (int l = 1; l < 32; ++l) sum += red[i][lane][l];
+        part[(long long)(ks * NB + i) * pstride + q0 + lane] = sum;
+      }
+    __syncwarp();  // the next chunk rewrites red
   }
 #pragma unroll
   for (int i = 0; i < NB; ++i) {
@@ -1168,7 +1157,7 @@ cudaError_t sfltrain_dwd_dh_launch(int nb, const void* dy, const void* wdt, int 
                                    void* dwdt, float* part, long long pstride, cudaStream_t stream) {
   if (N <= 0) return cudaSuccess;
   if (K % 8 != 0 || W < 1 || (nb != 1 && nb != 2 && nb != 4 && nb != 8)) return cudaErrorInvalidValue;
-  nb = nb < 4 ? nb : 4;  // at 8 the kernel needs 239 registers and a stack frame; its sums do not depend on nb
+  nb = nb < sfltrain::kDwdMaxNb ? nb : sfltrain::kDwdMaxNb;  // its sums do not depend on nb
   const int kslices = (K / 8 + 32 * nb - 1) / (32 * nb);
   const unsigned blocks = sfltrain::blocks_for((long long)N * kslices, 128);
   using bf = __nv_bfloat16;
@@ -1181,8 +1170,7 @@ cudaError_t sfltrain_dwd_dh_launch(int nb, const void* dy, const void* wdt, int 
   sfltrain::dwd_dh_kernel<NB_><<<blocks, 128, 0, stream>>>(dyb, wb, N, K, W, perm, colptr, ab, ell_u, ad, od, part, \
                                                            pstride)
   if (nb == 1) SFL_DWD(1);
-  else if (nb == 2) SFL_DWD(2);
-  else SFL_DWD(4);
+  else SFL_DWD(2);
 #undef SFL_DWD
   return cudaGetLastError();
 }
