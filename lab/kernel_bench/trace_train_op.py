@@ -151,20 +151,22 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--p", type=float, default=0.005)
+    ap.add_argument("--ms", default="16384,65536")
     args = ap.parse_args()
     prov = collect({"what": "training op step traced per kernel; forward split proxies"})
     with open(args.out, "w") as f:
-        for M in (16384, 65536):
-            r = trace_steps(M, 0.005, args.steps)
+        for M in map(int, args.ms.split(",")):
+            r = trace_steps(M, args.p, args.steps)
             f.write(json.dumps({**prov, "trace": r}) + "\n")
             print(f"M {M}: path {r['path']} step {r['step_ms_events']:.3f} ms, traced span {r['traced_span_ms']:.3f}"
                   f", busy {r['gpu_busy_ms']:.3f}, {r['launches']:.0f} launches", flush=True)
             for k in r["kernels"]:
                 print(f"   {k['ms']:8.4f} ms {k['per_step']:5.1f}x  {k['name']}")
-            q = single_calls(M, 0.005, 15)
+            q = single_calls(M, args.p, 15)
             f.write(json.dumps({**prov, "single_calls": q}) + "\n")
             print(json.dumps(q, indent=1), flush=True)
-            q = split_proxy(M, 0.005, 15)
+            q = split_proxy(M, args.p, 15)
             f.write(json.dumps({**prov, "split_proxy": q}) + "\n")
             print(q, flush=True)
             torch.cuda.empty_cache()
