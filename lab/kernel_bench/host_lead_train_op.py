@@ -41,7 +41,7 @@ def main() -> int:
     evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU),
                  key=lambda e: e.time_range.start)
     sync = [e for e in evs if "cudaDeviceSynchronize" in e.name or "synchronize" in e.name.lower()]
-    t0 = sync[1].time_range.end if len(sync) > 1 else evs[0].time_range.start   # after the flush's sync
+    t0 = sync[0].time_range.end if sync else evs[0].time_range.start   # the sync after the first flush
     print("\nthe first call's CPU events from the sync after the flush (us since then, duration us):")
     for e in evs:
         if e.time_range.start < t0:
