@@ -421,6 +421,17 @@ def test_nonfinite_sparse_poisoned_neuron_forward(gated, where, value):
 
 
 # ----------------------------------------------------------------------------------- glue kernels of the op
+def compacted(ext, g, W):
+    """The training op's ELL of gate pre-activations g [M, N] at width W: (ell_col, ell_a, nnz, flag)."""
+    M, N = g.shape
+    ell_col = torch.empty(M, W, device=DEV, dtype=torch.int32)
+    ell_a = torch.empty(M, W, device=DEV, dtype=BF)
+    nnz = torch.empty(M, device=DEV, dtype=torch.int32)
+    flag = torch.empty(M, device=DEV, dtype=torch.int32)
+    ext.compact(g, N, ell_col, ell_a, nnz, flag, None, 0)
+    return ell_col, ell_a, nnz, flag
+
+
 @pytest.mark.parametrize("K,N,W,gated", [(2048, 5632, 72, True), (2048, 5632, 128, False), (576, 1536, 64, True),
                                          (3072, 2048, 1536, True)])
 def test_block_kernels_equal_warp_kernels(K, N, W, gated):
@@ -437,11 +448,7 @@ def test_block_kernels_equal_warp_kernels(K, N, W, gated):
     if W > 1024:
         wg[:1200, 1] = 30.0   # row 3 (feature 1 on): 1200 active, a light row longer than one window
     g = F.linear(x, wg if gated else wu)
-    ell_col = torch.empty(M, W, device=DEV, dtype=torch.int32)
-    ell_a = torch.empty(M, W, device=DEV, dtype=BF)
-    nnz = torch.empty(M, device=DEV, dtype=torch.int32)
-    flag = torch.empty(M, device=DEV, dtype=torch.int32)
-    ext.compact(g, N, ell_col, ell_a, nnz, flag, None, 0)
+    ell_col, ell_a, nnz, flag = compacted(ext, g, W)
     light = ~flag.bool()
     assert light.sum() > M // 2 and (~light).sum() >= 1
     if W > 1024:
@@ -538,11 +545,7 @@ def test_dwd_dh_and_coefficients(K, N, W, gated):
     M = 400
     x, wg, wu, wd = make_problem(M, K, N, min(0.02, 0.4 * W / N), seed=K + N, gated=gated)
     g = F.linear(x, wg if gated else wu)
-    ell_col = torch.empty(M, W, device=DEV, dtype=torch.int32)
-    ell_a = torch.empty(M, W, device=DEV, dtype=BF)
-    nnz = torch.empty(M, device=DEV, dtype=torch.int32)
-    flag = torch.empty(M, device=DEV, dtype=torch.int32)
-    ext.compact(g, N, ell_col, ell_a, nnz, flag, None, 0)
+    ell_col, ell_a, nnz, flag = compacted(ext, g, W)
     light = ~flag.bool()
     assert light.sum() > M // 2 and (~light).sum() >= 1
     valid = (torch.arange(W, device=DEV)[None, :] < nnz[:, None]) & light[:, None]
