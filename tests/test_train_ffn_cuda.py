@@ -574,10 +574,14 @@ def test_dwd_dh_and_coefficients(K, N, W, gated):
         parts[nb], dwdts[nb] = part[:, :n], dwdt
     for nb in (2, 4, 8):
         assert torch.equal(parts[nb].view(torch.int32), parts[1].view(torch.int32)), f"partial sums, nb {nb}"
+    # what the op allocates: one column per light entry (the forward's summary bounds them), here exactly n
+    part = torch.full((nsub, n), float("nan"), device=DEV)
+    ext.dwd_dh(2, dy, wdt, perm, colptr, ell_a, ell_u, None, torch.empty_like(dwdts[1]), part)
     cg = torch.full((M, W), float("nan"), device=DEV)
     cu = torch.full((M, W), float("nan"), device=DEV) if gated else torch.empty(0, 0, device=DEV)
-    part = torch.cat([parts[1], torch.zeros(nsub, M * W - n, device=DEV)], 1)
     ext.dh_coef(gated, part, K, perm, colptr, ell_a, ell_u, l1c, cg, cu)
+    torch.cuda.synchronize()
+    assert torch.equal(part.view(torch.int32), parts[1].view(torch.int32)), "partial sums, n columns"
     bg = torch.full((M, W), float("nan"), device=DEV)
     bu = torch.full((M, W), float("nan"), device=DEV)
     ext.bwd_block(gated, dy, wg, wu, wdt, ell_col, ell_a, ell_u if gated else bu, nnz, flag, l1c, bg,

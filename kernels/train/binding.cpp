@@ -266,7 +266,8 @@ void dw(bool gated, int64_t nb, const at::Tensor& x, const at::Tensor& dy, const
 }
 
 // dW_dT (with the addend add_d) and the light entries' dh partial dot products, slice by slice: part
-// [ceil(K / 256), M * W] fp32, column q = CSR position (train_kernels.cu, dwd_dh_kernel)
+// [ceil(K / 256), at least the light entries] fp32, column q = CSR position (train_kernels.cu, dwd_dh_kernel; fewer
+// columns than entries stop dh_coef with a device trap)
 void dwd_dh(int64_t nb, const at::Tensor& dy, const at::Tensor& wdt, const at::Tensor& perm, const at::Tensor& colptr,
             const at::Tensor& ell_a, const c10::optional<at::Tensor>& ell_u, const c10::optional<at::Tensor>& add_d,
             at::Tensor dwdt, at::Tensor part) {
@@ -279,7 +280,7 @@ void dwd_dh(int64_t nb, const at::Tensor& dy, const at::Tensor& wdt, const at::T
   req(part, "part", at::kFloat, 2);
   const int64_t K = dy.size(1), N = wdt.size(0), W = ell_a.size(1);
   TORCH_CHECK(wdt.size(1) == K && dwdt.sizes() == wdt.sizes() && colptr.size(0) == N + 1 &&
-                  part.size(0) == (K / 8 + 31) / 32 && part.size(1) >= ell_a.numel(),
+                  part.size(0) == (K / 8 + 31) / 32,
               "dwd_dh: shapes");
   const float* up = nullptr;
   if (ell_u.has_value() && ell_u->defined() && ell_u->numel() > 0) {
@@ -302,8 +303,7 @@ void dh_coef(bool gated, const at::Tensor& part, int64_t K, const at::Tensor& pe
   req(ell_a, "ell_a", at::kBFloat16, 2);
   req(l1c, "l1c", at::kFloat, 1);
   req(cg, "cg", at::kFloat, 2);
-  TORCH_CHECK(cg.sizes() == ell_a.sizes() && part.size(0) == (K / 8 + 31) / 32 && part.size(1) >= ell_a.numel(),
-              "dh_coef: shapes");
+  TORCH_CHECK(cg.sizes() == ell_a.sizes() && part.size(0) == (K / 8 + 31) / 32, "dh_coef: shapes");
   if (gated) {
     req(ell_u, "ell_u", at::kFloat, 2);
     req(cu, "cu", at::kFloat, 2);
@@ -585,7 +585,7 @@ std::vector<at::Tensor> ffn_bwd(const at::Tensor& dy_in, const at::Tensor& gl1, 
                                 const c10::optional<at::Tensor>& w_gate, const at::Tensor& w_up,
                                 const at::Tensor& w_down, const at::Tensor& ell_col, const at::Tensor& ell_a,
                                 const at::Tensor& ell_u, const at::Tensor& nnz, const at::Tensor& flag, int64_t R,
-                                double scale, int64_t nb, const c10::optional<at::Tensor>& perm_in,
+                                int64_t entries, double scale, int64_t nb, const c10::optional<at::Tensor>& perm_in,
                                 const c10::optional<at::Tensor>& colptr_in) {
   const bool gated = w_gate.has_value() && w_gate->defined();
   const at::Tensor& first = gated ? *w_gate : w_up;
@@ -632,7 +632,9 @@ std::vector<at::Tensor> ffn_bwd(const at::Tensor& dy_in, const at::Tensor& gl1, 
   at::Tensor dwdt = at::empty({N, K}, x.options());
   // neuron-major over dy, one L2-sized K slice at a time: dW_dT, and the light entries' dh = dy_r . W_dT[j] in
   // partial sums per 256 columns (the dy slices dW_dT reads anyway; W_dT[j]'s slice read once per neuron)
-  at::Tensor part = at::empty({(K / 8 + 31) / 32, M * W}, f32o);
+  // one column per light entry: `entries`, the forward's summary count of the non-zeros of finite rows up to the
+  // configured width, bounds them (every light row is such a row); M * W if it is larger
+  at::Tensor part = at::empty({(K / 8 + 31) / 32, std::min(M * W, std::max<int64_t>(entries, 0))}, f32o);
   dwd_dh(nb, dy, wdt, perm, colptr, ell_a, ell_u, add_d, dwdt, part);
   at::Tensor cg = at::empty({M, W}, f32o), cu = at::empty({gated ? M : 0, gated ? W : 0}, f32o);
   dh_coef(gated, part, K, perm, colptr, ell_a, ell_u, c, cg, cu);

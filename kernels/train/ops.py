@@ -234,12 +234,13 @@ def _ffn_bwd_impl(dy: Tensor, gl1: Tensor, x: Tensor, w_gate: Tensor | None, w_u
     # by now: no stall).
     ext = load_ext()
     R = _backup_count(host)
+    entries = int(host[2])  # the summary's non-zeros of finite rows up to the configured width: >= the light entries
     perm = colptr = None
     if not ext.csr_supported(N, ell_col.shape[1]):  # the counting sort's shared memory does not fit: torch's sort
         rows = torch.nonzero_static(flag, size=R).squeeze(1)
         perm, colptr = ref.csr_by_neuron(saved_hybrid(ell_col, ell_a, nnz, rows, x.new_empty(R, N), N))
-    dx, dwg, dwu, dwd = ext.ffn_bwd(dy, gl1, x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag, R, scale,
-                                    int(dw_nb) or dw_chunks(M), perm, colptr)
+    dx, dwg, dwu, dwd = ext.ffn_bwd(dy, gl1, x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag, R, entries,
+                                    scale, int(dw_nb) or dw_chunks(M), perm, colptr)
     return dx, dwg, dwu, dwd
 
 
