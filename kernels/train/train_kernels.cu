@@ -11,12 +11,15 @@
 //   compact : bf16 gate pre-activations [rows, N] -> ReLU -> ELL (ascending columns) + nnz + flag, and
 //             optionally (flagged rows, widest light row) for the forward's one read-back.
 //   fwd_rows: light rows: u_e = x.W_u[j] (gated), h_e = a_e u_e, y = sum_e h_e W_dT[j], rowabs = sum |h_e|.
-//   fwd_block / bwd_block: fwd_rows / bwd_rows with one block per light row (what the op runs; the warp kernels
-//             stay as the tests' oracle: the block kernels match them bit for bit at K >= 2048).
+//   fwd_block / bwd_block: fwd_rows / bwd_rows with one block per light row (the op runs fwd_block; bwd_block's
+//             coefficients ran until round 16 and stay as dh_coef's oracle; the warp kernels stay as the tests'
+//             oracle: the block kernels match them bit for bit at K >= 2048).
 //   bwd_rows: light rows: dh_e = dy.W_dT[j] + c sign(h_e); dg_e = dh_e u_e, du_e = dh_e a_e (gated) or
 //             dg_e = dh_e (non-gated); dx = sum_e dg_e W_g[j] + du_e W_u[j] (non-gated: dg_e W_u[j]).
 //   dw      : neuron-major (CSR by neuron, built from the ELL): dW_g[j] = sum dg x_r, dW_u[j] = sum du x_r,
 //             dW_dT[j] = sum h dy_r, plus an optional bf16 addend (the dense backup rows' contribution).
+//   dwd_dh / dh_coef: dw's dW_dT part with the light entries' dh = dy_r . W_dT[j] in partial sums from the same dy
+//             slices, then the coefficients (bwd_block's dg, du) from them: what the op's backward runs.
 //   dense_bwd: the dense path's elementwise backward (dh + L1 term -> dg, du) in one pass.
 //   transpose: bf16 [R, C] -> [C, R] (the neuron-major W_d and the W_d gradient in nn.Linear layout).
 //   csr_by_neuron: counting sort of the light ELL entries by neuron (deterministic order) for dw.
