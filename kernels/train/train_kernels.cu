@@ -653,8 +653,8 @@ __global__ void __launch_bounds__(128) dwd_dh_kernel(const __nv_bfloat16* __rest
   }
 }
 
-// dh_coef: per light entry (CSR position q < pstride, ELL index e = perm[q]) dh = the slices' partial dot products added in
-// slice order, then bwd_block's coefficients: gated d = dh + c sign(a u), cg = d u, cu = d a; non-gated
+// dh_coef: per light entry (CSR position q < pstride, ELL index e = perm[q]) dh = the slices' partial dot products
+// added in slice order, then bwd_block's coefficients: gated d = dh + c sign(a u), cg = d u, cu = d a; non-gated
 // cg = dh + c sign(a). c = the L1 output's gradient times its scale, read on the device.
 template <bool GATED>
 __global__ void __launch_bounds__(256) dh_coef_kernel(const float* __restrict__ part, long long pstride, int nsub,
