@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import KernelConfig
+from .layout import set_down_layout_
 from .loader import REFERENCE_HINT, KernelUnavailableError
 from .twell import ops
 
@@ -131,6 +132,7 @@ class TwELLGatedMLP(_TwELLBase):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
+        set_down_layout_(self.down_proj)  # neuron-major: the plan reads W_d as it is, no copy kept (kernels/layout.py)
 
     @classmethod
     def from_linears(cls, gate: nn.Linear, up: nn.Linear, down: nn.Linear, **kw) -> "TwELLGatedMLP":
@@ -156,6 +158,7 @@ class TwELLMLP(_TwELLBase):
         kw = dict(bias=False, device=device, dtype=dtype)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
+        set_down_layout_(self.down_proj)  # neuron-major: the plan reads W_d as it is, no copy kept (kernels/layout.py)
 
     @classmethod
     def from_linears(cls, up: nn.Linear, down: nn.Linear, **kw) -> "TwELLMLP":

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .config import KernelConfig
+from .layout import is_neuron_major, keep_down_layout
 from .reference import _acc_dtype, check_ffn_layouts
 from .train import ops as _ops
 
@@ -292,8 +293,8 @@ class _FusedDenseFFN(torch.autograd.Function):
             dwg = torch.mm(dg.t(), x)
         if need[2]:
             dwu = torch.mm((du if gated else dg).t(), x)
-        if need[3]:
-            dwd = torch.mm(gy.t(), h)
+        if need[3]:  # in w_down's strides, so that autograd accumulates it without a copy (kernels/layout.py)
+            dwd = torch.mm(h.t(), gy).t() if is_neuron_major(w_down) else torch.mm(gy.t(), h)
         return dx, dwg, dwu, dwd, None, None, None, None
 
 
@@ -317,9 +318,9 @@ def _dense(x2, w_gate, w_up, w_down, scale, want_last_active, want_stats, st, kn
     """Dense path: the fused function above where it applies, else plain dense autograd (the same ops as
     models' dense MLP); both measure activity for dispatch."""
     if _fused_dense_ok(x2, backend, kn, N):
-        ws = [w.contiguous() if w is not None else None for w in (w_gate, w_up, w_down)]
-        y, l1, nnz, dstats, last = _FusedDenseFFN.apply(x2.contiguous(), ws[0], ws[1], ws[2], scale, kn["width"],
-                                                        want_stats, want_last_active)
+        ws = [w.contiguous() if w is not None else None for w in (w_gate, w_up)]
+        y, l1, nnz, dstats, last = _FusedDenseFFN.apply(x2.contiguous(), ws[0], ws[1], keep_down_layout(w_down),
+                                                        scale, kn["width"], want_stats, want_last_active)
         st.record_pair(dstats, M, N)
         stats = {"path": "dense", "nnz_per_token": nnz if want_stats else None, "backup_rows": None,
                  "width": None, "kept_bytes": None}
@@ -416,7 +417,7 @@ def _run(x, w_gate, w_up, w_down, l1_reduction, mode, state, width, backend, wan
                                   backend)
         else:
             x2 = x2.contiguous()
-            wsc = [w.contiguous() if w is not None else None for w in ws]
+            wsc = [w.contiguous() if w is not None else None for w in ws[:2]] + [keep_down_layout(ws[2])]
             w_call = st.call_width(width, kn["shrink"])  # from earlier measurements: no sync
             out = _SparseFFN.apply(x2, wsc[0], wsc[1], wsc[2], w_call, width, scale, kn["chunk_rows"],
                                    st.backup_capacity(M), want_last_active, kn["dw_nb"], backend)

@@ -89,6 +89,7 @@ class SparseLlamaMLP(nn.Module):
             self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=config.mlp_bias)
         self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=config.mlp_bias)
+        self.layout_down_proj()
         self.register_buffer(
             "tokens_since_fire", torch.zeros(self.intermediate_size, dtype=torch.int64), persistent=False
         )
@@ -104,6 +105,16 @@ class SparseLlamaMLP(nn.Module):
         from sfl.kernels.twell.ops import Plan
 
         self.plan = Plan(self.config.get_kernel_config())
+
+    def layout_down_proj(self) -> None:
+        """down_proj.weight neuron-major for mlp_impl="cuda", where the kernels read W_d by neuron and then copy
+        nothing per call (kernels/layout.py), nn.Linear's row-major otherwise (the dense path is HF's exact ops).
+        The same Parameter and values; the model calls it at construction, after from_pretrained and in
+        set_mlp_impl (a checkpoint loader that replaces the parameters leaves them row-major: still exact, the
+        ops copy)."""
+        from sfl.kernels.layout import set_down_layout_
+
+        set_down_layout_(self.down_proj, neuron_major=self.config.mlp_impl == "cuda")
 
     # ----------------------------------------------------------------------------- statistics
     @torch.no_grad()
@@ -259,8 +270,11 @@ class SparseLlamaMLP(nn.Module):
         key = (dt,) + tuple(None if w is None else (w.data_ptr(), w._version) for w in ws)
         cache = getattr(self, "_cast_cache", None)
         if cache is None or cache[0] != key:
-            with torch.no_grad():
-                cache = (key, tuple(None if w is None else w.detach().to(dt).contiguous() for w in ws))
+            from sfl.kernels.layout import keep_down_layout
+
+            with torch.no_grad():  # W_d keeps a neuron-major layout through the cast (kernels/layout.py)
+                wg, wu, wd = (None if w is None else w.detach().to(dt) for w in ws)
+                cache = (key, (None if wg is None else wg.contiguous(), wu.contiguous(), keep_down_layout(wd)))
             self._cast_cache = cache
         return cache[1]
 
@@ -373,6 +387,8 @@ class SparseLlamaForCausalLM(SparseLlamaPreTrainedModel, LlamaForCausalLM):
         # Non-persistent buffers are materialised uninitialised by the loader: start counters at 0.
         if isinstance(model, SparseLlamaForCausalLM):
             model.reset_sparsity_stats()
+            for mlp in model.sparse_mlps():  # the loader put checkpoint tensors (row-major) in place
+                mlp.layout_down_proj()
         return model
 
     # ----------------------------------------------------------------------------- helpers
@@ -388,6 +404,8 @@ class SparseLlamaForCausalLM(SparseLlamaPreTrainedModel, LlamaForCausalLM):
         except ValueError:
             self.config.mlp_impl = old
             raise
+        for mlp in self.sparse_mlps():
+            mlp.layout_down_proj()
 
     def set_kernel_config(self, kernel_config) -> None:
         """Run the CUDA kernels with this KernelConfig (or dict of its fields): stored in config.kernel_config

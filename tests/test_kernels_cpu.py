@@ -52,7 +52,29 @@ def test_source_hash_is_stable_and_covers_sources(tmp_path):
     assert source_hash(copies + [extra]) != h
 
 
-def test_module_rejects_bias():
+def test_down_layout_helpers():
+    """set_down_layout_ re-lays out a Linear's weight in place (the same Parameter, the same values, strides
+    (1, K) or row-major); keep_down_layout leaves a neuron-major W_d as it is and makes any other contiguous; the
+    TwELL modules store W_d neuron-major, and loading an nn.Linear's row-major weights keeps that."""
+    from sfl.kernels.layout import is_neuron_major, keep_down_layout, set_down_layout_
+
+    lin = torch.nn.Linear(256, 64, bias=False)
+    w, v = lin.weight, lin.weight.detach().clone()
+    set_down_layout_(lin)
+    assert lin.weight is w and is_neuron_major(w) and w.stride() == (1, 64) and torch.equal(w, v)
+    assert keep_down_layout(w) is w
+    set_down_layout_(lin, neuron_major=False)
+    assert lin.weight is w and w.is_contiguous() and not is_neuron_major(w) and torch.equal(w, v)
+    strided = torch.randn(64, 512)[:, ::2]
+    assert keep_down_layout(strided).is_contiguous() and torch.equal(keep_down_layout(strided), strided)
+    down = torch.nn.Linear(256, 64, bias=False)
+    m = ffn.TwELLMLP.from_linears(torch.nn.Linear(64, 256, bias=False), down)
+    assert is_neuron_major(m.down_proj.weight) and torch.equal(m.down_proj.weight, down.weight)
+    m.load_state_dict({k: t.contiguous() for k, t in m.state_dict().items()})
+    assert is_neuron_major(m.down_proj.weight)
+
+
+
     lin = torch.nn.Linear(64, 256, bias=True)
     with pytest.raises(ValueError, match="bias"):
         ffn.TwELLMLP.from_linears(lin, torch.nn.Linear(256, 64, bias=False))

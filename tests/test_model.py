@@ -305,6 +305,47 @@ def test_compiles_once_fullgraph(impl: str) -> None:
 
 
 # ----------------------------------------------------------------------------- HF integration
+def test_down_proj_neuron_major_for_the_kernels(tmp_path) -> None:
+    """mlp_impl="cuda" keeps down_proj.weight neuron-major (kernels/layout.py: nothing transposed per call) at
+    construction, after save_pretrained / from_pretrained and after set_mlp_impl; other impls keep nn.Linear's
+    row-major layout. The same Parameter objects and values throughout, and the state dict HF's Llama loads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sfl.kernels.layout import is_neuron_major
+
+    def layouts(m):
+        return [is_neuron_major(mlp.down_proj.weight) for mlp in m.sparse_mlps()]
+
+    model = tiny_model(seed=9, intermediate_size=256, mlp_impl="cuda")
+    assert layouts(model) == [True, True]
+    assert model.model.layers[0].mlp.down_proj.weight.shape == (32, 256)
+    params = [mlp.down_proj.weight for mlp in model.sparse_mlps()]
+    values = [p.detach().clone() for p in params]
+    model.save_pretrained(tmp_path)
+    loaded = SparseLlamaForCausalLM.from_pretrained(tmp_path)
+    assert layouts(loaded) == [True, True]
+    for mlp, v in zip(loaded.sparse_mlps(), values):
+        assert torch.equal(mlp.down_proj.weight, v)
+    model.set_mlp_impl("reference")
+    assert layouts(model) == [False, False]
+    x = torch.randint(0, VOCAB, (2, 6))
+    with torch.no_grad():
+        want = model(input_ids=x).logits
+    model.set_mlp_impl("cuda")
+    assert layouts(model) == [True, True]
+    assert all(mlp.down_proj.weight is p and torch.equal(p, v) for mlp, p, v in zip(model.sparse_mlps(), params,
+                                                                                    values))
+    model.set_mlp_impl("reference")
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=x).logits, want)
+    assert layouts(tiny_model(seed=9, intermediate_size=256)) == [False, False]  # mlp_impl "dense" by default
+    hf = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in loaded.config.to_dict().items()
+                                         if k in LlamaConfig().to_dict()}))
+    hf.load_state_dict(loaded.state_dict(), strict=False)
+    for i, mlp in enumerate(loaded.sparse_mlps()):
+        assert torch.equal(hf.model.layers[i].mlp.down_proj.weight, mlp.down_proj.weight)
+
+
 def test_save_load_round_trip_and_auto_classes(tmp_path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 

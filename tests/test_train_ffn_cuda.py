@@ -177,6 +177,47 @@ def test_dw_chunk_widths_give_the_same_bits(gated):
         assert all(torch.equal(a, b) for a, b in zip(grads_by_nb[nb], grads_by_nb[0])), f"nb {nb} differs"
 
 
+@pytest.mark.parametrize("mode", ["sparse", "dense"])
+@pytest.mark.parametrize("gated", [True, False])
+def test_neuron_major_w_down(mode, gated):
+    """W_d stored neuron-major (kernels/layout.py, the model's layout): dW_d comes back in W_d's strides, so a
+    Parameter's .grad keeps them (autograd copies nothing). With no backup rows the sparse path gives the bits it
+    gives with nn.Linear's row-major W_d, for y, l1 and every gradient (the kernels read the same values); with
+    backup rows (dense GEMMs on W_d) and on the fused dense path, within bf16 rounding of them."""
+    from sfl.kernels.layout import is_neuron_major
+    from sfl.kernels.train_ffn import sparse_gated_ffn_train, sparse_nongated_ffn_train
+
+    M, K, N = 2048, 1024, 2048
+    fn = sparse_gated_ffn_train if gated else sparse_nongated_ffn_train
+    gy = torch.randn(M, K, device=DEV, generator=torch.Generator(device=DEV).manual_seed(72))
+
+    def step(x, ws):
+        ps = [torch.nn.Parameter(w.clone()) for w in ws]  # clone keeps the strides
+        xi = x.clone().requires_grad_(True)
+        poison()
+        y, l1, st = fn(xi, *ps, l1_reduction="sum", mode=mode)
+        ((y.float() * gy).sum() + l1).backward()
+        assert st["path"] == mode
+        assert all(p.grad.stride() == p.stride() for p in ps), [(p.grad.stride(), p.stride()) for p in ps]
+        return int(st["backup_rows"] or 0), [y.detach(), l1.detach(), xi.grad] + [p.grad for p in ps]
+
+    for adversarial in (False, True):
+        x, wg, wu, wd = make_problem(M, K, N, 0.01, seed=71, gated=gated, adversarial=adversarial)
+        wd_nm = wd.t().contiguous().t()
+        assert is_neuron_major(wd_nm) and torch.equal(wd_nm, wd)
+        first = [wg] if gated else []
+        (r0, rows), (r1, nm) = step(x, first + [wu, wd]), step(x, first + [wu, wd_nm])
+        assert r0 == r1 and is_neuron_major(nm[-1]) and not is_neuron_major(rows[-1])
+        exact = mode == "sparse" and r0 == 0
+        assert exact or adversarial or mode == "dense", "the problem without adversarial rows has backup rows"
+        for i, (a, b) in enumerate(zip(rows, nm)):
+            assert torch.isfinite(b).all(), f"output {i}: non-finite values"
+            if exact:
+                assert torch.equal(a, b), f"output {i}: bits differ from the row-major W_d's"
+            else:
+                assert rel(b, a) <= 1e-2, f"output {i}: {rel(b, a):.3e} from the row-major W_d's"
+
+
 def test_auto_dispatch_and_history():
     from sfl.kernels.config import KernelConfig
     from sfl.kernels.train_ffn import DispatchState, sparse_gated_ffn_train as _train

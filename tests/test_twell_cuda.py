@@ -597,6 +597,36 @@ def test_decode_down_copy_only_where_a_capture_goes_sparse(ffn):
     assert above.info()["p"] < 0.01 and above.info()["down_copy_bytes"] == N * K * 2
 
 
+def test_neuron_major_w_down_is_read_without_a_copy(ffn):
+    """W_d stored neuron-major (kernels/layout.py, the model's layout for mlp_impl="cuda"): every path gives the
+    bits it gives with nn.Linear's row-major W_d (the sparse kernels read the same values; the dense path is
+    F.linear on the same tensor), and the plan keeps no copy of W_d, on any path or in a captured call."""
+    from sfl.kernels.layout import is_neuron_major
+
+    K, N = 2048, 5632
+    for M, mode in ((1, "sparse"), (8, "sparse"), (64, "sparse"), (4096, "sparse"), (4096, "dense")):
+        x, wg, wu, wd = make_problem(M, K, N, 0.005, seed=83 + M, adversarial=M >= 12)
+        wd_nm = wd.t().contiguous().t()
+        assert is_neuron_major(wd_nm) and torch.equal(wd_nm, wd)
+        want = run(ffn, x, wg, wu, wd, mode=mode)
+        plan = new_plan(mode=mode)
+        poison()
+        y = run(ffn, x, wg, wu, wd_nm, plan=plan)
+        torch.cuda.synchronize()
+        # sparse: the bits of row-major W_d; dense: F.linear's bits on this W_d (cuBLAS may pick another kernel)
+        want = want if mode == "sparse" else dense(x, wg, wu, wd_nm, True)
+        fin = torch.isfinite(want)
+        assert torch.equal(torch.isfinite(y), fin) and torch.equal(y[fin], want[fin]), f"M {M} {mode}: bits differ"
+        check(y, x, wg, wu, wd_nm, True)
+        assert plan.info()["path"].startswith(mode) and plan.info()["down_copy_bytes"] == 0, plan.info()
+        if M <= 64:  # decode sizes are what CUDA graphs capture
+            graph, yc = captured(lambda: run(ffn, x, wg, wu, wd_nm, plan=plan))
+            yc.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(yc[fin], want[fin]) and plan.info()["down_copy_bytes"] == 0
+
+
 def test_model_stats_accumulate_on_every_path(ffn):
     """The stats buffer adds up over calls on the dense, eager sparse, sync-free (TwELL, decode_rows) and
     fused-decode paths."""

@@ -61,11 +61,14 @@ def rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def run_config(M, K, N, p, heavy, reps, timer, check_fp32, cfg=None):
+def run_config(M, K, N, p, heavy, reps, timer, check_fp32, cfg=None, down_layout="neuron_major"):
     from sfl.kernels.train_ffn import DispatchState, sparse_gated_ffn_train
 
     x, (wg, wu, wd), gy = make_case(M, K, N, p, heavy, seed=int(p * 1e5) + M + int(heavy * 1e4))
-    params = [t.clone().requires_grad_(True) for t in (x, wg, wu, wd)]
+    params = [t.clone().requires_grad_(True) for t in (x, wg, wu, wd)]  # dense: HF's nn.Linear layouts
+    # ours: W_d in the model's layout for mlp_impl="cuda" (kernels/layout.py), the same values
+    wd_ours = params[3] if down_layout == "row_major" else wd.t().contiguous().t().requires_grad_(True)
+    ours_params = params[:3] + [wd_ours]
     gl1 = torch.tensor(1000.0, device=DEV)  # L1 gradient weight (makes the sign(h) term visible in grads)
 
     def dense_step(l1=True, count=False):
@@ -77,31 +80,31 @@ def run_config(M, K, N, p, heavy, reps, timer, check_fp32, cfg=None):
     st_auto = DispatchState()
 
     def ours_step(mode, want_stats=False):
-        for t in params:
+        for t in ours_params:
             t.grad = None
-        y, l, stats = sparse_gated_ffn_train(*params, config=cfg, mode=mode,
+        y, l, stats = sparse_gated_ffn_train(*ours_params, config=cfg, mode=mode,
                                              state=st_auto if mode == "auto" else None,
                                              want_stats=want_stats)
         torch.autograd.backward([y, l], [gy, gl1])
         return stats
 
     # --- correctness in the same run
-    def outputs(fn):
-        for t in params:
+    def outputs(fn, ps):
+        for t in ps:
             t.grad = None
         y, l = fn()
         torch.autograd.backward([y, l], [gy.to(y.dtype), gl1])
-        return [y.detach().float(), l.detach().float()] + [t.grad.detach().float() for t in params]
+        return [y.detach().float(), l.detach().float()] + [t.grad.detach().float() for t in ps]
 
-    o_bf = outputs(lambda: dense_block(*params))
+    o_bf = outputs(lambda: dense_block(*params), params)
     st_sp = {}
 
     def sp():
-        y, l, s = sparse_gated_ffn_train(*params, config=cfg, mode="sparse")
+        y, l, s = sparse_gated_ffn_train(*ours_params, config=cfg, mode="sparse")
         st_sp.update(s)
         return y, l
 
-    o_sp = outputs(sp)
+    o_sp = outputs(sp, ours_params)
     names = ["y", "l1", "dx", "dw_gate", "dw_up", "dw_down"]
     err = {"vs_bf16_dense": {n: rel(a, b) for n, a, b in zip(names, o_sp, o_bf)}}
     if check_fp32:
@@ -119,7 +122,7 @@ def run_config(M, K, N, p, heavy, reps, timer, check_fp32, cfg=None):
 
     # --- memory: kept for backward, peak of one fwd+bwd
     def mem(fn_fwd):
-        for t in params:
+        for t in ours_params + params[3:]:
             t.grad = None
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
@@ -133,7 +136,7 @@ def run_config(M, K, N, p, heavy, reps, timer, check_fp32, cfg=None):
         return kept, peak
 
     kept_d, peak_d = mem(lambda: dense_block(*params))
-    kept_s, peak_s = mem(lambda: sparse_gated_ffn_train(*params, config=cfg, mode="sparse")[:2])
+    kept_s, peak_s = mem(lambda: sparse_gated_ffn_train(*ours_params, config=cfg, mode="sparse")[:2])
 
     # --- time
     t_dense = timer.time(dense_step, reps)
@@ -154,10 +157,10 @@ def run_config(M, K, N, p, heavy, reps, timer, check_fp32, cfg=None):
 
     def fwd_only():
         with torch.no_grad():
-            sparse_gated_ffn_train(*params, config=cfg, mode="sparse")
+            sparse_gated_ffn_train(*ours_params, config=cfg, mode="sparse")
     t_fwd = timer.time(fwd_only, reps)
     return {
-        "M": M, "K": K, "N": N, "p": p, "heavy_frac": heavy,
+        "M": M, "K": K, "N": N, "p": p, "heavy_frac": heavy, "down_layout": {"ours": down_layout, "dense": "row_major"},
         "nnz_mean": nnz.mean().item(), "nnz_max": nnz.max().item(), "backup_rows": int(st_sp["backup_rows"]),
         "ell_width": st_sp["width"],
         "dense_ms": t_dense, "dense_noL1_ms": t_dense_nol1, "sparse_ms": t_sparse, "auto_ms": t_auto,
@@ -275,6 +278,9 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--ms", type=str, default="4096,16384,65536")
+    ap.add_argument("--down-layout", choices=["neuron_major", "row_major"], default="neuron_major",
+                    help="W_d's storage for our op: the model's (mlp_impl='cuda', kernels/layout.py) or nn.Linear's; "
+                         "dense autograd always gets nn.Linear's, as HF users have it")
     args = ap.parse_args(argv)
     from sfl.kernels.config import KernelConfig
 
@@ -300,7 +306,8 @@ def main(argv=None):
         for M in Ms:
             for p, heavy in cases:
                 t0 = time.time()
-                r = run_config(M, K, N, p, heavy, args.reps, timer, check_fp32=M <= 16384, cfg=cfg)
+                r = run_config(M, K, N, p, heavy, args.reps, timer, check_fp32=M <= 16384, cfg=cfg,
+                               down_layout=args.down_layout)
                 r["kind"] = "fwd_bwd"
                 r["provenance"] = prov
                 r["wall_s"] = time.time() - t0

@@ -462,6 +462,19 @@ at::Tensor transpose(const at::Tensor& src) {
   return dst;
 }
 
+// W_d stored neuron-major (kernels/layout.py: [K, N] with strides (1, K), 16-byte aligned): its transpose is the
+// [N, K] tensor the kernels read, with no copy; and the op returns dW_d in the same strides.
+bool neuron_major(const at::Tensor& w_down) {
+  return w_down.t().is_contiguous() && reinterpret_cast<uintptr_t>(w_down.data_ptr()) % 16 == 0;
+}
+
+// W_d^T [N, K] contiguous: w_down itself when stored neuron-major, else a transposed copy (contiguous w_down)
+at::Tensor down_t(const at::Tensor& w_down) {
+  TORCH_CHECK(w_down.is_cuda() && w_down.scalar_type() == at::kBFloat16 && w_down.dim() == 2,
+              "w_down must be a CUDA bf16 [K, N] tensor");
+  return neuron_major(w_down) ? w_down.t() : transpose(w_down);
+}
+
 // The light ELL entries sorted by neuron: (perm int64 [M * W], colptr int64 [N + 1]); entries of neuron j are
 // perm[colptr[j]:colptr[j + 1]] in ascending row order (the reference csr_by_neuron's order). perm past colptr[N]
 // is not written.
@@ -537,13 +550,12 @@ std::vector<at::Tensor> ffn_fwd_rows(const c10::optional<at::Tensor>& w_gate, co
   const bool gated = w_gate.has_value() && w_gate->defined();
   const at::Tensor& first = gated ? *w_gate : w_up;
   req(x, "x", at::kBFloat16, 2);
-  req(w_down, "w_down", at::kBFloat16, 2);
   req(summary, "summary", at::kLong, 1);
   const int64_t M = x.size(0), K = x.size(1), N = w_up.size(0), width = ell_col.size(1);
   const c10::cuda::CUDAGuard guard(x.device());
   const auto opt = x.options();
   const auto i64o = opt.dtype(at::kLong), f32o = opt.dtype(at::kFloat);
-  const at::Tensor wdt = transpose(w_down);  // neuron-major: an active neuron's W_d column is a contiguous row
+  const at::Tensor wdt = down_t(w_down);  // neuron-major: an active neuron's W_d column is a contiguous row
   at::Tensor y = at::empty({M, K}, opt), rowabs = at::empty({M}, f32o);
   at::Tensor ell_u = at::empty({gated ? M : 0, gated ? width : 0}, f32o), h = at::empty({M, width}, f32o);
   // the light rows: u, h = a u and the L1 row sums one block per row, then y = sum h W_d[:, j] slice-major
@@ -620,7 +632,7 @@ std::vector<at::Tensor> ffn_bwd(const at::Tensor& dy_in, const at::Tensor& gl1, 
     add_d = at::matmul(h.t(), dyb);
     dx.index_copy_(0, rows, dxb);
   }
-  const at::Tensor wdt = transpose(w_down);
+  const at::Tensor wdt = down_t(w_down);
   at::Tensor perm, colptr;
   if (perm_in.has_value() && perm_in->defined()) {
     perm = *perm_in;
@@ -643,7 +655,7 @@ std::vector<at::Tensor> ffn_bwd(const at::Tensor& dy_in, const at::Tensor& gl1, 
   dx_slices(gated, first, w_up, ell_col, nnz, flag, cg, cu, dx, kBwdSlicesRows);
   dw(gated, nb, x, dy, perm, colptr, ell_a, ell_u, cg, cu, add_g, add_u, c10::nullopt, gated ? dwg : dwu, dwu, dwdt,
      0, 1);
-  return {dx, dwg, dwu, transpose(dwdt)};  // dW_d in nn.Linear layout
+  return {dx, dwg, dwu, neuron_major(w_down) ? dwdt.t() : transpose(dwdt)};  // dW_d [K, N] in w_down's strides
 }
 
 std::string source_hash() { return SFL_STR(SFL_SRC_HASH); }

@@ -335,6 +335,8 @@ struct Plan {
   // The source is held, so its memory cannot be freed and reused by another weight while it is cached. A capture
   // that finds no valid copy transposes into a per-call buffer (part of the graph) and caches nothing.
   at::Tensor down_t(const at::Tensor& wd, cudaStream_t stream, bool capture) {
+    // stored neuron-major (kernels/layout.py): the kernels read W_d^T as it is, nothing is copied or kept
+    if (wd.t().is_contiguous() && reinterpret_cast<uintptr_t>(wd.data_ptr()) % 16 == 0) return wd.t();
     const void* st = wd.storage().unsafeGetStorageImpl();
     if (!wdt.defined() || st != wdt_storage || wd.storage_offset() != wdt_offset ||
         (int64_t)wd._version() != wdt_version || !wd.sizes().equals(wdt_src.sizes())) {
