@@ -395,6 +395,13 @@ at::Tensor readable(const at::Tensor& t) {
   return t.contiguous().data_ptr() == t.data_ptr() ? t.clone() : t.contiguous();
 }
 
+// W_d as it is when the kernels can read it: contiguous [K, N] (the plan keeps a neuron-major copy) or stored
+// neuron-major (kernels/layout.py: w_down.t() contiguous, read directly); else a contiguous copy
+at::Tensor readable_down(const at::Tensor& wd) {
+  if (wd.t().is_contiguous() && reinterpret_cast<uintptr_t>(wd.data_ptr()) % 16 == 0) return wd;
+  return readable(wd);
+}
+
 // Numbers in error messages go through std::to_string: streaming an integer into TORCH_CHECK's message crashed
 // inside this extension on the GPU machine (std::num_put, seen 2026-11-25), so no message streams one.
 std::string str(int64_t v) { return std::to_string(v); }
@@ -696,7 +703,7 @@ at::Tensor ffn_cuda(const at::Tensor& x_in, const c10::optional<at::Tensor>& w_g
   const at::Tensor x = readable(x_in.reshape({-1, K}));
   const int64_t M = x.size(0);
   if (M == 0) return at::empty(x_in.sizes(), x_in.options());
-  const at::Tensor wu = readable(w_up), wd = readable(w_down);
+  const at::Tensor wu = readable(w_up), wd = readable_down(w_down);
   const at::Tensor wg = w_gate.has_value() ? readable(*w_gate) : at::Tensor();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   Call c{P, x, w_gate.has_value() ? &wg : nullptr, wu, wd, u64(stats), stream, capturing(stream), M, K, N};
