@@ -23,14 +23,17 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--reps", type=int, default=21)
+    ap.add_argument("--neuron-major-first", action="store_true", help="time the neuron-major side first in each pair")
+    ap.add_argument("--cases", default="4096:0.005:auto,4096:0.01:dense,16384:0.005:auto,16384:0.01:auto,"
+                                       "16384:0.05:dense,65536:0.005:auto", help="M:p:mode,...")
     args = ap.parse_args()
     K, N = 2048, 5632
     timer = Timer()
     prov = collect({"what": "training op, W_d row-major vs neuron-major"})
     gl1 = torch.tensor(1000.0, device="cuda")
     with open(args.out, "w") as f:
-        for M, p, mode in ((4096, 0.005, "auto"), (4096, 0.01, "dense"), (16384, 0.005, "auto"),
-                           (16384, 0.01, "auto"), (16384, 0.05, "dense"), (65536, 0.005, "auto")):
+        for case in args.cases.split(","):
+            M, p, mode = int(case.split(":")[0]), float(case.split(":")[1]), case.split(":")[2]
             x, (wg, wu, wd), gy = make_case(M, K, N, p, 0.0, seed=int(p * 1e5) + M)
             sides = {}
             for layout, w in (("row_major", wd), ("neuron_major", wd.t().contiguous().t())):
@@ -48,9 +51,13 @@ def main() -> int:
                 torch.cuda.synchronize()
                 sides[layout] = (step, st)
             (row, st_r), (nm, st_n) = sides["row_major"], sides["neuron_major"]
-            t1 = timer.time_pair(row, nm, args.reps, warmup=2)
-            t4 = timer.time_pair(row, nm, args.reps, warmup=1, calls=4)
-            r = {"M": M, "K": K, "N": N, "p": p, "mode": mode, "path": [st_r.last_path, st_n.last_path],
+            if args.neuron_major_first:
+                t1, t4 = (timer.time_pair(nm, row, args.reps, warmup=2)[::-1],
+                          timer.time_pair(nm, row, args.reps, warmup=1, calls=4)[::-1])
+            else:
+                t1 = timer.time_pair(row, nm, args.reps, warmup=2)
+                t4 = timer.time_pair(row, nm, args.reps, warmup=1, calls=4)
+            r = {"M": M, "K": K, "N": N, "p": p, "mode": mode, "neuron_major_first": args.neuron_major_first, "path": [st_r.last_path, st_n.last_path],
                  "single_ms": {"row_major": t1[0], "neuron_major": t1[1]},
                  "steady_4calls_ms": {"row_major": t4[0], "neuron_major": t4[1]}, "provenance": prov}
             f.write(json.dumps(r) + "\n")
