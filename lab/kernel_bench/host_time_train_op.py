@@ -1,0 +1,105 @@
+"""Trial (lab): the training op's host time per call, with the GPU kept busy so that no launch waits.
+
+A single call after a sync pays the host's lead before its first kernel (the 1% row at M = 16384: 4.18 ms single
+against 4.04 ms back to back, kernels/train/README.md Logs). Here each half is timed on the host alone: a long
+sleep kernel is queued first, so every launch returns at once and perf_counter sees only CPU work; the backward is
+timed after a sync (its wait on the forward's event is then free) behind another sleep. Dense autograd of the same
+block (without the L1 term) beside it. Then cProfile of the same halves: where the host time goes, by function
+(a C++ call counts as one builtin).
+
+    PYTHONPATH=. python lab/kernel_bench/host_time_train_op.py --m 16384 --p 0.01
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import time
+
+import torch
+
+from sfl.experiments.kernel_bench.bench_training import dense_block, make_case
+
+
+def timed_halves(fwd, bwd, reps: int) -> tuple[float, float]:
+    tf, tb = [], []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(20_000_000)  # ~10 ms of GPU time: every launch below is queued, none waits
+        t0 = time.perf_counter()
+        out = fwd()
+        tf.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(20_000_000)
+        t0 = time.perf_counter()
+        bwd(out)
+        tb.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(tf) * 1e6, statistics.median(tb) * 1e6
+
+
+def main() -> int:
+    from sfl.kernels.train_ffn import DispatchState, sparse_gated_ffn_train
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--m", type=int, default=16384)
+    ap.add_argument("--p", type=float, default=0.01)
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args()
+    K, N = 2048, 5632
+    x, (wg, wu, wd), gy = make_case(args.m, K, N, args.p, 0.0, seed=3)
+    wd_nm = wd.t().contiguous().t()
+    ps = [t.clone().requires_grad_(True) for t in (x, wg, wu)] + [wd_nm.clone().requires_grad_(True)]
+    pd = [t.clone().requires_grad_(True) for t in (x, wg, wu, wd)]
+    gl1 = torch.tensor(1000.0, device="cuda")
+    st = DispatchState()
+
+    def ours_fwd():
+        for t in ps:
+            t.grad = None
+        return sparse_gated_ffn_train(*ps, mode="auto", state=st)[:2]
+
+    def ours_bwd(out):
+        torch.autograd.backward(list(out), [gy, gl1])
+
+    def dense_fwd():
+        for t in pd:
+            t.grad = None
+        return dense_block(*pd, l1=False)[0]
+
+    def dense_bwd(y):
+        torch.autograd.backward([y], [gy])
+
+    for _ in range(5):
+        ours_bwd(ours_fwd())
+        dense_bwd(dense_fwd())
+    torch.cuda.synchronize()
+    print(f"path {st.last_path}, M {args.m}, p {args.p}")
+    of, ob = timed_halves(ours_fwd, ours_bwd, args.reps)
+    df, db = timed_halves(dense_fwd, dense_bwd, args.reps)
+    print(f"host us, medians of {args.reps}: ours fwd {of:.0f} bwd {ob:.0f} | dense fwd {df:.0f} bwd {db:.0f}")
+    for name, fwd, bwd in (("ours", ours_fwd, ours_bwd), ("dense", dense_fwd, dense_bwd)):
+        prof = cProfile.Profile()
+        for _ in range(10):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(20_000_000)
+            prof.enable()
+            out = fwd()
+            prof.disable()
+            torch.cuda.synchronize()
+            torch.cuda._sleep(20_000_000)
+            prof.enable()
+            bwd(out)
+            prof.disable()
+        torch.cuda.synchronize()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(22)
+        print(f"\n==== cProfile, {name}, 10 fwd+bwd (tottime) ====")
+        print("\n".join(buf.getvalue().splitlines()[4:34]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
