@@ -80,6 +80,11 @@ def main() -> int:
     of, ob = timed_halves(ours_fwd, ours_bwd, args.reps)
     df, db = timed_halves(dense_fwd, dense_bwd, args.reps)
     print(f"host us, medians of {args.reps}: ours fwd {of:.0f} bwd {ob:.0f} | dense fwd {df:.0f} bwd {db:.0f}")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")  # a host sync inside the forward would print a warning here
+    out = ours_fwd()
+    torch.cuda.set_sync_debug_mode(0)
+    ours_bwd(out)
     for name, fwd, bwd in (("ours", ours_fwd, ours_bwd), ("dense", dense_fwd, dense_bwd)):
         prof = cProfile.Profile()
         for _ in range(10):
@@ -94,10 +99,12 @@ def main() -> int:
             bwd(out)
             prof.disable()
         torch.cuda.synchronize()
-        buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(22)
-        print(f"\n==== cProfile, {name}, 10 fwd+bwd (tottime) ====")
-        print("\n".join(buf.getvalue().splitlines()[4:34]))
+        stats = pstats.Stats(prof, stream=io.StringIO()).stats
+        rows = sorted(((tt, ct, nc, f"{fn[0].split('/')[-1]}:{fn[1]}({fn[2]})") for fn, (_, nc, tt, ct, _) in
+                       stats.items()), reverse=True)[:28]
+        print(f"\n==== cProfile, {name}: per fwd+bwd, us (own time, with callees, calls) ====")
+        for tt, ct, nc, where in rows:
+            print(f"{tt / 10 * 1e6:9.1f} {ct / 10 * 1e6:9.1f} {nc / 10:5.1f}  {where}")
     return 0
 
 
