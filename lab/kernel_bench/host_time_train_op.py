@@ -40,6 +40,44 @@ def timed_halves(fwd, bwd, reps: int) -> tuple[float, float]:
     return statistics.median(tf) * 1e6, statistics.median(tb) * 1e6
 
 
+def host_us(fn, reps: int = 30) -> float:
+    """Median host time of fn() in us with the GPU busy (nothing waits for a launch)."""
+    ts = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(5_000_000)
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(ts) * 1e6
+
+
+def pieces(ps, M: int, N: int) -> None:
+    """Host time of what ffn_fwd_gate does, one piece at a time (the op's arguments)."""
+    from sfl.kernels.train import ops
+
+    ext = ops.load_ext()
+    x, wg = ps[0].detach(), ps[1].detach()
+    scratch = torch.empty(M, N, device="cuda", dtype=x.dtype)
+    small = torch.zeros(4, device="cuda", dtype=torch.int64)
+    res = {
+        "ffn_fwd_gate": lambda: ext.ffn_fwd_gate(wg, x, 72, 128, M),
+        "mm_out (the gate GEMM)": lambda: torch.mm(x, wg.t(), out=scratch),
+        "empty [M, N] bf16": lambda: torch.empty(M, N, device="cuda", dtype=x.dtype),
+        "empty [M, 72] int32 x2, [M] x2": lambda: [torch.empty(*s, device="cuda", dtype=torch.int32)
+                                                  for s in ((M, 72), (M, 72), (M,), (M,))],
+        "pinned empty(4) + copy_": lambda: torch.empty(4, dtype=torch.int64, pin_memory=True).copy_(small,
+                                                                                                  non_blocking=True),
+        "is_pinned": lambda: torch.empty(4, dtype=torch.int64).is_pinned(),
+        "torch.cuda.Event().record()": lambda: torch.cuda.Event().record(),
+        "torch.cuda.current_stream()": torch.cuda.current_stream,
+    }
+    print("host us per piece (GPU busy, medians of 30):")
+    for name, fn in res.items():
+        print(f"  {host_us(fn):8.1f}  {name}")
+
+
 def main() -> int:
     from sfl.kernels.train_ffn import DispatchState, sparse_gated_ffn_train
 
@@ -85,6 +123,7 @@ def main() -> int:
     out = ours_fwd()
     torch.cuda.set_sync_debug_mode(0)
     ours_bwd(out)
+    pieces(ps, args.m, N)
     for name, fwd, bwd in (("ours", ours_fwd, ours_bwd), ("dense", dense_fwd, dense_bwd)):
         prof = cProfile.Profile()
         for _ in range(10):
