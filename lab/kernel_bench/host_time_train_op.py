@@ -73,6 +73,22 @@ def pieces(ps, M: int, N: int) -> None:
         "torch.cuda.Event().record()": lambda: torch.cuda.Event().record(),
         "torch.cuda.current_stream()": torch.cuda.current_stream,
     }
+    W, i32, i64 = 72, torch.int32, torch.int64
+
+    def replica(upto: int):  # ffn_fwd_gate's steps in order, from Python, up to step `upto`
+        ell_col, ell_a = torch.empty(M, W, device="cuda", dtype=i32), torch.empty(M, W, device="cuda", dtype=x.dtype)
+        nnz, flag = torch.empty(M, device="cuda", dtype=i32), torch.empty(M, device="cuda", dtype=i32)
+        summary = torch.zeros(4, device="cuda", dtype=i64)
+        g = torch.empty(M, N, device="cuda", dtype=x.dtype)
+        if upto >= 1:
+            torch.mm(x, wg.t(), out=g)
+        if upto >= 2:
+            ext.compact(g, N, ell_col, ell_a, nnz, flag, summary, 128)
+        if upto >= 3:
+            torch.empty(4, dtype=i64, pin_memory=True).copy_(summary, non_blocking=True)
+
+    for k, what in enumerate(("allocations + memset", "+ gate GEMM", "+ compact", "+ pinned copy")):
+        res[f"replica: {what}"] = lambda k=k: replica(k)
     print("host us per piece (GPU busy, medians of 30):")
     for name, fn in res.items():
         print(f"  {host_us(fn):8.1f}  {name}")
