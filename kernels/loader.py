@@ -133,6 +133,9 @@ def _build(name: str, sources: list[Path], arch: str, define: str, what: str, hi
 
 def load_twell(verbose: bool = False) -> ModuleType:
     """Build (once per source version) and return the TwELL extension module."""
+    mod = _CACHE.get("twell")
+    if mod is not None:  # every call after the first: no lock (the fused dense path asks on each call)
+        return mod
     import torch
 
     with _LOCK:

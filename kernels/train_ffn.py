@@ -393,7 +393,7 @@ def _run(x, w_gate, w_up, w_down, l1_reduction, mode, state, width, backend, wan
         ws = [w.to(dt) if w is not None else None for w in ws]
     elif len({t.dtype for t in [x] + [w for w in ws if w is not None]}) != 1:
         raise ValueError("x and the weights must share one dtype (or run under torch.autocast)")
-    x2 = x.reshape(-1, K)
+    x2 = x if x.dim() == 2 else x.reshape(-1, K)  # no view node (forward and backward) for a 2-D input
     M = x2.shape[0]
     scale = 0.0 if M == 0 or N == 0 else (1.0 / (M * N) if l1_reduction == "mean" else 1.0 / M)
     with torch.autocast(dev_type, enabled=False):
@@ -431,7 +431,7 @@ def _run(x, w_gate, w_up, w_down, l1_reduction, mode, state, width, backend, wan
             st.last_kept_bytes, st.last_backup_rows = stats["kept_bytes"], n_backup
             if want_last_active:
                 stats["last_active_row"] = last
-    return y.reshape(*lead, y.shape[-1]), l1, stats
+    return (y if x.dim() == 2 else y.reshape(*lead, y.shape[-1])), l1, stats
 
 
 def sparse_gated_ffn_train(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, *,

@@ -55,6 +55,9 @@ _EXT: dict[str, ModuleType] = {}
 # ----------------------------------------------------------------------------------------------- loader
 def load_ext(verbose: bool = False) -> ModuleType:
     """Build (once per source version, cached on disk) and return the training-kernel extension."""
+    ext = _EXT.get("ext")
+    if ext is not None:  # every call after the first: no import machinery, no lock (host time on each op call)
+        return ext
     from ..loader import REFERENCE_HINT, KernelUnavailableError, _arch_for_device, build_extension, source_hash
 
     hint = "use backend='torch' or mode='dense'"
@@ -130,8 +133,9 @@ def host_summary(nnz: Tensor, flag: Tensor, width: int, measure_width: int) -> T
 
 
 def count_event(host: Tensor) -> "torch.cuda.Event | None":
-    """The event after which the forward's pinned summary `host` holds its values (None: already final)."""
-    return _COUNT_READY.get(host.data_ptr()) if host.is_pinned() else None
+    """The event after which the forward's pinned summary `host` holds its values (None: already final; the torch
+    backend's summary is a plain CPU tensor, whose address no pinned buffer shares)."""
+    return _COUNT_READY.get(host.data_ptr())
 
 
 # The backward needs the forward's backup-row count R on the host. The forward copies it to pinned memory and records
@@ -142,7 +146,7 @@ _COUNT_READY: dict[int, torch.cuda.Event] = {}
 
 
 def _backup_count(host: Tensor) -> int:
-    ev = _COUNT_READY.pop(host.data_ptr(), None) if host.is_pinned() else None
+    ev = _COUNT_READY.pop(host.data_ptr(), None)  # is_pinned() only when no event is known: it costs host time
     if ev is not None:
         ev.synchronize()
     elif host.is_pinned():  # no event known for this buffer: wait for everything queued (exact, slower)
