@@ -66,8 +66,9 @@ def test_compiled_cuda_model_fullgraph_once(mode: str) -> None:
 @pytest.mark.parametrize("batch,mode", [(1, "sparse"), (3, "sparse"), (1, "auto")])
 def test_static_cache_generate_compiled(batch: int, mode: str) -> None:
     """generate(cache_implementation="static"): transformers compiles the decode step (mode reduce-overhead); it runs
-    as CUDA graphs (no skip, no error from the op's plan state in the graph pool), three times in a row, and every
-    greedy token is the argmax of the dense model's logits up to bf16 ties."""
+    as CUDA graphs (no skip, no error from the op's plan state in the graph pool), three times in a row, every
+    greedy token is the argmax of the dense model's logits up to bf16 ties, and no layer's plan holds a copy of W_d
+    (the model stores it neuron-major)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -85,6 +86,11 @@ def test_static_cache_generate_compiled(batch: int, mode: str) -> None:
     finally:
         torch._dynamo.reset()
     assert counters["inductor"]["cudagraph_skips"] == 0, "the compiled decode step did not run as a CUDA graph"
+    # W_d stored neuron-major (kernels/layout.py): the plans read it as it is and keep no copy of it
+    from sfl.kernels.layout import is_neuron_major
+
+    for mlp in model.sparse_mlps():
+        assert is_neuron_major(mlp.down_proj.weight) and mlp.plan.info()["down_copy_bytes"] == 0
     for seq, lg in zip(runs, logits):
         assert seq.shape == (batch, 22) and torch.equal(seq[:, :12], prompt)
         step = lg[:, 11:-1]  # the logits that chose each new token
