@@ -176,9 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     a.out.parent.mkdir(parents=True, exist_ok=True)
 
     def log(rows: list[dict]) -> None:  # appended as each part finishes: a later failure keeps what was measured
+        # the W_d copies our layers' plans hold (0 with W_d stored neuron-major, kernels/layout.py)
+        copies = sum(mlp.plan.info().get("down_copy_bytes", 0) for mlp in ours.sparse_mlps())
         with a.out.open("a") as f:
             for r in rows:
-                f.write(json.dumps({**base, **r}) + "\n")
+                f.write(json.dumps({**base, "ours_down_copy_bytes": copies, **r}) + "\n")
 
     ours.config.track_sparsity_stats = not a.no_stats
     base["track_sparsity_stats"] = not a.no_stats
