@@ -396,7 +396,8 @@ class SparseLlamaForCausalLM(SparseLlamaPreTrainedModel, LlamaForCausalLM):
         return [layer.mlp for layer in self.model.layers]
 
     def set_mlp_impl(self, impl: str) -> None:
-        """Switch every layer between 'dense', 'reference' and 'cuda' (validated)."""
+        """Switch every layer between 'dense', 'reference' and 'cuda' (validated), each down_proj.weight to the
+        layout that impl reads (layout_down_proj)."""
         old = self.config.mlp_impl
         self.config.mlp_impl = impl
         try:

@@ -341,7 +341,7 @@ def test_down_proj_neuron_major_for_the_kernels(tmp_path) -> None:
     assert layouts(tiny_model(seed=9, intermediate_size=256)) == [False, False]  # mlp_impl "dense" by default
     hf = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in loaded.config.to_dict().items()
                                          if k in LlamaConfig().to_dict()}))
-    hf.load_state_dict(loaded.state_dict(), strict=False)
+    hf.load_state_dict(loaded.state_dict(), strict=True)
     for i, mlp in enumerate(loaded.sparse_mlps()):
         assert torch.equal(hf.model.layers[i].mlp.down_proj.weight, mlp.down_proj.weight)
 
