@@ -60,6 +60,11 @@ class RunLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _read_holder(fd)
+            for _ in range(20):  # the holder writes its pid just after taking the lock: wait for it (<= 1 s)
+                if holder:
+                    break
+                time.sleep(0.05)
+                holder = _read_holder(fd)
             os.close(fd)
             raise RunDirBusy(self._busy_message(holder)) from None
         except OSError as e:  # e.g. a network filesystem without flock: say so rather than run unguarded

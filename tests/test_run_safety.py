@@ -100,6 +100,29 @@ def die_at(monkeypatch, obj, name: str, when=lambda *a, **k: True) -> None:
 
 
 # ----------------------------------------------------------------------------- 1. one writer per run dir
+def test_lock_refusal_names_a_holder_caught_before_it_wrote_its_pid(tmp_path) -> None:
+    """The holder takes the lock, then writes its pid: a second process refused in between waits for the pid
+    (the race that once made test_two_processes_on_one_run_dir's refusal read 'a process whose pid is not
+    recorded')."""
+    import fcntl
+    import threading
+
+    from sfl.experiments.rundir import LOCK_NAME
+
+    out = tmp_path / "run"
+    out.mkdir()
+    fd = os.open(out / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held, nothing written yet
+    late = threading.Timer(0.2, lambda: os.pwrite(fd, json.dumps({"pid": 4242}).encode() + b"\n", 0))
+    late.start()
+    try:
+        with pytest.raises(RunDirBusy, match=r"\(pid 4242\b.*kill 4242"):
+            RunLock(out).acquire()
+    finally:
+        late.join()
+        os.close(fd)
+
+
 def test_lock_refuses_second_writer_naming_the_holder(data_dir, tmp_path) -> None:
     out = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from sfl.experiments.rundir import RunLock; "
