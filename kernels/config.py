@@ -100,6 +100,12 @@ class KernelConfig:
             (kernels/README.md, round 11): 12% faster from 4096 rows at uniform activity, but 2% slower to 8192 rows
             on the paper-like profile and in the calibrated model's prefill, even from 16384; the non-gated block
             (no W_u rows to read) lost with it everywhere and keeps up_down.
+        hot_neurons: the layer's first hot_neurons neurons (a multiple of 256, below N) are computed as dense GEMMs
+            in sparse calls above decode_max_m, the others through TwELL ("hot/cold"; 0: off). For layers whose
+            neurons fire at very different rates, put in front by SparseLlamaForCausalLM.order_hot_neurons_, which
+            sets it per layer. Eager auto then times both paths per M bucket and runs the faster one (the crossover
+            table does not describe hot/cold calls). Measured (kernels/README.md, round 18): 10% faster on the
+            paper-like profile at 1% activity, slower at 0.5% and on uniform activity.
         d2t: "fused" (sm_90: the gate GEMM's epilogue writes TwELL) or "cublas" (gate GEMM, then compaction).
         d2t_overlap_min_k: fused d2t: K at or above which compaction warps overlap the next tile's mainloop.
         d2t_max_ctas: > 0 caps the fused d2t's persistent grid (tests); 0 = one CTA per SM.
@@ -134,6 +140,7 @@ class KernelConfig:
     rows_decode_max_m: int = ROWS_DECODE_MAX_M
     decode_rows_slices: int = 0
     up_list_min_m: int = 16384
+    hot_neurons: int = 0
     train_width: int = 128
     train_dense_above: float = 0.007
     train_dense_above_large: float = 0.01  # from train_large_m rows (kernels/train/README.md: crossover by M)
@@ -163,7 +170,7 @@ class KernelConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise bad(name, "must be a positive integer")
-        for name in ("d2t_max_ctas", "train_sparse_min_m", "rows_decode_max_m", "up_list_min_m"):
+        for name in ("d2t_max_ctas", "train_sparse_min_m", "rows_decode_max_m", "up_list_min_m", "hot_neurons"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise bad(name, "must be an integer >= 0")
@@ -175,6 +182,8 @@ class KernelConfig:
             raise bad("train_dw_nb", "must be 0 (from the rows, kernels/train/README.md), 1, 2, 4 or 8")
         if isinstance(self.backup_rows, bool) or not isinstance(self.backup_rows, int) or self.backup_rows < -1:
             raise bad("backup_rows", "must be an integer >= -1 (-1: from the layer's measured flagged rows)")
+        if self.hot_neurons % TILE_N:
+            raise bad("hot_neurons", f"must be a multiple of {TILE_N} (whole TwELL tiles)")
         if self.slots > TILE_N:
             raise bad("slots", f"must be <= {TILE_N} (one tile holds {TILE_N} columns)")
         for name in ("flagged_dense_above", "activity_hint", "train_dense_above", "train_dense_above_large",

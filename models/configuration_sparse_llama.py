@@ -31,6 +31,10 @@ class SparseLlamaConfig(LlamaConfig):
         kernel_config: the CUDA kernels' settings (sfl.kernels.config.KernelConfig fields, as a dict; None =
             defaults). twell_slots and twell_mode reach the kernels through it: `get_kernel_config()` fills
             `slots` and `mode` from them unless the dict sets them.
+        hot_neurons: per layer, the number of leading neurons computed as dense GEMMs in sparse calls
+            (KernelConfig.hot_neurons: multiples of 256, below intermediate_size; None = 0 everywhere). Set by
+            SparseLlamaForCausalLM.order_hot_neurons_, which also puts each layer's most frequently firing neurons
+            first (the weights are saved in that order).
         track_sparsity_stats: accumulate non-zeros per token on the device (read by sparsity_stats()); a model
             compiled with torch.compile keeps them on for mlp_impl="cuda" (see SparseLlamaMLP._forward_cuda).
             False with mlp_impl="dense" and l1_coeff 0: no statistics at all (no counts, no dead-neuron tracker,
@@ -53,6 +57,7 @@ class SparseLlamaConfig(LlamaConfig):
     twell_mode: str = "auto"
     dead_window_tokens: int = 1_048_576
     kernel_config: dict | None = None
+    hot_neurons: list | None = None
     track_sparsity_stats: bool = True
 
     def __post_init__(self, **kwargs):
@@ -89,6 +94,13 @@ class SparseLlamaConfig(LlamaConfig):
                 raise bad(field, value, "must be a positive integer")
         if not isinstance(self.track_sparsity_stats, bool):
             raise bad("track_sparsity_stats", self.track_sparsity_stats, "must be a bool")
+        if self.hot_neurons is not None:
+            hot = self.hot_neurons
+            if not isinstance(hot, (list, tuple)) or len(hot) != self.num_hidden_layers or any(
+                    isinstance(h, bool) or not isinstance(h, int) or h < 0 or h % 256 or h >= self.intermediate_size
+                    for h in hot):
+                raise bad("hot_neurons", hot, f"must be a list of {self.num_hidden_layers} (one per layer) multiples "
+                          f"of 256 below intermediate_size={self.intermediate_size}, or None")
         if self.twell_slots > self.twell_tile_n:
             raise bad("twell_slots", self.twell_slots,
                       f"must be <= twell_tile_n ({self.twell_tile_n}); slots = tile_n // compression")
@@ -108,14 +120,16 @@ class SparseLlamaConfig(LlamaConfig):
                 raise bad("mlp_bias", self.mlp_bias,
                           f"mlp_impl={self.mlp_impl!r} has no bias support; use mlp_impl='dense'")
 
-    def get_kernel_config(self):
+    def get_kernel_config(self, layer: int | None = None):
         """The KernelConfig the CUDA kernels run with: kernel_config, with slots/mode taken from twell_slots and
-        twell_mode unless it sets them."""
+        twell_mode unless it sets them; for a layer, with that layer's hot_neurons when they are set."""
         from sfl.kernels.config import KernelConfig
 
         d = dict(self.kernel_config or {})
         d.setdefault("slots", self.twell_slots)
         d.setdefault("mode", self.twell_mode)
+        if layer is not None and self.hot_neurons is not None:
+            d["hot_neurons"] = int(self.hot_neurons[layer])
         return KernelConfig.from_dict(d)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -104,7 +104,7 @@ class SparseLlamaMLP(nn.Module):
         compiled model sees a constant."""
         from sfl.kernels.twell.ops import Plan
 
-        self.plan = Plan(self.config.get_kernel_config())
+        self.plan = Plan(self.config.get_kernel_config(self.layer_idx))
 
     def layout_down_proj(self) -> None:
         """down_proj.weight neuron-major for mlp_impl="cuda", where the kernels read W_d by neuron and then copy
@@ -115,6 +115,24 @@ class SparseLlamaMLP(nn.Module):
         from sfl.kernels.layout import set_down_layout_
 
         set_down_layout_(self.down_proj, neuron_major=self.config.mlp_impl == "cuda")
+
+    @torch.no_grad()
+    def permute_neurons_(self, order: torch.Tensor) -> None:
+        """Reorder the intermediate neurons: neuron i becomes order[i] (rows of gate_proj / up_proj and their
+        biases, columns of down_proj, the dead-neuron counters). The layer computes the same function; each weight
+        keeps its memory layout (copy_ writes in place)."""
+        n = self.intermediate_size
+        order = torch.as_tensor(order, device=self.up_proj.weight.device, dtype=torch.long)
+        if order.shape != (n,) or not torch.equal(torch.sort(order).values, torch.arange(n, device=order.device)):
+            raise ValueError(f"order must be a permutation of range({n}), got shape {tuple(order.shape)}")
+        for lin in ((self.gate_proj,) if self.gated else ()) + (self.up_proj,):
+            lin.weight.copy_(lin.weight[order])
+            if lin.bias is not None:
+                lin.bias.copy_(lin.bias[order])
+        self.down_proj.weight.copy_(self.down_proj.weight[:, order])
+        if self.tokens_since_fire.device.type != "meta":
+            self.tokens_since_fire.copy_(self.tokens_since_fire[order.to(self.tokens_since_fire.device)])
+        self._cast_cache = None
 
     # ----------------------------------------------------------------------------- statistics
     @torch.no_grad()
@@ -416,6 +434,29 @@ class SparseLlamaForCausalLM(SparseLlamaPreTrainedModel, LlamaForCausalLM):
         cfg = kernel_config if isinstance(kernel_config, KernelConfig) else KernelConfig.from_dict(kernel_config)
         self.config.kernel_config = cfg.to_dict()
         for mlp in self.sparse_mlps():
+            mlp.refresh_plan()
+
+    @torch.no_grad()
+    def order_hot_neurons_(self, rates: Sequence[torch.Tensor], hot: Sequence[int]) -> None:
+        """Hot/cold: put each layer's neurons in order of falling firing rate (rates[i]: [intermediate_size], e.g.
+        from models.hot_cold.neuron_rates) and compute its first hot[i] of them as dense GEMMs in the CUDA kernels'
+        sparse calls (config.hot_neurons, saved; KernelConfig.hot_neurons; 0 = all through TwELL). The model's
+        function is unchanged: the weights are permuted in place, and saved in the new order. New plans (fresh
+        dispatch histories)."""
+        mlps = self.sparse_mlps()
+        if len(rates) != len(mlps) or len(hot) != len(mlps):
+            raise ValueError(f"need one rate vector and one hot count per layer ({len(mlps)}), got {len(rates)} "
+                             f"and {len(hot)}")
+        old = self.config.hot_neurons
+        self.config.hot_neurons = [int(h) for h in hot]
+        try:
+            self.config.check_sparsity_fields()
+        except ValueError:
+            self.config.hot_neurons = old
+            raise
+        for mlp, r in zip(mlps, rates):
+            # stable: equal rates keep their order, so ordering an ordered model changes nothing
+            mlp.permute_neurons_(torch.sort(torch.as_tensor(r).float().cpu(), descending=True, stable=True).indices)
             mlp.refresh_plan()
 
     def record_nnz_per_token(self, on: bool = True) -> None:

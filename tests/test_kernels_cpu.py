@@ -139,7 +139,7 @@ def test_source_hash_covers_the_shared_header(tmp_path, monkeypatch):
     (dict(crossover_nongated="1:2.0"), "crossover_nongated"),
     (dict(fused_decode_max_m=9), "fused_decode_max_m"), (dict(rows_decode_max_m=-1), "rows_decode_max_m"),
     (dict(decode_rows_slices=9), "decode_rows_slices"),
-    (dict(backup_rows=-2), "backup_rows"),
+    (dict(backup_rows=-2), "backup_rows"), (dict(hot_neurons=100), "hot_neurons"), (dict(hot_neurons=-256), "hot_neurons"),
 ])
 def test_kernel_config_validation_names_the_field(kw, field):
     from sfl.kernels.config import KernelConfig
@@ -226,7 +226,7 @@ def test_parse_crossover_and_crossover_at():
 
 
 def test_plan_args_layout():
-    """plan_args is what runtime.cpp's parse_config reads: 15 ints in a fixed order, then floats
+    """plan_args is what runtime.cpp's parse_config reads: 16 ints in a fixed order, then floats
     [flagged_dense_above, activity_hint, n, m1, p1, ..., n', m1', p1', ...] with the gated table first."""
     from sfl.kernels.config import KernelConfig
     from sfl.kernels.twell import ops
@@ -234,10 +234,10 @@ def test_plan_args_layout():
     cfg = KernelConfig(mode="sparse", slots=16, decode_max_m=32, self_timing=False, measure_every=7, d2t="cublas",
                        d2t_overlap_min_k=2048, d2t_max_ctas=3, gate_scratch_mb=64,
                        decode_tiles_per_warp=5, fused_decode_max_m=4, rows_decode_max_m=48, decode_rows_slices=3,
-                       backup_rows=40, up_list_min_m=9000, flagged_dense_above=0.1, activity_hint=0.03,
-                       crossover="1:0.01,64:0.002", crossover_nongated="8:0.2")
+                       backup_rows=40, up_list_min_m=9000, hot_neurons=512, flagged_dense_above=0.1,
+                       activity_hint=0.03, crossover="1:0.01,64:0.002", crossover_nongated="8:0.2")
     ints, floats = ops.plan_args(cfg)
-    assert ints == [1, 16, 32, 0, 7, 0, 2048, 3, 64, 5, 4, 48, 3, 40, 9000]
+    assert ints == [1, 16, 32, 0, 7, 0, 2048, 3, 64, 5, 4, 48, 3, 40, 9000, 512]
     assert all(type(v) is int for v in ints) and all(type(v) is float for v in floats)
     assert floats == [0.1, 0.03, 2.0, 1.0, 0.01, 64.0, 0.002, 2.0, 1.0, 0.0, 8.0, 0.2]
     ints, _ = ops.plan_args(KernelConfig())

@@ -346,6 +346,60 @@ def test_down_proj_neuron_major_for_the_kernels(tmp_path) -> None:
         assert torch.equal(hf.model.layers[i].mlp.down_proj.weight, mlp.down_proj.weight)
 
 
+@pytest.mark.parametrize("gated", [True, False])
+def test_order_hot_neurons_keeps_the_function(tmp_path, gated: bool) -> None:
+    """Hot/cold: order_hot_neurons_ permutes each layer's neurons by falling rate (gate/up rows, down columns, the
+    dead-neuron counters) and sets config.hot_neurons, which reaches each layer's KernelConfig. The logits are the
+    same (reference and dense impls), down_proj keeps its layout, and save / load keeps the order and the counts.
+    neuron_rates counts positive gates per token, as computed by hand."""
+    from sfl.kernels.layout import is_neuron_major
+    from sfl.models.hot_cold import neuron_rates
+
+    model = tiny_model(seed=11, intermediate_size=512, gated_mlp=gated, mlp_impl="reference").eval()
+    x = torch.randint(0, VOCAB, (3, 7))
+    seen, hooks = capture_mlp_inputs(model)
+    rates = neuron_rates(model, [x[:2], x[2:]])
+    for h in hooks:
+        h.remove()
+    for mlp, r, xin in zip(model.sparse_mlps(), rates, seen[:2]):   # the first batch's two layers ...
+        w = (mlp.gate_proj if gated else mlp.up_proj).weight
+        xs = torch.cat([xin.reshape(-1, 32), seen[2 + model.sparse_mlps().index(mlp)].reshape(-1, 32)])
+        assert torch.allclose(r, ((xs @ w.T) > 0).float().mean(0))   # ... and the second's
+    assert any(float(r.max() - r.min()) > 0.2 for r in rates)          # the orders below are not the identity
+    model.sparse_mlps()[1].tokens_since_fire.copy_(torch.arange(512))
+    with torch.no_grad():
+        want = model(input_ids=x).logits
+    model.set_mlp_impl("cuda")
+    model.order_hot_neurons_(rates, [256, 0])
+    assert model.config.hot_neurons == [256, 0]
+    assert [m.plan.config.hot_neurons for m in model.sparse_mlps()] == [256, 0]
+    assert all(is_neuron_major(m.down_proj.weight) for m in model.sparse_mlps())
+    order = torch.sort(rates[1], descending=True, stable=True).indices
+    assert torch.equal(model.sparse_mlps()[1].tokens_since_fire, order)
+    model.set_mlp_impl("reference")
+    new_rates = neuron_rates(model, [x[:2], x[2:]])
+    assert all(torch.equal(r[torch.sort(r0, descending=True, stable=True).indices], r1)
+               for r0, r1, r in zip(rates, new_rates, rates))
+    assert all(bool((r[:-1] >= r[1:]).all()) for r in new_rates)       # falling rates after the reorder
+    for impl in ("reference", "dense"):
+        model.set_mlp_impl(impl)
+        with torch.no_grad():
+            assert torch.allclose(model(input_ids=x).logits, want, atol=1e-5, rtol=1e-5)
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["hot_neurons"] == [256, 0]
+    loaded = SparseLlamaForCausalLM.from_pretrained(tmp_path).eval()
+    assert [m.plan.config.hot_neurons for m in loaded.sparse_mlps()] == [256, 0]
+    with torch.no_grad():
+        assert torch.allclose(loaded(input_ids=x).logits, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="one rate vector"):
+        model.order_hot_neurons_(rates[:1], [0])
+    with pytest.raises(ValueError, match="SparseLlamaConfig.hot_neurons"):
+        model.order_hot_neurons_(rates, [256, 300])
+    assert model.config.hot_neurons == [256, 0]                         # a refused call changes nothing
+    with pytest.raises(ValueError, match="permutation"):
+        model.sparse_mlps()[0].permute_neurons_(torch.zeros(512, dtype=torch.long))
+
+
 def test_save_load_round_trip_and_auto_classes(tmp_path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -397,6 +451,9 @@ def test_generate_greedy_matches_manual_argmax() -> None:
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(hidden_act="silu", mlp_impl="reference", intermediate_size=256), "hidden_act"),
     (dict(mlp_impl="reference", intermediate_size=256, mlp_bias=True), "mlp_bias"),
+    (dict(intermediate_size=512, hot_neurons=[256]), "hot_neurons"),          # one per layer
+    (dict(intermediate_size=512, hot_neurons=[256, 100]), "hot_neurons"),     # whole tiles
+    (dict(intermediate_size=512, hot_neurons=[256, 512]), "hot_neurons"),     # below intermediate_size
 ])
 def test_config_validation_names_field(kw, field) -> None:
     with pytest.raises(ValueError, match=f"SparseLlamaConfig.{field}"):

@@ -147,3 +147,25 @@ def test_compiled_training_steps_match_eager(train_mode: str) -> None:
         assert counters["stats"]["unique_graphs"] == graphs_after_warmup, dict(counters["stats"])
     finally:
         torch._dynamo.reset()
+
+
+def test_calibrate_hot_neurons_keeps_the_logits() -> None:
+    """models.hot_cold.calibrate_hot_neurons_ on the GPU: rates measured, neurons ordered, a hot count timed per
+    layer from the candidates (here every one forced to be tried), the model's logits through the kernels (forced
+    sparse, hot/cold where chosen) within bf16 rounding of the dense path's, and the statistics still count every
+    token. With hot counts forced on both layers the logits stay as close."""
+    from sfl.models.hot_cold import calibrate_hot_neurons_
+
+    model = small_model("cuda", "sparse", seed=3)
+    ids = torch.randint(0, VOCAB, (4, 64), device=DEV)
+    with torch.no_grad():
+        want = small_model("dense", seed=3)(input_ids=ids).logits.float()
+        hot = calibrate_hot_neurons_(model, [ids[:2], ids[2:]], ids, candidates=(256,), reps=2)
+        assert len(hot) == 2 and all(h in (0, 256) for h in hot) and model.config.hot_neurons == hot
+        model.reset_sparsity_stats()
+        assert rel_err(model(input_ids=ids).logits, want) < 0.02
+        model.order_hot_neurons_([torch.zeros(512)] * 2, [256, 256])   # equal rates: the order stays
+        y = model(input_ids=ids).logits
+    assert rel_err(y, want) < 0.02
+    assert [m.plan.info()["hot_neurons"] for m in model.sparse_mlps()] == [256, 256]
+    assert model.sparsity_stats()["tokens"] == 2 * ids.numel()

@@ -627,6 +627,106 @@ def test_neuron_major_w_down_is_read_without_a_copy(ffn):
             assert torch.equal(yc[fin], want[fin]) and plan.info()["down_copy_bytes"] == 0
 
 
+def hot_problem(M: int, K: int, N: int, H: int, seed: int, gated: bool = True):
+    """make_problem's adversarial rows at ~1% activity, with the first H neurons firing on ~10% of tokens."""
+    x, wg, wu, wd = make_problem(M, K, N, 0.01, seed=seed, gated=gated)
+    (wg if gated else wu)[:H, 0] = -1.2816   # P(Z > 1.2816) = 10%
+    return x, wg, wu, wd
+
+
+def cold_measurement(x, w, H: int, S: int) -> tuple[float, float]:
+    """(p, f) a hot/cold layer measures: active entries of the rows no cold tile flags (a tile over S, or a
+    non-finite gate in a cold column), over those rows x N; and the fraction of rows flagged."""
+    g = F.linear(x, w)
+    act = (F.relu(g) != 0)
+    M, N = act.shape
+    cold = act[:, H:].reshape(M, -1, 256).sum(2)
+    flagged = (cold > S).any(1) | ~torch.isfinite(g[:, H:]).all(1)
+    ok = ~flagged
+    return float(act[ok].sum()) / (int(ok.sum()) * N), float(flagged.sum()) / M
+
+
+@pytest.mark.parametrize("K,N,gated", [(576, 1536, True), (2048, 5632, True), (2048, 8192, False)])
+@pytest.mark.parametrize("H", [256, 1024])
+@pytest.mark.parametrize("M", [65, 1000, 4099])
+def test_hot_cold_is_exact(ffn, K, N, gated, H, M):
+    """KernelConfig.hot_neurons: the first H neurons as dense GEMMs, the rest through TwELL, above decode sizes. The
+    output against fp32 (heavy, whole-tile, full, zero and NaN/±Inf rows; a whole-tile row hot when H = 1024), on
+    both large-M step variants and both backup variants; the model's statistics count hot and cold entries; the
+    measured activity counts every neuron and only cold tiles flag rows, on the sparse and the dense path alike."""
+    x, wg, wu, wd = hot_problem(M, K, N, H, seed=M + K + H, gated=gated)
+    w = wg if gated else wu
+    for up_list_min_m, backup_rows in ((0, -1), (1, -1), (1, 0)):
+        plan = new_plan(mode="sparse", hot_neurons=H, up_list_min_m=up_list_min_m, backup_rows=backup_rows)
+        stats = torch.zeros(3, device=DEV, dtype=torch.int64)
+        for _ in range(2):   # the second call reads the first one's measurement back
+            poison()
+            y = run(ffn, x, wg, wu, wd, gated, plan=plan, stats=stats)
+            torch.cuda.synchronize()
+            check(y, x, wg, wu, wd, gated)
+        h = F.relu(F.linear(x, w))
+        n = (h != 0).sum(1)
+        assert stats.tolist() == [2 * int(n.sum()), int(n.max()), 2 * M]
+        info = plan.info()
+        assert info["path"] == "sparse" and info["hot_neurons"] == H, info
+        assert info["hot_copy_bytes"] == (2 * H * K * 2 if gated else 0), info
+        p, f = cold_measurement(x, w, H, 32)
+        assert info["p"] == pytest.approx(p, rel=1e-9) and info["f"] == pytest.approx(f, rel=1e-9), (info, p, f)
+    dplan = new_plan(hot_neurons=H, self_timing=False)   # auto: a first call runs dense and measures
+    for _ in range(2):
+        run(ffn, x, wg, wu, wd, gated, plan=dplan)
+        torch.cuda.synchronize()
+    info = dplan.info()
+    assert info["path"] == "dense" and info["measurements"] >= 1, info
+    assert info["p"] == pytest.approx(p, rel=1e-9) and info["f"] == pytest.approx(f, rel=1e-9), (info, p, f)
+
+
+def test_hot_cold_captured_and_timed(ffn):
+    """A captured hot/cold call replays the eager call's bits (the stacked hot rows kept by the plan, none made
+    inside the graph); a captured call that finds no stacked copy makes its own and gives the same bits. Eager auto
+    with hot neurons times both paths at large M and stays exact; decode sizes ignore hot_neurons; a layer with
+    N <= hot_neurons is refused with the setting's name."""
+    K, N, M, H = 2048, 5632, 1000, 512
+    x, wg, wu, wd = hot_problem(M, K, N, H, seed=5)
+    plan = new_plan(mode="sparse", hot_neurons=H)
+    want = run(ffn, x, wg, wu, wd, plan=plan)
+    graph, yc = captured(lambda: run(ffn, x, wg, wu, wd, plan=plan))
+    yc.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    fin = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(yc), fin) and torch.equal(yc[fin], want[fin])
+    fresh = new_plan(mode="sparse", hot_neurons=H)
+    run(ffn, x, wg, wu, wd, plan=fresh)
+    wu2 = wu.clone()   # another W_u: the kept copy does not match, the capture stacks its own
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run(ffn, x, wg, wu2, wd, plan=fresh)
+    torch.cuda.current_stream().wait_stream(side)
+    g2 = torch.cuda.CUDAGraph()
+    wu2.add_(0)   # a new version: the copy the side-stream call kept is stale now
+    with torch.cuda.graph(g2):
+        y2 = run(ffn, x, wg, wu2, wd, plan=fresh)
+    y2.fill_(float("nan"))
+    g2.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(torch.isfinite(y2), fin) and torch.equal(y2[fin], want[fin])
+    auto = new_plan(hot_neurons=H)
+    for _ in range(8):
+        check(run(ffn, x, wg, wu, wd, plan=auto), x, wg, wu, wd, True)
+        torch.cuda.synchronize()
+    buckets = {path for (_, path) in auto.info()["timings"]}
+    assert buckets == {"dense", "sparse"}, auto.info()
+    small = new_plan(mode="sparse", hot_neurons=H)
+    xs = x[:16].contiguous()
+    check(run(ffn, xs, wg, wu, wd, plan=small), xs, wg, wu, wd, True)
+    assert small.info()["hot_neurons"] == 0 and small.info()["path"] == "sparse-syncfree"
+    with pytest.raises(RuntimeError, match="hot_neurons=1536 must be below"):
+        run(ffn, x[:, :576].contiguous(), wg[:1536, :576].contiguous(), wu[:1536, :576].contiguous(),
+            wd[:576, :1536].contiguous(), mode="sparse", hot_neurons=1536)
+
+
 def test_model_stats_accumulate_on_every_path(ffn):
     """The stats buffer adds up over calls on the dense, eager sparse, sync-free (TwELL, decode_rows) and
     fused-decode paths."""

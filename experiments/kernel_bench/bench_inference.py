@@ -219,6 +219,29 @@ def sparse_phases(timer: "Timer", x, wg, wu, wd, slots: int, reps: int) -> dict:
             "gate_tflops_d2t": 2 * M * K * N / ms["d2t"] / 1e9}
 
 
+def hot_cold(timer: "Timer", x, wg, wu, wd, cfg, reps: int, dense_fn) -> dict:
+    """The case through hot/cold (KernelConfig.hot_neurons): neurons ordered by their rate on the first 8192 rows,
+    the hot count chosen as models.hot_cold.choose_hot_neurons does (each candidate timed in forced sparse mode,
+    medians of 3; 0 unless another is 3% faster), then that call timed against dense in rotation. The weights are
+    permuted copies (the same function); the error is against the same dense reference as the row's."""
+    from sfl.models.hot_cold import HOT_CANDIDATES
+
+    rate = (F.linear(x[:8192], wg) > 0).float().mean(0)
+    order = torch.argsort(rate, descending=True, stable=True)
+    wg_p, wu_p, wd_p = wg[order].contiguous(), wu[order].contiguous(), wd[:, order].contiguous()
+    fns = {h: ffn_call(x, wg_p, wu_p, wd_p, cfg.replace(mode="sparse", hot_neurons=h))[0]
+           for h in HOT_CANDIDATES if h < wg.shape[0]}
+    ms = {h: timer.time(fn, 3) for h, fn in fns.items()}
+    best = min(ms, key=ms.get)
+    best = best if ms[best] < 0.97 * ms[0] else 0
+    dense_ms, hot_ms = timer.time_pair(dense_fn, fns[best], reps)
+    y = fns[best]()
+    return {"hot_neurons_chosen": best, "hot_candidates_ms": {str(h): v for h, v in ms.items()},
+            "hot_pair_share": float(rate[order[:best]].sum() / rate.sum()) if best else 0.0,
+            "hot_dense_ms": dense_ms, "ours_hot_ms": hot_ms, "speedup_hot": dense_ms / hot_ms,
+            "hot_rel_err_vs_dense_bf16": rel_err(y, dense_fn())}
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     fin = torch.isfinite(b).all(1)
     a, b = a[fin].float(), b[fin].float()
@@ -672,6 +695,8 @@ def main(argv: list[str] | None = None) -> int:
             row["ours_sparse_forced_ms"] = timer.time(lambda: ours_fn("sparse"), reps)
             if kind == "gated" and p <= 0.01 and fused_d2t_supported():   # per kernel, with the bytes
                 row.update(sparse_phases(timer, x, wg, wu, wd, cfg.slots, reps))
+            if kind == "gated" and pattern == "paper" and M >= 16384:   # skewed rates: the hot/cold split
+                row.update(hot_cold(timer, x, wg, wu, wd, cfg, reps, dense_fn))
             if M == 65536 and kind == "gated":
                 # breakdown: cuBLAS gate GEMM alone; d2t fused (default on sm_90: tensor-core GEMM with the TwELL
                 # epilogue) and cuBLAS + compaction; forced sparse with the cuBLAS d2t, whole and chunked by
@@ -698,6 +723,7 @@ def main(argv: list[str] | None = None) -> int:
               + (f" steady x{row['speedup_steady']:.2f}" if "speedup_steady" in row else "") + f" err={err:.2e}"
               + f" sparse_forced={row['ours_sparse_forced_ms']:.3f} p_est={p_est}"
               + (f" AA={row['dense_vs_dense_ratio']:.3f}" if "dense_vs_dense_ratio" in row else "")
+              + (f" hot{row['hot_neurons_chosen']} x{row['speedup_hot']:.2f}" if "speedup_hot" in row else "")
               + ("".join(f" {k}={v:.3f}" for k, v in row["phase_ms"].items()) if "phase_ms" in row else "")
               + (f" gate={row['gate_gemm_ms']:.3f} d2t={row['d2t_ms']:.3f} d2t_cublas={row['d2t_cublas_ms']:.3f}"
                  f" sparse_forced_cublas_d2t={row['ours_sparse_forced_cublas_d2t_ms']:.3f}"

@@ -190,7 +190,7 @@ void finalize(const at::Tensor& yacc, const at::Tensor& flag, at::Tensor y, int6
 // more than S active entries, a row with more than row_cap, or a non-finite gate value. l1_row fp32 [rows]
 // (or empty): per-row sums of |out|.
 void relu_mul_stats(const at::Tensor& g, const at::Tensor& u, at::Tensor out, int64_t N, int64_t S,
-                    int64_t row_cap, at::Tensor rownnz, at::Tensor stats, at::Tensor l1_row) {
+                    int64_t row_cap, at::Tensor rownnz, at::Tensor stats, at::Tensor l1_row, int64_t flag_from) {
   auto mat = [&](const at::Tensor& t, const char* name) {
     TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kBFloat16 && t.dim() == 2 && t.stride(1) == 1 &&
                     t.size(0) == g.size(0) && t.size(1) >= N,
@@ -226,19 +226,26 @@ void relu_mul_stats(const at::Tensor& g, const at::Tensor& u, at::Tensor out, in
   }
   const c10::cuda::CUDAGuard guard(g.device());
   check(twell_relu_mul_stats_launch(g.data_ptr(), g.stride(0), up, ldu, out.data_ptr(), out.stride(0), (int)rows,
-                                    (int)N, (int)S, (int)std::min<int64_t>(row_cap, INT32_MAX), rn, st, lp, nullptr,
+                                    (int)N, (int)S, (int)std::min<int64_t>(row_cap, INT32_MAX), (int)flag_from, rn, st,
+                                    lp, nullptr,
                                     c10::cuda::getCurrentCUDAStream().stream()),
         "relu_mul_stats");
 }
 
-// out: int64 [2], zeroed by the caller; += (sum of counts over unflagged rows, number of flagged rows).
-void row_stats(const at::Tensor& counts, const at::Tensor& flag, at::Tensor out) {
+// out: int64 [2], zeroed by the caller; += (sum of counts over unflagged rows, number of flagged rows). extra
+// (int32 [rows], or None): more active entries per row, added to its count.
+void row_stats(const at::Tensor& counts, const at::Tensor& flag, at::Tensor out, const c10::optional<at::Tensor>& extra) {
   req(counts, "counts", at::kInt, 2);
   req(flag, "flag", at::kInt, 1);
   req(out, "out", at::kLong, 1);
   TORCH_CHECK(flag.size(0) == counts.size(0) && out.size(0) == 2, "row_stats: shape mismatch");
+  if (extra.has_value()) {
+    req(*extra, "extra", at::kInt, 1);
+    TORCH_CHECK(extra->size(0) == counts.size(0), "row_stats: extra must be int32 [rows]");
+  }
   const c10::cuda::CUDAGuard guard(counts.device());
-  check(twell_row_stats_launch(i32(counts), i32(flag), (int)counts.size(0), (int)(counts.size(1) * 256),
+  check(twell_row_stats_launch(i32(counts), i32(flag), extra.has_value() ? i32(*extra) : nullptr,
+                               (int)counts.size(0), (int)(counts.size(1) * 256),
                                reinterpret_cast<unsigned long long*>(out.data_ptr<int64_t>()), nullptr,
                                c10::cuda::getCurrentCUDAStream().stream()),
         "row_stats");
@@ -323,8 +330,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("up_list", &up_list, "the large-M up step: each row's TwELL entries and h = g * (x . W_u[j]) as a compact list");
   m.def("down_slices", &down_slices, "the large-M down step: y = sum h W_dT[j] over up_list's entries, slice-major");
   m.def("finalize", &finalize, "fp32 accumulator -> bf16 output");
-  m.def("relu_mul_stats", &relu_mul_stats, "dense path: relu(g) * u (or relu(g)) in one pass, measuring activity (and the L1 sum)");
-  m.def("row_stats", &row_stats, "sum of counts over unflagged rows and number of flagged rows (dispatch history)");
+  m.def("relu_mul_stats", &relu_mul_stats, "dense path: relu(g) * u (or relu(g)) in one pass, measuring activity (and the L1 sum)",
+        py::arg("g"), py::arg("u"), py::arg("out"), py::arg("N"), py::arg("S"), py::arg("row_cap"), py::arg("rownnz"),
+        py::arg("stats"), py::arg("l1_row"), py::arg("flag_from") = 0);
+  m.def("row_stats", &row_stats, "sum of counts over unflagged rows and number of flagged rows (dispatch history)",
+        py::arg("counts"), py::arg("flag"), py::arg("out"), py::arg("extra") = py::none());
   m.def("plan_free", &sfl_runtime::plan_free, "release a layer's plan (its module is gone)");
   m.def("plan_reset", &sfl_runtime::plan_reset, "forget a layer's measured activity and timings");
   m.def("plan_info", &sfl_runtime::plan_info, "a layer's dispatch state and last call (tests, benchmark logs)");

@@ -22,12 +22,13 @@ cudaError_t twell_up_list_launch(const void* x, const void* wu, int rows, int K,
                                  cudaStream_t stream);
 cudaError_t twell_finalize_launch(const float* yacc, const int32_t* flag, int rows, int K, int nan_fill, void* y,
                                   cudaStream_t stream);
-cudaError_t twell_row_stats_launch(const int32_t* counts, const int32_t* flag, int rows, int N,
+cudaError_t twell_row_stats_launch(const int32_t* counts, const int32_t* flag, const int32_t* extra, int rows, int N,
                                    unsigned long long* out, unsigned long long* acc, cudaStream_t stream);
+// flag_from: the first column whose tiles may flag a row (a multiple of 256; 0: every tile)
 cudaError_t twell_relu_mul_stats_launch(const void* g, long long ldg, const void* u, long long ldu, void* out,
-                                        long long ldo, int rows, int N, int S, int row_cap, int32_t* rownnz,
-                                        unsigned long long* stats, float* l1_row, unsigned long long* acc,
-                                        cudaStream_t stream);
+                                        long long ldo, int rows, int N, int S, int row_cap, int flag_from,
+                                        int32_t* rownnz, unsigned long long* stats, float* l1_row,
+                                        unsigned long long* acc, cudaStream_t stream);
 int twell_d2t_gemm_supported(int device);
 cudaError_t twell_d2t_gemm_launch(const void* x, const void* w, int M, int N, int K, int S, int32_t* packed,
                                   int32_t* counts, int32_t* flag, int overlap, int max_ctas, cudaStream_t stream);

@@ -74,7 +74,7 @@ def plan_args(cfg: KernelConfig) -> tuple[list[int], list[float]]:
     ints = [_MODE_CODE[cfg.mode], cfg.slots, cfg.decode_max_m, int(cfg.self_timing), cfg.measure_every,
             int(cfg.d2t == "fused"), cfg.d2t_overlap_min_k, cfg.d2t_max_ctas, cfg.gate_scratch_mb,
             cfg.decode_tiles_per_warp, cfg.fused_decode_max_m, cfg.rows_decode_max_m,
-            cfg.decode_rows_slices, cfg.backup_rows, cfg.up_list_min_m]
+            cfg.decode_rows_slices, cfg.backup_rows, cfg.up_list_min_m, cfg.hot_neurons]
     floats = [float(cfg.flagged_dense_above), float(cfg.activity_hint)]
     for gated in (True, False):
         ms, ps = cfg.crossover_table(gated)

@@ -112,7 +112,7 @@ at::Tensor kept_empty(at::IntArrayRef size, const at::TensorOptions& opts, cudaS
 struct Config {
   int mode = kAuto, slots = 32, decode_max_m = 64, measure_every = 16, d2t_overlap_min_k = 4096, d2t_max_ctas = 0;
   int decode_tiles_per_warp = 4, fused_decode_max_m = 2, rows_decode_max_m = 64;
-  int decode_rows_slices = 0, backup_rows = -1, up_list_min_m = 16384;
+  int decode_rows_slices = 0, backup_rows = -1, up_list_min_m = 16384, hot_neurons = 0;
   bool self_timing = true, fused_d2t = true;
   int64_t gate_scratch_mb = 1024;
   double flagged_dense_above = 0.05, activity_hint = 0.0;
@@ -121,14 +121,14 @@ struct Config {
 };
 
 Config parse_config(at::IntArrayRef ic, at::ArrayRef<double> fc) {
-  TORCH_CHECK(ic.size() == 15 && fc.size() >= 4, "sfl_twell::ffn: malformed plan arguments (build them with "
+  TORCH_CHECK(ic.size() == 16 && fc.size() >= 4, "sfl_twell::ffn: malformed plan arguments (build them with "
               "kernels.twell.ops.plan_args)");
   Config c;
   c.mode = (int)ic[0]; c.slots = (int)ic[1]; c.decode_max_m = (int)ic[2]; c.self_timing = ic[3] != 0;
   c.measure_every = (int)ic[4]; c.fused_d2t = ic[5] != 0; c.d2t_overlap_min_k = (int)ic[6];
   c.d2t_max_ctas = (int)ic[7]; c.gate_scratch_mb = ic[8]; c.decode_tiles_per_warp = (int)ic[9];
   c.fused_decode_max_m = (int)ic[10]; c.rows_decode_max_m = (int)ic[11]; c.decode_rows_slices = (int)ic[12];
-  c.backup_rows = (int)ic[13]; c.up_list_min_m = (int)ic[14];
+  c.backup_rows = (int)ic[13]; c.up_list_min_m = (int)ic[14]; c.hot_neurons = (int)ic[15];
   c.flagged_dense_above = fc[0];
   c.activity_hint = fc[1];
   size_t i = 2;
@@ -139,6 +139,7 @@ Config parse_config(at::IntArrayRef ic, at::ArrayRef<double> fc) {
     for (int k = 0; k < n; ++k) { c.xo_m[t].push_back((int64_t)fc[i++]); c.xo_p[t].push_back(fc[i++]); }
   }
   TORCH_CHECK(c.slots >= 1 && c.slots <= kTileN, "KernelConfig.slots must be in 1..256");
+  TORCH_CHECK(c.hot_neurons >= 0 && c.hot_neurons % kTileN == 0, "KernelConfig.hot_neurons must be a multiple of 256");
   return c;
 }
 
@@ -172,10 +173,14 @@ struct Plan {
   at::Tensor wdt, wdt_src;
   const void* wdt_storage = nullptr;
   int64_t wdt_offset = -1, wdt_version = -1;
+  // the hot neurons' [W_g; W_u] rows stacked (gated, hot_neurons > 0): one GEMM for both, keyed like wdt
+  at::Tensor hot_w, hot_src_g, hot_src_u;
+  int64_t hot_version_g = -1, hot_version_u = -1;
   // the last call, for tests and benchmark logs
   std::string last_path, last_d2t;
   int64_t last_flagged = -1;            // flagged rows in the latest measurement that reached the host
   int64_t last_cap = -1;                // the last sparse call's backup capacity (rows by dense GEMMs)
+  int64_t last_hot = 0;                 // the last sparse call's neurons computed as dense GEMMs (hot/cold)
   int device = -1, sms = 0;
 
   ~Plan() {
@@ -350,6 +355,26 @@ struct Plan {
     }
     return wdt;
   }
+
+  // [W_g[:H]; W_u[:H]] as one [2H, K] tensor (H = cfg.hot_neurons), kept while both sources start at the same
+  // addresses (held, so their memory cannot be reused meanwhile) at the same versions, as W_d's copy is keyed; a
+  // capture that finds none stacks into a per-call buffer (part of the graph) and keeps nothing
+  at::Tensor hot_stacked(const at::Tensor& wg, const at::Tensor& wu, cudaStream_t stream, bool capture) {
+    const int64_t H = cfg.hot_neurons, K = wu.size(1);
+    const bool same = hot_w.defined() && hot_w.size(1) == K && hot_src_g.data_ptr() == wg.data_ptr() &&
+                      hot_src_u.data_ptr() == wu.data_ptr() && (int64_t)wg._version() == hot_version_g &&
+                      (int64_t)wu._version() == hot_version_u;
+    if (same) return hot_w;
+    if (capture) return at::cat({wg.narrow(0, 0, H), wu.narrow(0, 0, H)});
+    hot_w = kept_empty({2 * H, K}, wu.options(), stream);
+    hot_w.narrow(0, 0, H).copy_(wg.narrow(0, 0, H));
+    hot_w.narrow(0, H, H).copy_(wu.narrow(0, 0, H));
+    hot_src_g = wg;
+    hot_src_u = wu;
+    hot_version_g = (int64_t)wg._version();
+    hot_version_u = (int64_t)wu._version();
+    return hot_w;
+  }
 };
 
 std::mutex g_mutex;
@@ -506,7 +531,8 @@ at::Tensor dense_path(Call& c, bool table_dense) {
   at::Tensor st = measure ? P.measurement_slot(c.stream) : at::Tensor();
   at::Tensor h = c.wg ? u : g;  // in place
   check(twell_relu_mul_stats_launch(g.data_ptr(), g.stride(0), c.wg ? u.data_ptr() : nullptr, c.wg ? u.stride(0) : 0,
-                                    h.data_ptr(), h.stride(0), (int)c.M, (int)c.N, P.cfg.slots, (int)c.N, nullptr,
+                                    h.data_ptr(), h.stride(0), (int)c.M, (int)c.N, P.cfg.slots, (int)c.N,
+                                    P.cfg.hot_neurons, nullptr,
                                     measure ? reinterpret_cast<unsigned long long*>(i64(st)) : nullptr, nullptr,
                                     c.acc, c.stream),
         "relu_mul_stats");
@@ -619,19 +645,13 @@ void backup_rows(Call& c, const at::Tensor& wdt, const at::Tensor& flag, const a
   }
 }
 
-at::Tensor sparse_path(Call& c, bool sync_free) {
+// The TwELL steps of a sparse call over c's neurons (all of them, or the cold ones of a hot/cold call): d2t, the
+// measurement, up and down, and above decode sizes the dense backup. extra (or null): active entries per row counted
+// elsewhere (the hot neurons'), added to the measurement and the model's statistics; n_all: the layer's neurons,
+// which the measured activity is a fraction of.
+at::Tensor twell_steps(Call& c, const at::Tensor& wdt, bool small, bool measure, const int32_t* extra, int64_t n_all) {
   Plan& P = c.P;
   const int64_t M = c.M, K = c.K, N = c.N, T = N / kTileN;
-  ++P.sparse_calls;
-  P.last_cap = -1;  // no backup block at decode sizes
-  const at::Tensor wdt = P.down_t(c.wd, c.stream, c.capture);
-  // decode sizes measure every measure_every-th call (the read-back is a few small operations, comparable to the
-  // call), larger calls whenever the last measurement has reached the host
-  const bool small = M <= P.cfg.decode_max_m;
-  const bool measure = !c.capture && !P.pending &&
-                       (!small || P.sparse_calls % P.cfg.measure_every == 1 % P.cfg.measure_every);
-  if (sync_free && M <= std::min(P.cfg.fused_decode_max_m, kFusedDecodeMaxM)) return fused_decode(c, wdt, measure);
-  if (sync_free && M <= P.cfg.rows_decode_max_m && N % 8 == 0 && N <= kRowsDecodeMaxN) return rows_decode(c, wdt, measure);
   const int S = small ? kTileN : P.cfg.slots;  // decode sizes: no row can overflow a full tile
   const auto i32o = c.x.options().dtype(at::kInt);
   at::Tensor packed = at::empty({M, T, S}, i32o);
@@ -645,7 +665,7 @@ at::Tensor sparse_path(Call& c, bool sync_free) {
                   : cap > 0 ? zeroed({2}, c.x.options().dtype(at::kLong), c.stream)
                             : at::Tensor();
   if (st.defined() || c.acc) {
-    check(twell_row_stats_launch(i32(counts), i32(flag), (int)M, (int)N,
+    check(twell_row_stats_launch(i32(counts), i32(flag), extra, (int)M, (int)N,
                                  st.defined() ? reinterpret_cast<unsigned long long*>(i64(st)) : nullptr, c.acc,
                                  c.stream),
           "row_stats");
@@ -686,7 +706,58 @@ at::Tensor sparse_path(Call& c, bool sync_free) {
           "up_down");
   }
   if (!small) backup_rows(c, wdt, flag, st, cap, y);
-  if (measure) P.to_host(st, M, N, c.stream);
+  if (measure) P.to_host(st, M, n_all, c.stream);
+  return y;
+}
+
+// Hot/cold (KernelConfig.hot_neurons = H > 0, M above decode sizes): the layer's first H neurons (put there by
+// models' order_hot_neurons_, by measured firing rate) as dense GEMMs, the others through TwELL.
+//   gu = x [W_g; W_u]_hot^T (one GEMM on the plan's stacked copy; non-gated x W_u,hot^T), h = relu(g) * u in place
+//   (relu_mul_stats: HF's elementwise bits, the hot entries counted per row), y = the TwELL steps on the other
+//   neurons' rows, then y += h W_d,hot^T (cuBLAS, beta 1).
+// Exact as the sparse path is: a flagged row's cold part comes from the dense backup and its hot part from the GEMMs,
+// a non-finite hot gate propagates as in HF's math, and hot tiles flag nothing (they cannot overflow).
+at::Tensor hot_cold(Call& c, const at::Tensor& wdt, bool measure) {
+  Plan& P = c.P;
+  const int64_t H = P.cfg.hot_neurons, Nc = c.N - H, M = c.M;
+  const at::Tensor gu = c.wg ? at::mm(c.x, P.hot_stacked(*c.wg, c.wu, c.stream, c.capture).t())
+                             : at::mm(c.x, c.wu.narrow(0, 0, H).t());
+  const bool count = measure || c.acc;
+  at::Tensor hot_nnz = count ? at::empty({M}, c.x.options().dtype(at::kInt)) : at::Tensor();
+  const auto* g = static_cast<const at::BFloat16*>(gu.data_ptr());
+  check(twell_relu_mul_stats_launch(g, gu.stride(0), c.wg ? g + H : nullptr, gu.stride(0), gu.data_ptr(),
+                                    gu.stride(0), (int)M, (int)H, P.cfg.slots, (int)H, 0,
+                                    count ? i32(hot_nnz) : nullptr, nullptr, nullptr, nullptr, c.stream),
+        "relu_mul_stats");
+  const at::Tensor wg_c = c.wg ? c.wg->narrow(0, H, Nc) : at::Tensor();
+  const at::Tensor wu_c = c.wu.narrow(0, H, Nc), wd_c = c.wd.narrow(1, H, Nc);
+  Call cold{P, c.x, c.wg ? &wg_c : nullptr, wu_c, wd_c, c.acc, c.stream, c.capture, M, c.K, Nc};
+  at::Tensor y = twell_steps(cold, wdt.narrow(0, H, Nc), false, measure, count ? i32(hot_nnz) : nullptr, c.N);
+  y.addmm_(gu.narrow(1, 0, H), wdt.narrow(0, 0, H));
+  return y;
+}
+
+at::Tensor sparse_path(Call& c, bool sync_free) {
+  Plan& P = c.P;
+  ++P.sparse_calls;
+  P.last_cap = -1;  // no backup block at decode sizes
+  const at::Tensor wdt = P.down_t(c.wd, c.stream, c.capture);
+  // decode sizes measure every measure_every-th call (the read-back is a few small operations, comparable to the
+  // call), larger calls whenever the last measurement has reached the host
+  const bool small = c.M <= P.cfg.decode_max_m;
+  const bool measure = !c.capture && !P.pending &&
+                       (!small || P.sparse_calls % P.cfg.measure_every == 1 % P.cfg.measure_every);
+  P.last_hot = 0;
+  if (sync_free && c.M <= std::min(P.cfg.fused_decode_max_m, kFusedDecodeMaxM)) return fused_decode(c, wdt, measure);
+  if (sync_free && c.M <= P.cfg.rows_decode_max_m && c.N % 8 == 0 && c.N <= kRowsDecodeMaxN)
+    return rows_decode(c, wdt, measure);
+  at::Tensor y;
+  if (!small && P.cfg.hot_neurons > 0) {
+    P.last_hot = P.cfg.hot_neurons;
+    y = hot_cold(c, wdt, measure);
+  } else {
+    y = twell_steps(c, wdt, small, measure, nullptr, c.N);
+  }
   P.last_path = small ? "sparse-syncfree" : "sparse";
   return y;
 }
@@ -703,6 +774,8 @@ at::Tensor ffn_cuda(const at::Tensor& x_in, const c10::optional<at::Tensor>& w_g
   const at::Tensor x = readable(x_in.reshape({-1, K}));
   const int64_t M = x.size(0);
   if (M == 0) return at::empty(x_in.sizes(), x_in.options());
+  TORCH_CHECK(P.cfg.hot_neurons < N, "KernelConfig.hot_neurons=", str(P.cfg.hot_neurons), " must be below the layer's ",
+              "intermediate size N=", str(N), " (the hot neurons are the first hot_neurons; set 0 to turn hot/cold off)");
   const at::Tensor wu = readable(w_up), wd = readable_down(w_down);
   const at::Tensor wg = w_gate.has_value() ? readable(*w_gate) : at::Tensor();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
@@ -729,6 +802,10 @@ at::Tensor ffn_cuda(const at::Tensor& x_in, const c10::optional<at::Tensor>& w_g
       if (sync_free && known && p <= kTimedDecodeMaxP) {
         // eager decode sizes: the faster path as timed on this layer, whatever the table says. The table is the
         // GPU time of graph replays; an eager decode step is mostly host time (launches), which events see too.
+        sparse = P.timed_choice(bucket);
+      } else if (!sync_free && P.cfg.hot_neurons > 0 && known && p <= kTimedDecodeMaxP) {
+        // eager large M with hot neurons: the table, calibrated on calls without them, does not describe the
+        // hot/cold call (its hot part costs the same at any activity); the faster path as timed on this layer
         sparse = P.timed_choice(bucket);
       } else if (!sync_free) {
         // eager large M: the table proposes sparse, timing may veto it
@@ -820,6 +897,8 @@ py::dict plan_info(int64_t id) {
   d["flagged_rows"] = P.last_flagged >= 0 ? py::cast(P.last_flagged) : py::none();
   d["backup_cap"] = P.last_cap >= 0 ? py::cast(P.last_cap) : py::none();
   d["down_copy_bytes"] = P.wdt.defined() ? P.wdt.numel() * P.wdt.element_size() : 0;  // W_d's neuron-major copy
+  d["hot_neurons"] = P.last_hot;   // the last sparse call's dense-computed neurons (KernelConfig.hot_neurons)
+  d["hot_copy_bytes"] = P.hot_w.defined() ? P.hot_w.numel() * P.hot_w.element_size() : 0;  // stacked hot rows
   py::dict t;
   for (const auto& kv : P.times) {
     t[py::make_tuple(kv.first.first, kv.first.second ? "sparse" : "dense")] =

@@ -721,7 +721,9 @@ __global__ void __launch_bounds__(kRowsThreads, NI <= 8 ? 3 : 1)
 // mul, including 0 * Inf = NaN); non-gated: out = relu(g). out may alias g or u (in place). Measures relu(g):
 // rownnz[r] = active entries of row r (NaN counts; skipped when null); stats[0] += active entries of unflagged
 // rows, stats[1] += flagged rows (a tile count > S, a row count > row_cap, or a non-finite gate; skipped when
-// null; zeroed by the caller); l1_row[r] = sum of |out[r, :]| in fp32 (skipped when null).
+// null; zeroed by the caller); l1_row[r] = sum of |out[r, :]| in fp32 (skipped when null). Tiles below flag_t0 never
+// flag a row: a layer's hot neurons (KernelConfig.hot_neurons) are computed densely on its sparse path too, so only
+// the other tiles decide which rows its sparse calls send to the dense backup.
 // Against torch's two elementwise kernels this reads/writes 3 instead of 5 [rows, N] bf16 arrays.
 // WPR warps per row (8 rows of one warp per block for large M; 8 warps on one row for small M, where one warp
 // per row would wait on ~N/1024 rounds of loads), tiles U at a time per warp (loads issued together; 8 for the
@@ -730,7 +732,7 @@ template <bool GATED, int WPR, int U = GATED ? 4 : 8>
 __global__ void __launch_bounds__(256) relu_mul_stats_kernel(const __nv_bfloat16* g, long long ldg,
                                                              const __nv_bfloat16* u, long long ldu,
                                                              __nv_bfloat16* out, long long ldo, int rows,
-                                                             int n_tiles, int S, int row_cap,
+                                                             int n_tiles, int S, int row_cap, int flag_t0,
                                                              int32_t* __restrict__ rownnz,
                                                              unsigned long long* __restrict__ stats,
                                                              float* __restrict__ l1_row,
@@ -788,7 +790,7 @@ __global__ void __launch_bounds__(256) relu_mul_stats_kernel(const __nv_bfloat16
           orow[t * 32] = make_uint4(o[0], o[1], o[2], o[3]);  // read next by a GEMM: keep in L2
           const int tc = __reduce_add_sync(kFull, c);
           nnz += tc;
-          bad |= (tc > S) || __any_sync(kFull, nf);
+          bad |= t >= flag_t0 && ((tc > S) || __any_sync(kFull, nf));
         }
       }
     }
@@ -820,9 +822,11 @@ __global__ void __launch_bounds__(256) relu_mul_stats_kernel(const __nv_bfloat16
 }
 
 // row_stats: out[0] += sum of counts over unflagged rows, out[1] += number of flagged rows (out zeroed by caller,
-// or null); acc (or null): the model's running statistics (add_model_stats) over every row.
+// or null); acc (or null): the model's running statistics (add_model_stats) over every row. extra (or null): more
+// active entries per row, added to its count (the hot neurons' of a hot/cold call, counted by relu_mul_stats).
 __global__ void __launch_bounds__(256) row_stats_kernel(const int32_t* __restrict__ counts,
-                                                        const int32_t* __restrict__ flag, int rows, int n_tiles,
+                                                        const int32_t* __restrict__ flag,
+                                                        const int32_t* __restrict__ extra, int rows, int n_tiles,
                                                         unsigned long long* __restrict__ out,
                                                         unsigned long long* __restrict__ acc) {
   __shared__ unsigned long long s_n[8], s_f[8], s_a[8], s_m[8];
@@ -830,6 +834,7 @@ __global__ void __launch_bounds__(256) row_stats_kernel(const int32_t* __restric
   unsigned long long n = 0, f = 0, a = 0;
   if (row < rows) {
     for (int t = 0; t < n_tiles; ++t) a += (unsigned long long)counts[(long long)row * n_tiles + t];
+    if (extra != nullptr) a += (unsigned long long)extra[row];
     if (flag[row]) f = 1; else n = a;
   }
   unsigned long long m = a;
@@ -1230,11 +1235,11 @@ cudaError_t twell_decode_rows_launch(const void* g, long long ldg, const void* x
   return rows_gated<16>(gated, rows, slices, gb, ldg, xb, ub, db, K, N, yb, out, acc, stream);
 }
 
-cudaError_t twell_row_stats_launch(const int32_t* counts, const int32_t* flag, int rows, int N,
+cudaError_t twell_row_stats_launch(const int32_t* counts, const int32_t* flag, const int32_t* extra, int rows, int N,
                                    unsigned long long* out, unsigned long long* acc, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
   if (N % twell::kTileN != 0) return cudaErrorInvalidValue;
-  twell::row_stats_kernel<<<(unsigned)((rows + 255) / 256), 256, 0, stream>>>(counts, flag, rows,
+  twell::row_stats_kernel<<<(unsigned)((rows + 255) / 256), 256, 0, stream>>>(counts, flag, extra, rows,
                                                                               N / twell::kTileN, out, acc);
   return cudaGetLastError();
 }
@@ -1242,11 +1247,12 @@ cudaError_t twell_row_stats_launch(const int32_t* counts, const int32_t* flag, i
 // relu_mul_stats: g/u/out [rows, >=N] with row strides ld* (% 8), u == nullptr for non-gated, N % 256 == 0.
 // l1_row (if not null) holds rows floats.
 cudaError_t twell_relu_mul_stats_launch(const void* g, long long ldg, const void* u, long long ldu, void* out,
-                                        long long ldo, int rows, int N, int S, int row_cap, int32_t* rownnz,
-                                        unsigned long long* stats, float* l1_row, unsigned long long* acc,
-                                        cudaStream_t stream) {
+                                        long long ldo, int rows, int N, int S, int row_cap, int flag_from,
+                                        int32_t* rownnz, unsigned long long* stats, float* l1_row,
+                                        unsigned long long* acc, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
-  if (N % twell::kTileN != 0 || ldg % 8 != 0 || ldo % 8 != 0 || (u != nullptr && ldu % 8 != 0))
+  if (N % twell::kTileN != 0 || flag_from % twell::kTileN != 0 || ldg % 8 != 0 || ldo % 8 != 0 ||
+      (u != nullptr && ldu % 8 != 0))
     return cudaErrorInvalidValue;
   const int n_tiles = N / twell::kTileN;
   const auto* gb = reinterpret_cast<const __nv_bfloat16*>(g);
@@ -1256,7 +1262,7 @@ cudaError_t twell_relu_mul_stats_launch(const void* g, long long ldg, const void
   const bool wide = rows <= 8 * twell::sm_count();
 #define TWELL_RMS(G_, W_)                                                                                      \
   twell::relu_mul_stats_kernel<G_, W_><<<(unsigned)((rows + 8 / W_ - 1) / (8 / W_)), 256, 0, stream>>>(        \
-      gb, ldg, ub, ldu, ob, ldo, rows, n_tiles, S, row_cap, rownnz, stats, l1_row, acc)
+      gb, ldg, ub, ldu, ob, ldo, rows, n_tiles, S, row_cap, flag_from / twell::kTileN, rownnz, stats, l1_row, acc)
   if (u != nullptr) {
     if (wide) TWELL_RMS(true, 8); else TWELL_RMS(true, 1);
   } else {
