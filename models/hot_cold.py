@@ -51,26 +51,29 @@ def neuron_rates(model, batches: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return [(c / tokens[0]).float() for c in counts]
 
 
-def _time_ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
+def _rotate_ms(fns: dict, reps: int) -> dict:
+    """Median milliseconds of each fn, timed in rotation (drift hits all alike) with CUDA events, after one call."""
+    for fn in fns.values():
         fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
+    times = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, fn in fns.items():
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            times[k].append(s.elapsed_time(e))
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 @torch.no_grad()
 def choose_hot_neurons(model, rates: Sequence[torch.Tensor], input_ids: torch.Tensor,
-                       candidates: Sequence[int] = HOT_CANDIDATES, reps: int = 5, margin: float = 0.03) -> list[int]:
-    """Per layer, the hot-neuron count whose sparse call ran fastest on this layer's input for input_ids (one forward;
-    each candidate timed in forced sparse mode, CUDA events, medians of reps), 0 unless another beat it by more than
-    `margin`. Orders the model's neurons by `rates` first (order_hot_neurons_ with no hot neurons). CUDA model
-    (mlp_impl="cuda") only; the batch should have as many tokens as the calls to be sped up."""
+                       candidates: Sequence[int] = HOT_CANDIDATES, reps: int = 7, margin: float = 0.03) -> list[int]:
+    """Per layer, the hot-neuron count whose sparse call ran fastest on this layer's input for input_ids (one
+    forward; the candidates in forced sparse mode timed in rotation, CUDA events, medians of reps), 0 unless another
+    beat it by more than `margin`. Orders the model's neurons by `rates` first (order_hot_neurons_ with no hot
+    neurons). CUDA model (mlp_impl="cuda") only; the batch should have as many tokens as the calls to be sped up."""
     from sfl.kernels.twell import ops
 
     if model.config.mlp_impl != "cuda" or not torch.cuda.is_available():
@@ -86,12 +89,8 @@ def choose_hot_neurons(model, rates: Sequence[torch.Tensor], input_ids: torch.Te
             wg, wu, wd = mod._inference_weights()
             x = x.to(wu.dtype)
             base = mod.plan.config.replace(mode="sparse")
-            ms = {}
-            for h in candidates:
-                if h >= mod.intermediate_size:
-                    continue
-                plan = ops.Plan(base.replace(hot_neurons=h))
-                ms[h] = _time_ms(lambda: ops.ffn(x, wg, wu, wd, plan), reps)
+            plans = {h: ops.Plan(base.replace(hot_neurons=h)) for h in candidates if h < mod.intermediate_size}
+            ms = _rotate_ms({h: (lambda p=p: ops.ffn(x, wg, wu, wd, p)) for h, p in plans.items()}, reps)
             best = min(ms, key=ms.get)
             chosen[i] = best if ms[best] < (1.0 - margin) * ms[0] else 0
         return fn

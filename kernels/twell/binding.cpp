@@ -234,7 +234,8 @@ void relu_mul_stats(const at::Tensor& g, const at::Tensor& u, at::Tensor out, in
 
 // out: int64 [2], zeroed by the caller; += (sum of counts over unflagged rows, number of flagged rows). extra
 // (int32 [rows], or None): more active entries per row, added to its count.
-void row_stats(const at::Tensor& counts, const at::Tensor& flag, at::Tensor out, const c10::optional<at::Tensor>& extra) {
+void row_stats(const at::Tensor& counts, const at::Tensor& flag, at::Tensor out,
+               const c10::optional<at::Tensor>& extra) {
   req(counts, "counts", at::kInt, 2);
   req(flag, "flag", at::kInt, 1);
   req(out, "out", at::kLong, 1);
@@ -330,7 +331,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("up_list", &up_list, "the large-M up step: each row's TwELL entries and h = g * (x . W_u[j]) as a compact list");
   m.def("down_slices", &down_slices, "the large-M down step: y = sum h W_dT[j] over up_list's entries, slice-major");
   m.def("finalize", &finalize, "fp32 accumulator -> bf16 output");
-  m.def("relu_mul_stats", &relu_mul_stats, "dense path: relu(g) * u (or relu(g)) in one pass, measuring activity (and the L1 sum)",
+  m.def("relu_mul_stats", &relu_mul_stats,
+        "dense path: relu(g) * u (or relu(g)) in one pass, measuring activity (and the L1 sum)",
         py::arg("g"), py::arg("u"), py::arg("out"), py::arg("N"), py::arg("S"), py::arg("row_cap"), py::arg("rownnz"),
         py::arg("stats"), py::arg("l1_row"), py::arg("flag_from") = 0);
   m.def("row_stats", &row_stats, "sum of counts over unflagged rows and number of flagged rows (dispatch history)",

@@ -15,7 +15,8 @@
 //   Eager M > decode_max_m with self_timing: a bucket the table sends sparse first runs dense until it has 2 dense
 //   timings, and stays dense while min(sparse) > min(dense) (re-probed every 256th call of the bucket).
 //   Eager M <= decode_max_m with self_timing and p <= 0.25: both paths are timed and the faster one runs (the
-//   slower one re-probed every 256th call); under CUDA-graph capture the table decides.
+//   slower one re-probed every 256th call); under CUDA-graph capture the table decides. So do eager calls above
+//   decode sizes of a layer with hot neurons (the table was calibrated without them).
 // Paths:
 //   dense     : the GEMMs HF runs, relu(g)*u in one pass that measures activity and accumulates the model's stats.
 //   sparse    : M > decode_max_m: d2t (S = slots) -> up_down (one block per row), or (gated) from up_list_min_m rows
@@ -24,6 +25,8 @@
 //               of them, the first `cap` (from the layer's measured flagged fraction) by HF's dense math on a gathered
 //               block, any beyond by dense_rows_fwd on CUDA cores (common/backup_rows.cu), which with cap 0 finds
 //               them in the flags itself. Eager and captured alike.
+//   hot/cold  : sparse above decode sizes with KernelConfig.hot_neurons = H > 0: the first H neurons by dense GEMMs
+//               ([W_g; W_u]_hot stacked once per weight version, relu*mul, y += h W_d,hot^T), the rest as above.
 //   decode    : M <= decode_max_m: S = 256 (no row can overflow), non-finite rows NaN; M <= fused_decode_max_m (at
 //               most 8): the fused decode kernel; M <= rows_decode_max_m: a cuBLAS gate GEMM, then decode_rows (one
 //               block per row and K slice: compaction, up and down).
@@ -774,8 +777,9 @@ at::Tensor ffn_cuda(const at::Tensor& x_in, const c10::optional<at::Tensor>& w_g
   const at::Tensor x = readable(x_in.reshape({-1, K}));
   const int64_t M = x.size(0);
   if (M == 0) return at::empty(x_in.sizes(), x_in.options());
-  TORCH_CHECK(P.cfg.hot_neurons < N, "KernelConfig.hot_neurons=", str(P.cfg.hot_neurons), " must be below the layer's ",
-              "intermediate size N=", str(N), " (the hot neurons are the first hot_neurons; set 0 to turn hot/cold off)");
+  TORCH_CHECK(P.cfg.hot_neurons < N, "KernelConfig.hot_neurons=", str(P.cfg.hot_neurons), " must be below the ",
+              "layer's intermediate size N=", str(N), " (the hot neurons are the first hot_neurons; 0 turns hot/cold ",
+              "off)");
   const at::Tensor wu = readable(w_up), wd = readable_down(w_down);
   const at::Tensor wg = w_gate.has_value() ? readable(*w_gate) : at::Tensor();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
