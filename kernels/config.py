@@ -104,8 +104,8 @@ class KernelConfig:
             in sparse calls above decode_max_m, the others through TwELL ("hot/cold"; 0: off). For layers whose
             neurons fire at very different rates, put in front by SparseLlamaForCausalLM.order_hot_neurons_, which
             sets it per layer. Eager auto then times both paths per M bucket and runs the faster one (the crossover
-            table does not describe hot/cold calls). Measured (kernels/README.md, round 18): 10% faster on the
-            paper-like profile at 1% activity, slower at 0.5% and on uniform activity.
+            table does not describe hot/cold calls). Measured (kernels/README.md, round 18): on the paper-like
+            profile at 1% activity 1.17x -> 1.38x of dense (M = 65536); no gain at 0.5% or on uniform activity.
         d2t: "fused" (sm_90: the gate GEMM's epilogue writes TwELL) or "cublas" (gate GEMM, then compaction).
         d2t_overlap_min_k: fused d2t: K at or above which compaction warps overlap the next tile's mainloop.
         d2t_max_ctas: > 0 caps the fused d2t's persistent grid (tests); 0 = one CTA per SM.
