@@ -624,6 +624,7 @@ def main(argv: list[str] | None = None) -> int:
         cases.append(("gated", M, reps, "uniform", 0.01, 0.01))
         cases.append(("gated", M, reps, "paper", 0.005, 0.001))
         cases.append(("gated", M, reps, "paper", 0.01, 0.001))
+        cases.append(("gated", M, reps, "paper", 0.02, 0.001))   # above the crossover: where hot/cold may still pay
     for M in decode:
         for p in ([0.005, 0.02, 0.10] if not args.quick else [0.005, 0.10]):
             cases.append(("gated", M, 50, "uniform", p, 0.0))
