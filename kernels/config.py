@@ -105,7 +105,8 @@ class KernelConfig:
             neurons fire at very different rates, put in front by SparseLlamaForCausalLM.order_hot_neurons_, which
             sets it per layer. Eager auto then times both paths per M bucket and runs the faster one (the crossover
             table does not describe hot/cold calls). Measured (kernels/README.md, round 18): on the paper-like
-            profile at 1% activity 1.17x -> 1.38x of dense (M = 65536); no gain at 0.5% or on uniform activity.
+            profile, M = 65536, 1.15x -> 1.44x of dense at 1% activity and 1.04x -> 1.19x at 2%; no gain at 0.5% there
+            or on uniform activity.
         d2t: "fused" (sm_90: the gate GEMM's epilogue writes TwELL) or "cublas" (gate GEMM, then compaction).
         d2t_overlap_min_k: fused d2t: K at or above which compaction warps overlap the next tile's mainloop.
         d2t_max_ctas: > 0 caps the fused d2t's persistent grid (tests); 0 = one CTA per SM.
