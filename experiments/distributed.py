@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -75,6 +76,17 @@ class Dist:
     def barrier(self) -> None:
         if self.world > 1:
             dist.barrier()
+
+    def close(self) -> None:
+        """End the run's process group: a last barrier, then destroy_process_group. gloo's worker thread drops a
+        finished collective's tensors (a Python decref, so it needs the GIL) just after wait() returns, and the
+        group's destructor, run when the DDP wrapper is freed, joins that thread while this one holds the GIL: a drop
+        still pending then hangs the rank at exit (seen in CI: ~ProcessGroupGloo under Reducer's dealloc, the worker
+        in ~AsyncBarrierWork waiting for the GIL). The sleep releases the GIL so that the drop happens first."""
+        if self.world > 1:
+            dist.barrier()
+            time.sleep(0.05)
+            dist.destroy_process_group()
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's obj on every rank."""

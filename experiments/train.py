@@ -499,9 +499,7 @@ def _train(cfg: dict[str, Any], resume: bool, d: Dist, device: torch.device, t_s
     log.write(final)
     log.sync()
     log.close()
-    if d.world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
+    d.close()
     return final
 
 
