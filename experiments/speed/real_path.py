@@ -146,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kernel", nargs="*", default=[], metavar="FIELD=VALUE",
                     help="KernelConfig fields for our model (e.g. up_list_min_m=0), logged in kernel_config")
+    ap.add_argument("--hot-cold", action="store_true",
+                    help="after the parts, order our layers' neurons and choose their hot counts (models/hot_cold.py, "
+                         "timed on the calibration batch) and run the prefill part again")
     ap.add_argument("--out", type=Path, default=Path("results/speed/real_path.jsonl"))
     a = ap.parse_args(argv)
     dev = require_cuda()
@@ -194,6 +197,14 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # recorded, not hidden: the static-cache path is a target of its own
             log([{"kind": "generate static cache (transformers compiles)", "error": repr(e)[:2000]}])
             print(f"static-cache generate failed: {e!r}", flush=True)
+    if a.hot_cold:  # the same model with hot/cold layers (the same function), against the same dense twin
+        from sfl.models.hot_cold import calibrate_hot_neurons_
+
+        hot = calibrate_hot_neurons_(ours, [calib[:4]], calib)
+        base["hot_neurons"] = hot
+        base["kernel_config"] = ours.config.get_kernel_config().to_dict()
+        print(f"hot neurons per layer: {hot}", flush=True)
+        log(prefill_rows(hf, ours, vocab, a.prefill_batches, a.seq_len, a.blocks, a.reps))
     print(f"wrote {a.out}")
     return 0
 
