@@ -14,7 +14,7 @@ neuron is cheaper dense. Whether a layer gains as a whole is measured, not predi
 from __future__ import annotations
 
 import statistics
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -51,13 +51,17 @@ def neuron_rates(model, batches: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return [(c / tokens[0]).float() for c in counts]
 
 
-def _rotate_ms(fns: dict, reps: int) -> dict:
-    """Median milliseconds of each fn, timed in rotation (drift hits all alike) with CUDA events, after one call."""
-    for fn in fns.values():
-        fn()
+def rotate_ms(fns: dict, reps: int, before: Callable[[], object] | None = None, warmup: bool = True) -> dict:
+    """Median milliseconds of each fn, timed in rotation (drift hits all alike) with CUDA events; `before` runs
+    ahead of every timed call, outside the timing (a benchmark's L2 flush); warmup: one untimed call each first."""
+    if warmup:
+        for fn in fns.values():
+            fn()
     times = {k: [] for k in fns}
     for _ in range(reps):
         for k, fn in fns.items():
+            if before is not None:
+                before()
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
             fn()
@@ -90,7 +94,7 @@ def choose_hot_neurons(model, rates: Sequence[torch.Tensor], input_ids: torch.Te
             x = x.to(wu.dtype)
             base = mod.plan.config.replace(mode="sparse")
             plans = {h: ops.Plan(base.replace(hot_neurons=h)) for h in candidates if h < mod.intermediate_size}
-            ms = _rotate_ms({h: (lambda p=p: ops.ffn(x, wg, wu, wd, p)) for h, p in plans.items()}, reps)
+            ms = rotate_ms({h: (lambda p=p: ops.ffn(x, wg, wu, wd, p)) for h, p in plans.items()}, reps)
             best = min(ms, key=ms.get)
             chosen[i] = best if ms[best] < (1.0 - margin) * ms[0] else 0
         return fn
@@ -113,4 +117,4 @@ def calibrate_hot_neurons_(model, batches: Sequence[torch.Tensor], timing_ids: t
     return hot
 
 
-__all__ = ["neuron_rates", "choose_hot_neurons", "calibrate_hot_neurons_", "HOT_CANDIDATES"]
+__all__ = ["neuron_rates", "choose_hot_neurons", "calibrate_hot_neurons_", "rotate_ms", "HOT_CANDIDATES"]

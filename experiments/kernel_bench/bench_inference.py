@@ -225,18 +225,14 @@ def hot_cold(timer: "Timer", x, wg, wu, wd, cfg, reps: int, dense_fn, ref32) -> 
     rotation with the L2 flushed, medians of 7; 0 unless another is 3% faster), then that call timed against dense
     in rotation. The weights are permuted copies (the same function); errors against the row's dense bf16 output
     and its fp32 sample (the first rows)."""
-    from sfl.models.hot_cold import HOT_CANDIDATES
-
-    from .decode_paths import rotate
+    from sfl.models.hot_cold import HOT_CANDIDATES, rotate_ms
 
     rate = (F.linear(x[:8192], wg) > 0).float().mean(0)
     order = torch.argsort(rate, descending=True, stable=True)
     wg_p, wu_p, wd_p = wg[order].contiguous(), wu[order].contiguous(), wd[:, order].contiguous()
     fns = {h: ffn_call(x, wg_p, wu_p, wd_p, cfg.replace(mode="sparse", hot_neurons=h))[0]
            for h in HOT_CANDIDATES if h < wg.shape[0]}
-    for fn in fns.values():   # first calls: the plans' copies and measurements
-        fn()
-    ms = rotate(timer, fns, 7)
+    ms = rotate_ms(fns, 7, before=timer.flush_buf.zero_)   # after a first call each: the plans' copies, measurements
     best = min(ms, key=ms.get)
     best = best if ms[best] < 0.97 * ms[0] else 0
     dense_ms, hot_ms = timer.time_pair(dense_fn, fns[best], reps)

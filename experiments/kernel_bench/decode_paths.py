@@ -7,7 +7,6 @@ layers do not fit in L2), paths timed in rotation, medians of 30. It sets kernel
     python -m sfl.experiments.kernel_bench.decode_paths OUT.jsonl --slices-sweep   # decode_rows_slices 0/1/2/3/4/6/8
 """
 import json
-import statistics
 import sys
 import time
 
@@ -23,17 +22,10 @@ BF = torch.bfloat16
 
 
 def rotate(timer: Timer, fns: dict, reps: int) -> dict:
-    times = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, fn in fns.items():
-            timer.flush_buf.zero_()
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            times[k].append(s.elapsed_time(e))
-    return {k: statistics.median(v) for k, v in times.items()}
+    """Medians of fns timed in rotation, the L2 flushed before each call (no warm-up: the callers' own)."""
+    from sfl.models.hot_cold import rotate_ms
+
+    return rotate_ms(fns, reps, before=timer.flush_buf.zero_, warmup=False)
 
 
 def main(out: str, slices_sweep: bool = False) -> int:
