@@ -71,6 +71,13 @@ def rotate_ms(fns: dict, reps: int, before: Callable[[], object] | None = None, 
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def fastest_count(ms: dict, margin: float = 0.03) -> int:
+    """The hot count with the lowest time in ms (count -> milliseconds, 0 among them), kept only if it beats 0 (all
+    through TwELL) by more than `margin`; else 0."""
+    best = min(ms, key=ms.get)
+    return best if ms[best] < (1.0 - margin) * ms[0] else 0
+
+
 @torch.no_grad()
 def choose_hot_neurons(model, rates: Sequence[torch.Tensor], input_ids: torch.Tensor,
                        candidates: Sequence[int] = HOT_CANDIDATES, reps: int = 7, margin: float = 0.03) -> list[int]:
@@ -95,8 +102,7 @@ def choose_hot_neurons(model, rates: Sequence[torch.Tensor], input_ids: torch.Te
             base = mod.plan.config.replace(mode="sparse")
             plans = {h: ops.Plan(base.replace(hot_neurons=h)) for h in candidates if h < mod.intermediate_size}
             ms = rotate_ms({h: (lambda p=p: ops.ffn(x, wg, wu, wd, p)) for h, p in plans.items()}, reps)
-            best = min(ms, key=ms.get)
-            chosen[i] = best if ms[best] < (1.0 - margin) * ms[0] else 0
+            chosen[i] = fastest_count(ms, margin)
         return fn
 
     handles = [m.register_forward_pre_hook(hook(i)) for i, m in enumerate(mlps)]
@@ -117,4 +123,5 @@ def calibrate_hot_neurons_(model, batches: Sequence[torch.Tensor], timing_ids: t
     return hot
 
 
-__all__ = ["neuron_rates", "choose_hot_neurons", "calibrate_hot_neurons_", "rotate_ms", "HOT_CANDIDATES"]
+__all__ = ["neuron_rates", "choose_hot_neurons", "calibrate_hot_neurons_", "fastest_count", "rotate_ms",
+           "HOT_CANDIDATES"]

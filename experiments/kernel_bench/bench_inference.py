@@ -225,7 +225,7 @@ def hot_cold(timer: "Timer", x, wg, wu, wd, cfg, reps: int, dense_fn, ref32) -> 
     rotation with the L2 flushed, medians of 7; 0 unless another is 3% faster), then that call timed against dense
     in rotation. The weights are permuted copies (the same function); errors against the row's dense bf16 output
     and its fp32 sample (the first rows)."""
-    from sfl.models.hot_cold import HOT_CANDIDATES, rotate_ms
+    from sfl.models.hot_cold import HOT_CANDIDATES, fastest_count, rotate_ms
 
     rate = (F.linear(x[:8192], wg) > 0).float().mean(0)
     order = torch.argsort(rate, descending=True, stable=True)
@@ -233,8 +233,7 @@ def hot_cold(timer: "Timer", x, wg, wu, wd, cfg, reps: int, dense_fn, ref32) -> 
     fns = {h: ffn_call(x, wg_p, wu_p, wd_p, cfg.replace(mode="sparse", hot_neurons=h))[0]
            for h in HOT_CANDIDATES if h < wg.shape[0]}
     ms = rotate_ms(fns, 7, before=timer.flush_buf.zero_)   # after a first call each: the plans' copies, measurements
-    best = min(ms, key=ms.get)
-    best = best if ms[best] < 0.97 * ms[0] else 0
+    best = fastest_count(ms)
     dense_ms, hot_ms = timer.time_pair(dense_fn, fns[best], reps)
     y = fns[best]()
     return {"hot_neurons_chosen": best, "hot_candidates_ms": {str(h): v for h, v in ms.items()},
