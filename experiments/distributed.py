@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from sfl.kernels.layout import make_down_shardable_
 from sfl.models.sparsity import dead_fraction, reinit_dead_rows
 
 from .checkpoint import CheckpointWriteError, abort_checkpoint, begin_checkpoint, commit_checkpoint, write_state
@@ -46,9 +47,13 @@ class Dist:
         self.rank = int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.main = self.rank == 0
+        self.launched = "WORLD_SIZE" in os.environ  # started by torchrun
 
     def init(self, device: torch.device) -> None:
-        if self.world > 1 and not dist.is_initialized():
+        """A process group for every run torchrun started (WORLD_SIZE set), one process included: `parallel: fsdp`
+        then shards over one GPU exactly as over several (the 1-GPU point of a scaling measurement, and the FSDP2
+        path on a machine with one GPU)."""
+        if self.launched and not dist.is_initialized():
             dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
 
     def all_mean(self, t: torch.Tensor) -> torch.Tensor:
@@ -83,7 +88,7 @@ class Dist:
         group's destructor, run when the DDP wrapper is freed, joins that thread while this one holds the GIL: a drop
         still pending then hangs the rank at exit (seen in CI: ~ProcessGroupGloo under Reducer's dealloc, the worker
         in ~AsyncBarrierWork waiting for the GIL). The sleep releases the GIL so that the drop happens first."""
-        if self.world > 1:
+        if dist.is_initialized():
             dist.barrier()
             time.sleep(0.05)
             dist.destroy_process_group()
@@ -149,10 +154,15 @@ def wrap_model(model: torch.nn.Module, cfg: dict[str, Any], d: Dist, device: tor
     FSDP2: every decoder layer is its own fully_shard unit (gathered for its forward/backward, resharded
     after), the root holds the (tied) embedding, final norm and lm_head. Parameters stay in place as sharded
     DTensors on `model`, so model.sparse_mlps(), get_state_dict and the optimizer see the same objects.
+
+    A neuron-major W_d (the TwELL paths' layout) becomes one contiguous [N, K] parameter first, in every setting,
+    so that FSDP2 can shard it (by neuron) and a checkpoint has the same parameters on any number of processes
+    (kernels/layout.py); its state dict keeps down_proj.weight [K, N].
     """
+    make_down_shardable_(model.sparse_mlps())
     if cfg["activation_checkpointing"]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if d.world == 1:
+    if not dist.is_initialized():
         return model
     if cfg["parallel"] == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -200,20 +210,27 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 @contextlib.contextmanager
 def eval_path(model: torch.nn.Module) -> Any:
-    """Evaluation of an FSDP2 model with mlp_impl cuda runs the dense path instead (same CE and statistics up to
-    rounding). FSDP2 frees and refills a layer's gathered weights in the same storage without bumping their
-    version counter (checked on torch 2.13), and the CUDA inference path caches per weight, keyed by storage and
-    version (the bf16 cast in SparseLlamaMLP._inference_weights, the transposed W_d in the runtime): it could
-    serve the weights of an earlier step. Training goes through the training op, which caches nothing per weight."""
-    impl = model.config.mlp_impl
-    if impl != "cuda" or not is_sharded(model):
+    """Evaluation of an FSDP2 model through the CUDA inference op. FSDP2 frees and refills a layer's gathered
+    weights in the same storage without bumping their version counter (checked on torch 2.13), while the
+    inference path caches per weight storage and version (the bf16 cast in SparseLlamaMLP._inference_weights,
+    the hot rows in the runtime): it could serve the weights of an earlier step. So, while evaluating, every MLP
+    bumps its weights' versions before its forward (after FSDP2 has gathered them): the caches see new weights.
+    Training goes through the training op, which caches nothing per weight."""
+    if model.config.mlp_impl != "cuda" or not is_sharded(model):
         yield
         return
-    model.set_mlp_impl("dense")
+    hooks = [mlp.register_forward_pre_hook(_bump_weight_versions) for mlp in model.sparse_mlps()]
     try:
         yield
     finally:
-        model.set_mlp_impl(impl)
+        for h in hooks:
+            h.remove()
+
+
+def _bump_weight_versions(mlp: torch.nn.Module, args: Any) -> None:
+    for w in (mlp.gate_proj.weight if mlp.gated else None, mlp.up_proj.weight, mlp.down_proj.weight):
+        if w is not None:
+            torch.autograd.graph.increment_version(w)
 
 
 # --------------------------------------------------------------------------------------- sparsity statistics
@@ -358,7 +375,7 @@ def save_checkpoint_dcp(out_dir: Path, step: int, model: torch.nn.Module, opt: t
     msd, osd = get_state_dict(model, opt)
     try:
         with _quiet_single_process():
-            dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp / DCP_SUBDIR, no_dist=d.world == 1)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp / DCP_SUBDIR, no_dist=not dist.is_initialized())
     except (Exception, CheckpointException) as e:  # DCP gathers all ranks' failures: every rank raises here
         cause = _dcp_os_error(e)
         if cause is None:

@@ -107,14 +107,15 @@ class SparseLlamaMLP(nn.Module):
         self.plan = Plan(self.config.get_kernel_config(self.layer_idx))
 
     def layout_down_proj(self) -> None:
-        """down_proj.weight neuron-major for mlp_impl="cuda", where the kernels read W_d by neuron and then copy
-        nothing per call (kernels/layout.py), nn.Linear's row-major otherwise (the dense path is HF's exact ops).
+        """down_proj.weight neuron-major for the TwELL paths (mlp_impl "cuda" and its "reference"), which read W_d by
+        neuron (the kernels then copy nothing per call: kernels/layout.py), nn.Linear's row-major for "dense" (HF's
+        exact ops).
         The same Parameter and values; the model calls it at construction, after from_pretrained and in
         set_mlp_impl (a checkpoint loader that replaces the parameters leaves them row-major: still exact, the
         ops copy)."""
         from sfl.kernels.layout import set_down_layout_
 
-        set_down_layout_(self.down_proj, neuron_major=self.config.mlp_impl == "cuda")
+        set_down_layout_(self.down_proj, neuron_major=self.config.mlp_impl != "dense")
 
     @torch.no_grad()
     def permute_neurons_(self, order: torch.Tensor) -> None:

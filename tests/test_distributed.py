@@ -101,9 +101,19 @@ def runs(tmp_path_factory, data) -> dict[str, Path]:
             mlp.gate_proj.weight[20:28] = 0.0
     init.save_pretrained(root / "init")
 
-    out = {k: root / k for k in ("one", "fsdp", "ddp", "resumed", "resumed_one", "fsdp_bf16")}
+    # The TwELL layout: the reference path keeps W_d neuron-major, as the CUDA kernels do, and the trainer makes it
+    # one contiguous [N, K] parameter that FSDP2 shards by neuron (N a multiple of the TwELL tile, 256).
+    init_twell = SparseLlamaForCausalLM(SparseLlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=16, tie_word_embeddings=True, eos_token_id=0, bos_token_id=0))
+    init_twell.save_pretrained(root / "init_twell")
+
+    out = {k: root / k for k in ("one", "fsdp", "ddp", "resumed", "resumed_one", "fsdp_bf16", "one_twell",
+                                  "fsdp_twell", "fsdp_twell_one")}
     out.update(data=data, init=root / "init")
     sets = {k: base_sets(data, root / "init", out[k]) for k in out}
+    for k in ("one_twell", "fsdp_twell", "fsdp_twell_one"):
+        sets[k].update(init_from=str(root / "init_twell"), mlp_impl="reference")
     train_mod.train(load_config(None, as_sets({**sets["one"], **ONE_PROC})))
     torchrun({**sets["fsdp"], **FSDP})
     torchrun({**sets["ddp"], **DDP})
@@ -116,6 +126,13 @@ def runs(tmp_path_factory, data) -> dict[str, Path]:
     train_mod.train(load_config(None, as_sets({**sets["resumed_one"], **ONE_PROC, "parallel": "fsdp"})), resume=True)
     torchrun({**sets["fsdp_bf16"], **FSDP, "fsdp_mixed_precision": True, "max_steps": 2, "eval_every": 0,
             "save_final": False})
+    train_mod.train(load_config(None, as_sets({**sets["one_twell"], **ONE_PROC})))
+    torchrun({**sets["fsdp_twell"], **FSDP})
+    shutil.copytree(out["fsdp_twell"], out["fsdp_twell_one"])
+    shutil.rmtree(out["fsdp_twell_one"] / "checkpoints" / "step_0000004")
+    (out["fsdp_twell_one"] / "checkpoints" / "latest.json").unlink()
+    train_mod.train(load_config(None, as_sets({**sets["fsdp_twell_one"], **ONE_PROC, "parallel": "fsdp"})),
+                    resume=True)
     return out
 
 
@@ -184,6 +201,28 @@ def test_consolidated_final_model_loads_in_one_process(runs) -> None:
         assert torch.equal(v, ckpt[k]), k
     x = torch.arange(16).unsqueeze(0) % VOCAB
     assert torch.isfinite(final(input_ids=x).logits).all()
+
+
+def test_neuron_major_down_proj_shards_resumes_and_saves(runs) -> None:
+    """The TwELL layout under FSDP2: W_d sharded by neuron trains as one process does, its DCP checkpoint resumes
+    on one process, and checkpoints and the final model hold down_proj.weight in nn.Linear's [K, N]."""
+    from transformers import AutoModelForCausalLM
+
+    import sfl.models  # noqa: F401
+    one, fsdp, resumed = (lines(runs[k], "step") for k in ("one_twell", "fsdp_twell", "fsdp_twell_one"))
+    assert [x["step"] for x in fsdp] == [x["step"] for x in resumed] == [1, 2, 3, 4]
+    for a, b in zip(one, fsdp):
+        for k in COMPARED:
+            assert close(a[k], b[k]), ("fsdp", a["step"], k, a[k], b[k])
+    for a, b in zip(fsdp[2:], resumed[2:]):
+        for k in COMPARED:
+            assert close(a[k], b[k]), ("resumed", a["step"], k, a[k], b[k])
+    ckpt = load_checkpoint(find_latest(runs["fsdp_twell"]))["model"]
+    assert ckpt["model.layers.0.mlp.down_proj.weight"].shape == (32, 256)
+    assert not any(k.endswith("weight_t") for k in ckpt)
+    final = AutoModelForCausalLM.from_pretrained(runs["fsdp_twell"] / "final")
+    for k, v in final.state_dict().items():
+        assert torch.equal(v, ckpt[k]), k
 
 
 # ----------------------------------------------------------------------------- no processes

@@ -326,16 +326,16 @@ def test_down_proj_neuron_major_for_the_kernels(tmp_path) -> None:
     assert layouts(loaded) == [True, True]
     for mlp, v in zip(loaded.sparse_mlps(), values):
         assert torch.equal(mlp.down_proj.weight, v)
-    model.set_mlp_impl("reference")
+    model.set_mlp_impl("dense")
     assert layouts(model) == [False, False]
     x = torch.randint(0, VOCAB, (2, 6))
     with torch.no_grad():
         want = model(input_ids=x).logits
-    model.set_mlp_impl("cuda")
+    model.set_mlp_impl("reference")  # the TwELL reference reads W_d by neuron too
     assert layouts(model) == [True, True]
     assert all(mlp.down_proj.weight is p and torch.equal(p, v) for mlp, p, v in zip(model.sparse_mlps(), params,
                                                                                     values))
-    model.set_mlp_impl("reference")
+    model.set_mlp_impl("dense")
     with torch.no_grad():
         assert torch.equal(model(input_ids=x).logits, want)
     assert layouts(tiny_model(seed=9, intermediate_size=256)) == [False, False]  # mlp_impl "dense" by default
