@@ -22,6 +22,12 @@ Split evaluation, for a GPU machine without lm-eval (experiments/loglik.py expla
 
 The last step writes the same eval.json as a direct run; lm-eval computes every metric from the GPU's
 loglikelihoods. `--score` needs no lm-eval.
+
+A model it cannot trust is refused with a one-line error: weight files that differ from their weights.sha256.json
+(experiments/weight_hashes.py), an unreadable config or weight file, a tokenizer larger than the embedding,
+mlp_impl cuda off a GPU; and, where the weights are scored (a direct run, `--score`), weights that do not fit
+config.json (missing, unexpected or reshaped tensors; `--allow-partial` evaluates such a model anyway).
+eval.json and scores.* are written to a temp file and renamed into place.
 """
 from __future__ import annotations
 

@@ -3,8 +3,8 @@
 `write_weight_hashes(dir)` records {file: {"sha256", "bytes"}} of each `*.safetensors` / `*.bin` in
 `dir/weights.sha256.json` (experiments/checkpoint.py calls it for every hf/ and final/ copy it writes);
 `verify_weight_hashes(dir)` recomputes them and raises WeightIntegrityError on any difference (a flipped
-bit, a truncated or missing file, a weight file that was not recorded). Evaluation and resume call the
-verifier before they load weights, so a damaged file is refused instead of loaded.
+bit, a truncated or missing file, a weight file that was not recorded). experiments/evaluate.py calls the
+verifier before it loads a model, so a damaged file is refused instead of scored.
 """
 from __future__ import annotations
 
