@@ -24,6 +24,7 @@ from typing import Any, BinaryIO
 import torch
 
 from .rundir import tmp_name
+from .weight_hashes import write_weight_hashes
 
 KEEP = 2
 
@@ -155,12 +156,14 @@ HF_SUBDIR = "hf"
 
 def write_pretrained(model: torch.nn.Module, dest: Path, tokenizer_dir: Path | None = None) -> None:
     """save_pretrained into dest (config.json with auto_map, model.safetensors, the modelling code), plus the
-    tokenizer of `tokenizer_dir` if there is one; every file fsynced. dest must be a fresh path inside a temp
+    tokenizer of `tokenizer_dir` if there is one and the weights' SHA-256 (weights.sha256.json, checked by
+    evaluate); every file fsynced. dest must be a fresh path inside a temp
     dir that is renamed into place afterwards (a checkpoint's, or final/'s), so it is never seen half-written."""
     model.save_pretrained(dest)
     if tokenizer_dir is not None and tokenizer_dir.is_dir():
         from transformers import AutoTokenizer
         AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(dest)
+    write_weight_hashes(dest)
     fsync_tree(dest)
 
 

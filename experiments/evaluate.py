@@ -22,6 +22,12 @@ Split evaluation, for a GPU machine without lm-eval (experiments/loglik.py expla
 
 The last step writes the same eval.json as a direct run; lm-eval computes every metric from the GPU's
 loglikelihoods. `--score` needs no lm-eval.
+
+A model it cannot trust is refused with a one-line error: weight files that differ from their weights.sha256.json
+(experiments/weight_hashes.py), an unreadable config or weight file, a tokenizer larger than the embedding,
+mlp_impl cuda off a GPU; and, where the weights are scored (a direct run, `--score`), weights that do not fit
+config.json (missing, unexpected or reshaped tensors; `--allow-partial` evaluates such a model anyway).
+eval.json and scores.* are written to a temp file and renamed into place.
 """
 from __future__ import annotations
 
@@ -36,6 +42,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from .checkpoint import atomic_write_text
+from .weight_hashes import HASH_FILE, WeightIntegrityError, verify_weight_hashes
 
 for _k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_k, "1")
@@ -169,8 +178,68 @@ def resolve_model_dir(model: str) -> Path:
     return p
 
 
+def check_weight_hashes(model_dir: Path) -> None:
+    """Refuse weight files that differ from the SHA-256 recorded at save time; a folder without the record
+    (not written by our trainer) loads with a notice."""
+    try:
+        checked = verify_weight_hashes(model_dir)
+    except WeightIntegrityError as e:
+        raise SystemExit(f"error: {e}") from None
+    if not checked:
+        print(f"note: {model_dir} has no {HASH_FILE}; its weight files are loaded unchecked", file=sys.stderr)
+
+
+def load_error(model_dir: Path, e: BaseException) -> SystemExit:
+    """A one-line error for a model folder transformers cannot read (bad config.json, missing or
+    truncated weight file)."""
+    first = (str(e).strip().splitlines() or [""])[0]
+    return SystemExit(f"error: cannot load the model in {model_dir} ({type(e).__name__}: {first}); check that "
+                      "config.json and the weight files are complete (restore the folder or save the model again)")
+
+
+def check_loading_info(model_dir: Path, info: dict[str, Any], allow_partial: bool) -> None:
+    """Refuse a model whose weights did not all load into it: tensors the config has no place for
+    (UNEXPECTED), parameters the weights lack (MISSING: freshly initialised) or of another shape."""
+    problems = {"missing": sorted(info.get("missing_keys") or ()),
+                "unexpected": sorted(info.get("unexpected_keys") or ()),
+                "of another shape": sorted(str(k[0] if isinstance(k, tuple) else k)
+                                           for k in info.get("mismatched_keys") or ())}
+    found = [f"{len(keys)} {what} ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})"
+             for what, keys in problems.items() if keys]
+    if not found:
+        return
+    msg = (f"{model_dir}: the weights do not fit its config.json: {'; '.join(found)} tensors. The model would be "
+           "partly random, so its scores would be wrong")
+    if allow_partial:
+        print(f"warning: {msg} (evaluated anyway: --allow-partial)", file=sys.stderr)
+        return
+    raise SystemExit(f"error: {msg}. Fix config.json to match the weights, or pass --allow-partial if this is "
+                     "deliberate")
+
+
+def check_vocab(model: torch.nn.Module, tok: Any, tok_src: str) -> None:
+    """The tokenizer's ids must all have a row in the model's embedding."""
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tok) > rows:
+        raise SystemExit(f"error: the tokenizer {tok_src} has {len(tok):,} tokens, but the model's embedding has "
+                         f"{rows:,} rows: it is not this model's tokenizer. Save the model's own tokenizer into the "
+                         "model folder (tokenizer.json, tokenizer_config.json)")
+
+
+def check_mlp_impl(cfg: Any, device: str) -> None:
+    """mlp_impl="cuda" (from --mlp-impl or config.json) runs the CUDA kernels: refuse it on a CPU up front."""
+    if getattr(cfg, "mlp_impl", None) == "cuda" and device != "cuda":
+        raise SystemExit("error: mlp_impl 'cuda' runs the CUDA kernels and needs --device cuda on a GPU; on a CPU "
+                         "pass --mlp-impl reference (exact, slow) or --mlp-impl dense")
+
+
 def load_model(model_dir: Path, device: str, dtype: torch.dtype, mlp_impl: str | None,
-               data_dir: str | None = None, twell_mode: str | None = None) -> tuple[torch.nn.Module, Any, str]:
+               data_dir: str | None = None, twell_mode: str | None = None,
+               allow_partial: bool = False) -> tuple[torch.nn.Module, Any, str]:
+    """(model, tokenizer, tokenizer source) of a save_pretrained folder, refusing what would give wrong
+    scores: weight files that fail their SHA-256, weights that do not fit the config (unless allow_partial),
+    a tokenizer with ids beyond the embedding, mlp_impl="cuda" off a GPU."""
+    from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     try:  # registers sparse_llama with the Auto classes; plain Llama works without it
@@ -178,7 +247,11 @@ def load_model(model_dir: Path, device: str, dtype: torch.dtype, mlp_impl: str |
     except Exception as e:  # noqa: BLE001 - a broken models/ must not block evaluating plain HF models
         print(f"note: `import sfl.models` failed ({type(e).__name__}: {e}); only stock HF architectures load",
               file=sys.stderr)
-    cfg = AutoConfig.from_pretrained(str(model_dir))
+    check_weight_hashes(model_dir)
+    try:
+        cfg = AutoConfig.from_pretrained(str(model_dir))
+    except (OSError, ValueError) as e:
+        raise load_error(model_dir, e) from None
     if mlp_impl is not None:
         if not hasattr(cfg, "mlp_impl"):
             raise SystemExit(f"--mlp-impl applies to sparse_llama models; {model_dir} is {cfg.model_type}")
@@ -187,7 +260,14 @@ def load_model(model_dir: Path, device: str, dtype: torch.dtype, mlp_impl: str |
         if not hasattr(cfg, "twell_mode"):
             raise SystemExit(f"--twell-mode applies to sparse_llama models; {model_dir} is {cfg.model_type}")
         cfg.twell_mode = twell_mode
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), config=cfg, dtype=dtype).to(device).eval()
+    check_mlp_impl(cfg, device)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(str(model_dir), config=cfg, dtype=dtype,
+                                                           output_loading_info=True, ignore_mismatched_sizes=True)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:
+        raise load_error(model_dir, e) from None
+    check_loading_info(model_dir, info, allow_partial)
+    model = model.to(device).eval()
     tok_src = str(model_dir)
     try:
         tok = AutoTokenizer.from_pretrained(tok_src)
@@ -196,6 +276,7 @@ def load_model(model_dir: Path, device: str, dtype: torch.dtype, mlp_impl: str |
 
         tok_src = str(require("tokenizer", data_dir).tokenizer)  # models saved without tokenizer files
         tok = AutoTokenizer.from_pretrained(tok_src)
+    check_vocab(model, tok, tok_src)
     return model, tok, tok_src
 
 
@@ -233,6 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="split eval, step 3 (lm-eval): metrics from SCORES.npz (needs --requests)")
     ap.add_argument("--requests", default=None, metavar="R.npz", help="the requests file a --replay scored")
     ap.add_argument("--max-tokens", type=int, default=32768, help="--score: padded tokens per forward")
+    ap.add_argument("--allow-partial", action="store_true",
+                    help="evaluate even when the weights do not all fit config.json (missing, unexpected or "
+                         "reshaped tensors); without it such a model is refused, as its scores would be wrong")
     return ap
 
 
@@ -255,7 +339,7 @@ class LmEvalOutput:
 
 def evaluate(model_dir: Path, settings: LmEvalSettings, batch_size: int, device: str,
              dtype: str, mlp_impl: str | None, eval_dir: Path, data_dir: str | None = None,
-             twell_mode: str | None = None) -> tuple[dict[str, Any], LmEvalOutput]:
+             twell_mode: str | None = None, allow_partial: bool = False) -> tuple[dict[str, Any], LmEvalOutput]:
     """Run lm-eval on the settings' tasks; returns the eval.json dict (without writing it) and lm-eval's output."""
     import lm_eval
     from lm_eval.models.huggingface import HFLM
@@ -265,7 +349,7 @@ def evaluate(model_dir: Path, settings: LmEvalSettings, batch_size: int, device:
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but no GPU is visible; use --device cpu")
     torch_dtype = getattr(torch, dtype)
-    model, tok, tok_src = load_model(model_dir, device, torch_dtype, mlp_impl, data_dir, twell_mode)
+    model, tok, tok_src = load_model(model_dir, device, torch_dtype, mlp_impl, data_dir, twell_mode, allow_partial)
     rec = NnzRecorder(model)
 
     class RecordingHFLM(HFLM):
@@ -437,7 +521,8 @@ def export_requests(model_dir: Path, settings: LmEvalSettings, eval_dir: Path, p
     from .loglik import save_requests
     from .provenance import collect
 
-    model, tok, tok_src = load_model(model_dir, "cpu", torch.float32, None, data_dir)
+    # only the tokenizer and config are used here, so weights that do not fit the config do not matter
+    model, tok, tok_src = load_model(model_dir, "cpu", torch.float32, None, data_dir, allow_partial=True)
     lm = _split_lm("export", model, tok)
     _run_lm_eval(lm, settings, eval_dir)
     meta = {"tasks": settings.tasks, "limit": settings.limit, "num_fewshot": settings.num_fewshot,
@@ -449,7 +534,8 @@ def export_requests(model_dir: Path, settings: LmEvalSettings, eval_dir: Path, p
 
 
 def score(model_dir: Path, requests_path: Path, out: Path, device: str, dtype: str, mlp_impl: str | None,
-          max_tokens: int, data_dir: str | None = None, twell_mode: str | None = None) -> dict[str, Any]:
+          max_tokens: int, data_dir: str | None = None, twell_mode: str | None = None,
+          allow_partial: bool = False) -> dict[str, Any]:
     """Split eval, step 2 (no lm-eval): score the requests with the model; writes scores.npz/.json."""
     import numpy as np
 
@@ -460,7 +546,8 @@ def score(model_dir: Path, requests_path: Path, out: Path, device: str, dtype: s
         raise SystemExit("--device cuda but no GPU is visible; use --device cpu")
     reqs = load_requests(requests_path)
     rmeta = reqs.meta
-    model, tok, tok_src = load_model(model_dir, device, getattr(torch, dtype), mlp_impl, data_dir, twell_mode)
+    model, tok, tok_src = load_model(model_dir, device, getattr(torch, dtype), mlp_impl, data_dir, twell_mode,
+                                     allow_partial)
     if vocab_digest(tok) != rmeta["vocab_digest"]:
         raise SystemExit(f"the tokenizer of {model_dir} ({tok_src}) is not the one {requests_path} was exported "
                          f"with ({rmeta['tokenizer']}); export the requests with this model's tokenizer")
@@ -481,8 +568,8 @@ def score(model_dir: Path, requests_path: Path, out: Path, device: str, dtype: s
             "nonfinite_ll": int((~np.isfinite(ll)).sum()), **rec.summary()}
     out.mkdir(parents=True, exist_ok=True)
     save_scores(out / "scores.npz", ll, greedy, meta)
-    (out / "scores.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "requests_meta"},
-                                                indent=1) + "\n")
+    atomic_write_text(out / "scores.json", json.dumps({k: v for k, v in meta.items() if k != "requests_meta"},
+                                                      indent=1) + "\n")
     return meta
 
 
@@ -503,7 +590,8 @@ def replay(scores_path: Path, requests_path: Path, model_dir: Path | None, eval_
     settings = LmEvalSettings(tasks=reqs.meta["tasks"], limit=reqs.meta["limit"],
                               num_fewshot=int(reqs.meta.get("num_fewshot", 0)), log_samples=log_samples)
     model_dir = model_dir or resolve_model_dir(reqs.meta["model"])
-    model, tok, tok_src = load_model(model_dir, "cpu", torch.float32, None, data_dir)
+    # only the tokenizer and config are used here, so weights that do not fit the config do not matter
+    model, tok, tok_src = load_model(model_dir, "cpu", torch.float32, None, data_dir, allow_partial=True)
     if vocab_digest(tok) != reqs.meta["vocab_digest"]:
         raise SystemExit(f"the tokenizer of {model_dir} differs from the export's; pass --model with the "
                          f"tokenizer the requests were exported with ({reqs.meta['tokenizer']})")
@@ -584,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.score:
         meta = score(resolve_model_dir(a.model), Path(a.score), out, a.device, a.dtype, a.mlp_impl, a.max_tokens,
-                     a.data_dir, a.twell_mode)
+                     a.data_dir, a.twell_mode, a.allow_partial)
         nnz = meta["nnz_per_token_mean"]
         print(f"scored {meta['n_requests']:,} requests in {meta['score_wall_s']}s ({a.device}, {a.dtype}, "
               f"mlp_impl {meta['mlp_impl']}); non-zeros per token {'n/a' if nnz is None else f'{nnz:.1f}'}; "
@@ -597,12 +685,12 @@ def main(argv: list[str] | None = None) -> int:
                              eval_dir, a.data_dir, a.log_samples)
     else:
         result, run = evaluate(resolve_model_dir(a.model), settings, a.batch_size, a.device, a.dtype,
-                               a.mlp_impl, eval_dir, a.data_dir, a.twell_mode)
+                               a.mlp_impl, eval_dir, a.data_dir, a.twell_mode, a.allow_partial)
     out.mkdir(parents=True, exist_ok=True)
     if run.samples is not None:
         for f in write_samples(out, run.samples):
             print(f"wrote {f}")
-    (out / "eval.json").write_text(json.dumps(result, indent=1) + "\n")
+    atomic_write_text(out / "eval.json", json.dumps(result, indent=1) + "\n")
     print(format_table(result))
     print(f"wrote {out / 'eval.json'}")
     return 0

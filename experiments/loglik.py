@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
+
+from .rundir import tmp_name
 
 FORMAT_VERSION = 1
 
@@ -84,11 +87,8 @@ def save_requests(path: str | Path, pairs: Iterable[tuple[Sequence[int], Sequenc
     store = tokens.astype(np.uint16 if vmax < 2 ** 16 else np.int32)  # SmolLM2's 49,152 ids fit uint16
     meta = {**meta, "format": FORMAT_VERSION, "n_requests": len(cl), "n_tokens": int(tokens.size),
             "digest": _digest(tokens, off, cl)}
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as fh:  # file object: np.savez would append .npz to a bare name
-        np.savez_compressed(fh, tokens=store, offsets=off, cont_len=cl,
-                            meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8))
+    _atomic_savez(Path(path), tokens=store, offsets=off, cont_len=cl,
+                  meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8))
     return Requests(tokens, off, cl, meta)
 
 
@@ -176,12 +176,22 @@ def score_requests(model: torch.nn.Module, reqs: Requests, device: str | torch.d
     return ll, greedy
 
 
-def save_scores(path: str | Path, ll: np.ndarray, greedy: np.ndarray, meta: dict[str, Any]) -> None:
-    path = Path(path)
+def _atomic_savez(path: Path, **arrays: np.ndarray) -> None:
+    """np.savez_compressed into a temp file renamed over path: a kill never leaves a torn file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as fh:
-        np.savez_compressed(fh, ll=ll.astype(np.float64), greedy=np.packbits(greedy.astype(bool)),
-                            n=np.asarray([len(ll)]), meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8))
+    tmp = path.with_name(tmp_name(path.name))
+    try:
+        with open(tmp, "wb") as fh:  # file object: np.savez would append .npz to a bare name
+            np.savez_compressed(fh, **arrays)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def save_scores(path: str | Path, ll: np.ndarray, greedy: np.ndarray, meta: dict[str, Any]) -> None:
+    _atomic_savez(Path(path), ll=ll.astype(np.float64), greedy=np.packbits(greedy.astype(bool)),
+                  n=np.asarray([len(ll)]), meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8))
 
 
 def load_scores(path: str | Path) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:

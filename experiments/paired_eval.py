@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
+
+from .rundir import tmp_name
 
 MEAN = "mean"  # key of the task-mean row
 NO_LOG = "n/a (no per-document log)"
@@ -36,6 +39,10 @@ class NoPerDocLog(ValueError):
 
 class NotPaired(ValueError):
     """Two eval.json files that did not score the same requests."""
+
+
+class BadEvalFile(ValueError):
+    """An eval.json that is not a JSON object (torn by a killed writer, or not written by evaluate.py)."""
 
 
 @dataclass(frozen=True)
@@ -111,7 +118,14 @@ def load_eval(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise FileNotFoundError(f"{p}: no eval.json; pass an eval dir or eval*.json written by "
                                 "`python -m sfl.experiments.evaluate`")
-    ev = json.loads(p.read_text())
+    try:
+        ev = json.loads(p.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadEvalFile(f"{p} is not valid JSON ({e}); it is torn or not an eval.json: run "
+                          "`python -m sfl.experiments.evaluate` again for it") from None
+    if not isinstance(ev, dict) or not isinstance(ev.get("tasks"), dict):
+        raise BadEvalFile(f"{p} holds no \"tasks\" object, so it is not an eval.json written by "
+                          "`python -m sfl.experiments.evaluate`; pass the right file or evaluate again")
     ev["_path"] = str(p)
     return ev
 
@@ -212,9 +226,12 @@ def main(argv: list[str] | None = None) -> int:
           f"replicates, seed {a.seed}{'; per-document mean over seeds' if len(base) + len(other) > 2 else ''})")
     print(format_table(res, a.level))
     if a.json:
-        Path(a.json).write_text(json.dumps({"base": names(base), "other": names(other), "metric": a.metric,
-                                            "n_boot": a.n_boot, "seed": a.seed, "level": a.level,
-                                            "tasks": {t: asdict(d) for t, d in res.items()}}, indent=1) + "\n")
+        dest = Path(a.json)
+        tmp = dest.with_name(tmp_name(dest.name))  # temp file + rename: a kill never leaves a torn file
+        tmp.write_text(json.dumps({"base": names(base), "other": names(other), "metric": a.metric,
+                                   "n_boot": a.n_boot, "seed": a.seed, "level": a.level,
+                                   "tasks": {t: asdict(d) for t, d in res.items()}}, indent=1) + "\n")
+        os.replace(tmp, dest)
     return 0
 
 

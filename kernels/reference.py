@@ -500,7 +500,8 @@ def nongated_ffn_dense(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
 # ----------------------------------------------------------------------------------------
 # which rows the sparse FFNs compute with the dense FFN's own ops
 # ----------------------------------------------------------------------------------------
-def dense_rows_mask(g: torch.Tensor, w_up: torch.Tensor | None, w_down: torch.Tensor) -> torch.Tensor:
+def dense_rows_mask(g: torch.Tensor, w_up: torch.Tensor | None, w_down: torch.Tensor,
+                    x: torch.Tensor) -> torch.Tensor:
     """Bool [M]: rows a sparse FFN must compute with the dense FFN's ops, besides its heavy rows.
 
     Skipping an inactive neuron j is exact only where the dense FFN's terms for j are finite:
@@ -509,13 +510,29 @@ def dense_rows_mask(g: torch.Tensor, w_up: torch.Tensor | None, w_down: torch.Te
       - a row whose gate pre-activation g (x w_gate^T; non-gated: x w_up^T) has a non-finite
         entry. This covers a non-finite x (every entry of its g row is then non-finite) and a
         non-finite w_gate entry (it reaches that neuron's g in every row);
-      - every row when w_up (gated) or w_down holds a non-finite value.
+      - every row when w_up (gated) or w_down holds a non-finite value;
+      - gated: a row whose u = x w_up^T overflows to +-Inf in x's dtype (finite x and w_up).
     Rows outside this mask have finite x, g, u and weights, so their inactive neurons add exactly 0.
     """
     rows = ~torch.isfinite(g).all(dim=1)
     weights = ([w_up] if w_up is not None else []) + [w_down]
     if not all(bool(torch.isfinite(w).all()) for w in weights):
-        rows = torch.ones_like(rows)
+        return torch.ones_like(rows)
+    if w_up is not None:
+        rows |= _up_overflow_rows(x, w_up)
+    return rows
+
+
+def _up_overflow_rows(x: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    """Bool [M]: rows where the dense u = x w_up^T (rounded to x's dtype) holds a non-finite value.
+
+    |u_rj| <= |x_r| |w_up[j]| (Cauchy-Schwarz), so only rows whose bound reaches half the dtype's
+    largest value (a margin for rounding) can overflow; u is computed for those rows alone."""
+    bound = x.double().norm(dim=1) * w_up.double().norm(dim=1).max()
+    rows = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+    cand = (~(bound < torch.finfo(x.dtype).max / 2)).nonzero().flatten()  # NaN bounds are candidates too
+    if cand.numel():
+        rows[cand] = ~torch.isfinite(F.linear(x[cand], w_up)).all(dim=1)
     return rows
 
 
@@ -662,7 +679,7 @@ def _ffn_twell(x: torch.Tensor, w_gate: torch.Tensor | None, w_up: torch.Tensor,
     h = F.relu(g)
     tw = d2t(h, tile_n, slots)
     # Overflowing rows (incomplete words) and the non-finite rule's rows take the dense ops (exact).
-    dense = tw.overflow_mask() | dense_rows_mask(g, w_up if gated else None, w_down)
+    dense = tw.overflow_mask() | dense_rows_mask(g, w_up if gated else None, w_down, x2)
     out = torch.zeros(x2.shape[0], k_out, dtype=_acc_dtype(x.dtype), device=x.device)
     rows, cols, vals = _twell_entries(tw, h, dense)
     _sparse_rows_ffn(x2, rows, cols, vals, w_up if gated else None, w_down, out, method)
@@ -718,7 +735,7 @@ def _ffn_hybrid(x: torch.Tensor, w_gate: torch.Tensor | None, w_up: torch.Tensor
     x2 = x.reshape(-1, k)
     g = F.linear(x2, w_gate if gated else w_up)
     h = F.relu(g)
-    hy = d2h(h, width, keep_dense=dense_rows_mask(g, w_up if gated else None, w_down))
+    hy = d2h(h, width, keep_dense=dense_rows_mask(g, w_up if gated else None, w_down, x2))
     rows, _, cols, vals = _hybrid_entries(hy)
     out = torch.zeros(x2.shape[0], k_out, dtype=_acc_dtype(x.dtype), device=x.device)
     _sparse_rows_ffn(x2, rows, cols, vals, w_up if gated else None, w_down, out, method)
@@ -823,7 +840,7 @@ def train_ffn_forward(x: torch.Tensor, w_gate: torch.Tensor | None, w_up: torch.
     acc = _acc_dtype(x.dtype)
     g = F.linear(x, w_gate if gated else w_up)
     a = F.relu(g)
-    hy = d2h(a, width, keep_dense=dense_rows_mask(g, w_up_gated, w_down))
+    hy = d2h(a, width, keep_dense=dense_rows_mask(g, w_up_gated, w_down, x))
     y = torch.zeros(m, w_down.shape[0], dtype=acc, device=x.device)
     ell_u = torch.zeros(hy.ell_col.shape if gated else (0, 0), dtype=acc, device=x.device)
     l1 = torch.zeros((), dtype=acc, device=x.device)

@@ -280,3 +280,168 @@ def test_requests_file_roundtrip_and_checks(tmp_path):
         np.savez(fh, **d)
     with pytest.raises(ValueError, match="digest"):
         load_requests(tmp_path / "bad.npz")
+
+
+# ----------------------------------------------------------------------------------------- refusing what cannot be trusted
+
+def _eval_args(model_dir: Path, tmp: Path, *extra: str) -> list[str]:
+    """main()'s arguments for a 2-document piqa run of model_dir (writing piqa.jsonl under tmp once)."""
+    eval_dir = tmp / "eval"
+    if not eval_dir.is_dir():
+        eval_dir.mkdir()
+        (eval_dir / "piqa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in PIQA))
+    return ["--model", str(model_dir), "--tasks", "piqa", "--limit", "2", "--batch-size", "2", "--device", "cpu",
+            "--out", str(tmp / "out"), "--eval-dir", str(eval_dir), *extra]
+
+
+def _edited_copy(src: Path, dest: Path, config: dict | None = None, drop: str | None = None) -> Path:
+    """A copy of a model folder with config.json keys changed and/or one tensor removed from its weights."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dest)
+    if config:
+        cfg = json.loads((dest / "config.json").read_text())
+        (dest / "config.json").write_text(json.dumps({**cfg, **config}))
+    if drop:
+        tensors = load_file(str(dest / "model.safetensors"))
+        del tensors[drop]
+        save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return dest
+
+
+def test_evaluate_refuses_a_partly_loaded_model(tmp_path):
+    """Weights that do not fit config.json (fewer layers: UNEXPECTED tensors; untied lm_head: MISSING; a tensor
+    dropped from the file; another intermediate_size) would leave parts of the model random: refused, unless
+    --allow-partial."""
+    from transformers import AutoModelForCausalLM
+
+    src = _tiny_model_dir(tmp_path)
+    tied = tmp_path / "tied"  # saved with tied embeddings: no lm_head.weight in the file
+    model = AutoModelForCausalLM.from_pretrained(str(src))
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    model.save_pretrained(str(tied))
+    cases = {"9 unexpected": _edited_copy(src, tmp_path / "layers", config={"num_hidden_layers": 1}),
+             "1 missing (lm_head.weight)": _edited_copy(tied, tmp_path / "untied",
+                                                      config={"tie_word_embeddings": False}),
+             "1 missing (model.norm.weight)": _edited_copy(src, tmp_path / "dropped", drop="model.norm.weight"),
+             "6 of another shape": _edited_copy(src, tmp_path / "shape", config={"intermediate_size": 64})}
+    for what, model_dir in cases.items():
+        with pytest.raises(SystemExit, match=r"--allow-partial") as e:
+            main(_eval_args(model_dir, tmp_path))
+        assert what in str(e.value) and "\n" not in str(e.value), what
+    assert not (tmp_path / "out" / "eval.json").exists()
+    assert main(_eval_args(cases["9 unexpected"], tmp_path, "--allow-partial")) == 0  # the deliberate case
+    assert (tmp_path / "out" / "eval.json").is_file()
+
+
+def test_evaluate_checks_the_weights_sha256(tmp_path, capsys):
+    """write_pretrained (the trainer's hf/ and final/ copies) records each weight file's SHA-256; evaluate refuses
+    a file with flipped exponent bits or a truncated one, and loads a folder without the record with a notice."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from sfl.experiments.checkpoint import write_pretrained
+    from sfl.experiments.weight_hashes import HASH_FILE, verify_weight_hashes
+
+    src = _tiny_model_dir(tmp_path)
+    saved = tmp_path / "saved"
+    write_pretrained(AutoModelForCausalLM.from_pretrained(str(src)), saved, src)
+    assert json.loads((saved / HASH_FILE).read_text())["files"].keys() == {"model.safetensors"}
+    assert verify_weight_hashes(saved) and main(_eval_args(saved, tmp_path)) == 0
+
+    flipped = tmp_path / "flipped"
+    shutil.copytree(saved, flipped)
+    blob = bytearray((flipped / "model.safetensors").read_bytes())
+    for i in range(64):  # the top exponent bit of 64 float32 values near the end (the data, not the header)
+        blob[len(blob) - 1 - 4 * i] ^= 0x40
+    (flipped / "model.safetensors").write_bytes(bytes(blob))
+    with pytest.raises(SystemExit, match="SHA-256"):
+        main(_eval_args(flipped, tmp_path))
+    (flipped / "model.safetensors").write_bytes(bytes(blob[:len(blob) // 2]))
+    with pytest.raises(SystemExit, match="truncated"):
+        main(_eval_args(flipped, tmp_path))
+
+    capsys.readouterr()
+    (saved / HASH_FILE).unlink()
+    assert main(_eval_args(saved, tmp_path)) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if HASH_FILE in line]
+    assert len(notes) == 1 and "unchecked" in notes[0]
+
+
+def test_evaluate_unreadable_model_folders_give_one_line_errors(tmp_path):
+    """Missing or truncated weights (no SHA-256 record) and a torn config.json: a one-line error, no traceback."""
+    src = _tiny_model_dir(tmp_path)
+    missing = _edited_copy(src, tmp_path / "missing")
+    (missing / "model.safetensors").unlink()
+    truncated = _edited_copy(src, tmp_path / "truncated")
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[:len(data) // 3])
+    bad_config = _edited_copy(src, tmp_path / "bad_config")
+    (bad_config / "config.json").write_text('{"model_type": "llama", "hidden_')
+    for model_dir in (missing, truncated, bad_config):
+        with pytest.raises(SystemExit, match="cannot load the model") as e:
+            main(_eval_args(model_dir, tmp_path))
+        assert str(model_dir) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_evaluate_refuses_a_tokenizer_larger_than_the_embedding(tmp_path):
+    """A tokenizer whose ids run past the model's embedding (another model's tokenizer, e.g. the prepared
+    49,152-token one beside a small-vocab model) is refused before lm-eval runs, not an IndexError inside it."""
+    small = _edited_copy(_tiny_model_dir(tmp_path), tmp_path / "small", config={"vocab_size": 64})
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(small / "model.safetensors"))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        tensors[name] = tensors[name][:64].contiguous()
+    save_file(tensors, str(small / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(SystemExit, match=r"has 320 tokens, but the model's embedding has 64 rows"):
+        main(_eval_args(small, tmp_path))
+
+
+def test_evaluate_refuses_mlp_impl_cuda_on_a_cpu_up_front(tmp_path, monkeypatch):
+    """mlp_impl cuda with --device cpu fails before lm-eval's loop, saying what to pass instead."""
+    pytest.importorskip("sfl.models")
+    from transformers import AutoModelForCausalLM
+
+    from sfl.models import SparseLlamaConfig, SparseLlamaForCausalLM
+
+    src = _tiny_model_dir(tmp_path)
+    dense = AutoModelForCausalLM.from_pretrained(str(src))
+    cfg = SparseLlamaConfig(**{k: v for k, v in dense.config.to_dict().items()
+                               if k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                        "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+                                        "bos_token_id", "eos_token_id", "pad_token_id")}, twell_tile_n=64)
+    sparse = tmp_path / "sparse"
+    SparseLlamaForCausalLM(cfg).save_pretrained(str(sparse))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (sparse / name).write_bytes((src / name).read_bytes())
+    import lm_eval
+
+    def no_lm_eval(*a, **k):
+        raise AssertionError("lm-eval was started")
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", no_lm_eval)
+    with pytest.raises(SystemExit, match="--mlp-impl reference"):
+        main(_eval_args(sparse, tmp_path, "--mlp-impl", "cuda"))
+
+
+def test_eval_json_is_replaced_atomically(tmp_path, monkeypatch):
+    """A kill while eval.json is being written leaves the previous eval.json whole (temp file + rename)."""
+    import os
+
+    model_dir = _tiny_model_dir(tmp_path)
+    assert main(_eval_args(model_dir, tmp_path)) == 0
+    before = (tmp_path / "out" / "eval.json").read_text()
+
+    def killed(fd):
+        raise KeyboardInterrupt("killed while writing")
+
+    monkeypatch.setattr(os, "fsync", killed)  # the new file's bytes are written, not yet renamed into place
+    with pytest.raises(KeyboardInterrupt):
+        main(_eval_args(model_dir, tmp_path, "--limit", "1"))
+    assert (tmp_path / "out" / "eval.json").read_text() == before
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["eval.json"]

@@ -116,3 +116,24 @@ def test_several_seeds_average_each_document_over_its_configuration(tmp_path):
     assert main([f"{tmp_path}/e0.json,{tmp_path}/e1.json", ",".join(f"{tmp_path}/e{i}.json" for i in (2, 3, 4)),
                  "--n-boot", "200", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["tasks"]["piqa"]["delta"] == pytest.approx(11 / 12 - 0.25)
+
+
+def test_a_torn_or_foreign_eval_json_is_named_with_what_to_do(tmp_path, capsys):
+    """An eval.json cut short (a writer killed mid-write) or one that is not evaluate.py's: a one-line error naming
+    the file and saying to evaluate again, from load_eval and from the CLI (exit 2)."""
+    from sfl.experiments.paired_eval import BadEvalFile, load_eval
+
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(_eval_json({"piqa": "0101"})))
+    torn = tmp_path / "torn" / "eval.json"
+    torn.parent.mkdir()
+    torn.write_text(good.read_text()[:40])
+    foreign = tmp_path / "list.json"
+    foreign.write_text("[1, 2]")
+    for path in (torn, foreign):
+        with pytest.raises(BadEvalFile, match="sfl.experiments.evaluate"):
+            load_eval(path)
+    capsys.readouterr()
+    assert main([str(torn.parent), str(good)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {torn} is not valid JSON") and "evaluate` again" in err and "\n" not in err

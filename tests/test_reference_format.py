@@ -509,16 +509,53 @@ def test_dense_rows_mask_rule():
     g = torch.zeros(4, 8)
     g[1, 2] = float("inf")
     g[3, 0] = float("nan")
-    w_up, w_down = torch.ones(8, 3), torch.ones(3, 8)
-    assert ref.dense_rows_mask(g, w_up, w_down).tolist() == [False, True, False, True]
+    x, w_up, w_down = torch.ones(4, 3), torch.ones(8, 3), torch.ones(3, 8)
+    assert ref.dense_rows_mask(g, w_up, w_down, x).tolist() == [False, True, False, True]
+    x[0] = 2e38  # finite x and w_up, but x w_up^T overflows float32 in row 0: dense forms 0 * Inf there
+    assert ref.dense_rows_mask(g, w_up, w_down, x).tolist() == [True, True, False, True]
+    assert ref.dense_rows_mask(g, None, w_down, x).tolist() == [False, True, False, True]  # non-gated: no u
+    x[0] = 1.0
     g[2, 5] = float("-inf")  # -Inf is inactive after relu, but dense forms 0 * u there too
-    assert ref.dense_rows_mask(g, None, w_down).tolist() == [False, True, True, True]
+    assert ref.dense_rows_mask(g, None, w_down, x).tolist() == [False, True, True, True]
     w_down[1, 7] = float("nan")
-    assert ref.dense_rows_mask(g, w_up, w_down).all()
+    assert ref.dense_rows_mask(g, w_up, w_down, x).all()
     w_down[1, 7] = 1.0
     w_up[0, 0] = float("-inf")
-    assert ref.dense_rows_mask(g, w_up, w_down).all()
-    assert ref.dense_rows_mask(g, None, w_down).tolist() == [False, True, True, True]  # non-gated: w_up is g's
+    assert ref.dense_rows_mask(g, w_up, w_down, x).all()
+    assert ref.dense_rows_mask(g, None, w_down, x).tolist() == [False, True, True, True]  # non-gated: w_up is g's
+
+
+@pytest.mark.parametrize("path", ["twell", "hybrid", "train"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_up_overflow_at_inactive_neuron_like_dense(path, dtype):
+    """Finite x and weights whose u = x w_up^T overflows at a neuron inactive in every row: dense forms 0 * Inf
+    = NaN there, so the rows where u overflows are NaN throughout, and the reference must put NaN (and +-Inf)
+    in exactly those entries, forward and backward."""
+    g = torch.Generator().manual_seed(0)
+    m, k, n = 6, 8, 32
+    x = torch.randn(m, k, generator=g).abs()
+    x[::2, 1:] *= 1e-3  # even rows: u of the big neuron stays finite
+    x[:, 0] = 1.0
+    w_gate = torch.randn(n, k, generator=g) / 3
+    w_gate[:, 0] = -1.5  # few active neurons: every row is light (no dense backup of its own)
+    w_up = torch.randn(n, k, generator=g) / 3
+    w_down = torch.randn(k, n, generator=g) / 5
+    w_gate[3] = -1.0  # neuron 3 is inactive in every row ...
+    w_up[3] = torch.finfo(dtype).max / 2  # ... and its u overflows in the odd rows
+    ins = [t.to(dtype).requires_grad_() for t in (x, w_gate, w_up, w_down)]
+    cot = torch.randn(m, k, generator=g).to(dtype)
+    if path == "train":
+        plain = [t.detach() for t in ins]
+        y, _, saved = ref.train_ffn_forward(*plain, width=8)
+        grads = ref.train_ffn_backward(cot, torch.zeros(()), *plain, saved)
+    else:
+        y = gated_ffn_twell(*ins, tile_n=16, slots=16) if path == "twell" else gated_ffn_hybrid(*ins, width=8)
+        grads = torch.autograd.grad(y, ins, cot)
+    y_dense = gated_ffn_dense(*ins)
+    assert torch.isnan(y_dense).all(dim=1).tolist() == [False, True] * 3
+    _assert_same_nonfinite(y, y_dense, f"y ({path}, {dtype})", 3e-2)
+    for i, (a, b) in enumerate(zip(grads, torch.autograd.grad(y_dense, ins, cot))):
+        _assert_same_nonfinite(a, b, f"grad {i} ({path}, {dtype})", 3e-2)
 
 
 def test_hybrid_extra_dense_rows_round_trip():

@@ -23,6 +23,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from sfl.experiments import train as train_mod  # noqa: E402
 from sfl.experiments.checkpoint import HF_SUBDIR, find_latest, list_checkpoints, load_checkpoint  # noqa: E402
+from sfl.experiments.weight_hashes import verify_weight_hashes  # noqa: E402
 from sfl.experiments.config import load_config  # noqa: E402
 from sfl.experiments.data_loader import TokenData  # noqa: E402
 from sfl.experiments.runs import pick_run_dir, run_state  # noqa: E402
@@ -105,6 +106,7 @@ def test_every_kept_checkpoint_opens_with_from_pretrained(data_dir, tmp_path) ->
         cfg = json.loads((hf / "config.json").read_text())
         assert cfg["auto_map"]["AutoModelForCausalLM"].endswith("modeling_sparse_llama.SparseLlamaForCausalLM")
         assert (hf / "modeling_sparse_llama.py").is_file() and (hf / "model.safetensors").is_file()
+        assert verify_weight_hashes(hf)  # the SHA-256 of its weights, recorded at save time, holds
         model = _load_remote(hf)
         assert type(model).__name__ == "SparseLlamaForCausalLM"
         state = load_checkpoint(ckpt)["model"]  # the training state's weights (DCP shards)
