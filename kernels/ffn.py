@@ -9,7 +9,8 @@ Weights in nn.Linear layouts: w_gate/w_up [N, K], w_down [K, N]; x [..., K] bf16
 contiguous or not 16-byte aligned). Exact on every input: rows that overflow the TwELL slots or have a non-finite
 gate are computed by dense GEMMs. Each call is one C++ op (kernels/twell/ops.py, runtime.cpp) whose per-layer plan
 keeps the layer's measured activity for dispatch. On CPU, or without nvcc, a KernelUnavailableError names the
-pure-PyTorch reference (kernels.reference).
+pure-PyTorch reference (kernels.reference). On a CUDA GPU that is not sm_90 (not Hopper: the kernels use sm_90a
+instructions) every call takes the dense path, the same results, with one warning saying why (kernels/device.py).
 """
 from __future__ import annotations
 
@@ -61,8 +62,7 @@ def _call(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, config
         if mode is not None and mode != cfg.mode:
             cfg = cfg.replace(mode=mode)
         plan = plan_for(w_gate if w_gate is not None else w_up, cfg, w_gate is not None)
-    ops.load()
-    return ops.ffn(x, w_gate, w_up, w_down, plan, stats)
+    return ops.ffn(x, w_gate, w_up, w_down, plan, stats)  # on a GPU without the kernels: the dense path, warned
 
 
 def sparse_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, *, config: KernelConfig | None = None,
@@ -117,7 +117,6 @@ class _TwELLBase(nn.Module):
     def _run(self, x: Tensor, w_gate: Tensor | None) -> Tensor:
         # an inference module: its parameters may require grad (nn.Linear's default); only x is checked, as before
         _inference_only(x)
-        ops.load()
         return ops.ffn(x, w_gate, self.up_proj.weight, self.down_proj.weight, self.plan,
                        self.nnz_stats if self.track_stats else None)
 

@@ -264,10 +264,10 @@ class SparseLlamaMLP(nn.Module):
 
     def _forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
         """Inference through the one C++ op: dispatch, kernels, exact backup and the statistics all happen there;
-        h never leaves the kernels, so there is no L1 term here."""
+        h never leaves the kernels, so there is no L1 term here. On a GPU without the kernels (not sm_90) the op
+        takes the dense path, with one warning (sfl.kernels.device)."""
         from sfl.kernels.twell import ops
 
-        ops.ensure_loaded()
         wg, wu, wd = self._inference_weights()
         if x.dtype != wu.dtype:  # the residual stream may be wider than the kernels' bf16 (autocast evaluation)
             x = x.to(wu.dtype)
