@@ -39,7 +39,7 @@ def plan_for(w: Tensor, config: KernelConfig, gated: bool) -> ops.Plan:
     if plan is None:
         if len(_PLANS) >= _PLANS_MAX:
             _PLANS.popitem(last=False)
-        plan = _PLANS[key] = ops.Plan(config)
+        plan = _PLANS[key] = ops.Plan(config, shape=(w.shape[1], w.shape[0]))
     return plan
 
 
@@ -98,9 +98,9 @@ def twell_d2t(x: Tensor, w_gate: Tensor, slots: int = 32, *, config: KernelConfi
 
 # ------------------------------------------------------------------------------------------------ modules
 class _TwELLBase(nn.Module):
-    def __init__(self, config: KernelConfig | None, track_stats: bool, device=None) -> None:
+    def __init__(self, config: KernelConfig | None, track_stats: bool, shape: tuple[int, int], device=None) -> None:
         super().__init__()
-        self.plan = ops.Plan(config or _DEFAULT)
+        self.plan = ops.Plan(config or _DEFAULT, shape=shape)  # shape (K, N): the GPU's measured tables
         # non-zeros summed over tokens, the largest per-token count, tokens: accumulated on the device by the op
         self.register_buffer("nnz_stats", torch.zeros(3, dtype=torch.int64, device=device), persistent=False)
         self.track_stats = track_stats
@@ -126,7 +126,7 @@ class TwELLGatedMLP(_TwELLBase):
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, config: KernelConfig | None = None,
                  track_stats: bool = False, device=None, dtype=torch.bfloat16) -> None:
-        super().__init__(config, track_stats, device)
+        super().__init__(config, track_stats, (hidden_size, intermediate_size), device)
         kw = dict(bias=False, device=device, dtype=dtype)
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
@@ -153,7 +153,7 @@ class TwELLMLP(_TwELLBase):
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, config: KernelConfig | None = None,
                  track_stats: bool = False, device=None, dtype=torch.bfloat16) -> None:
-        super().__init__(config, track_stats, device)
+        super().__init__(config, track_stats, (hidden_size, intermediate_size), device)
         kw = dict(bias=False, device=device, dtype=dtype)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)

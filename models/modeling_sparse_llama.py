@@ -100,11 +100,13 @@ class SparseLlamaMLP(nn.Module):
 
     def refresh_plan(self) -> None:
         """(Re)make this layer's kernel plan from config.get_kernel_config() (a new plan starts a new dispatch
-        history). Called at construction and by SparseLlamaForCausalLM.set_kernel_config; never per call, so a
-        compiled model sees a constant."""
+        history; its crossover tables are this GPU's measured ones where there are, kernels/tables.py). Called at
+        construction and by SparseLlamaForCausalLM.set_kernel_config; never per call, so a compiled model sees a
+        constant."""
         from sfl.kernels.twell.ops import Plan
 
-        self.plan = Plan(self.config.get_kernel_config(self.layer_idx))
+        shape = (self.hidden_size, self.intermediate_size)
+        self.plan = Plan(self.config.get_kernel_config(self.layer_idx), shape=shape)
 
     def layout_down_proj(self) -> None:
         """down_proj.weight neuron-major for mlp_impl="cuda", where the kernels read W_d by neuron and then copy

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from ..config import KernelConfig, TILE_N
+from .. import tables
 from ..device import dense_ffn, dense_fallback, kernels_supported
 
 _lib = torch.library.Library("sfl_twell", "DEF")
@@ -96,14 +97,19 @@ def _free(plan_id: int) -> None:
 @dataclass(eq=False)
 class Plan:
     """A layer's handle on its C++ plan: the id the op is called with and the configuration it carries. Freed with
-    the object. One plan per layer (its dispatch history is the layer's measured activity)."""
+    the object. One plan per layer (its dispatch history is the layer's measured activity). shape: the layer's
+    (K, N); with it, a crossover table left at its built-in value becomes the one measured for this GPU and shape
+    where there is one (kernels/tables.py: the user's calibration, then the GPU's table of record)."""
 
     config: KernelConfig
+    shape: tuple[int, int] | None = None
     id: int = 0
     icfg: list[int] | None = None
     fcfg: list[float] | None = None
 
     def __post_init__(self) -> None:
+        if self.shape is not None:
+            self.config = tables.for_current_gpu(self.config, *self.shape)
         self.id = next(_IDS)
         self.icfg, self.fcfg = plan_args(self.config)
         weakref.finalize(self, _free, self.id)
