@@ -44,7 +44,7 @@ from ..experiments.provenance import collect
 from . import tables
 from .config import TILE_N, crossover_at, parse_crossover
 from .device import kernels_supported
-from .loader import KernelUnavailableError, source_hash
+from .loader import KernelUnavailableError
 
 # (block kind, K, N): the paper's models (hidden 2048, gated N 5632; the non-gated block at N 8192) and SmolLM2's
 DEFAULT_SHAPES = (("gated", 2048, 5632), ("gated", 576, 1536), ("nongated", 2048, 8192))
@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     except KernelUnavailableError as e:
         print(f"sfl.kernels.calibrate: {e}", file=sys.stderr)
         return 2
-    gpu, kernels = tables.current_gpu(), source_hash()
+    gpu, kernels = tables.current_gpu(), tables.kernels_source()
     cache = args.cache_dir or tables.cache_dir()
     shapes = [(args.kind, K, N) for K, N in args.shape] if args.shape else list(DEFAULT_SHAPES)
     log_path = args.log or cache / f"calibrate-{tables.slug(gpu.name)}-{time.strftime('%Y%m%dT%H%M%S')}.jsonl"

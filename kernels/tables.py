@@ -73,6 +73,12 @@ def current_gpu(index: int | None = None) -> GpuIdentity | None:
                        driver_version(), torch.__version__, torch.version.cuda)
 
 
+@functools.lru_cache(maxsize=1)
+def kernels_source() -> str:
+    """The kernels' source hash (loader.source_hash), read once per process: every plan of a model asks."""
+    return source_hash()
+
+
 def cache_dir() -> Path:
     """Where calibrated tables are cached: $XDG_CACHE_HOME/sfl/dispatch, else ~/.cache/sfl/dispatch."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -144,7 +150,7 @@ def resolve(config: KernelConfig, K: int, N: int, gpu: GpuIdentity | None, *, ke
     for kind, (field, builtin) in KINDS.items():
         if getattr(config, field) != builtin:
             continue
-        found = lookup(gpu, kind, K, N, kernels=kernels or source_hash(), cache=cache, record_dir=record_dir)
+        found = lookup(gpu, kind, K, N, kernels=kernels or kernels_source(), cache=cache, record_dir=record_dir)
         if found is None:
             continue
         changes[field] = found.crossover

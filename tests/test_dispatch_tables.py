@@ -138,7 +138,7 @@ def test_a_plan_picks_up_the_cached_table_on_this_gpu(monkeypatch, tmp_path, cap
     monkeypatch.setattr(tables, "kernels_supported", lambda *a: (True, ""))
     monkeypatch.setattr(tables, "current_gpu", lambda *a: H200)
     monkeypatch.setattr(tables, "_NOTICED", set())
-    tables.write_cache(tables.entry(H200, "gated", 64, 512, "1:0.3,4096:0.009"), H200, tables.source_hash(),
+    tables.write_cache(tables.entry(H200, "gated", 64, 512, "1:0.3,4096:0.009"), H200, tables.kernels_source(),
                        tables.cache_dir())
     assert ops.Plan(KernelConfig(), shape=(64, 512)).config.crossover == "1:0.3,4096:0.009"
     assert ops.Plan(KernelConfig(), shape=(64, 512)).config.crossover == "1:0.3,4096:0.009"
@@ -155,3 +155,30 @@ def test_command_without_hopper_says_why(capsys, monkeypatch):
     assert "X is sm_80: nothing to calibrate" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cal.main(["--shape", "2048"])
+
+
+def test_command_writes_cache_record_and_log(monkeypatch, tmp_path, capsys):
+    """The command end to end with injected timings: a cache entry per shape, the table of record, a JSONL log whose
+    rows carry the GPU and the timings."""
+    from sfl.kernels.twell import ops
+
+    monkeypatch.setattr(cal, "kernels_supported", lambda *a: (True, ""))
+    monkeypatch.setattr(ops, "load", lambda: None)
+    monkeypatch.setattr(tables, "current_gpu", lambda *a: H200)
+    monkeypatch.setattr(cal, "CudaMeasure", lambda: _synthetic({m: 0.01 for m in cal.MS}))
+    log = tmp_path / "calib.jsonl"
+    assert cal.main(["--shape", "576,1536", "--shape", "2048,5632", "--profiles", "uniform", "--budget-s", "30",
+                     "--cache-dir", str(tmp_path / "cache"), "--record-dir", str(tmp_path / "rec"),
+                     "--log", str(log)]) == 0
+    record = json.loads((tmp_path / "rec" / "nvidia-h200.json").read_text())
+    assert [(t["kind"], t["K"], t["N"]) for t in record["tables"]] == [("gated", 576, 1536), ("gated", 2048, 5632)]
+    spec = record["tables"][0]["crossover"]
+    assert crossover_at(spec, 4096) == pytest.approx(0.0119, abs=1e-4) and record["tables"][0]["unmeasured_m"] == []
+    kw = dict(kernels=tables.kernels_source(), cache=tmp_path / "cache", record_dir=tmp_path / "none")
+    assert tables.lookup(H200, "gated", 576, 1536, **kw).crossover == spec
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    points = [r for r in rows if r["event"] == "point"]
+    assert points and all(r["provenance"]["gpu_identity"]["name"] == "NVIDIA H200" and r["dense_ms"] > 0
+                          and r["sparse_ms"] > 0 for r in points)
+    assert [r["K"] for r in rows if r["event"] == "table"] == [576, 2048]
+    assert "table of record:" in capsys.readouterr().out

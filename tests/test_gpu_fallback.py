@@ -139,7 +139,8 @@ def test_training_entry_points_take_the_dense_path(fake_gpu, no_build, monkeypat
     _as_if_on_gpu(monkeypatch, train_ffn)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(16, 64, generator=g, requires_grad=True)
-    wg, wu, wd = (torch.randn(256, 64, generator=g), torch.randn(256, 64, generator=g), torch.randn(64, 256, generator=g))
+    wg, wu = torch.randn(256, 64, generator=g), torch.randn(256, 64, generator=g)
+    wd = torch.randn(64, 256, generator=g)
     with pytest.warns(RuntimeWarning, match="sm_80: using the dense path"):
         y, l1, st = train_ffn.sparse_gated_ffn_train(x, wg, wu, wd, mode="sparse")  # sparse on the CPU's torch backend
     assert st["path"] == "dense"
