@@ -20,6 +20,7 @@ HOPPER = (9, 0)
 
 _SUPPORT: dict[int, tuple[bool, str]] = {}   # per device index: the decision never changes within a process
 _WARNED: set[int] = set()
+_FALLBACK: dict[torch.device, bool] = {}
 
 
 def _device_index(device: torch.device | int | str | None) -> int:
@@ -58,7 +59,15 @@ def kernels_supported(device: torch.device | int | str | None = None) -> tuple[b
 @torch.compiler.assume_constant_result  # a compiled model traces one path: the device's answer never changes
 def dense_fallback(device: torch.device) -> bool:
     """True when `device` is a CUDA GPU without the kernels: the caller takes the dense path (one warning per GPU,
-    saying why). False on Hopper, and for CPU tensors (the callers' own errors name the CPU paths)."""
+    saying why). False on Hopper, and for CPU tensors (the callers' own errors name the CPU paths). One dict lookup
+    after the first call: the op asks on every call."""
+    got = _FALLBACK.get(device)
+    if got is None:
+        got = _FALLBACK[device] = _fallback(device)
+    return got
+
+
+def _fallback(device: torch.device) -> bool:
     if device.type != "cuda":
         return False
     ok, why = kernels_supported(device)

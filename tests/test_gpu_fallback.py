@@ -23,6 +23,7 @@ def fake_gpu(monkeypatch):
     """Pretend CUDA device 0 is the GPU set by the returned function (name, capability); counts capability queries."""
     monkeypatch.setattr(device, "_SUPPORT", {})
     monkeypatch.setattr(device, "_WARNED", set())
+    monkeypatch.setattr(device, "_FALLBACK", {})
     state = {"name": "NVIDIA A100-SXM4-80GB", "cap": (8, 0), "queries": 0}
 
     def capability(i=None):
