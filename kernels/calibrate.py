@@ -42,7 +42,7 @@ from tqdm import tqdm
 
 from ..experiments.provenance import collect
 from . import tables
-from .config import TILE_N, crossover_at, parse_crossover
+from .config import TILE_N, crossover_at
 from .device import kernels_supported
 from .loader import KernelUnavailableError
 
@@ -352,7 +352,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _entry(r: ShapeResult, gpu: tables.GpuIdentity, kernels: str, prov: dict, elapsed: float) -> dict:
-    parse_crossover(r.spec)
     return tables.entry(gpu, r.kind, r.K, r.N, r.spec, kernels=kernels, per_m={str(m): v for m, v in r.per_m.items()},
                         unmeasured_m=r.unmeasured, points=len(r.points), threshold=THRESHOLD,
                         git_commit=prov.get("git_commit"), time_utc=prov.get("time_utc"), measured_s=round(elapsed, 1))
