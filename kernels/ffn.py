@@ -9,7 +9,8 @@ Weights in nn.Linear layouts: w_gate/w_up [N, K], w_down [K, N]; x [..., K] bf16
 contiguous or not 16-byte aligned). Exact on every input: rows that overflow the TwELL slots or have a non-finite
 gate are computed by dense GEMMs. Each call is one C++ op (kernels/twell/ops.py, runtime.cpp) whose per-layer plan
 keeps the layer's measured activity for dispatch. On CPU, or without nvcc, a KernelUnavailableError names the
-pure-PyTorch reference (kernels.reference).
+pure-PyTorch reference (kernels.reference). On a CUDA GPU that is not sm_90 (not Hopper: the kernels use sm_90a
+instructions) every call takes the dense path, the same results, with one warning saying why (kernels/device.py).
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def plan_for(w: Tensor, config: KernelConfig, gated: bool) -> ops.Plan:
     if plan is None:
         if len(_PLANS) >= _PLANS_MAX:
             _PLANS.popitem(last=False)
-        plan = _PLANS[key] = ops.Plan(config)
+        plan = _PLANS[key] = ops.Plan(config, shape=(w.shape[1], w.shape[0]))
     return plan
 
 
@@ -61,8 +62,7 @@ def _call(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, config
         if mode is not None and mode != cfg.mode:
             cfg = cfg.replace(mode=mode)
         plan = plan_for(w_gate if w_gate is not None else w_up, cfg, w_gate is not None)
-    ops.load()
-    return ops.ffn(x, w_gate, w_up, w_down, plan, stats)
+    return ops.ffn(x, w_gate, w_up, w_down, plan, stats)  # on a GPU without the kernels: the dense path, warned
 
 
 def sparse_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, *, config: KernelConfig | None = None,
@@ -98,9 +98,9 @@ def twell_d2t(x: Tensor, w_gate: Tensor, slots: int = 32, *, config: KernelConfi
 
 # ------------------------------------------------------------------------------------------------ modules
 class _TwELLBase(nn.Module):
-    def __init__(self, config: KernelConfig | None, track_stats: bool, device=None) -> None:
+    def __init__(self, config: KernelConfig | None, track_stats: bool, shape: tuple[int, int], device=None) -> None:
         super().__init__()
-        self.plan = ops.Plan(config or _DEFAULT)
+        self.plan = ops.Plan(config or _DEFAULT, shape=shape)  # shape (K, N): the GPU's measured tables
         # non-zeros summed over tokens, the largest per-token count, tokens: accumulated on the device by the op
         self.register_buffer("nnz_stats", torch.zeros(3, dtype=torch.int64, device=device), persistent=False)
         self.track_stats = track_stats
@@ -117,7 +117,6 @@ class _TwELLBase(nn.Module):
     def _run(self, x: Tensor, w_gate: Tensor | None) -> Tensor:
         # an inference module: its parameters may require grad (nn.Linear's default); only x is checked, as before
         _inference_only(x)
-        ops.load()
         return ops.ffn(x, w_gate, self.up_proj.weight, self.down_proj.weight, self.plan,
                        self.nnz_stats if self.track_stats else None)
 
@@ -127,7 +126,7 @@ class TwELLGatedMLP(_TwELLBase):
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, config: KernelConfig | None = None,
                  track_stats: bool = False, device=None, dtype=torch.bfloat16) -> None:
-        super().__init__(config, track_stats, device)
+        super().__init__(config, track_stats, (hidden_size, intermediate_size), device)
         kw = dict(bias=False, device=device, dtype=dtype)
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
@@ -154,7 +153,7 @@ class TwELLMLP(_TwELLBase):
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, config: KernelConfig | None = None,
                  track_stats: bool = False, device=None, dtype=torch.bfloat16) -> None:
-        super().__init__(config, track_stats, device)
+        super().__init__(config, track_stats, (hidden_size, intermediate_size), device)
         kw = dict(bias=False, device=device, dtype=dtype)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)

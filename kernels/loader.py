@@ -5,7 +5,9 @@
   sources, the arch and the torch version, so an edited kernel never loads a stale library;
 - $TWELL_PREBUILT may name an already built .so (e.g. carried to a fresh GPU machine); it is used only if it
   was built from the same sources (its source_hash() matches), otherwise we rebuild with a warning;
-- without CUDA / nvcc the error says what is missing and names the pure-PyTorch path (kernels.reference).
+- without CUDA / nvcc the error says what is missing and names the pure-PyTorch path (kernels.reference);
+- on a GPU that is not sm_90 nothing is built: the error gives kernels.device's reason (the entry points take the
+  dense path there before they reach the loader).
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import threading
 import warnings
 from pathlib import Path
 from types import ModuleType
+
+from .device import kernels_supported
 
 _HERE = Path(__file__).resolve().parent
 TWELL_SOURCES = [_HERE / "twell" / "binding.cpp", _HERE / "twell" / "runtime.cpp", _HERE / "twell" / "twell_kernels.cu",
@@ -45,6 +49,13 @@ def source_hash(sources: list[Path] | None = None) -> str:
         h.update(p.name.encode())
         h.update(p.read_bytes())
     return h.hexdigest()[:12]
+
+
+def require_supported_gpu(hint: str) -> None:
+    """Raise KernelUnavailableError (why, then `hint`) unless the current GPU runs the kernels: nothing is built."""
+    ok, why = kernels_supported()
+    if not ok:
+        raise KernelUnavailableError(f"{why}; {hint}")
 
 
 def _arch_for_device() -> str:
@@ -144,6 +155,7 @@ def load_twell(verbose: bool = False) -> ModuleType:
         if not torch.cuda.is_available():
             raise KernelUnavailableError(
                 "the TwELL CUDA kernels need a CUDA GPU (torch.cuda.is_available() is False); " + REFERENCE_HINT)
+        require_supported_gpu(REFERENCE_HINT)
         src_hash = source_hash()
         arch = _arch_for_device()
         tag = hashlib.sha1(f"{src_hash}-{arch}-{torch.__version__}".encode()).hexdigest()[:10]

@@ -21,7 +21,8 @@ Dispatch (mode="auto"): a per-layer DispatchState remembers the activity measure
 (sync-free: device stats copied to pinned host memory and read once their event has completed) and picks the
 sparse path only where it was measured faster: activity <= config.train_dense_above and backup-row fraction <=
 config.train_backup_dense_above (a KernelConfig, kernels/config.py). The first call of a layer goes dense (and
-measures). Settings: kernels/train/README.md.
+measures). Settings: kernels/train/README.md. On a CUDA GPU that is not sm_90 (kernels/device.py) every call takes the
+dense path, whatever mode says, with one warning (backend="cuda" is refused there, naming the reason).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .config import KernelConfig
+from .device import dense_fallback, kernels_supported
 from .layout import is_neuron_major, keep_down_layout
 from .reference import _acc_dtype, check_ffn_layouts
 from .train import ops as _ops
@@ -235,7 +237,8 @@ def _check(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, l1_re
 def _count_rows(a: Tensor) -> Tensor:
     """int32 per-row count of a != 0: our 16-byte-load kernel on bf16 CUDA (torch's (a != 0).sum(1) measured
     0.49 ms on [16384, 5632], ~375 GB/s), torch elsewhere."""
-    if a.is_cuda and a.dtype == torch.bfloat16 and a.shape[1] % 8 == 0 and a.stride(1) == 1 and a.stride(0) % 8 == 0:
+    if (a.is_cuda and a.dtype == torch.bfloat16 and a.shape[1] % 8 == 0 and a.stride(1) == 1 and a.stride(0) % 8 == 0
+            and kernels_supported(a.device)[0]):
         from .loader import KernelUnavailableError
 
         try:
@@ -355,7 +358,7 @@ def _last_active_rows(a: Tensor) -> Tensor:
     """int64 [N]: the last row where each column of a [M, N] (a pre-activation g or a = relu(g)) is relu-active
     (> 0 or NaN), -1 if none: our column-scan kernel on bf16 CUDA (one read of a at most), else torch's mask."""
     if (a.is_cuda and a.dtype == torch.bfloat16 and a.shape[1] % 8 == 0 and a.stride(1) == 1 and a.stride(0) % 8 == 0
-            and a.data_ptr() % 16 == 0):
+            and a.data_ptr() % 16 == 0 and kernels_supported(a.device)[0]):
         from .loader import KernelUnavailableError
 
         try:
@@ -398,6 +401,7 @@ def _run(x, w_gate, w_up, w_down, l1_reduction, mode, state, width, backend, wan
     scale = 0.0 if M == 0 or N == 0 else (1.0 / (M * N) if l1_reduction == "mean" else 1.0 / M)
     with torch.autocast(dev_type, enabled=False):
         why_not = _ops.cuda_backend_supported(x2, w_up)
+        no_kernels = backend is None and dense_fallback(x2.device)  # a GPU without the kernels: dense, warned once
         if backend is None:
             backend = "cuda" if why_not is None else "torch"
         elif backend == "cuda" and why_not is not None:
@@ -405,8 +409,8 @@ def _run(x, w_gate, w_up, w_down, l1_reduction, mode, state, width, backend, wan
                              "(slow, exact) or mode='dense'")
         elif backend not in ("cuda", "torch"):
             raise ValueError(f"backend must be 'cuda', 'torch' or None, got {backend!r}")
-        path = mode
-        if mode == "auto":
+        path = "dense" if no_kernels else mode
+        if path == "auto":
             # the torch backend is a correctness fallback, never faster than dense: auto keeps it off
             path = st.choose(kn, M) if backend == "cuda" else "dense"
         st.last_path = path

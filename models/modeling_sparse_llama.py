@@ -100,11 +100,13 @@ class SparseLlamaMLP(nn.Module):
 
     def refresh_plan(self) -> None:
         """(Re)make this layer's kernel plan from config.get_kernel_config() (a new plan starts a new dispatch
-        history). Called at construction and by SparseLlamaForCausalLM.set_kernel_config; never per call, so a
-        compiled model sees a constant."""
+        history; its crossover tables are this GPU's measured ones where there are, kernels/tables.py). Called at
+        construction and by SparseLlamaForCausalLM.set_kernel_config; never per call, so a compiled model sees a
+        constant."""
         from sfl.kernels.twell.ops import Plan
 
-        self.plan = Plan(self.config.get_kernel_config(self.layer_idx))
+        shape = (self.hidden_size, self.intermediate_size)
+        self.plan = Plan(self.config.get_kernel_config(self.layer_idx), shape=shape)
 
     def layout_down_proj(self) -> None:
         """down_proj.weight neuron-major for the TwELL paths (mlp_impl "cuda" and its "reference"), which read W_d by
@@ -265,10 +267,10 @@ class SparseLlamaMLP(nn.Module):
 
     def _forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
         """Inference through the one C++ op: dispatch, kernels, exact backup and the statistics all happen there;
-        h never leaves the kernels, so there is no L1 term here."""
+        h never leaves the kernels, so there is no L1 term here. On a GPU without the kernels (not sm_90) the op
+        takes the dense path, with one warning (sfl.kernels.device)."""
         from sfl.kernels.twell import ops
 
-        ops.ensure_loaded()
         wg, wu, wd = self._inference_weights()
         if x.dtype != wu.dtype:  # the residual stream may be wider than the kernels' bf16 (autocast evaluation)
             x = x.to(wu.dtype)

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from .. import reference as ref
+from ..device import kernels_supported
 from ..reference import Hybrid, _acc_dtype
 
 _HERE = Path(__file__).resolve().parent
@@ -58,7 +59,8 @@ def load_ext(verbose: bool = False) -> ModuleType:
     ext = _EXT.get("ext")
     if ext is not None:  # every call after the first: no import machinery, no lock (host time on each op call)
         return ext
-    from ..loader import REFERENCE_HINT, KernelUnavailableError, _arch_for_device, build_extension, source_hash
+    from ..loader import (REFERENCE_HINT, KernelUnavailableError, _arch_for_device, build_extension,
+                          require_supported_gpu, source_hash)
 
     hint = "use backend='torch' or mode='dense'"
 
@@ -68,6 +70,7 @@ def load_ext(verbose: bool = False) -> ModuleType:
         if not torch.cuda.is_available():
             raise KernelUnavailableError("the sparse training kernels need a CUDA GPU; use backend='torch' or "
                                          "mode='dense'; " + REFERENCE_HINT)
+        require_supported_gpu(hint)
         src_hash = source_hash(SOURCES)
         arch = _arch_for_device()
         tag = hashlib.sha1(f"{src_hash}-{arch}-{torch.__version__}".encode()).hexdigest()[:10]
@@ -82,6 +85,9 @@ def cuda_backend_supported(x: Tensor, w_up: Tensor) -> str | None:
     """None if the CUDA kernels take these inputs, else the reason (the caller falls back / errors)."""
     if x.device.type != "cuda":
         return f"x is on {x.device}"
+    ok, why = kernels_supported(x.device)
+    if not ok:
+        return why
     if x.dtype != torch.bfloat16:
         return f"dtype {x.dtype} (the kernels take bf16; use autocast or cast)"
     K, N = x.shape[-1], w_up.shape[0]

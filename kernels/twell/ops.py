@@ -24,6 +24,8 @@ import torch
 from torch import Tensor
 
 from ..config import KernelConfig, TILE_N
+from .. import tables
+from ..device import dense_ffn, dense_fallback, kernels_supported
 
 _lib = torch.library.Library("sfl_twell", "DEF")
 _lib.define("ffn(Tensor x, Tensor? w_gate, Tensor w_up, Tensor w_down, Tensor(a!)? stats, int plan, int[] icfg, "
@@ -51,7 +53,7 @@ def ensure_loaded() -> None:
 
 
 def _load_if_cuda() -> None:
-    if _STATE["ext"] is None and torch.cuda.is_available():
+    if _STATE["ext"] is None and kernels_supported()[0]:
         load()
 
 
@@ -95,14 +97,19 @@ def _free(plan_id: int) -> None:
 @dataclass(eq=False)
 class Plan:
     """A layer's handle on its C++ plan: the id the op is called with and the configuration it carries. Freed with
-    the object. One plan per layer (its dispatch history is the layer's measured activity)."""
+    the object. One plan per layer (its dispatch history is the layer's measured activity). shape: the layer's
+    (K, N); with it, a crossover table left at its built-in value becomes the one measured for this GPU and shape
+    where there is one (kernels/tables.py: the user's calibration, then the GPU's table of record)."""
 
     config: KernelConfig
+    shape: tuple[int, int] | None = None
     id: int = 0
     icfg: list[int] | None = None
     fcfg: list[float] | None = None
 
     def __post_init__(self) -> None:
+        if self.shape is not None:
+            self.config = tables.for_current_gpu(self.config, *self.shape)
         self.id = next(_IDS)
         self.icfg, self.fcfg = plan_args(self.config)
         weakref.finalize(self, _free, self.id)
@@ -112,17 +119,25 @@ class Plan:
         measurements, sparse_calls, dense_calls, path ("dense" | "sparse" | "sparse-syncfree" at decode sizes),
         d2t ("fused" | "cublas" | "decode-fused" | "decode-rows"), flagged_rows (in the latest measurement that
         reached the host: a call's own once a later call has run after it completed), backup_cap (the last sparse
-        call's dense backup block, rows), timings. Empty before the first call."""
-        return dict(load().plan_info(self.id))
+        call's dense backup block, rows), timings. Empty before the first call (and on a GPU without the kernels,
+        where no call reaches them)."""
+        ext = _STATE["ext"]
+        return {} if ext is None else dict(ext.plan_info(self.id))
 
     def reset(self) -> None:
         """Forget the measured activity and timings (the next auto call starts as a first call)."""
-        load().plan_reset(self.id)
+        ext = _STATE["ext"]
+        if ext is not None:  # not loaded: no call has made the C++ plan yet, there is nothing to forget
+            ext.plan_reset(self.id)
 
 
 def ffn(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, plan: Plan,
         stats: Tensor | None = None) -> Tensor:
-    """One FFN call through the op (x [..., K] bf16 CUDA; weights in nn.Linear layouts)."""
+    """One FFN call through the op (x [..., K] bf16 CUDA; weights in nn.Linear layouts). On a GPU without the
+    kernels (kernels/device.py) the dense path, with one warning per GPU."""
+    if dense_fallback(x.device):
+        return dense_ffn(x, w_gate, w_up, w_down, stats)
+    ensure_loaded()
     return torch.ops.sfl_twell.ffn(x, w_gate, w_up, w_down, stats, plan.id, plan.icfg, plan.fcfg)
 
 
