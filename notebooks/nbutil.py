@@ -103,6 +103,12 @@ def results_dir() -> Path:
     return _dir("SFL_RESULTS_DIR", RECORDS_DIR)
 
 
+def absent() -> str:
+    """What a table says for a value of ours with no log: 'not reproduced yet' for the records, 'not in <folder>'
+    for a run folder of the user's (which was never meant to hold every experiment)."""
+    return f"not in {results_label()}" if reading_run_folder() else NOT_REPRODUCED
+
+
 def reading_run_folder() -> bool:
     """True when the results dir is a folder of the user's own runs: not the records, and without a manifest."""
     base = results_dir()
@@ -650,7 +656,7 @@ def claims_table(rows: Sequence[dict[str, Any]]) -> pd.DataFrame:
             pv, src, conf = p, r.get("source", ""), r.get("confidence", "")
         ours = r.get("ours")
         if ours is None or (isinstance(ours, float) and math.isnan(ours)):
-            ours = r.get("ours_missing", NOT_REPRODUCED)
+            ours = r.get("ours_missing", absent())
         out.append(dict(claim=r["claim"], published=pv, ours=ours, unit=r.get("unit", ""), source=src,
                         confidence=conf, ours_log=r.get("ours_log", ""), note=r.get("note", "")))
     return pd.DataFrame(out)
