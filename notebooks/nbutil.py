@@ -840,55 +840,33 @@ def missing(name: str, how_to_produce: str, reason: str = "its log is not in res
             title: str | None = None) -> str:
     """Record that `name` is not reproduced yet: a table entry (with the published numbers beside, if given)
     and a labelled placeholder figure. `how_to_produce` is an experiment name ('l1_sweep') or a command.
+    For a run folder of the user's the entry says only that the piece is not in that folder.
     Returns the message (also printed)."""
     cmd = how_to_produce if (" " in how_to_produce or "/" in how_to_produce) else f"bash experiments/{how_to_produce}/run.sh"
     if reading_run_folder():
-        return _not_in_run_folder(name, reason, published_rows=published_rows, figure=figure, table=table, title=title)
-    msg = f"{NOT_REPRODUCED} — run `{cmd}` ({reason})"
+        where = results_label()
+        reason = reason.replace("results/", f"{where}/")  # the reasons name the records' layout: name the folder read
+        ours, msg, caption = f"not in {where}", f"not in {where} ({reason})", f"{NOT_IN_MARK}{where}** ({reason})."
+        headline, detail, colour = f"NOT IN {where}", reason, "0.35"
+    else:
+        ours, msg, caption = NOT_REPRODUCED, f"{NOT_REPRODUCED} — run `{cmd}` ({reason})", f"{MISSING_MARK} — run `{cmd}` ({reason})."
+        headline, detail, colour = "NOT REPRODUCED YET", f"run: {cmd}\n({reason})", "firebrick"
     print(f"[{name}] {msg}")
     if table:
         if published_rows is not None and len(published_rows):
             df = published_rows[["table_or_figure", "model", "setting", "l1", "metric", "value", "unit",
                                  "source", "confidence"]].rename(columns={"value": "published"}).copy()
-            df["ours"] = NOT_REPRODUCED
+            df["ours"] = ours
         else:
-            df = pd.DataFrame([{"item": name, "published": "see results/published/paper_numbers.csv",
-                                "ours": NOT_REPRODUCED}])
+            df = pd.DataFrame([{"item": name, "published": "see results/published/paper_numbers.csv", "ours": ours}])
         df["status"] = msg
-        save_table(name, df, f"{MISSING_MARK} — run `{cmd}` ({reason}).", title=title)
+        save_table(name, df, caption, title=title)
     if figure:
         fig, ax = plt.subplots(figsize=(7, 3.2))
         ax.axis("off")
-        ax.text(0.5, 0.62, f"{title or name}\nNOT REPRODUCED YET", ha="center", va="center", fontsize=14,
-                weight="bold", color="firebrick")
-        ax.text(0.5, 0.25, _wrap(f"run: {cmd}\n({reason})", 80), ha="center", va="center", fontsize=9)
-        save_figure(fig, name)
-    return msg
-
-
-def _not_in_run_folder(name: str, reason: str, *, published_rows: pd.DataFrame | None, figure: bool, table: bool,
-                       title: str | None) -> str:
-    """missing() for a run folder of the user's: the piece is simply not in that folder (no call to reproduce)."""
-    where = results_label()
-    # the reasons name the records' layout ("no results/l1_sweep/<run>/..."): name the folder read instead
-    reason = reason.replace("results/", f"{where}/")
-    msg = f"not in {where} ({reason})"
-    print(f"[{name}] {msg}")
-    if table:
-        if published_rows is not None and len(published_rows):
-            df = published_rows[["table_or_figure", "model", "setting", "l1", "metric", "value", "unit",
-                                 "source", "confidence"]].rename(columns={"value": "published"}).copy()
-            df["ours"] = f"not in {where}"
-        else:
-            df = pd.DataFrame([{"item": name, "published": "see results/published/paper_numbers.csv",
-                                "ours": f"not in {where}"}])
-        save_table(name, df, f"{NOT_IN_MARK}{where}** ({reason}).", title=title)
-    if figure:
-        fig, ax = plt.subplots(figsize=(7, 3.2))
-        ax.axis("off")
-        ax.text(0.5, 0.62, f"{title or name}\nNOT IN {where}", ha="center", va="center", fontsize=14, weight="bold",
-                color="0.35")
-        ax.text(0.5, 0.25, _wrap(reason, 80), ha="center", va="center", fontsize=9)
+        ax.text(0.5, 0.62, f"{title or name}\n{headline}", ha="center", va="center", fontsize=14,
+                weight="bold", color=colour)
+        ax.text(0.5, 0.25, _wrap(detail, 80), ha="center", va="center", fontsize=9)
         save_figure(fig, name)
     return msg
 

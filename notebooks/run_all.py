@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                          "figures and tables go to DIR/figures and DIR/paper_tables")
     args = ap.parse_args(argv)
     if args.results is not None:
-        from . import nbutil
+        from . import nbutil  # here, not at the top: pandas and matplotlib load only when a run needs them
 
         nbutil.use_results(args.results.resolve())
     results = run(args.only, args.keep_executed, args.timeout)
