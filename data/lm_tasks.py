@@ -82,7 +82,7 @@ def check_eval_files(eval_dir: Path, tasks: list[str]) -> None:
 
 def write_tasks(eval_dir: Path, dest: Path, tasks: list[str] | None = None) -> Path:
     """Write the YAMLs of `tasks` (default: all 7) + the utils.py they reference into dest, with eval_dir's
-    absolute path substituted, after checking the task files against the data dir's manifest
+    absolute path substituted (returns dest, absolute), after checking the task files against the data dir's manifest
     (`check_eval_files`). Files are written whole and renamed, so a reader never sees half a YAML."""
     tasks = list(EVAL_TASKS) if tasks is None else tasks
     eval_dir = Path(eval_dir).resolve()
@@ -92,7 +92,7 @@ def write_tasks(eval_dir: Path, dest: Path, tasks: list[str] | None = None) -> P
             f"eval data missing in {eval_dir}: {', '.join(t + '.jsonl' for t in missing)}. "
             f"Run `python -m sfl.data.prepare --only eval` (data dir from $SFL_DATA_DIR or --data-dir).")
     check_eval_files(eval_dir, tasks)
-    dest = Path(dest)
+    dest = Path(dest).resolve()  # absolute: the `--include_path` printed for it works from any directory
     dest.mkdir(parents=True, exist_ok=True)
     _write_atomic(dest / "utils.py", (TEMPLATE_DIR / "utils.py").read_text())
     for t in tasks:

@@ -258,7 +258,7 @@ def write_lm_tasks(ctx: Ctx) -> Path:
     from .lm_tasks import write_tasks
 
     out = write_tasks(ctx.p.eval, ctx.p.lm_tasks)
-    ctx.log(f"[lm_tasks] wrote {len(EVAL_TASKS)} task YAMLs for `lm_eval --include_path {out}`")
+    ctx.log(f"[lm_tasks] wrote {len(EVAL_TASKS)} task YAMLs; from any directory: `lm_eval --include_path {out} ...`")
     return out
 
 

@@ -5,6 +5,7 @@ one-line description in DOCS; experiments/README.md ("train.py config") document
 """
 from __future__ import annotations
 
+import argparse
 import difflib
 import math
 import os
@@ -85,6 +86,22 @@ _SPEC: dict[str, tuple[Any, str]] = {
 }
 DEFAULTS: dict[str, Any] = {k: v[0] for k, v in _SPEC.items()}
 DOCS: dict[str, str] = {k: v[1] for k, v in _SPEC.items()}
+
+
+def arg_parser(description: str) -> argparse.ArgumentParser:
+    """train.py's command line; its --help lists every config key with its default and meaning. Light (no torch):
+    train.py answers --help with it before its heavy imports."""
+    shown = {k: yaml.safe_dump(v, default_flow_style=True).removesuffix("\n...\n").strip() for k, (v, _) in _SPEC.items()}
+    kw, dw = max(map(len, shown)) + 2, max(map(len, shown.values())) + 2
+    keys = "\n".join(f"  {k:<{kw}}{shown[k]:<{dw}}{doc}" for k, (_, doc) in _SPEC.items())
+    p = argparse.ArgumentParser(prog="python -m sfl.experiments.train", description=description,
+                                epilog=f"config keys (YAML or --set key=value), with their defaults:\n{keys}",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="YAML config (flat key: value); omitted = defaults")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key (YAML-typed value); repeatable")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in out_dir")
+    return p
 
 
 class ConfigError(ValueError):

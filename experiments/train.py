@@ -3,7 +3,7 @@
     python -m sfl.experiments.train --config path.yaml [--set key=value ...] [--resume]
     torchrun --nproc_per_node=N -m sfl.experiments.train --config path.yaml   # DDP, or FSDP2 with parallel: fsdp
 
-Config keys: experiments/config.py (DEFAULTS/DOCS) and experiments/README.md "train.py config".
+Config keys: listed below with their defaults (experiments/config.py; experiments/README.md "train.py config").
 Writes <out_dir>/train_log.jsonl (schema: team brief / experiments/README.md), crash-safe
 checkpoints under <out_dir>/checkpoints (exact resume with --resume; each with a save_pretrained copy in hf/)
 and <out_dir>/final (save_pretrained, loadable by experiments/evaluate.py after `import sfl.models`).
@@ -22,27 +22,32 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from .config import ConfigError, arg_parser, l1_coeff_at, load_config, lr_at
+
 for _k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_k, "1")
 
-import numpy as np
-import torch
-import torch.distributed as dist
-from tqdm import tqdm
+if __name__ == "__main__" and any(a == "-h" or a.startswith("--h") for a in sys.argv[1:]):
+    arg_parser(__doc__).parse_args()  # prints the config keys and exits, before torch and transformers load (~15 s)
 
-from .checkpoint import (HF_SUBDIR, CheckpointWriteError, atomic_write_text, ckpt_root, find_latest, list_checkpoints,
-                         load_checkpoint, write_pretrained)
-from .config import ConfigError, l1_coeff_at, load_config, lr_at
-from .data_loader import DataError, TokenData
+# The heavy imports come after the --help check above (E402 on purpose).
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from .checkpoint import (HF_SUBDIR, CheckpointWriteError, atomic_write_text, ckpt_root, find_latest,  # noqa: E402
+                         list_checkpoints, load_checkpoint, write_pretrained)
+from .data_loader import DataError, TokenData  # noqa: E402
 # several processes (torchrun): wrapping, cross-rank statistics, DCP checkpoints -- see experiments/distributed.py
-from .distributed import (Dist, accumulation_context, clip_grad_norm, eval_path, gather_trackers,
+from .distributed import (Dist, accumulation_context, clip_grad_norm, eval_path, gather_trackers,  # noqa: E402
                           global_sparsity_stats, is_sharded, load_model_and_optimizer, local_dead_window, reinit_dead,
                           resolve_grad_accum, restore_trackers, resume_config_view, save_checkpoint_dcp,
                           unsharded_copy, wrap_model)
-from .preflight import check_disk_space, check_kernels
-from .rundir import RunDirBusy, RunLock, clean_stale_temps, tmp_name
-from .runs import read_rows
-from sfl.models import SparseLlamaConfig, SparseLlamaForCausalLM
+from .preflight import check_disk_space, check_kernels  # noqa: E402
+from .rundir import RunDirBusy, RunLock, clean_stale_temps, tmp_name  # noqa: E402
+from .runs import read_rows  # noqa: E402
+from sfl.models import SparseLlamaConfig, SparseLlamaForCausalLM  # noqa: E402
 
 # Keys that may change between a checkpoint and its resumption without breaking exactness.
 RESUME_MUTABLE = {"max_steps", "log_every", "eval_every", "eval_batches", "ckpt_every", "progress", "device",
@@ -514,12 +519,7 @@ def save_final(model: SparseLlamaForCausalLM, dest: Path, data_dir: Path) -> Non
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="YAML config (flat key: value); omitted = defaults")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key (YAML-typed value); repeatable")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in out_dir")
-    return p.parse_args(argv)
+    return arg_parser(__doc__).parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,8 +6,12 @@ paper_tables/<name>.md + .csv. A missing log never
 raises: `missing()` writes an explicit "not reproduced yet" entry and a labelled placeholder figure.
 
 Logs are read only through results/MANIFEST.csv (`record_paths`, `record_file`): a file in results/ that the
-manifest does not list is never read, so a new run's output cannot silently change a table. A results dir
-without a manifest reads as "no logs yet".
+manifest does not list is never read, so a new run's output cannot silently change a table. Any other results
+dir without a manifest is a folder of the user's own runs (`use_results`, `run_all --results DIR`): every log
+found there is read, and what is not there is shown as "not in DIR", not as "not reproduced yet".
+
+Outputs regenerate byte for byte: fixed colours per series, bands bootstrapped with BOOT_SEED, and table CSVs
+rounded to CSV_DIGITS significant digits (so last-digit floating-point noise never reaches a file).
 
 Directories can be redirected (tests and development use synthetic logs in a temp dir):
   SFL_RESULTS_DIR    our logs                     (default <repo>/results)
@@ -69,6 +73,9 @@ PAPER_SHAPE_SCALE_NOTE = (
 )
 NOT_REPRODUCED = "not reproduced yet"
 MISSING_MARK = "**NOT REPRODUCED YET**"
+NOT_IN_MARK = "**NOT IN "  # + the run folder + "**": a piece a user's run folder does not hold
+BOOT_SEED = 0  # seaborn's bootstrapped bands (several seeds per point): the same band on every run
+CSV_DIGITS = 10  # significant digits kept in table CSVs
 
 # The paper's seven tasks (Table 6 column order) and spellings seen in task names.
 PAPER_TASKS = ["hellaswag", "commonsense_qa", "piqa", "winogrande", "arc_easy", "arc_challenge", "openbookqa"]
@@ -89,8 +96,52 @@ def _dir(env: str, default: Path) -> Path:
     return Path(value).expanduser().resolve() if value else default
 
 
+RECORDS_DIR = REPO_ROOT / "results"
+
+
 def results_dir() -> Path:
-    return _dir("SFL_RESULTS_DIR", REPO_ROOT / "results")
+    return _dir("SFL_RESULTS_DIR", RECORDS_DIR)
+
+
+def absent() -> str:
+    """What a table says for a value of ours with no log: 'not reproduced yet' for the records, 'not in <folder>'
+    for a run folder of the user's (which was never meant to hold every experiment)."""
+    return f"not in {results_label()}" if reading_run_folder() else NOT_REPRODUCED
+
+
+def reading_run_folder() -> bool:
+    """True when the results dir is a folder of the user's own runs: not the records, and without a manifest."""
+    base = results_dir()
+    return base != RECORDS_DIR.resolve() and not (base / MANIFEST_NAME).is_file()
+
+
+def results_label() -> str:
+    """How captions and messages name the results dir: 'results', or the run folder (relative to the repository
+    or the working directory where it is under either)."""
+    base = results_dir()
+    if base == RECORDS_DIR.resolve():
+        return "results"
+    for root in (REPO_ROOT, Path.cwd()):
+        try:
+            return str(base.relative_to(root.resolve()))
+        except ValueError:
+            continue
+    return str(base)
+
+
+def use_results(directory: Path | str, figures: Path | str | None = None, tables: Path | str | None = None) -> Path:
+    """Read logs from `directory` (a run folder of yours, e.g. runs/smoke/results; relative paths are taken from the
+    repository root) and write figures and tables under it (`figures/`, `paper_tables/`) unless told otherwise.
+    The notebooks' RESULTS parameter and `run_all --results` call this. Returns the resolved directory."""
+    base = Path(directory).expanduser()
+    base = (base if base.is_absolute() else REPO_ROOT / base).resolve()
+    if not base.is_dir():
+        raise SystemExit(f"{directory}: no such folder; give the folder your runs wrote their logs to "
+                         "(e.g. runs/smoke/results after SCALE=smoke bash experiments/l1_sweep/run.sh)")
+    os.environ["SFL_RESULTS_DIR"] = str(base)
+    os.environ["SFL_FIGURES_DIR"] = str(Path(figures).resolve() if figures else base / "figures")
+    os.environ["SFL_TABLES_DIR"] = str(Path(tables).resolve() if tables else base / "paper_tables")
+    return base
 
 
 def published_dir() -> Path:
@@ -108,7 +159,7 @@ def tables_dir() -> Path:
 def rel(path: Path | str) -> str:
     """Path as shown in captions: relative to the results dir (so captions do not leak temp paths)."""
     p = Path(path)
-    for base, label in ((results_dir(), "results"), (REPO_ROOT, "")):
+    for base, label in ((results_dir(), results_label()), (REPO_ROOT, "")):
         try:
             r = p.resolve().relative_to(base)
             return f"{label}/{r}" if label else str(r)
@@ -243,11 +294,19 @@ MANIFEST_NAME = "MANIFEST.csv"
 MANIFEST_COLUMNS = ["path", "experiment", "what", "used_by", "seed", "status", "pending"]
 
 
+LOG_SUFFIXES = (".jsonl", ".json", ".csv")
+
+
 def manifest_rows(results: Path | str | None = None) -> list[dict[str, str]]:
-    """Rows of <results>/MANIFEST.csv (schema: results/README.md); [] when the results dir has no manifest."""
-    path = Path(results or results_dir()) / MANIFEST_NAME
+    """Rows of <results>/MANIFEST.csv (schema: results/README.md). Without a manifest: [] for the records dir, and
+    for a run folder of the user's one row per log file found in it (every log there is theirs to plot)."""
+    base = Path(results or results_dir()).resolve()
+    path = base / MANIFEST_NAME
     if not path.is_file():
-        return []
+        if base == RECORDS_DIR.resolve() or not base.is_dir():
+            return []
+        return [dict.fromkeys(MANIFEST_COLUMNS, "") | {"path": f.relative_to(base).as_posix()}
+                for f in sorted(base.rglob("*")) if f.suffix in LOG_SUFFIXES and f.is_file()]
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     if rows and set(MANIFEST_COLUMNS) - set(rows[0]):
@@ -597,7 +656,7 @@ def claims_table(rows: Sequence[dict[str, Any]]) -> pd.DataFrame:
             pv, src, conf = p, r.get("source", ""), r.get("confidence", "")
         ours = r.get("ours")
         if ours is None or (isinstance(ours, float) and math.isnan(ours)):
-            ours = r.get("ours_missing", NOT_REPRODUCED)
+            ours = r.get("ours_missing", absent())
         out.append(dict(claim=r["claim"], published=pv, ours=ours, unit=r.get("unit", ""), source=src,
                         confidence=conf, ours_log=r.get("ours_log", ""), note=r.get("note", "")))
     return pd.DataFrame(out)
@@ -727,7 +786,7 @@ def save_table(name: str, df: pd.DataFrame, caption: str, *, title: str | None =
     """Write paper_tables/<name>.md (title, caption + scale note, table, logs used) and <name>.csv."""
     out = tables_dir()
     out.mkdir(parents=True, exist_ok=True)
-    df.to_csv(out / f"{name}.csv", index=False)
+    rounded(df).to_csv(out / f"{name}.csv", index=False)
     logs = list(logs)
     parts = [f"# {title or name}", "", caption.strip(), "", scale, "", to_markdown(df), ""]
     if extra:
@@ -739,6 +798,16 @@ def save_table(name: str, df: pd.DataFrame, caption: str, *, title: str | None =
     path = out / f"{name}.md"
     path.write_text("\n".join(parts))
     return path
+
+
+def rounded(df: pd.DataFrame, digits: int = CSV_DIGITS) -> pd.DataFrame:
+    """A copy with every float cell (in float and mixed columns) rounded to `digits` significant digits."""
+    def one(v: Any) -> Any:
+        if isinstance(v, float) and math.isfinite(v) and v != 0:
+            return float(f"{v:.{digits}g}")
+        return v
+
+    return df.map(one) if len(df) else df.copy()
 
 
 def save_figure(fig: plt.Figure, name: str, caption: str = "", *, scale: str = SCALE_NOTE) -> Path:
@@ -771,33 +840,41 @@ def missing(name: str, how_to_produce: str, reason: str = "its log is not in res
             title: str | None = None) -> str:
     """Record that `name` is not reproduced yet: a table entry (with the published numbers beside, if given)
     and a labelled placeholder figure. `how_to_produce` is an experiment name ('l1_sweep') or a command.
+    For a run folder of the user's the entry says only that the piece is not in that folder.
     Returns the message (also printed)."""
     cmd = how_to_produce if (" " in how_to_produce or "/" in how_to_produce) else f"bash experiments/{how_to_produce}/run.sh"
-    msg = f"{NOT_REPRODUCED} — run `{cmd}` ({reason})"
+    if reading_run_folder():
+        where = results_label()
+        reason = reason.replace("results/", f"{where}/")  # the reasons name the records' layout: name the folder read
+        ours, msg, caption = f"not in {where}", f"not in {where} ({reason})", f"{NOT_IN_MARK}{where}** ({reason})."
+        headline, detail, colour = f"NOT IN {where}", reason, "0.35"
+    else:
+        ours, msg, caption = NOT_REPRODUCED, f"{NOT_REPRODUCED} — run `{cmd}` ({reason})", f"{MISSING_MARK} — run `{cmd}` ({reason})."
+        headline, detail, colour = "NOT REPRODUCED YET", f"run: {cmd}\n({reason})", "firebrick"
     print(f"[{name}] {msg}")
     if table:
         if published_rows is not None and len(published_rows):
             df = published_rows[["table_or_figure", "model", "setting", "l1", "metric", "value", "unit",
                                  "source", "confidence"]].rename(columns={"value": "published"}).copy()
-            df["ours"] = NOT_REPRODUCED
+            df["ours"] = ours
         else:
-            df = pd.DataFrame([{"item": name, "published": "see results/published/paper_numbers.csv",
-                                "ours": NOT_REPRODUCED}])
+            df = pd.DataFrame([{"item": name, "published": "see results/published/paper_numbers.csv", "ours": ours}])
         df["status"] = msg
-        save_table(name, df, f"{MISSING_MARK} — run `{cmd}` ({reason}).", title=title)
+        save_table(name, df, caption, title=title)
     if figure:
         fig, ax = plt.subplots(figsize=(7, 3.2))
         ax.axis("off")
-        ax.text(0.5, 0.62, f"{title or name}\nNOT REPRODUCED YET", ha="center", va="center", fontsize=14,
-                weight="bold", color="firebrick")
-        ax.text(0.5, 0.25, _wrap(f"run: {cmd}\n({reason})", 80), ha="center", va="center", fontsize=9)
+        ax.text(0.5, 0.62, f"{title or name}\n{headline}", ha="center", va="center", fontsize=14,
+                weight="bold", color=colour)
+        ax.text(0.5, 0.25, _wrap(detail, 80), ha="center", va="center", fontsize=9)
         save_figure(fig, name)
     return msg
 
 
 def is_missing_table(path: Path | str) -> bool:
-    """True when a written paper_tables/*.md is a not-reproduced entry."""
-    return MISSING_MARK in Path(path).read_text()
+    """True when a written paper_tables/*.md is a not-reproduced entry (or, for a run folder, a not-in entry)."""
+    text = Path(path).read_text()
+    return MISSING_MARK in text or NOT_IN_MARK in text
 
 
 def write_index() -> Path:
@@ -808,7 +885,9 @@ def write_index() -> Path:
     for md in sorted(out.glob("*.md")):
         if md.name in ("INDEX.md", "README.md"):
             continue
-        status = "not reproduced yet" if is_missing_table(md) else "generated from logs"
+        text = md.read_text()
+        status = ("not reproduced yet" if MISSING_MARK in text else f"not in {results_label()}" if NOT_IN_MARK in text
+                  else "generated from logs")
         lines.append(f"| [{md.stem}]({md.name}) | {status} |")
     path = out / "INDEX.md"
     path.write_text("\n".join(lines) + "\n")

@@ -1,8 +1,9 @@
-"""Execute the figure/table notebooks headless: `python -m sfl.notebooks.run_all [--only NAME ...]`.
+"""Execute the figure/table notebooks headless: `python -m sfl.notebooks.run_all [--only NAME ...] [--results DIR]`.
 
 Each notebook is executed from a temporary copy (the committed .ipynb stays output-free, so no diff churn)
 with the repository root as working directory; the notebooks write figures/*.png and paper_tables/*.md/.csv
-(or wherever SFL_FIGURES_DIR / SFL_TABLES_DIR point). The kernel is this interpreter
+(or wherever SFL_FIGURES_DIR / SFL_TABLES_DIR point). With --results DIR they plot a folder of your own runs
+(e.g. runs/smoke/results) instead of the records, into DIR/figures and DIR/paper_tables. The kernel is this interpreter
 (sys.executable -m ipykernel_launcher), so a fresh venv needs no registered kernelspec.
 Exit status is non-zero if any notebook raised.
 """
@@ -103,7 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-executed", type=Path, default=None,
                     help="also write the executed notebooks (with outputs) into this directory")
     ap.add_argument("--timeout", type=int, default=600, help="per-cell timeout in seconds")
+    ap.add_argument("--results", type=Path, default=None, metavar="DIR",
+                    help="a folder of your own runs (e.g. runs/smoke/results) to plot instead of results/; "
+                         "figures and tables go to DIR/figures and DIR/paper_tables")
     args = ap.parse_args(argv)
+    if args.results is not None:
+        from . import nbutil  # here, not at the top: pandas and matplotlib load only when a run needs them
+
+        nbutil.use_results(args.results.resolve())
     results = run(args.only, args.keep_executed, args.timeout)
     failed = {k: v for k, v in results.items() if not v[0]}
     for name, (ok, msg) in results.items():

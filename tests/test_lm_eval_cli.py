@@ -76,10 +76,14 @@ def test_lm_eval_cli_scores_a_checkpoint_from_another_directory(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     yaml_text = (work / "tasks" / "sfl_piqa.yaml").read_text()
     assert "@SFL_EVAL_DIR@" not in yaml_text and str(eval_dir.resolve() / "piqa.jsonl") in yaml_text
+    include = r.stdout.split("--include_path ")[1].split()[0]  # the path it prints for the lm_eval command
+    assert Path(include).is_absolute() and Path(include) == (work / "tasks").resolve()
+    work = tmp_path / "yet_another"  # the printed command works from any directory
+    work.mkdir()
 
     # 2. the lm-eval CLI: the checkpoint carries its modelling code (auto_map), nothing registers it here
     cmd = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
-           f"pretrained={ckpt},trust_remote_code=True,dtype=float32", "--include_path", "tasks",
+           f"pretrained={ckpt},trust_remote_code=True,dtype=float32", "--include_path", include,
            "--tasks", "sfl_piqa", "--limit", str(LIMIT), "--device", "cpu", "--batch_size", "4",
            "--output_path", "out"]
     r = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=600)
@@ -100,3 +104,32 @@ def test_lm_eval_cli_scores_a_checkpoint_from_another_directory(tmp_path):
                           "--eval-dir", str(eval_dir), "--out", str(tmp_path / "ours")]) == 0
     ours = json.loads((tmp_path / "ours" / "eval.json").read_text())["tasks"]["piqa"]
     assert (ours["acc"], ours["acc_norm"]) == (piqa["acc,none"], piqa["acc_norm,none"])
+
+
+def test_write_tasks_returns_an_absolute_include_dir(tmp_path, monkeypatch):
+    """`prepare` and `write-tasks` print the include dir write_tasks returns: absolute, whatever dest was given as."""
+    from sfl.data.lm_tasks import write_tasks
+
+    eval_dir = tmp_path / "eval"
+    eval_dir.mkdir()
+    (eval_dir / "piqa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in PIQA))
+    monkeypatch.chdir(tmp_path)
+    out = write_tasks(Path("eval"), Path("tasks"), ["piqa"])
+    assert out.is_absolute() and out == (tmp_path / "tasks").resolve()
+    assert f"{eval_dir.resolve()}/piqa.jsonl" in (out / "sfl_piqa.yaml").read_text()
+
+
+def test_quickstart_readme_loading_example_runs_without_a_prompt(tmp_path):
+    """The Python example of experiments/quickstart/README.md, on a tiny checkpoint, from another directory with no
+    terminal: it loads the tokenizer and model and generates without asking to run remote code."""
+    text = (REPO / "experiments" / "quickstart" / "README.md").read_text()
+    code = text.split("```python\n")[1].split("```")[0]
+    assert "runs/quickstart/final" in code and "trust_remote_code=True" not in code
+    ckpt = _tiny_checkpoint(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "hf_modules"),
+               PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-c", code.replace("runs/quickstart/final", str(ckpt))], cwd=tmp_path, env=env,
+                       stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "[y/N]" not in r.stdout + r.stderr and r.stdout.strip()
