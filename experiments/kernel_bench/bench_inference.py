@@ -745,7 +745,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['speedup']:.2f}x | " + (f"{r['speedup_steady']:.2f}x" if "speedup_steady" in r else "graph") +
               f" | {r['rel_err_vs_dense_bf16']:.1e} |")
     hot = [r for r in rows_out if "speedup_hot" in r]
-    if hot:   # the skewed cases again, through hot/cold (kernels/README.md, round 18)
+    if hot:   # the skewed cases again, through hot/cold
         print("\n| M | pattern | p | hot neurons | their pairs | dense ms | hot/cold ms | speedup | auto's | "
               "rel err vs fp32 (dense bf16's) |")
         print("|---|---|---|---|---|---|---|---|---|---|")
