@@ -384,7 +384,7 @@ def explore(cfg=None) -> int:
     """Timings of the variants a KernelConfig still selects (one line each): at M = 65536 the fused vs cuBLAS d2t,
     the cuBLAS d2t chunked by gate_scratch_mb; at decode sizes (CUDA-graph replays) the sync-free TwELL path's
     decode_tiles_per_warp (with the fused and row decode paths off, so that path runs). (Compaction v1, the up/down
-    grid cap and the unfused decode path left the runtime: the round-3 comparisons that chose against them are in
+    grid cap and the unfused decode path left the runtime: the an earlier comparisons that chose against them are in
     results/kernel_bench.)"""
     from sfl.kernels.ffn import twell_d2t
 
