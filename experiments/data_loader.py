@@ -37,7 +37,7 @@ def rebuild_hint(tokens_dir: Path) -> str:
 
 
 class TokenData:
-    """Memmapped train/val token streams described by meta.json (see the team brief's data layout)."""
+    """Memmapped train/val token streams described by meta.json (see data/README.md for the layout)."""
 
     def __init__(self, tokens_dir: str | Path, seq_len: int, order: str = "random", world: int = 1) -> None:
         self.dir = Path(tokens_dir)

@@ -1,6 +1,6 @@
 """Start-up checks of a training run: everything that can be known before step 1 is checked before it.
 
-A run that cannot finish must fail in its first seconds, not after training (issue 15): the kernels the
+A run that cannot finish must fail in its first seconds, not after training: the kernels the
 chosen `mlp_impl` needs on the chosen device, and the disk space its checkpoints and final model take.
 The data checks (shards, checksums, val windows) live with the data (experiments/data_loader.py).
 """

@@ -135,7 +135,7 @@ def collect(extra: dict[str, Any] | None = None) -> dict[str, Any]:
     import torch
 
     # An exported SFL_GIT_COMMIT wins: the GPU machine's copy can hold a stale .git (the checkout's base commit,
-    # with this session's commits as uncommitted changes), so rev-parse there names the wrong commit.
+    # with the local commits as uncommitted changes), so rev-parse there names the wrong commit.
     local = _git("rev-parse", "HEAD")
     commit = os.environ.get("SFL_GIT_COMMIT") or local or None
     if commit in ("unknown", "HEAD\nunknown"):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The small-scale suite of record at one commit (issue 16 item 2), its runs spread over the visible GPUs
+# The small-scale suite of record at one commit, its runs spread over the visible GPUs
 # (experiments/run_parallel.sh): every result of l1_sweep, activation_analysis, ablations and train_equivalence.
 #   SCALE=gpu bash experiments/small_scale_suite.sh       # all stages; one H100: ~25 min, two: about half
 # Stages (STAGES, default "sweep analysis rest"), each resumable (finished runs are skipped):

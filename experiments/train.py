@@ -3,8 +3,8 @@
     python -m sfl.experiments.train --config path.yaml [--set key=value ...] [--resume]
     torchrun --nproc_per_node=N -m sfl.experiments.train --config path.yaml   # DDP, or FSDP2 with parallel: fsdp
 
-Config keys: listed below with their defaults (experiments/config.py; experiments/README.md "train.py config").
-Writes <out_dir>/train_log.jsonl (schema: team brief / experiments/README.md), crash-safe
+Config keys: `--help` lists them with their defaults (experiments/config.py; experiments/README.md "train.py config").
+Writes <out_dir>/train_log.jsonl (schema: experiments/README.md), crash-safe
 checkpoints under <out_dir>/checkpoints (exact resume with --resume; each with a save_pretrained copy in hf/)
 and <out_dir>/final (save_pretrained, loadable by experiments/evaluate.py after `import sfl.models`).
 """

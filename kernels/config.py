@@ -97,14 +97,14 @@ class KernelConfig:
         up_list_min_m: from this many rows the gated large-M path runs its up and down steps as two kernels
             (up_list writes each row's entries, the down step reads W_dT one L2-sized slice at a time) instead of
             one (up_down); 0: always one. Costs M * N / 256 * slots * 8 bytes of transient entry lists. Measured
-            (kernels/README.md, round 11): 12% faster from 4096 rows at uniform activity, but 2% slower to 8192 rows
+           12% faster from 4096 rows at uniform activity, but 2% slower to 8192 rows
             on the paper-like profile and in the calibrated model's prefill, even from 16384; the non-gated block
             (no W_u rows to read) lost with it everywhere and keeps up_down.
         hot_neurons: the layer's first hot_neurons neurons (a multiple of 256, below N) are computed as dense GEMMs
             in sparse calls above decode_max_m, the others through TwELL ("hot/cold"; 0: off). For layers whose
             neurons fire at very different rates, put in front by SparseLlamaForCausalLM.order_hot_neurons_, which
             sets it per layer. Eager auto then times both paths per M bucket and runs the faster one (the crossover
-            table does not describe hot/cold calls). Measured (kernels/README.md, round 18): on the paper-like
+            table does not describe hot/cold calls). Measured: on the paper-like
             profile, M = 65536, 1.15x -> 1.44x of dense at 1% activity and 1.04x -> 1.19x at 2%; no gain at 0.5% there
             or on uniform activity.
         d2t: "fused" (sm_90: the gate GEMM's epilogue writes TwELL) or "cublas" (gate GEMM, then compaction).

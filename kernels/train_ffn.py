@@ -1,4 +1,4 @@
-"""Differentiable sparse ReLU FFN block with fused L1, for training (issue #4).
+"""Differentiable sparse ReLU FFN block with fused L1, for training.
 
     y, l1, stats = sparse_gated_ffn_train(x, w_gate, w_up, w_down, l1_reduction="mean", state=st)
     y, l1, stats = sparse_nongated_ffn_train(x, w_up, w_down, l1_reduction="mean", state=st)

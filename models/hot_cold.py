@@ -3,7 +3,7 @@
 Neuron firing rates are skewed in trained sparse models (results/activation_analysis: a few percent of a layer's
 neurons fire on several percent of tokens, most on far fewer). A gathered neuron costs a W_u and a W_d row per token
 it fires on; a dense one costs 4K multiply-adds per token whether it fires or not, so above a rate of about 1% a
-neuron is cheaper dense. Whether a layer gains as a whole is measured, not predicted (kernels/README.md, round 18):
+neuron is cheaper dense. Whether a layer gains as a whole is measured, not predicted:
 
     rates = neuron_rates(model, batches)          # per layer, per neuron, on calibration text (any device)
     hot = choose_hot_neurons(model, rates, batch) # per layer, timed on the GPU (orders the model's neurons first)

@@ -1,6 +1,6 @@
 """L1 penalty and activation-sparsity statistics (pure functions, shared by the model and tests).
 
-Conventions (team brief): for a token matrix x [M, K] the MLP activation is a = relu(x Wg^T)
+Conventions (project convention): for a token matrix x [M, K] the MLP activation is a = relu(x Wg^T)
 (non-gated: relu(x Wu^T)); an entry is *active* iff a != 0, and NaN counts as active. The L1
 penalty is taken on h, the tensor fed into down_proj (gated: a * (x Wu^T); non-gated: h = a).
 """

@@ -207,7 +207,7 @@ _SENTINEL = object()
 
 @dataclass
 class TrainLog:
-    """A parsed train_log.jsonl (schema: team brief / notebooks/README.md)."""
+    """A parsed train_log.jsonl (schema: notebooks/README.md)."""
 
     path: Path
     header: dict[str, Any]

@@ -1,4 +1,4 @@
-"""Fault injection (issue 15): a tiny CPU run is SIGKILLed at random moments (mid-step, mid-checkpoint, mid-eval,
+"""Fault injection: a tiny CPU run is SIGKILLed at random moments (mid-step, mid-checkpoint, mid-eval,
 mid-final-save...) and resumed each time; the finished run's JSONL log equals an uninterrupted run's except timing
 fields (and the 'resume' event lines), and its final weights are torch.equal to the uninterrupted run's."""
 from __future__ import annotations

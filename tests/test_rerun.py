@@ -1,4 +1,4 @@
-"""Re-runnable jobs and what a run records (issue 14, items 5 and 6):
+"""Re-runnable jobs and what a run records :
 - every kept checkpoint holds a save_pretrained copy (hf/) that AutoModelForCausalLM opens, with the weights of
   the training state beside it, written atomically with the checkpoint;
 - the log header records the world size, the effective kernel configuration and the data fingerprint;

@@ -1,4 +1,4 @@
-"""Runs that cannot lose or corrupt work (issue 15): the run-directory lock, start-up checks, data verified where
+"""Runs that cannot lose or corrupt work: the run-directory lock, start-up checks, data verified where
 used, exact resume of every logged line, ENOSPC. CPU fp32, tiny models on synthetic token files: seconds each."""
 from __future__ import annotations
 

@@ -381,7 +381,7 @@ def run_both_with(x, wg, wu, wd, gy, reduction, width, coef):
 
 
 def test_nonfinite_x_gate_gradient_counts_match_dense():
-    """Issue 15's case: +Inf in x. The torch backend gave far more NaNs in dW_gate than autograd (a mask product,
+    """The case: +Inf in x. The torch backend gave far more NaNs in dW_gate than autograd (a mask product,
     0 * Inf, where relu's backward selects); now the counts are equal entry for entry."""
     x, wg, wu, wd = problem(40, 16, 96, 1.5, 13)
     x[7, 5] = float("inf")

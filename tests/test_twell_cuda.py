@@ -918,7 +918,7 @@ def test_up_down_kernel(ffn, K, N, gated, S):
         assert err3 <= 2 * err16 + 1e-7, f"error {err3:.3e} > 2 x bf16 PyTorch {err16:.3e}"
 
 
-# ---------------------------------------------------------------- round 3: compaction v2, grid cap, fused decode
+# ---------------------------------------------------------------- compaction v2, grid cap, fused decode
 def test_compact_equals_reference(ffn):
     """The persistent compaction writes exactly what reference.d2t writes, on adversarial rows, strided row views
     and row counts that are not multiples of the unroll."""

@@ -384,7 +384,7 @@ def explore(cfg=None) -> int:
     """Timings of the variants a KernelConfig still selects (one line each): at M = 65536 the fused vs cuBLAS d2t,
     the cuBLAS d2t chunked by gate_scratch_mb; at decode sizes (CUDA-graph replays) the sync-free TwELL path's
     decode_tiles_per_warp (with the fused and row decode paths off, so that path runs). (Compaction v1, the up/down
-    grid cap and the unfused decode path left the runtime: the round-3 comparisons that chose against them are in
+    grid cap and the unfused decode path left the runtime: the an earlier comparisons that chose against them are in
     results/kernel_bench.)"""
     from sfl.kernels.ffn import twell_d2t
 
@@ -745,7 +745,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['speedup']:.2f}x | " + (f"{r['speedup_steady']:.2f}x" if "speedup_steady" in r else "graph") +
               f" | {r['rel_err_vs_dense_bf16']:.1e} |")
     hot = [r for r in rows_out if "speedup_hot" in r]
-    if hot:   # the skewed cases again, through hot/cold (kernels/README.md, round 18)
+    if hot:   # the skewed cases again, through hot/cold
         print("\n| M | pattern | p | hot neurons | their pairs | dense ms | hot/cold ms | speedup | auto's | "
               "rel err vs fp32 (dense bf16's) |")
         print("|---|---|---|---|---|---|---|---|---|---|")

@@ -248,7 +248,7 @@ def profile_phases(M, K, N, p, reps, timer):
     phases["count_nonzero"] = (lambda: torch.count_nonzero(a, dim=1), M * N * 2 / 1e9, "GB")
     phases["count_kernel"] = (lambda: ext.count(a), M * N * 2 / 1e9, "GB")
     phases["l1_abs_sum"] = (lambda: a.abs().sum(dtype=torch.float32), M * N * 2 / 1e9, "GB")
-    # the backward the op runs since round 16: dwd_dh (dW_dT and the light entries' dh dot products, neuron-major
+    # the backward the op runs since the neuron-major backward: dwd_dh (dW_dT and the light entries' dh dot products, neuron-major
     # over dy slices), dh_coef (cg, cu from them), dx_slices, dw's part 0 (dW_g, dW_u over x slices)
     nb_op = ops.dw_chunks(M)
     part = torch.empty((K // 8 + 31) // 32, M * W, device=DEV)

@@ -1,4 +1,4 @@
-"""GPU diagnostics behind two open questions of issue #3/#4 (not a benchmark of record; logs go to results/kernel_bench/diag/).
+"""GPU diagnostics behind two open questions (not a benchmark of record; logs go to results/kernel_bench/diag/).
 
     python -m sfl.experiments.kernel_bench.diagnose compact --out DIR    # compaction vs reference.d2t, many seeds
     python -m sfl.experiments.kernel_bench.diagnose gap --out DIR        # where a dense-dispatched call loses time

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Accuracy parity from scratch (issue 16 item 4; the paper's setting: sparse models trained from scratch, not
+# Accuracy parity from scratch (the paper's setting: sparse models trained from scratch, not
 # sparsified later): a dense ReLU model (L1 = 0) and L1 models of the same size, data and budget, each with several
 # seeds, scored on the 7 tasks (full sets), and the change in mean accuracy against the dense arm with a paired
 # bootstrap interval over documents (each document's score averaged over the seeds of its arm).

@@ -1,5 +1,4 @@
-"""What one training step keeps for backward, by module: dense vs sparse FFNs (issue 13: why the sparse op's saved
-bytes do not show in the model-level peak). Runs on the GPU (the CUDA training op) and on a CPU (its torch backend:
+"""What one training step keeps for backward, by module: dense vs sparse FFNs . Runs on the GPU (the CUDA training op) and on a CPU (its torch backend:
 the same saved layout, so the accounting carries over).
 
     python -m sfl.experiments.speed.memory_breakdown --layers 28 --micro-batch 8 --out lab/speed/memory_breakdown.jsonl

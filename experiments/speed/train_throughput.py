@@ -1,4 +1,4 @@
-"""Training tokens/s and peak memory as the paper measures them (issue 13): the paper's shapes, through
+"""Training tokens/s and peak memory as the paper measures them: the paper's shapes, through
 experiments/train.py's own optimizer step, each side at an equal micro-batch and at its own largest one.
 
     python -m sfl.experiments.speed.train_throughput --layers 8 28 --out results/speed/train_throughput_h100.jsonl

@@ -19,7 +19,7 @@ namespace sflslices {
 
 using namespace sfl;
 
-// ROWS: 1, 2 or 4 rows per block (64 threads per row). Both ops run 1 (kernels/README.md, rounds 12 and 13): a block
+// ROWS: 1, 2 or 4 rows per block (64 threads per row). Both ops run 1: a block
 // then retires with its own row's entries instead of waiting for the longest of four (1-6% faster, the same sums).
 // 4 stays the launcher's default.
 constexpr int kChunks = 64, kRows = 4;

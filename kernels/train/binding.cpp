@@ -66,7 +66,7 @@ namespace {
 
 // rows per block of common/slices.cu for the forward's y (over W_dT) and the backward's dx (over W_g and W_u): one,
 // so a block retires with its own row's entries (2-3% / 1% faster than 4 at M 8192-65536, the same bits;
-// kernels/train/README.md, round 13)
+// kernels/train/README.md)
 constexpr int kFwdSlicesRows = 1, kBwdSlicesRows = 1;
 
 void check(cudaError_t e, const char* what) {

@@ -12,7 +12,7 @@
 //             optionally (flagged rows, widest light row) for the forward's one read-back.
 //   fwd_rows: light rows: u_e = x.W_u[j] (gated), h_e = a_e u_e, y = sum_e h_e W_dT[j], rowabs = sum |h_e|.
 //   fwd_block / bwd_block: fwd_rows / bwd_rows with one block per light row (the op runs fwd_block; bwd_block's
-//             coefficients ran until round 16 and stay as dh_coef's oracle; the warp kernels stay as the tests'
+//             coefficients ran until the neuron-major backward and stay as dh_coef's oracle; the warp kernels stay as the tests'
 //             oracle: the block kernels match them bit for bit at K >= 2048).
 //   bwd_rows: light rows: dh_e = dy.W_dT[j] + c sign(h_e); dg_e = dh_e u_e, du_e = dh_e a_e (gated) or
 //             dg_e = dh_e (non-gated); dx = sum_e dg_e W_g[j] + du_e W_u[j] (non-gated: dg_e W_u[j]).

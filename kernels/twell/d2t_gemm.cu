@@ -144,7 +144,7 @@ __device__ __forceinline__ void wgmma_m64n256k16_first(float (&d)[128], uint64_t
 // +Inf included) or NaN, as sfl::relu_active; nonfinite |= an Inf or NaN among them. Float compares on the halves
 // as fp32 (a bf16 is the top half of an fp32): active = !(v <= 0), non-finite = !(|v| < Inf); exact because the
 // kernels build without flush-to-zero (a positive subnormal stays active). The SIMD integer compares this replaced
-// (__vcmpgts2 and co.) are emulated on sm_90: the d2t ran 2-4% longer with them (kernels/README.md, round 13).
+// (__vcmpgts2 and co.) are emulated on sm_90: the d2t ran 2-4% longer with them.
 __device__ __forceinline__ unsigned pair_active(uint32_t p, bool& nonfinite) {
   const float lo = bf16lo(p), hi = bf16hi(p);
   nonfinite |= !(fabsf(lo) < __int_as_float(0x7f800000)) || !(fabsf(hi) < __int_as_float(0x7f800000));

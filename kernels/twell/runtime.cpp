@@ -59,7 +59,7 @@ namespace sfl_runtime {
 constexpr int kTileN = 256;
 constexpr int kFusedDecodeMaxM = 8;   // the fused decode kernel's row limit (its workspace rows)
 constexpr int kRowsDecodeMaxN = 24576;  // decode_rows keeps a row's active list in shared memory
-constexpr int kSlicesRows = 1;       // slices' rows per block for the inference down step (kernels/README.md, round 12)
+constexpr int kSlicesRows = 1;       // slices' rows per block for the inference down step
 constexpr int kTimingKeep = 3;       // timing samples kept per (bucket, path); decisions use their minimum
 constexpr int kReprobeEvery = 256;   // a vetoed bucket runs sparse again every this many calls
 constexpr int kRetimeEvery = 64;     // a bucket's samples are refreshed every this many calls
@@ -691,7 +691,7 @@ at::Tensor twell_steps(Call& c, const at::Tensor& wdt, bool small, bool measure,
           "finalize");
   } else if (!small && c.wg && P.cfg.up_list_min_m > 0 && M >= P.cfg.up_list_min_m) {
     // gated: up (one block per row) writes the rows' entries; down reads W_dT one L2-sized slice at a time (same
-    // bits). Non-gated there is no W_u row to read, and the split lost (kernels/README.md, round 11).
+    // bits). Non-gated there is no W_u row to read, and the split lost.
     at::Tensor lcol = at::empty({M, T * S}, i32o);
     at::Tensor lh = at::empty({M, T * S}, c.x.options().dtype(at::kFloat));
     at::Tensor lnnz = at::empty({M}, i32o);

@@ -1,4 +1,4 @@
-"""Does a hot/cold split pay (issue 12, item 1's option)? Neurons sorted by their measured firing rate; the first
+"""Does a hot/cold split pay ? Neurons sorted by their measured firing rate; the first
 N_H ("hot") are computed as dense sub-GEMMs, the rest through the sparse op on the remaining rows of the weights:
 
     y = op(x, W_g[H:], W_u[H:], W_d[:, H:]) ; y += (relu(x W_g[:H]^T) * x W_u[:H]^T) W_d[:, :H]^T  (addmm, beta 1)

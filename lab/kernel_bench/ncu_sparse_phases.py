@@ -1,4 +1,4 @@
-"""Driver for Nsight Compute: one warm-up and one profiled call of each sparse phase at the issue-12 operating
+"""Driver for Nsight Compute: one warm-up and one profiled call of each sparse phase at the target operating
 point (inference M 65536 and training M 16384, 0.5% uniform, K 2048, N 5632), so that `ncu --kernel-name` can read
 the hardware counters of d2t, up_down and the training op's pair-proportional kernels. With the argument `split`:
 the inference op's large-M steps instead (up_list + down_slices) at 0.5% and 1%, nothing else.

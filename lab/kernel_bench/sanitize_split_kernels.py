@@ -41,7 +41,7 @@ def training(gen: torch.Generator) -> bool:
         us, ur, h = nan(M, W), nan(M, W), nan(M, W)
         rs, rr = torch.empty(M, device=DEV), torch.empty(M, device=DEV)
         ext.fwd_block(gated, x, wu, wdt, ell_col, ell_a, nnz, flag, us, ys[:0], rs, h)
-        for rows in (4, 2, 1):   # every block shape of slices (the op runs 1 since round 13); the last one is checked
+        for rows in (4, 2, 1):   # every block shape of slices (the op runs 1 since the neuron-major backward); the last one is checked
             ext.dx_slices(False, wdt, wdt, ell_col, nnz, flag, h, h, ys, rows)
         ext.fwd_rows(gated, x, wu, wdt, ell_col, ell_a, nnz, flag, ur, yr, rr)
         l1c = torch.full((1,), 0.01, device=DEV)

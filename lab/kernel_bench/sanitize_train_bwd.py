@@ -1,4 +1,4 @@
-"""The training backward's neuron-major kernels as the op runs them (round 16), on inputs built without cuBLAS, so
+"""The training backward's neuron-major kernels as the op runs them, on inputs built without cuBLAS, so
 that compute-sanitizer sees only our kernels: the CSR by neuron, dwd_dh (dW_dT and the dh partial sums through
 each warp's shared-memory tile), dh_coef, dw's part 0. Gated and non-gated; K 200 / 576 / 2048 (partial 256-column
 slices); slice widths 1 and 2; neurons with more than 32 entries (several chunks); flagged and empty rows.

@@ -1,8 +1,8 @@
 """A/B of the training op's light-entry backward, GPU time only (R = 0, no backup rows):
 - "coef_rows": bwd_block's coefficients (a whole 4 KB W_dT row per entry, token-major), dx_slices, the CSR by
-  neuron, dw with both parts (the op until round 16);
+  neuron, dw with both parts (the op until the neuron-major backward);
 - "dh_in_dw": the CSR by neuron, dwd_dh (dW_dT and the dh dot products over dy slices, neuron-major), dh_coef,
-  dx_slices, dw's part 0 (the op since round 16).
+  dx_slices, dw's part 0 (the op since the neuron-major backward).
 Rotation with the L2 flushed (bench_inference's Timer), medians; dx and the weight gradients compared (dW_dT bit for
 bit, the rest within fp32 reordering of dh).
 

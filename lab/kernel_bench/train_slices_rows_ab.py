@@ -1,6 +1,6 @@
 """A/B of the rows per block of `slices` (common/slices.cu) for the training op's two slice-major sums: the forward's
 y over W_dT (one coefficient per entry) and the backward's dx over W_g and W_u (two). The inference op moved to one
-row per block in round 12 (2-6% faster there); the training op runs 4. Same inputs as the op's (bench_training's
+row per block earlier (2-6% faster there); the training op runs 4. Same inputs as the op's (bench_training's
 light_rows_case: the ELL lists and bwd_block's coefficients), rotation with the L2 flushed, medians; the outputs
 checked bit for bit across the block shapes.
 

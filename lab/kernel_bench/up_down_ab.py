@@ -3,7 +3,7 @@ up_down (one block per row, h in shared memory) and up_list + down_slices (the r
 y slice-major over W_dT), timed in rotation with the L2 flushed before each call (bench_inference's Timer;
 decode_paths' rotation), medians. (At 3bbd7c7 it also ran up_down at 3 blocks per SM, which lost to 4; at b7d99d0
 up_list at 4 and 5 blocks per SM, which lost to 6; at c2eeae7 up_list with a 128-thread block, which won on the uniform
-profile and lost on the paper-like one; round 12 times slices at 1, 2 and 4 rows per block.) The d2t and the dense FFN are timed beside them for scale.
+profile and lost on the paper-like one; an earlier times slices at 1, 2 and 4 rows per block.) The d2t and the dense FFN are timed beside them for scale.
 Writes JSONL rows with provenance.
 
     PYTHONPATH=. python lab/kernel_bench/up_down_ab.py --out up_down_ab.jsonl

@@ -1,4 +1,4 @@
-"""Trial (lab): where do the remaining real-path gaps of issue 11 go? GPU only; output on stdout.
+"""Trial (lab): where do the remaining real-path gaps go? GPU only; output on stdout.
 
 A. prefill through model.model at batch 1 and 16 x 2048: HF vs ours in auto / dense / sparse, then a kernel table
    of one forward per side at batch 1 (the 0.95x row).

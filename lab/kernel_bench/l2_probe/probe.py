@@ -1,4 +1,4 @@
-"""L2 residency probe for the sparse up/down step (issue 12). Times, in rotation with the L2 flushed before each
+"""L2 residency probe for the sparse up/down step. Times, in rotation with the L2 flushed before each
 call (bench_inference's Timer), at M 65536, K 2048:
   - the production up_down at N 5632 / 2816 / 1536 with the same ~28 pairs per token (weights 46 / 23 / 12.6 MB):
     does the time per pair fall once the weights fit in L2?

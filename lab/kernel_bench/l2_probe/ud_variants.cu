@@ -1,4 +1,4 @@
-// Lab probe (issue 12): does the sparse up/down step lose its time to L2 misses on the weights? Nsight Compute
+// Lab probe: does the sparse up/down step lose its time to L2 misses on the weights? Nsight Compute
 // at 296005 read a 52% L2 hit rate and 72% DRAM throughput for up_down at M 65536, 0.5% (W_u + W_d^T = 46 MB
 // against 50 MB of L2, x/y/TwELL streaming through it). Variants of up_down (gated, K = 2048 only):
 //   HINT: weight loads carry an L2 evict_last policy, x / TwELL loads evict_first, y stored streaming;

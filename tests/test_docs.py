@@ -1,0 +1,97 @@
+"""The docs stand alone and agree with the generated tables (CPU, no GPU, a few seconds).
+
+1. No tracked text file points outside the repository or uses tracker/process words; run histories live in
+   lab/HISTORY.md only. Recorded logs (their raw output, e.g. absolute paths of the machine that wrote them) are
+   left as recorded.
+2. README.md's claims block equals paper_tables/claims.md, which notebooks/claims.py writes.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+FORBIDDEN = {
+    "path outside the repository": re.compile(r"\.\./shared|/work/"),
+    "tracker reference": re.compile(r"\bissues? #?\d+|\bissue-\d+|#\d+ (?:inference|training)", re.IGNORECASE),
+    "process word": re.compile(r"\bround[ -]\d+|\brounds \d+|\bteam brief|\bsession\b|\bsuite-r1\b", re.IGNORECASE),
+}
+HISTORY = "lab/HISTORY.md"
+# Recorded outputs: written by runs, kept byte for byte (their provenance is what they recorded).
+LOG_SUFFIXES = (".jsonl", ".json", ".log", ".txt", ".csv", ".png", ".ipynb_checkpoints")
+LOG_DIRS = ("results/", "lab/results/", "lab/speed/")
+THIS_FILE = "tests/test_docs.py"
+
+
+def _tracked_text_files() -> list[str]:
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    files = [f for f in out.decode().split("\0") if f]
+    keep = []
+    for f in files:
+        if f in (HISTORY, THIS_FILE):
+            continue
+        if f.startswith(LOG_DIRS) and f.endswith(LOG_SUFFIXES) and not f.startswith("results/published/"):
+            continue
+        path = ROOT / f
+        if not path.is_file():
+            continue
+        head = path.read_bytes()[:8192]
+        if b"\0" in head:  # binary
+            continue
+        keep.append(f)
+    return keep
+
+
+def find_violations(files: list[str]) -> list[str]:
+    """'path:line: kind: text' for every forbidden pattern in the given repository-relative files."""
+    found = []
+    for f in files:
+        text = (ROOT / f).read_text(errors="replace")
+        for n, line in enumerate(text.splitlines(), 1):
+            for kind, pattern in FORBIDDEN.items():
+                if pattern.search(line):
+                    found.append(f"{f}:{n}: {kind}: {line.strip()[:120]}")
+    return found
+
+
+def test_patterns_catch_what_they_should(tmp_path):
+    bad = ["see ../shared/reference/x.md", "kept in round 14", "issue 12's rows", "as in the team brief",
+           "this session", "the tag suite-r1", "/work/main/.data"]
+    good = ["rounding before writing", "the background", "groundtruth", "tissue 3", "sessions_dir_x"]
+    for line in bad:
+        assert any(p.search(line) for p in FORBIDDEN.values()), line
+    for line in good:
+        assert not any(p.search(line) for p in FORBIDDEN.values()), line
+
+
+def test_no_outside_paths_or_process_words():
+    violations = find_violations(_tracked_text_files())
+    assert not violations, (f"{len(violations)} lines point outside the repository or use tracker/process words "
+                            f"(move history to {HISTORY}, reword the rest):\n" + "\n".join(violations[:60]))
+
+
+def _claims_block(text: str) -> str:
+    from sfl.notebooks.claims import BEGIN, END
+
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start:
+        pytest.fail(f"claims markers missing: {BEGIN} ... {END}")
+    return text[start:end + len(END)] + "\n"
+
+
+def test_readme_claims_equal_generated_table():
+    generated = (ROOT / "paper_tables" / "claims.md").read_text()
+    readme = _claims_block((ROOT / "README.md").read_text())
+    assert readme == generated, ("README.md's claims block differs from paper_tables/claims.md: run "
+                                 "`python -m sfl.notebooks.claims` and paste the file between the markers")
+
+
+def test_claims_generator_reproduces_committed_table():
+    from sfl.notebooks.claims import render
+
+    assert render() == (ROOT / "paper_tables" / "claims.md").read_text(), (
+        "paper_tables/claims.md is stale against paper_tables/*.csv: run `python -m sfl.notebooks.claims`")
