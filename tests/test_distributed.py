@@ -15,7 +15,9 @@ import os
 import shutil
 import subprocess
 import sys
+
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -325,3 +327,107 @@ def test_checkpoint_from_before_dcp_still_resumes(runs, tmp_path) -> None:
     for a, b in zip(want, got):
         for k in COMPARED:
             assert a[k] == b[k], (a["step"], k)
+
+
+# ----------------------------------------------------------------------------- CUDA GPUs: torchrun + NCCL
+# The same comparisons on GPUs with the CUDA training op (forced through its sparse path at these tiny shapes) and
+# the dense FFN: FSDP2 (over every visible GPU, at most 2; over one GPU it shards across a group of one) and DDP
+# against one process without torchrun, a DCP resume under torchrun and in one process, the consolidated model.
+GPU_SHAPE = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=16, tie_word_embeddings=True,
+                 eos_token_id=0, bos_token_id=0)
+GPU_FORCED_SPARSE = {"SFL_KERNEL_MODE": "sparse", "SFL_KERNEL_TRAIN_MODE": "sparse", "SFL_KERNEL_TRAIN_SPARSE_MIN_M": "1"}
+GPU_COMPARED = ["loss", "ce", "l1", "grad_norm", "nnz_mean", "nnz_max", "dead_frac"]
+
+
+def gpu_train(sets: dict, nproc: int | None, resume: bool = False) -> None:
+    """One training run on CUDA: under torchrun with nproc processes, or a plain process (nproc None)."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
+    cmd = [sys.executable, *launcher, "-m", "sfl.experiments.train"]
+    for s in as_sets(sets):
+        cmd += ["--set", s]
+    cmd += ["--resume"] if resume else []
+    env = dict(os.environ, PYTHONWARNINGS="ignore", **GPU_FORCED_SPARSE)
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+
+
+@pytest.fixture(scope="module")
+def gpu_runs(tmp_path_factory, data) -> dict[str, Any]:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from sfl.models import SparseLlamaConfig, SparseLlamaForCausalLM
+    nproc = min(2, torch.cuda.device_count())
+    root = tmp_path_factory.mktemp("dist_gpu")
+    torch.manual_seed(0)
+    SparseLlamaForCausalLM(SparseLlamaConfig(**GPU_SHAPE)).save_pretrained(root / "init")
+    out: dict[str, Any] = {"nproc": nproc}
+    for impl in ("cuda", "dense"):
+        base = {**base_sets(data, root / "init", root / "x"), "device": "cuda", "precision": "bf16",
+                "mlp_impl": impl, "global_batch_size": 8, "micro_batch_size": 2, "dead_reinit_lambda": 0.0,
+                "activation_checkpointing": True}
+        for name, nprocs, extra in (("one", None, {}), ("fsdp", nproc, {"parallel": "fsdp"}),
+                                    ("ddp", nproc, {"parallel": "ddp"})):
+            out[f"{name}_{impl}"] = root / f"{name}_{impl}"
+            gpu_train({**base, **extra, "out_dir": str(out[f"{name}_{impl}"])}, nprocs)
+    for k, nprocs in (("resumed_cuda", nproc), ("resumed_one_cuda", None)):
+        out[k] = root / k
+        shutil.copytree(out["fsdp_cuda"], out[k])
+        shutil.rmtree(out[k] / "checkpoints" / "step_0000004")
+        (out[k] / "checkpoints" / "latest.json").unlink()
+        base = {**base_sets(data, root / "init", out[k]), "device": "cuda", "precision": "bf16", "mlp_impl": "cuda",
+                "global_batch_size": 8, "micro_batch_size": 2, "dead_reinit_lambda": 0.0,
+                "activation_checkpointing": True, "parallel": "fsdp"}
+        gpu_train(base, nprocs, resume=True)
+    return out
+
+
+def gpu_close(a: float, b: float) -> bool:
+    # bf16 autocast: the sharded and the one-process step round differently (reduction order, the op's atomics)
+    return math.isclose(a, b, rel_tol=2e-2, abs_tol=1e-4)
+
+
+@pytest.mark.parametrize("run", ["fsdp_cuda", "ddp_cuda", "fsdp_dense", "ddp_dense"])
+def test_gpu_processes_match_one_process(gpu_runs, run) -> None:
+    impl = run.split("_")[1]
+    one, other = lines(gpu_runs[f"one_{impl}"], "step"), lines(gpu_runs[run], "step")
+    assert [x["step"] for x in other] == [1, 2, 3, 4]
+    for a, b in zip(one, other):
+        for k in GPU_COMPARED:
+            assert gpu_close(a[k], b[k]), (run, a["step"], k, a[k], b[k])
+    for a, b in zip(lines(gpu_runs[f"one_{impl}"], "eval"), lines(gpu_runs[run], "eval")):
+        assert gpu_close(a["val_ce"], b["val_ce"]), (run, a, b)
+
+
+def test_gpu_sharded_checkpoint_resumes(gpu_runs) -> None:
+    full = lines(gpu_runs["fsdp_cuda"], "step")
+    for k in ("resumed_cuda", "resumed_one_cuda"):
+        cut = lines(gpu_runs[k], "step")
+        assert [x["step"] for x in cut] == [1, 2, 3, 4] and lines(gpu_runs[k], "resume")[0]["step"] == 2
+        for a, b in zip(full[2:], cut[2:]):
+            for key in GPU_COMPARED:
+                assert gpu_close(a[key], b[key]), (k, a["step"], key, a[key], b[key])
+
+
+def test_gpu_consolidated_model_loads_in_one_process(gpu_runs) -> None:
+    from transformers import AutoModelForCausalLM
+
+    import sfl.models  # noqa: F401
+    final = AutoModelForCausalLM.from_pretrained(gpu_runs["fsdp_cuda"] / "final")
+    ckpt = load_checkpoint(find_latest(gpu_runs["fsdp_cuda"]))["model"]
+    for k, v in final.state_dict().items():
+        assert torch.equal(v, ckpt[k]), k
+    assert final.model.layers[0].mlp.down_proj.weight.shape == (256, 1024)
+
+
+def test_gpu_fsdp_evaluation_runs_the_sparse_op_on_current_weights(gpu_runs) -> None:
+    """Under FSDP2 the CUDA inference op serves the weights FSDP2 gathered now, not those of an earlier step."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpu_runs['nproc']}",
+           str(REPO / "tests" / "fsdp_eval_check.py")]
+    p = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    report = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("FSDP_EVAL "))[len("FSDP_EVAL "):])
+    assert len(report["checks"]) == 2
+    for c in report["checks"]:
+        assert c["sparse_calls"] >= 2 and c["rel_err"] < 2e-2, report
