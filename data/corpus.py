@@ -7,7 +7,8 @@ Documents are split train/val by a hash of their text, tokenised by `--workers` 
 tokenizer (<data_dir>/tokenizer), joined with EOS, and written as shards of whole document batches into
 <data_dir>/.<out>.partial/. After every shard, progress.json records the shards written and the stream position
 after the last document they hold, so a killed run resumes from its finished shards. At the end the directory is
-renamed to <data_dir>/<out> and recorded in manifest.json like the offline steps.
+renamed to <data_dir>/<out> and recorded in manifest.json like the offline steps. The workers are started with
+`spawn`, so a script that calls build_corpus needs the `if __name__ == "__main__":` guard.
 """
 from __future__ import annotations
 
