@@ -96,9 +96,12 @@ def resolve_source(source: str) -> tuple[str, list[Path]]:
 
 
 def _offline() -> bool:
+    """Offline as `datasets` sees it (read when it was imported) or as the environment says now."""
     import datasets.config
 
-    return bool(datasets.config.HF_HUB_OFFLINE)
+    now = any(os.environ.get(k, "").upper() in ("1", "ON", "YES", "TRUE")
+              for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    return now or bool(datasets.config.HF_HUB_OFFLINE)
 
 
 def open_stream(spec: CorpusSpec, builder: str, files: list[Path]) -> Any:

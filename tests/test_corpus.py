@@ -16,7 +16,7 @@ from sfl.data import prepare as P
 from sfl.data.manifest import Manifest
 from sfl.data.sources import is_val
 from sfl.data.tokens import scan_shard
-from sfl.experiments.data_loader import TokenData
+from sfl.experiments.data_loader import DataError, TokenData
 from test_data import make_tokenizer_dir
 
 WORDS = "sparse dense relu neuron layer token model weight kernel memory the of and to a in".split()
@@ -112,6 +112,14 @@ def test_jsonl_budget_is_exact_and_a_prefix(corpus) -> None:
     whole = np.fromfile(d / "full" / "train_000.bin", dtype="<u2")
     cut = np.concatenate([np.fromfile(d / "capped" / e["file"], dtype="<u2") for e in capped["train"]])
     assert np.array_equal(cut, whole[:500])
+    shard = d / "capped" / "train_000.bin"
+    raw = bytearray(shard.read_bytes())
+    raw[0] ^= 1
+    shard.write_bytes(bytes(raw))  # changed after preparation: training refuses it, a rerun rebuilds it
+    with pytest.raises(DataError, match="prepare --corpus SOURCE --out-subdir capped"):
+        TokenData(d / "capped", seq_len=8).verify()
+    build(d, str(corpus["src"] / "part-0.jsonl"), "capped", max_tokens=500, shard_tokens=200)
+    TokenData(d / "capped", seq_len=8).verify()
 
 
 def test_interrupted_run_resumes_from_its_finished_shards(corpus, monkeypatch, capsys) -> None:
