@@ -18,7 +18,6 @@ import multiprocessing as mp
 import os
 import re
 import shutil
-import sys
 from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path

@@ -8,16 +8,19 @@ import os
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+from tokenizers import Tokenizer, models
 
 from sfl import data
 from sfl.data import corpus as C
 from sfl.data import prepare as P
+from sfl.data import tokens as T
 from sfl.data.manifest import Manifest
 from sfl.data.sources import is_val
-from sfl.data.tokens import scan_shard
 from sfl.experiments.data_loader import DataError, TokenData
-from test_data import make_tokenizer_dir
+from test_data import _fake_upstream, make_tokenizer_dir
 
 WORDS = "sparse dense relu neuron layer token model weight kernel memory the of and to a in".split()
 VAL_PERMILLE = 200  # a fifth of the documents: every small file has some
@@ -32,9 +35,6 @@ def _texts(n: int, seed: int) -> list[str]:
 def corpus(tmp_path_factory) -> dict:
     """Two parquet files (column 'content'), two jsonl files (field 'text'), and a data dir whose tokenizer step
     is recorded (so prepare fetches nothing)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     root = tmp_path_factory.mktemp("corpus")
     texts = _texts(240, 0)
     src = root / "src"
@@ -65,8 +65,6 @@ def build(data_dir: Path, source: str, out: str, workers: int = 1, **spec: objec
 
 def docs_of(tokens_dir: Path, split: str) -> list[str]:
     """The documents of a split, decoded (they are joined by EOS = 0)."""
-    from tokenizers import Tokenizer
-
     tok = Tokenizer.from_file(str(tokens_dir.parent / "tokenizer" / "tokenizer.json"))
     meta = json.loads((tokens_dir / "meta.json").read_text())
     ids = np.concatenate([np.fromfile(tokens_dir / e["file"], dtype="<u2") for e in meta[split]]).tolist()
@@ -88,7 +86,7 @@ def test_parquet_round_trips_with_checksums_manifest_and_val_split(corpus, capsy
     assert len(meta["train"]) > 2  # several shards, numbered on
     assert [e["file"] for e in meta["train"]] == [f"train_{i:03d}.bin" for i in range(len(meta["train"]))]
     for e in meta["train"] + meta["val"]:
-        assert scan_shard(out / e["file"])[0] == e["sha1"] and (out / e["file"]).stat().st_size == 2 * e["tokens"]
+        assert T.scan_shard(out / e["file"])[0] == e["sha1"] and (out / e["file"]).stat().st_size == 2 * e["tokens"]
     texts = corpus["texts"]
     assert docs_of(out, "train") == [t for t in texts if not is_val(t, VAL_PERMILLE)]  # every id, in source order
     assert docs_of(out, "val") == [t for t in texts if is_val(t, VAL_PERMILLE)]
@@ -148,9 +146,8 @@ def test_interrupted_run_resumes_from_its_finished_shards(corpus, monkeypatch, c
     build(d, src, "straight", shard_tokens=300)
     a, b = (json.loads((d / s / "meta.json").read_text()) for s in ("resumed", "straight"))
     assert a["train"] == b["train"] and a["val"] == b["val"]  # same files, sizes and checksums
-    assert a["stats"]["docs"] == b["stats"]["docs"] == {"train": sum(not is_val(t, VAL_PERMILLE) for t in
-                                                                     corpus["texts"]),
-                                                        "val": sum(is_val(t, VAL_PERMILLE) for t in corpus["texts"]),
+    n_val = sum(is_val(t, VAL_PERMILLE) for t in corpus["texts"])
+    assert a["stats"]["docs"] == b["stats"]["docs"] == {"train": len(corpus["texts"]) - n_val, "val": n_val,
                                                         "val_dropped": 0}
 
 
@@ -165,17 +162,13 @@ def test_bad_inputs_say_what_to_do(corpus, tmp_path, capsys, monkeypatch) -> Non
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert prepare(d, "someone/some-corpus") == 2
     assert "HF_HUB_OFFLINE=0" in capsys.readouterr().err
-    from tokenizers import Tokenizer, models
-
     big = Tokenizer(models.WordLevel({f"w{i}": i for i in range(70_000)}, unk_token="w0"))
     big.save(str(tmp_path / "tokenizer.json"))
     with pytest.raises(C.CorpusError, match="uint16"):
         C.check_tokenizer(tmp_path / "tokenizer.json")
 
 
-def test_killed_offline_prepare_leaves_no_staging_dir(corpus, tmp_path, monkeypatch) -> None:
-    from sfl.data import tokens as T
-
+def test_killed_offline_prepare_leaves_no_staging_dir(tmp_path, monkeypatch) -> None:
     root = tmp_path / "d"
     dead = root / f".tokens-{2**22 + 12345}-abcd_123"
     live = root / f".tokens-{os.getpid()}-abcd_123"
@@ -183,8 +176,6 @@ def test_killed_offline_prepare_leaves_no_staging_dir(corpus, tmp_path, monkeypa
         x.mkdir(parents=True)
     P.remove_stale_staging(root, print)
     assert not dead.exists() and live.exists()  # a running prepare's dir is kept
-
-    from test_data import _fake_upstream
 
     live.rmdir()
     _fake_upstream(root)
