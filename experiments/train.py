@@ -457,6 +457,7 @@ def _train(cfg: dict[str, Any], resume: bool, d: Dist, device: torch.device, t_s
         batch = data.train_batch(cfg["seed"], step, d.rank, mbs * accum)
         model.reset_sparsity_stats(dead_tracker=False)
         sums, grad_norm = optimizer_step(fwd_model, batch, cfg, coeff, device, params, clip, opt, sched)
+        coeff = model.last_losses.get("l1_coeff", coeff)  # the coefficient the forward applied, as logged
         if cfg["dead_reinit_lambda"] > 0:
             n_reinit += reinit_dead(model, cfg, step, dead_window, d)
         step += 1
