@@ -35,6 +35,9 @@ class RunWriteError(OSError):
     """A file of the run (log, checkpoint, final model) could not be written; the message says what is kept
     and what to do."""
 
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()  # the message alone, without OSError's "[Errno N]" prefix
+
 
 class CheckpointWriteError(RunWriteError):
     """A checkpoint could not be written (e.g. no space left on device); the previous one is intact."""

@@ -392,7 +392,7 @@ def diverged_advice(out_dir: Path) -> str:
     latest = find_latest(out_dir)
     kept = (f"the newest checkpoint, {latest.name}, holds finite weights" if latest is not None
             else "no checkpoint was written")
-    return (f"{kept}. Lower lr (or l1_coeff, or set grad_clip) and start a new out_dir, or resume an earlier state "
+    return (f"{kept}. Lower lr (or l1_coeff) and start a new out_dir, or resume an earlier state "
             "with --resume-from STEP")
 
 
