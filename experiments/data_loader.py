@@ -125,7 +125,6 @@ class TokenData:
         if self._digests is not None:
             return self._digests
         digests, unrecorded = {}, []
-        self._stats = {}
         for e in self.meta["train"] + self.meta["val"]:
             path = self.dir / e["file"]
             self._stats[e["file"]] = _identity(path)  # before the read: a change during it is seen later

@@ -35,12 +35,11 @@ _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 def merge_configs(paths: list[str], sets: list[str]) -> dict[str, Any]:
     """Flat merge of YAML files then key=value overrides; keys checked against experiments.config."""
-    from .config import ConfigError, _check_keys, _parse_set
+    from .config import ConfigError, _check_keys, _parse_set, read_yaml
 
     cfg: dict[str, Any] = {}
     for p in paths:
-        with open(p) as f:
-            loaded = yaml.safe_load(f) or {}
+        loaded = read_yaml(p) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"{p}: top level must be a mapping of key: value")
         _check_keys(list(loaded), p)

@@ -502,7 +502,7 @@ def _train(cfg: dict[str, Any], resume: bool, d: Dist, device: torch.device, t_s
                               f"max_steps={cfg['max_steps']}; resume with max_steps >= {state['step']}")
         mismatch = rank0_check(d, lambda: data.fingerprint_mismatch(state["data"]))
         if mismatch is not None:
-            raise DataError(f"--resume: the train data differ from the checkpoint's: {mismatch}")
+            raise DataError(f"--resume: the data differ from the checkpoint's: {mismatch}")
         load_model_and_optimizer(ckpt_dir, state, model, opt)  # any world size, DDP or FSDP2
         if not weights_finite(model, d):  # written by a version that saved without checking
             raise TrainingDiverged(f"checkpoint {ckpt_dir} holds non-finite weights: resume from an earlier one with "
