@@ -131,6 +131,44 @@ def test_nonfinite_gradient_skipped_then_training_goes_on(data_dir, tmp_path, mo
                         "warmup_steps=1", "--set", "progress=false"])
 
 
+def test_nonfinite_checkpoint_refused_at_resume_then_resume_from_an_earlier_one(data_dir, tmp_path,
+                                                                                 monkeypatch) -> None:
+    """A checkpoint with NaN weights (as versions that saved without checking wrote them) is refused at resume,
+    naming --resume-from; `--resume-from step_2` goes on from the earlier one and finishes like a fresh run."""
+    full, out = tmp_path / "full", tmp_path / "run"
+    train_mod.train(cfg_for(data_dir, full, eval_every=0))
+    with pytest.raises(Killed):
+        die_at_step_5(monkeypatch)
+        train_mod.train(cfg_for(data_dir, out, eval_every=0))
+    monkeypatch.undo()
+    real = train_mod.load_model_and_optimizer
+
+    def nan_weights_in_step_4(ckpt_dir, state, model, opt):
+        real(ckpt_dir, state, model, opt)
+        if ckpt_dir.name == "step_0000004":
+            with torch.no_grad():
+                next(model.parameters()).fill_(float("nan"))
+
+    monkeypatch.setattr(train_mod, "load_model_and_optimizer", nan_weights_in_step_4)
+    config = _config(tmp_path, data_dir, out, eval_every=0)
+    with pytest.raises(SystemExit, match=r"^error: checkpoint .*step_0000004 holds non-finite weights: resume from "
+                                         r"an earlier one with --resume-from STEP \(kept: step_0000002, step_0000004"):
+        train_mod.main(["--config", str(config), "--resume"])
+    train_mod.main(["--config", str(config), "--resume-from", "step_2"])
+    assert comparable(read_log(out)) == comparable(read_log(full))
+
+
+def die_at_step_5(monkeypatch) -> None:
+    real = TokenData.train_batch
+
+    def dying(self, seed, step, rank, n):
+        if step == 4:  # the batch of step 5
+            raise Killed
+        return real(self, seed, step, rank, n)
+
+    monkeypatch.setattr(TokenData, "train_batch", dying)
+
+
 # ----------------------------------------------------------------------------- data verified where used
 def _rewrite_with_meta(d: Path, name: str) -> None:
     """Change a shard and record its new checksum in meta.json, as a re-run of data.prepare would."""
@@ -226,9 +264,9 @@ def test_disk_full_writing_the_log_then_resume(data_dir, tmp_path, monkeypatch) 
     assert comparable(read_log(cut)) == comparable(read_log(full))
 
 
-def _config(tmp_path: Path, data_dir: Path, out: Path) -> Path:
+def _config(tmp_path: Path, data_dir: Path, out: Path, **over) -> Path:
     path = tmp_path / "config.yaml"
-    path.write_text(json.dumps({k: v for k, v in cfg_for(data_dir, out).items()}))
+    path.write_text(json.dumps(cfg_for(data_dir, out, **over)))
     return path
 
 
