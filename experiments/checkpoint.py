@@ -9,13 +9,16 @@ file fsynced, the COMPLETE marker written last, then the dir is renamed into pla
 POSIX) and latest.json is swapped atomically. A kill at any moment leaves either the old set or the new one;
 stray temp dirs are ignored by `find_latest` and removed at the next start-up (experiments/rundir.py, under
 the run directory's lock). The newest two are kept. A write that fails (a full disk above all) removes its
-temp dir and raises CheckpointWriteError saying so; the previous checkpoint is untouched.
+temp dir and raises CheckpointWriteError saying so; the previous checkpoint is untouched. A checkpoint
+leaves rotation by a rename to a temp name before its removal, so a kill mid-removal leaves a temp entry
+(removed at the next start), never a half-deleted `step_*` dir.
 """
 from __future__ import annotations
 
 import errno
 import json
 import os
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -23,14 +26,57 @@ from typing import Any, BinaryIO
 
 import torch
 
-from .rundir import tmp_name
+from .rundir import describe_os_error, tmp_name
 from .weight_hashes import write_weight_hashes
 
 KEEP = 2
 
 
-class CheckpointWriteError(OSError):
+class RunWriteError(OSError):
+    """A file of the run (log, checkpoint, final model) could not be written; the message says what is kept
+    and what to do."""
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()  # the message alone, without OSError's "[Errno N]" prefix
+
+
+class CheckpointWriteError(RunWriteError):
     """A checkpoint could not be written (e.g. no space left on device); the previous one is intact."""
+
+
+def os_error_of(exc: BaseException) -> OSError | None:
+    """The OSError behind a failed write: `exc` itself or one in its chain, or one named in the message of a
+    library error that carries no errno (safetensors reports a full disk as `... Os { code: 28, ... }`)."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            return e
+        m = re.search(r"\(os error (\d+)\)|Os \{ code: (\d+)", str(e))
+        if m:
+            code = int(m.group(1) or m.group(2))
+            return OSError(code, os.strerror(code))
+        if "No space left on device" in str(e):
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def kept_checkpoint(out_dir: str | Path, previous: bool = False) -> str:
+    """What a failed write leaves to resume from."""
+    prev = find_latest(out_dir)
+    if prev is not None:
+        return f"{'the previous ' if previous else ''}checkpoint {prev.name} is intact, so `--resume` continues from it"
+    return f"no {'earlier ' if previous else ''}checkpoint exists, so `--resume` starts the run again"
+
+
+def write_failure(e: OSError, what: str, out_dir: str | Path) -> RunWriteError:
+    """The error for a failed write of `what` in a run dir: the cause in words (a full disk named as such),
+    what is kept, what to do."""
+    todo = ("free disk space (or move out_dir) and rerun with --resume" if e.errno in (errno.ENOSPC, errno.EDQUOT)
+            else "fix the cause and rerun with --resume")
+    return RunWriteError(e.errno, f"writing {what} failed: {describe_os_error(e)}; {kept_checkpoint(out_dir)}: {todo}")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -112,14 +158,7 @@ def _disk_error(exc: BaseException, writer: _RecordingWriter | None) -> OSError 
     """The OSError behind a failed checkpoint write, if any (the recorded one, or one in the chain)."""
     if writer is not None and writer.error is not None:
         return writer.error
-    seen = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno is not None:
-            return e
-        e = e.__cause__ or e.__context__
-    return None
+    return os_error_of(exc)
 
 
 def _save_state(path: Path, state: dict[str, Any]) -> None:
@@ -209,8 +248,28 @@ def commit_checkpoint(out_dir: str | Path, step: int, tmp: Path) -> Path:
     _fsync_dir(root)
     atomic_write_text(root / "latest.json", json.dumps({"dir": final.name, "step": step}))
     for old in list_checkpoints(out_dir)[:-KEEP]:
-        shutil.rmtree(old, ignore_errors=True)
+        remove_dir(old)
     return final
+
+
+def remove_dir(path: Path) -> None:
+    """Delete a checkpoint (or final/) dir: renamed to this process's temp name first (atomic), so a kill during
+    the removal leaves a temp entry that the next start removes, not a torn `step_*` dir."""
+    doomed = path.with_name(tmp_name(f"{path.name}.removed"))
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def clean_torn_checkpoints(out_dir: str | Path) -> list[Path]:
+    """Remove the `step_*` dirs that are not complete checkpoints (a removal killed half-way by an older
+    version, which deleted in place); return them. Only under the run lock: a checkpoint is written under a
+    temp name and renamed into place complete, so no live writer has an incomplete `step_*` dir."""
+    root = ckpt_root(out_dir)
+    torn = [d for d in root.iterdir() if d.is_dir() and d.name.startswith("step_") and not _complete(d)] \
+        if root.is_dir() else []
+    for d in torn:
+        shutil.rmtree(d, ignore_errors=True)
+    return torn
 
 
 def save_checkpoint(out_dir: str | Path, step: int, state: dict[str, Any]) -> Path:
@@ -227,16 +286,14 @@ def save_checkpoint(out_dir: str | Path, step: int, state: dict[str, Any]) -> Pa
 
 
 def _write_error(e: OSError, final: Path, out_dir: str | Path) -> CheckpointWriteError:
-    prev = find_latest(out_dir)
-    kept = (f"the previous checkpoint {prev.name} is intact, so `--resume` continues from it"
-            if prev is not None else "no earlier checkpoint exists, so `--resume` starts the run again")
+    kept = kept_checkpoint(out_dir, previous=True)
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         free = shutil.disk_usage(final.parent).free
         what = (f"no space left on device (errno {errno.errorcode[e.errno]}) writing checkpoint {final.name} in "
                 f"{final.parent} ({free / 2**20:.0f} MiB free now that its partial copy is removed)")
         todo = "free disk space (or move out_dir) and rerun with --resume"
     else:
-        what = f"writing checkpoint {final.name} in {final.parent} failed: {e}"
+        what = f"writing checkpoint {final.name} in {final.parent} failed: {describe_os_error(e)}"
         todo = "fix the cause and rerun with --resume"
     return CheckpointWriteError(e.errno, f"{what}; {kept}: {todo}")
 

@@ -83,6 +83,8 @@ _SPEC: dict[str, tuple[Any, str]] = {
     "save_final": (True, "save_pretrained the final model to <out_dir>/final"),
     "ckpt_hf": (True, "also save_pretrained each checkpoint's weights into its hf/ dir (from_pretrained opens it)"),
     "progress": (True, "tqdm progress bar"),
+    "max_nonfinite_skips": (3, "a step whose loss or gradient norm is not finite is skipped (weights and optimizer "
+                               "state untouched); this many in a row stop the run (0 = stop at the first)"),
 }
 DEFAULTS: dict[str, Any] = {k: v[0] for k, v in _SPEC.items()}
 DOCS: dict[str, str] = {k: v[1] for k, v in _SPEC.items()}
@@ -101,7 +103,18 @@ def arg_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key (YAML-typed value); repeatable")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in out_dir")
+    p.add_argument("--resume-from", metavar="step_N", type=resume_step,
+                   help="continue from the checkpoint of step N (e.g. the newest finite one after a divergence); "
+                        "the newer checkpoints and final/ are removed, the log cut back to that step")
     return p
+
+
+def resume_step(text: str) -> int:
+    """`step_N`, `step_000000N` or `N` -> N."""
+    digits = text.removeprefix("step_")
+    if not digits.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected step_N or N, e.g. step_400 (a checkpoint's step)")
+    return int(digits)
 
 
 class ConfigError(ValueError):
@@ -112,7 +125,32 @@ def _parse_set(item: str) -> tuple[str, Any]:
     if "=" not in item:
         raise ConfigError(f"--set {item!r}: expected key=value")
     key, raw = item.split("=", 1)
-    return key.strip(), yaml.safe_load(raw) if raw.strip() else None
+    try:
+        return key.strip(), yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {item!r}: the value is not valid YAML ({_yaml_problem(e)}); quote it, "
+                          "e.g. --set 'key=\"text\"'") from None
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """The YAML error in one line: what is wrong and where."""
+    where = getattr(e, "problem_mark", None)
+    what = getattr(e, "problem", None) or str(e).splitlines()[0]
+    return f"{what} at line {where.line + 1}, column {where.column + 1}" if where is not None else what
+
+
+def read_yaml(path: str | os.PathLike) -> Any:
+    """A YAML config file's content; a missing, unreadable or malformed file is a ConfigError saying so."""
+    try:
+        with open(path) as f:
+            return yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} not found: check the --config path") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {str(path)!r} cannot be read ({e}): pass a readable YAML file") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML ({_yaml_problem(e)}): fix that line "
+                          "(flat `key: value` lines, see experiments/README.md 'train.py config')") from None
 
 
 def _check_keys(keys: list[str], where: str) -> None:
@@ -128,8 +166,7 @@ def load_config(path: str | os.PathLike | None = None, sets: list[str] | None = 
     """Defaults <- YAML file <- --set key=value overrides, then validate and resolve paths."""
     cfg = dict(DEFAULTS)
     if path is not None:
-        with open(path) as f:
-            loaded = yaml.safe_load(f) or {}
+        loaded = read_yaml(path) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: top level must be a mapping of key: value")
         _check_keys(list(loaded), str(path))
@@ -189,9 +226,12 @@ def validate(cfg: dict[str, Any]) -> None:
     for k in pos_int:
         if not _is_int(cfg[k]) or cfg[k] < 1:
             raise bad(k, "must be a positive integer")
-    for k in ["l1_warmup_start", "l1_warmup_steps", "warmup_steps", "eval_every", "ckpt_every", "seed"]:
+    for k in ["l1_warmup_start", "l1_warmup_steps", "warmup_steps", "eval_every", "ckpt_every", "seed",
+              "max_nonfinite_skips"]:
         if not _is_int(cfg[k]) or cfg[k] < 0:
             raise bad(k, "must be an integer >= 0")
+    if cfg["seed"] >= 2**32:  # numpy's global seed is 32-bit
+        raise bad("seed", "must be < 2**32 (4294967296)")
     for k in ["vocab_size", "num_key_value_heads", "max_position_embeddings", "dead_window_tokens",
               "global_batch_size"]:
         if cfg[k] is not None and (not _is_int(cfg[k]) or cfg[k] < 1):
@@ -235,6 +275,10 @@ def validate(cfg: dict[str, Any]) -> None:
         raise bad("twell_slots", f"must be <= twell_tile_n ({cfg['twell_tile_n']})")
     if cfg["hidden_size"] % cfg["num_attention_heads"] != 0:
         raise bad("num_attention_heads", f"must divide hidden_size ({cfg['hidden_size']})")
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    if cfg["init_from"] is None and head_dim % 2:  # RoPE rotates pairs of channels
+        raise bad("num_attention_heads", f"gives head_dim = hidden_size / num_attention_heads = {head_dim}, which "
+                                         "RoPE needs even; change hidden_size or num_attention_heads")
     kv = cfg["num_key_value_heads"]
     if kv is not None and cfg["num_attention_heads"] % kv != 0:
         raise bad("num_key_value_heads", f"must divide num_attention_heads ({cfg['num_attention_heads']})")
@@ -258,6 +302,8 @@ def validate(cfg: dict[str, Any]) -> None:
     for k in ["init_from", "data_dir"]:
         if cfg[k] is not None and not isinstance(cfg[k], str):
             raise bad(k, "must be null or a path string")
+    if not isinstance(cfg["tokens_subdir"], str) or not cfg["tokens_subdir"]:
+        raise bad("tokens_subdir", "must be a non-empty path string (a subdir of data_dir), e.g. tokens")
     if not isinstance(cfg["out_dir"], str) or not cfg["out_dir"]:
         raise bad("out_dir", "must be a non-empty path string")
 

@@ -9,8 +9,9 @@ Data are checked where they are used, and every failure is a DataError naming th
 - at open: meta.json parses and has its keys, every shard exists with exactly 2 bytes per recorded token;
 - `verify()` (training start and resume): each shard's checksum equals the one recorded in meta.json at
   preparation, and no token id is >= vocab_size (one read of every shard);
-- every batch: its largest token id is < vocab_size (one max over the batch; catches a shard changed
-  while the run reads it).
+- every batch: its largest token id is < vocab_size (one max over the batch);
+- `changed_since_verified()` (every log line and checkpoint): each shard is still the file verified at start
+  (inode, size, mtime), so a shard rewritten while the run reads it is caught.
 """
 from __future__ import annotations
 
@@ -23,6 +24,11 @@ import numpy as np
 import torch
 
 from sfl.data.tokens import CHECKSUM, scan_shard
+
+
+def _identity(path: Path) -> tuple[int, int, int]:
+    st = path.stat()
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 class DataError(ValueError):
@@ -64,6 +70,7 @@ class TokenData:
         self._win_cum = np.cumsum([max(0, (len(a) - 1) // seq_len) for a in self.train])
         self._perms: dict[tuple[int, int], np.ndarray] = {}
         self._digests: dict[str, str] | None = None
+        self._stats: dict[str, tuple[int, int, int]] = {}  # file -> (inode, size, mtime) when verified
 
     # ------------------------------------------------------------------------------------- opening
     def _read_meta(self) -> dict[str, Any]:
@@ -80,6 +87,12 @@ class TokenData:
         if missing:
             raise DataError(f"{path} lacks {', '.join(missing)}: not a meta.json of data.prepare; "
                             f"{rebuild_hint(self.dir)}")
+        for split in ("train", "val"):
+            entries = meta[split]
+            if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("file"), str)
+                                                        for e in entries):
+                raise DataError(f"{path}: every {split} entry must be an object with a \"file\" name (and "
+                                f"\"tokens\"); the file was edited or cut short; {rebuild_hint(self.dir)}")
         if meta.get("dtype", "uint16") != "uint16":
             raise DataError(f"{path}: dtype {meta.get('dtype')!r} unsupported (expected uint16); "
                             f"{rebuild_hint(self.dir)}")
@@ -117,6 +130,7 @@ class TokenData:
         digests, unrecorded = {}, []
         for e in self.meta["train"] + self.meta["val"]:
             path = self.dir / e["file"]
+            self._stats[e["file"]] = _identity(path)  # before the read: a change during it is seen later
             digest, top, _ = scan_shard(path)
             want = e.get(CHECKSUM)
             if want is None:
@@ -134,6 +148,20 @@ class TokenData:
                   f"{rebuild_hint(self.dir)} to record them", file=sys.stderr)
         self._digests = digests
         return digests
+
+    def changed_since_verified(self) -> str | None:
+        """None if every shard is the file `verify()` read (same inode, size and mtime: a cheap stat per shard,
+        run at every log line and checkpoint), else which one was replaced or rewritten."""
+        for name, was in self._stats.items():
+            path = self.dir / name
+            try:
+                now = _identity(path)
+            except OSError:
+                return f"{path} was removed"
+            if now != was:
+                what = "replaced by another file" if now[0] != was[0] else "rewritten in place"
+                return f"{path} was {what} (size {was[1]} -> {now[1]} bytes, mtime changed: {now[2] != was[2]})"
+        return None
 
     def _check_ids(self, batch: np.ndarray, what: str) -> None:
         if batch.size and int(batch.max()) >= self.vocab_size:
@@ -219,17 +247,27 @@ class TokenData:
         if saved.get("vocab_size") != now["vocab_size"]:
             return (f"vocab_size of {self.dir}/meta.json is {now['vocab_size']}, the checkpoint's data had "
                     f"{saved.get('vocab_size')}")
-        old = {t[0]: tuple(t[1:]) for t in saved.get("train", [])}
-        new = {t[0]: tuple(t[1:]) for t in now["train"]}
+        for split in ("train", "val"):
+            if split not in saved:  # fingerprints of older checkpoints have no val shards
+                continue
+            diff = self._split_mismatch(split, saved[split], now[split])
+            if diff is not None:
+                why = " (the log's val_ce would mix two val sets)" if split == "val" else ""
+                return (f"{diff}{why}: {rebuild_hint(self.dir)} as they were, restore the files, or start a new "
+                        "out_dir")
+        return None
+
+    def _split_mismatch(self, split: str, saved: list, now: list) -> str | None:
+        old = {t[0]: tuple(t[1:]) for t in saved}
+        new = {t[0]: tuple(t[1:]) for t in now}
         for name in sorted(old.keys() | new.keys()):
             if name not in new:
-                return f"train shard {self.dir / name} of the checkpoint's data is no longer in meta.json"
+                return f"{split} shard {self.dir / name} of the checkpoint's data is no longer in meta.json"
             if name not in old:
-                return f"train shard {self.dir / name} is new since the checkpoint"
+                return f"{split} shard {self.dir / name} is new since the checkpoint"
             o, n = old[name], new[name][:len(old[name])]
             if o[0] != n[0]:
-                return f"train shard {self.dir / name} has {n[0]} tokens, the checkpoint's had {o[0]}"
+                return f"{split} shard {self.dir / name} has {n[0]} tokens, the checkpoint's had {o[0]}"
             if o != n:
-                return (f"train shard {self.dir / name} changed since the checkpoint ({CHECKSUM} {n[1]}, was {o[1]}): "
-                        f"{rebuild_hint(self.dir)} as they were, or start a new out_dir")
+                return f"{split} shard {self.dir / name} changed since the checkpoint ({CHECKSUM} {n[1]}, was {o[1]})"
         return None

@@ -32,7 +32,8 @@ import torch.distributed as dist
 from sfl.kernels.layout import make_down_shardable_
 from sfl.models.sparsity import dead_fraction, reinit_dead_rows
 
-from .checkpoint import CheckpointWriteError, abort_checkpoint, begin_checkpoint, commit_checkpoint, write_state
+from .checkpoint import (CheckpointWriteError, abort_checkpoint, begin_checkpoint, commit_checkpoint, os_error_of,
+                         write_state)
 from .config import DEFAULTS, ConfigError
 
 DCP_SUBDIR = "dcp"  # <checkpoint>/dcp/: model + optimizer, written by torch.distributed.checkpoint
@@ -407,7 +408,9 @@ def _write_extra(write: Callable[[Path], None], tmp: Path) -> None:
     except OSError:
         raise
     except Exception as e:
-        raise OSError(getattr(e, "errno", None), f"the save_pretrained copy failed: {type(e).__name__}: {e}") from e
+        cause = os_error_of(e)  # e.g. safetensors' "No space left on device", which has no errno of its own
+        raise OSError(cause.errno if cause is not None else None,
+                      f"the save_pretrained copy failed: {type(e).__name__}: {e}") from e
 
 
 def _dcp_os_error(exc: BaseException) -> OSError | None:

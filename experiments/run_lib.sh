@@ -60,10 +60,11 @@ sfl_train() {
     for s in ${sets[@]+"${sets[@]}"}; do setargs+=(--set "$s"); done
     python -m sfl.experiments.runs merge "${yamls[@]}" ${setargs[@]+"${setargs[@]}"} --set "out_dir=$out" \
       -o "$out/config.yaml"
+    # what to clean (a log without a checkpoint: a run killed before its first save) is decided by train.py
+    # under the run directory's lock, never here: another process may be training in it
     if compgen -G "$out/checkpoints/step_*/COMPLETE" > /dev/null; then
       echo "[$idx/$total] $exp/$run: resuming from its newest checkpoint"
     else
-      rm -f "$out/train_log.jsonl"  # a log without a checkpoint is a run killed before its first save
       echo "[$idx/$total] $exp/$run: training ($(tr '\n' ' ' < "$out/config.yaml" | grep -oE 'l1_coeff: [^ ]+' || true))"
     fi
     local t0=$SECONDS
@@ -73,8 +74,12 @@ sfl_train() {
       return 0
     fi
   fi
-  cp "$out/train_log.jsonl" "$res/train_log.jsonl"
-  [ "$KEEP_CKPT" = 1 ] || rm -rf "$out/checkpoints"
+  local keep=()
+  [ "$KEEP_CKPT" != 1 ] || keep=(--keep-checkpoints)
+  if ! python -m sfl.experiments.runs finish "$out" "$res" ${keep[@]+"${keep[@]}"}; then
+    SFL_FAILED+=("$exp/$run")
+    return 0
+  fi
   echo "[$idx/$total] $exp/$run: done -- $(python -m sfl.experiments.runs describe "$res")"
 }
 

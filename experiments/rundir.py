@@ -13,6 +13,7 @@ leftover of a crash and is removed (`clean_stale_temps`).
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -25,7 +26,11 @@ LOCK_NAME = ".lock"
 TMP_PREFIX = ".tmp-"
 
 
-class RunDirBusy(RuntimeError):
+class RunDirError(RuntimeError):
+    """The run directory cannot be used (not a directory, read-only, ...); the message says what to do."""
+
+
+class RunDirBusy(RunDirError):
     """Another process holds the run directory's lock; the message names it and what to do."""
 
 
@@ -54,8 +59,7 @@ class RunLock:
         self._fd: int | None = None
 
     def acquire(self) -> "RunLock":
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = self._open()
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -81,6 +85,20 @@ class RunLock:
         self._fd = fd
         return self
 
+    def _open(self) -> int:
+        """The lock file's descriptor (out_dir created as needed); RunDirError saying what to fix."""
+        if self.out_dir.exists() and not self.out_dir.is_dir():
+            raise RunDirError(f"out_dir={str(self.out_dir)!r} is a file, not a directory: choose another out_dir")
+        if self.path.is_dir():
+            raise RunDirError(f"{self.path} is a directory, but it must be the run's lock file: remove it "
+                              f"(`rmdir {self.path}`) and rerun")
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            return os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise RunDirError(f"cannot create the lock file {self.path}: {describe_os_error(e)}; choose a writable "
+                              "out_dir (or fix its permissions)") from None
+
     def release(self) -> None:
         if self._fd is not None:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
@@ -105,6 +123,14 @@ class RunLock:
         return (f"out_dir={str(self.out_dir)!r} is in use by another training process ({who}{where}{since}; lock "
                 f"file {self.path}). Only one process may write a run directory: wait for it to finish, or {stop} "
                 "and rerun with --resume to continue from its newest checkpoint; or choose another out_dir.")
+
+
+def describe_os_error(e: OSError) -> str:
+    """An OSError in words, naming a full disk as such."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"no space left on device (errno {errno.errorcode[e.errno]})"
+    name = errno.errorcode.get(e.errno, str(e.errno)) if e.errno is not None else None
+    return f"{e.strerror or e} (errno {name})" if name else str(e)
 
 
 def _read_holder(fd: int) -> dict:

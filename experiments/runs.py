@@ -6,6 +6,8 @@
     python -m sfl.experiments.runs summarize EXP_RESULTS_DIR                  # summary.csv (+ printed table);
                                                       # summary_seeds.csv where a configuration ran with several seeds
     python -m sfl.experiments.runs pick-dir BASE_DIR CONFIG.yaml [--fresh]    # "new|unfinished|finished <dir>"
+    python -m sfl.experiments.runs finish RUN_DIR RESULT_DIR [--keep-checkpoints]  # under the run's lock: copy the
+                                                      # log to RESULT_DIR, then remove the checkpoints
 
 Configs are flat YAML mappings (experiments/config.py); `merge` applies later files and --set on top of
 earlier ones and validates every key against train.py's accepted set, so a typo fails before training starts.
@@ -19,23 +21,25 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from .rundir import RunDirError, RunLock, tmp_name
+
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 def merge_configs(paths: list[str], sets: list[str]) -> dict[str, Any]:
     """Flat merge of YAML files then key=value overrides; keys checked against experiments.config."""
-    from .config import ConfigError, _check_keys, _parse_set
+    from .config import ConfigError, _check_keys, _parse_set, read_yaml
 
     cfg: dict[str, Any] = {}
     for p in paths:
-        with open(p) as f:
-            loaded = yaml.safe_load(f) or {}
+        loaded = read_yaml(p) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"{p}: top level must be a mapping of key: value")
         _check_keys(list(loaded), p)
@@ -274,6 +278,22 @@ def compare_paths(exp_dir: Path) -> list[str]:
     return lines
 
 
+def finish_run(run_dir: Path, result_dir: Path, keep_checkpoints: bool) -> None:
+    """A finished run's log copied (atomically) into result_dir, then its checkpoints removed unless kept: under
+    the run's lock, so a training process that holds the directory is never touched (RunDirBusy instead)."""
+    with RunLock(run_dir):
+        result_dir.mkdir(parents=True, exist_ok=True)
+        dest = result_dir / "train_log.jsonl"
+        tmp = dest.with_name(tmp_name(dest.name))
+        shutil.copyfile(run_dir / "train_log.jsonl", tmp)
+        os.replace(tmp, dest)
+        ckpts = run_dir / "checkpoints"
+        if not keep_checkpoints and ckpts.is_dir():
+            doomed = ckpts.with_name(tmp_name("checkpoints.removed"))  # a kill mid-removal leaves a temp entry
+            os.replace(ckpts, doomed)
+            shutil.rmtree(doomed)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -294,6 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("base_dir")
     k.add_argument("config")
     k.add_argument("--fresh", action="store_true", help="a directory holding no run, never an earlier one")
+    f = sub.add_parser("finish", help="under the run's lock: copy its log to RESULT_DIR, remove its checkpoints")
+    f.add_argument("run_dir")
+    f.add_argument("result_dir")
+    f.add_argument("--keep-checkpoints", action="store_true")
     a = ap.parse_args(argv)
     if a.cmd == "merge":
         try:
@@ -301,8 +325,11 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(yaml.safe_dump(cfg, sort_keys=False))
+        out = Path(a.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(tmp_name(out.name))  # a running training process may be reading it
+        tmp.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        os.replace(tmp, out)
         return 0
     if a.cmd == "done":
         return 0 if has_final(Path(a.result_dir), a.file) else 1
@@ -325,6 +352,13 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         d, state = pick_run_dir(Path(a.base_dir), cfg, a.fresh)
         print(state, d)  # state first: the dir may hold spaces (`read -r state dir`)
+        return 0
+    if a.cmd == "finish":
+        try:
+            finish_run(Path(a.run_dir), Path(a.result_dir), a.keep_checkpoints)
+        except (RunDirError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
         return 0
     if a.cmd == "compare-paths":
         print("\n".join(compare_paths(Path(a.exp_dir))))

@@ -1,6 +1,6 @@
 """The one training entry point: SparseLlama (ReLU FFN + L1) language-model training.
 
-    python -m sfl.experiments.train --config path.yaml [--set key=value ...] [--resume]
+    python -m sfl.experiments.train --config path.yaml [--set key=value ...] [--resume | --resume-from step_N]
     torchrun --nproc_per_node=N -m sfl.experiments.train --config path.yaml   # DDP, or FSDP2 with parallel: fsdp
 
 Config keys: `--help` lists them with their defaults (experiments/config.py; experiments/README.md "train.py config").
@@ -35,9 +35,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from tqdm import tqdm  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
 
-from .checkpoint import (HF_SUBDIR, CheckpointWriteError, atomic_write_text, ckpt_root, find_latest,  # noqa: E402
-                         list_checkpoints, load_checkpoint, write_pretrained)
+from .checkpoint import (HF_SUBDIR, RunWriteError, atomic_write_text, ckpt_root, clean_torn_checkpoints,  # noqa: E402
+                         find_latest, list_checkpoints, load_checkpoint, os_error_of, remove_dir, write_failure,
+                         write_pretrained)
 from .data_loader import DataError, TokenData  # noqa: E402
 # several processes (torchrun): wrapping, cross-rank statistics, DCP checkpoints -- see experiments/distributed.py
 from .distributed import (Dist, accumulation_context, clip_grad_norm, eval_path, gather_trackers,  # noqa: E402
@@ -45,14 +47,18 @@ from .distributed import (Dist, accumulation_context, clip_grad_norm, eval_path,
                           resolve_grad_accum, restore_trackers, resume_config_view, save_checkpoint_dcp,
                           unsharded_copy, wrap_model)
 from .preflight import check_disk_space, check_kernels  # noqa: E402
-from .rundir import RunDirBusy, RunLock, clean_stale_temps, tmp_name  # noqa: E402
+from .rundir import RunDirError, RunLock, clean_stale_temps, tmp_name  # noqa: E402
 from .runs import read_rows  # noqa: E402
 from sfl.models import SparseLlamaConfig, SparseLlamaForCausalLM  # noqa: E402
 
 # Keys that may change between a checkpoint and its resumption without breaking exactness.
 RESUME_MUTABLE = {"max_steps", "log_every", "eval_every", "eval_batches", "ckpt_every", "progress", "device",
                   "save_final", "ckpt_hf", "compile", "out_dir", "data_dir", "init_from", "parallel",
-                  "activation_checkpointing"}
+                  "activation_checkpointing", "max_nonfinite_skips"}
+
+
+class TrainingDiverged(RuntimeError):
+    """Non-finite losses or gradients the run cannot step past; no checkpoint with non-finite weights exists."""
 
 
 # --------------------------------------------------------------------------------------- setup
@@ -164,13 +170,26 @@ class JsonlLog:
 
     def write(self, obj: dict[str, Any]) -> None:
         if self._f is not None:
-            self._f.write(json.dumps(obj) + "\n")
-            self._f.flush()
+            try:
+                self._f.write(json.dumps(obj) + "\n")
+                self._f.flush()
+            except OSError as e:
+                self._fail(e)
             self.lines += 1
 
     def sync(self) -> None:
         if self._f is not None:
-            os.fsync(self._f.fileno())
+            try:
+                os.fsync(self._f.fileno())
+            except OSError as e:
+                self._fail(e)
+
+    def _fail(self, e: OSError) -> None:
+        """Stop on a failed write (a full disk above all); a resume cuts the torn line off (`truncate_log`)."""
+        with contextlib.suppress(OSError):
+            self._f.close()  # its flush fails again; the file is closed all the same
+        self._f = None
+        raise write_failure(e, f"the training log {self.path}", self.path.parent) from e
 
     def close(self) -> None:
         if self._f is not None:
@@ -208,10 +227,13 @@ def truncate_log(path: Path, step: int, keep_lines: int | None = None) -> int:
 
 def optimizer_step(fwd_model: torch.nn.Module, batch: torch.Tensor, cfg: dict[str, Any], coeff: float,
                    device: torch.device, params: list[torch.nn.Parameter], clip: float,
-                   opt: torch.optim.Optimizer, sched: Any | None) -> tuple[torch.Tensor, torch.Tensor]:
+                   opt: torch.optim.Optimizer, sched: Any | None,
+                   d: Dist | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """One optimizer step over `batch` ([micro_batch_size * grad_accum, seq_len + 1] windows): forward with the L1
     term under the run's autocast, backward per micro-batch, gradient clipping, AdamW, the LR schedule. Returns the
-    summed (loss, ce, l1) of the micro-batches and the pre-clip gradient norm, as device tensors (no host sync).
+    summed (loss, ce, l1) of the micro-batches and the pre-clip gradient norm as device tensors, and whether AdamW
+    stepped: a non-finite loss or gradient norm (on any rank of `d`) skips the update, as AMP's scaler does,
+    leaving weights and optimizer state as they were. That check is the step's one host sync.
     experiments/speed/train_throughput.py times this very function."""
     mbs, accum = cfg["micro_batch_size"], cfg["grad_accum"]
     sums = torch.zeros(3, device=device)
@@ -223,15 +245,27 @@ def optimizer_step(fwd_model: torch.nn.Module, batch: torch.Tensor, cfg: dict[st
         l1 = out.l1.detach() if out.l1 is not None else torch.zeros((), device=device)
         sums += torch.stack([out.loss.detach().float(), out.ce.detach().float(), l1.float()])
     grad_norm = clip_grad_norm(params, clip)
-    opt.step()
+    bad = (~torch.isfinite(torch.stack([sums[0], grad_norm.float()]))).any().float()
+    if d is not None:
+        bad = d.all_sum(bad)  # the ranks' losses differ: they must agree on skipping
+    stepped = not bool(bad.item())
+    if stepped:
+        opt.step()
     if sched is not None:
-        sched.step()
+        sched.step()  # the schedule follows the step count, skipped steps included
     opt.zero_grad(set_to_none=True)
-    return sums, grad_norm
+    return sums, grad_norm, stepped
 
 
-def finite(x: float) -> bool:
-    return math.isfinite(x)
+def weights_finite(model: torch.nn.Module, d: Dist) -> bool:
+    """Whether every parameter entry is finite, on all ranks (FSDP2: each checks its shards)."""
+    from torch.distributed.tensor import DTensor
+
+    bad = torch.zeros((), device=next(model.parameters()).device)
+    for p in model.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        bad += (~torch.isfinite(local.detach())).any()
+    return not bool(d.all_sum(bad).item())
 
 
 # --------------------------------------------------------------------------------------- eval
@@ -309,12 +343,88 @@ def checkpoint_step(ckpt_dir: Path) -> int:
     return int(ckpt_dir.name.split("_")[1])
 
 
-def train(cfg: dict[str, Any], resume: bool = False) -> dict[str, Any]:
+def checkpoint_names(out_dir: Path) -> str:
+    return ", ".join(c.name for c in list_checkpoints(out_dir)) or "none"
+
+
+def pick_checkpoint(out_dir: Path, step: int | None) -> Path | None:
+    """The checkpoint a resume starts from: the newest, or that of `step` (ConfigError if there is none)."""
+    if step is None:
+        return find_latest(out_dir)
+    want = next((c for c in list_checkpoints(out_dir) if checkpoint_step(c) == step), None)
+    if want is None:
+        raise ConfigError(f"--resume-from {step}: {out_dir} has no complete checkpoint of step {step}; "
+                          f"the checkpoints there: {checkpoint_names(out_dir)}")
+    return want
+
+
+def drop_newer_than(out_dir: Path, step: int) -> None:
+    """--resume-from an older checkpoint: the newer ones and final/ belong to the abandoned continuation."""
+    doomed = [c for c in list_checkpoints(out_dir) if checkpoint_step(c) > step]
+    if (out_dir / "final").is_dir():
+        doomed.append(out_dir / "final")
+    for path in doomed:
+        remove_dir(path)
+        print(f"--resume-from {step}: removed {path} (written after step {step})", file=sys.stderr)
+
+
+def check_tokenizer(tokenizer_dir: Path) -> None:
+    """The data dir's tokenizer loads (it is saved beside every model): a DataError now, not at the first save."""
+    if not tokenizer_dir.is_dir():
+        return
+    try:
+        AutoTokenizer.from_pretrained(tokenizer_dir)
+    except Exception as e:  # a corrupt tokenizer.json surfaces as any of several library errors
+        raise DataError(f"the tokenizer in {tokenizer_dir} does not load ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}); rebuild it with `python -m sfl.data.prepare "
+                        f"--only tokenizer --data-dir {tokenizer_dir.parent} --force`, or set save_final and ckpt_hf "
+                        "to false") from None
+
+
+def check_data_unchanged(data: TokenData, out_dir: Path, step: int) -> None:
+    """DataError if a shard is no longer the file verified at start (run at every log line and before every
+    checkpoint, so no checkpoint is written from batches of a changed shard)."""
+    why = data.changed_since_verified()
+    if why is not None:
+        latest = find_latest(out_dir)
+        since = f"checkpoint {latest.name}" if latest is not None else "the start"
+        raise DataError(f"{why} during the run (seen at step {step}); the batches since the previous check may hold "
+                        f"the changed data, and no checkpoint was written from them. Restore the file and rerun "
+                        f"with --resume (it continues from {since}), or start a new out_dir on the new data")
+
+
+def diverged_advice(out_dir: Path) -> str:
+    latest = find_latest(out_dir)
+    kept = (f"the newest checkpoint, {latest.name}, holds finite weights" if latest is not None
+            else "no checkpoint was written")
+    return (f"{kept}. Lower lr (or l1_coeff) and start a new out_dir, or resume an earlier state "
+            "with --resume-from STEP")
+
+
+def note_skip(log: JsonlLog, d: Dist, cfg: dict[str, Any], out_dir: Path, step: int, mean: torch.Tensor,
+              grad_norm: torch.Tensor, n_skips: int) -> None:
+    """Log a skipped update (non-finite loss or gradient norm); stop after max_nonfinite_skips in a row."""
+    loss, ce, l1v = d.all_mean(mean).tolist()
+    gn = float(grad_norm)
+    what = "loss" if not math.isfinite(loss) else "gradient norm"
+    log.write({"type": "skip", "step": step, "loss": loss, "ce": ce, "l1": l1v, "grad_norm": gn, "in_a_row": n_skips})
+    if n_skips > cfg["max_nonfinite_skips"]:
+        raise TrainingDiverged(f"non-finite {what} at step {step} (loss {loss}, grad_norm {gn}), {n_skips} step(s) in "
+                               f"a row, more than max_nonfinite_skips={cfg['max_nonfinite_skips']}: training stopped "
+                               f"with the last update skipped; {diverged_advice(out_dir)}")
+    if d.main:
+        print(f"step {step}: non-finite {what} (loss {loss}, grad_norm {gn}): update skipped, weights unchanged "
+              f"({n_skips} in a row, at most {cfg['max_nonfinite_skips']})", file=sys.stderr)
+
+
+def train(cfg: dict[str, Any], resume: bool = False, resume_from: int | None = None) -> dict[str, Any]:
     """Run (or resume) training; returns the final summary dict (also the log's final line).
 
     Rank 0 holds the run directory's lock for the whole run (a second writer is refused at once), and
     everything knowable before step 1 is checked before it: device and kernels here, data and disk space
-    in `_train`. `--resume` of a finished run is a no-op that returns its final line."""
+    in `_train`. `--resume` of a finished run is a no-op that returns its final line. `resume_from` (a step)
+    resumes from that checkpoint instead of the newest; the newer ones are removed."""
+    resume = resume or resume_from is not None
     t_start = time.time()
     d = Dist()
     device = pick_device(cfg, d)
@@ -324,28 +434,33 @@ def train(cfg: dict[str, Any], resume: bool = False) -> dict[str, Any]:
     if lock is not None:
         lock.acquire()
     try:
-        if resume:
+        if resume and resume_from is None:
             final = finished_run(out_dir, cfg, d.world)
             if final is not None:
                 if d.main:
                     print(f"--resume: the run in {out_dir} already finished at step {final['step']} (its log has the "
                           "final line); nothing to do. To train further, raise max_steps.", file=sys.stderr)
                 return final
-        return _train(cfg, resume, d, device, t_start)
+        return _train(cfg, resume, d, device, t_start, resume_from)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _train(cfg: dict[str, Any], resume: bool, d: Dist, device: torch.device, t_start: float) -> dict[str, Any]:
+def _train(cfg: dict[str, Any], resume: bool, d: Dist, device: torch.device, t_start: float,
+           resume_from: int | None = None) -> dict[str, Any]:
     d.init(device)
     out_dir = Path(cfg["out_dir"])
     log_path = out_dir / "train_log.jsonl"
 
-    ckpt_dir = find_latest(out_dir) if resume else None
     if d.main:
         for stale in clean_stale_temps(out_dir, ckpt_root(out_dir)):
             print(f"removed {stale} (a temporary file of an interrupted process)", file=sys.stderr)
+        for torn in clean_torn_checkpoints(out_dir):
+            print(f"removed {torn} (a checkpoint half-deleted by an interrupted process)", file=sys.stderr)
+    d.barrier()
+    ckpt_dir = pick_checkpoint(out_dir, resume_from) if resume else None
+    if d.main:
         if not resume and (log_path.exists() or find_latest(out_dir) is not None):
             raise ConfigError(f"out_dir={str(out_dir)!r} already holds a run; pass --resume to continue it "
                               "or choose another out_dir")
@@ -367,6 +482,9 @@ def _train(cfg: dict[str, Any], resume: bool, d: Dist, device: torch.device, t_s
         print(f"note: val split has only {data.n_val_windows} windows of {seq + 1} tokens; evaluating on all of "
               f"them instead of eval_batches*micro_batch_size={n_val}", file=sys.stderr)
     val_windows = data.val_windows(min(n_val, data.n_val_windows))  # DataError if the val split is too small
+    tokenizer_dir = Path(cfg["data_dir"]) / "tokenizer"
+    if cfg["save_final"] or cfg["ckpt_hf"]:  # copied beside every saved model: a broken one would fail there
+        rank0_check(d, lambda: check_tokenizer(tokenizer_dir))
 
     seed_everything(cfg["seed"])
     model = build_model(cfg, data.vocab_size, data.meta.get("eos_id"), dead_window).to(device)
@@ -379,7 +497,7 @@ def _train(cfg: dict[str, Any], resume: bool, d: Dist, device: torch.device, t_s
                             eps=cfg["eps"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(cfg, s) / cfg["lr"])
 
-    step, wall_prev, n_reinit, log_lines = 0, 0.0, 0, 0
+    step, wall_prev, n_reinit, log_lines, n_skips = 0, 0.0, 0, 0, 0
     if ckpt_dir is not None:
         # CPU: RNG states must stay CPU ByteTensors; load_state_dict moves weights/optimizer state to device.
         state = load_checkpoint(ckpt_dir, map_location="cpu", model=False)
@@ -389,8 +507,11 @@ def _train(cfg: dict[str, Any], resume: bool, d: Dist, device: torch.device, t_s
                               f"max_steps={cfg['max_steps']}; resume with max_steps >= {state['step']}")
         mismatch = rank0_check(d, lambda: data.fingerprint_mismatch(state["data"]))
         if mismatch is not None:
-            raise DataError(f"--resume: the train data differ from the checkpoint's: {mismatch}")
+            raise DataError(f"--resume: the data differ from the checkpoint's: {mismatch}")
         load_model_and_optimizer(ckpt_dir, state, model, opt)  # any world size, DDP or FSDP2
+        if not weights_finite(model, d):  # written by a version that saved without checking
+            raise TrainingDiverged(f"checkpoint {ckpt_dir} holds non-finite weights: resume from an earlier one with "
+                                   f"--resume-from STEP (kept: {checkpoint_names(out_dir)})")
         sched.load_state_dict(state["scheduler"])
         restore_trackers(model, state["trackers"], d)
         rngs = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]
@@ -398,7 +519,10 @@ def _train(cfg: dict[str, Any], resume: bool, d: Dist, device: torch.device, t_s
         step, wall_prev = state["step"], state["wall_s"]
         n_reinit = state.get("counters", {}).get("reinit_neurons", 0)  # re-initialised since the last step line
         if d.main:
+            if resume_from is not None:
+                drop_newer_than(out_dir, step)
             log_lines = truncate_log(log_path, step, state.get("log_lines"))
+        n_skips = state.get("counters", {}).get("nonfinite_skips", 0)
         del state
 
     log = JsonlLog(log_path, d.main, lines=log_lines)
@@ -431,11 +555,13 @@ def _train(cfg: dict[str, Any], resume: bool, d: Dist, device: torch.device, t_s
                 "data": data_fp, "world_size": d.world, "config": cfg,
                 "wall_s": wall_prev + time.time() - t_start,
                 # what a resume needs to write the log an uninterrupted run writes
-                "log_lines": log.lines, "counters": {"reinit_neurons": n_reinit}}
-
-    tokenizer_dir = Path(cfg["data_dir"]) / "tokenizer"
+                "log_lines": log.lines, "counters": {"reinit_neurons": n_reinit, "nonfinite_skips": n_skips}}
 
     def save(done: int) -> None:
+        if not weights_finite(model, d):  # never a checkpoint that cannot be resumed from
+            raise TrainingDiverged(f"the weights after step {done} are not finite, so no checkpoint was written; "
+                                   f"{diverged_advice(out_dir)}")
+        rank0_check(d, lambda: check_data_unchanged(data, out_dir, done))
         state = checkpoint_state(done)
         if d.main:
             log.sync()
@@ -456,19 +582,20 @@ def _train(cfg: dict[str, Any], resume: bool, d: Dist, device: torch.device, t_s
         lr = opt.param_groups[0]["lr"]
         batch = data.train_batch(cfg["seed"], step, d.rank, mbs * accum)
         model.reset_sparsity_stats(dead_tracker=False)
-        sums, grad_norm = optimizer_step(fwd_model, batch, cfg, coeff, device, params, clip, opt, sched)
+        sums, grad_norm, stepped = optimizer_step(fwd_model, batch, cfg, coeff, device, params, clip, opt, sched, d)
         coeff = model.last_losses.get("l1_coeff", coeff)  # the coefficient the forward applied, as logged
         if cfg["dead_reinit_lambda"] > 0:
             n_reinit += reinit_dead(model, cfg, step, dead_window, d)
         step += 1
         tok_log += tokens_per_step
         bar.update(1)
+        n_skips = 0 if stepped else n_skips + 1
+        if not stepped:
+            note_skip(log, d, cfg, out_dir, step, sums / accum, grad_norm, n_skips)
 
         if step % cfg["log_every"] == 0 or step == cfg["max_steps"]:
+            rank0_check(d, lambda: check_data_unchanged(data, out_dir, step))
             loss, ce, l1v = (d.all_mean(sums / accum)).tolist()
-            if not finite(loss):
-                raise RuntimeError(f"non-finite loss {loss} at step {step} (ce={ce}, l1={l1v}); lower lr or "
-                                   "l1_coeff, or resume from an earlier checkpoint")
             st = global_sparsity_stats(model, d, dead_window)  # over all ranks
             now = time.time()
             line = {"type": "step", "step": step, "tokens": step * tokens_per_step, "loss": loss, "ce": ce,
@@ -510,12 +637,20 @@ def _train(cfg: dict[str, Any], resume: bool, d: Dist, device: torch.device, t_s
 
 
 def save_final(model: SparseLlamaForCausalLM, dest: Path, data_dir: Path) -> None:
-    """save_pretrained (+ the data dir's tokenizer) into dest, via a temp dir + rename."""
+    """save_pretrained (+ the data dir's tokenizer) into dest, via a temp dir + rename. A failed write (a full
+    disk above all; safetensors reports it without an errno) is a RunWriteError naming it."""
     tmp = dest.with_name(tmp_name(dest.name))
     shutil.rmtree(tmp, ignore_errors=True)
-    write_pretrained(model, tmp, data_dir / "tokenizer")
+    try:
+        write_pretrained(model, tmp, data_dir / "tokenizer")
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        cause = os_error_of(e)
+        if cause is None:
+            raise
+        raise write_failure(cause, f"the final model {dest}", dest.parent) from e
     if dest.exists():
-        shutil.rmtree(dest)
+        remove_dir(dest)
     os.replace(tmp, dest)
 
 
@@ -527,8 +662,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.set)
-        final = train(cfg, resume=args.resume)
-    except (ConfigError, DataError, RunDirBusy, CheckpointWriteError) as e:
+        final = train(cfg, resume=args.resume, resume_from=args.resume_from)
+    except (ConfigError, DataError, RunDirError, RunWriteError, TrainingDiverged) as e:
         sys.exit(f"error: {e}")
     except ValueError as e:  # SparseLlamaConfig field errors surface here
         if "SparseLlamaConfig." in str(e):
