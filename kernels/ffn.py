@@ -92,8 +92,7 @@ def twell_d2t(x: Tensor, w_gate: Tensor, slots: int = 32, *, config: KernelConfi
         raise KernelUnavailableError(f"x is on {x.device}: twell_d2t runs on CUDA; use kernels.reference.d2t")
     cfg = config or _DEFAULT
     ops.load()
-    return torch.ops.sfl_twell.d2t(x, w_gate, slots, 0 if cfg.d2t == "fused" else 1, cfg.d2t_overlap_min_k,
-                                   cfg.d2t_max_ctas)
+    return torch.ops.sfl_twell.d2t(x, w_gate, slots, ops.plan_spec(cfg))
 
 
 # ------------------------------------------------------------------------------------------------ modules

@@ -243,7 +243,7 @@ class SparseLlamaMLP(nn.Module):
                 f"it could not be imported ({e}). Use mlp_impl='dense'."
             ) from e
         wg, wu, wd = self._weights()
-        tile_n, slots = self.config.twell_tile_n, self.config.twell_slots
+        tile_n, slots = self.plan.config.tile_n, self.plan.config.slots  # the KernelConfig the CUDA paths read
         need_h = l1_mode is not None or self.training
         if torch.compiler.is_compiling() and not (torch.is_grad_enabled() and self._needs_grad(x2)):
             y, nnz = _reference_twell_ffn(x2, wg, wu, wd, tile_n, slots)  # opaque to the compiler (no backward)
