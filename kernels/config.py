@@ -7,6 +7,9 @@ environment but ``KernelConfig.from_env()``, an explicit, read-once override for
 ``SFL_KERNEL_*`` names below); neither the model nor the trainer calls it.
 
 A value the kernels cannot serve is refused here, when the config is built, with the field's name.
+
+It imports only the standard library: a saved checkpoint carries a copy of this file (models/kernel_config.py
+links here), read by the checkpoint's own configuration code where the project is not installed.
 """
 from __future__ import annotations
 

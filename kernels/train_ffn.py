@@ -33,18 +33,13 @@ from torch import Tensor
 
 from .config import KernelConfig
 from .layout import is_neuron_major, keep_down_layout
-from .reference import _acc_dtype, check_ffn_layouts
+from .loader import KernelUnavailableError, load_twell
+from .reference import _acc_dtype, check_ffn_layouts, in_backward
 from .train import ops as _ops
 
 _DEFAULT_CONFIG = KernelConfig()
 
 _L1_REDUCTIONS = ("mean", "sum")
-
-
-def _in_backward() -> bool:
-    """True while autograd runs a backward pass (activation-checkpoint recompute happens there)."""
-    fn = getattr(torch._C, "_current_graph_task_id", None)
-    return fn is not None and fn() != -1
 
 
 class DispatchState:
@@ -141,7 +136,7 @@ class DispatchState:
 
     def choose(self, cfg: KernelConfig, m: int) -> str:
         self._poll()
-        if _in_backward() and self.last_forward_path is not None:
+        if in_backward() and self.last_forward_path is not None:
             # activation-checkpoint recompute: take the path of this layer's last forward, so the recomputed
             # saved tensors have the metadata the checkpoint recorded
             return self.last_forward_path
@@ -215,8 +210,6 @@ def _count_rows(a: Tensor) -> Tensor:
     """int32 per-row count of a != 0: our 16-byte-load kernel on bf16 CUDA (torch's (a != 0).sum(1) measured
     0.49 ms on [16384, 5632], ~375 GB/s), torch elsewhere."""
     if a.is_cuda and a.dtype == torch.bfloat16 and a.shape[1] % 8 == 0 and a.stride(1) == 1 and a.stride(0) % 8 == 0:
-        from .loader import KernelUnavailableError
-
         try:
             return _ops.load_ext().count(a)
         except KernelUnavailableError:  # no extension here: the torch count is exact too, only slower
@@ -233,8 +226,6 @@ class _FusedDenseFFN(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, scale, row_cap, want_stats, want_last_active):
-        from .loader import load_twell
-
         tw = load_twell()
         gated = w_gate is not None
         M, N = x.shape[0], w_up.shape[0]
@@ -283,8 +274,6 @@ def _fused_dense_ok(x2: Tensor, backend: str, cfg: KernelConfig, N: int) -> bool
         return False
     if torch.compiler.is_compiling():  # plain torch ops trace cleanly, and inductor fuses the elementwise part itself
         return False
-    from .loader import KernelUnavailableError, load_twell
-
     try:
         load_twell()
         _ops.load_ext()
@@ -335,8 +324,6 @@ def _last_active_rows(a: Tensor) -> Tensor:
     (> 0 or NaN), -1 if none: our column-scan kernel on bf16 CUDA (one read of a at most), else torch's mask."""
     if (a.is_cuda and a.dtype == torch.bfloat16 and a.shape[1] % 8 == 0 and a.stride(1) == 1 and a.stride(0) % 8 == 0
             and a.data_ptr() % 16 == 0):
-        from .loader import KernelUnavailableError
-
         try:
             return _ops.load_ext().last_active(a)
         except KernelUnavailableError:  # no extension here: the torch mask is exact too
@@ -389,7 +376,7 @@ def _run(x, w_gate, w_up, w_down, l1_reduction, mode, state, width, backend, wan
             # the torch backend is a correctness fallback, never faster than dense: auto keeps it off
             path = st.choose(cfg, M) if backend == "cuda" else "dense"
         st.last_path = path
-        if not _in_backward():
+        if not in_backward():
             st.last_forward_path = path
         if path == "dense" or M == 0:
             y, l1, stats = _dense(x2, ws[0], ws[1], ws[2], scale, want_last_active, want_stats, st, cfg, M, N,

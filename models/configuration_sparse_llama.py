@@ -8,7 +8,12 @@ from __future__ import annotations
 
 from transformers import LlamaConfig
 
-from sfl.kernels.config import TILE_N, KernelConfig
+try:  # the installed project; a checkpoint's copy of this file (transformers' custom code) has a copy beside it
+    from sfl.kernels.config import TILE_N, KernelConfig
+except ModuleNotFoundError as e:
+    if e.name != "sfl":
+        raise
+    from .kernel_config import TILE_N, KernelConfig
 
 MLP_IMPLS = ("dense", "reference", "cuda")
 ACTIVATIONS = ("relu", "silu")  # silu only for the dense SiLU baseline (paper Table 3)
@@ -37,7 +42,7 @@ class SparseLlamaConfig(LlamaConfig):
             SparseLlamaForCausalLM.order_hot_neurons_, which also puts each layer's most frequently firing neurons
             first (the weights are saved in that order).
         track_sparsity_stats: accumulate non-zeros per token on the device (read by sparsity_stats()); a model
-            compiled with torch.compile keeps them on for mlp_impl="cuda" (see SparseLlamaMLP._forward_cuda).
+            compiled with torch.compile keeps them on for mlp_impl="cuda" (see kernels/sparse_llama_mlp.py).
             False with mlp_impl="dense" and l1_coeff 0: no statistics at all (no counts, no dead-neuron tracker,
             no L1 value): the MLP runs HF LlamaMLP's ops, the paper's uninstrumented dense baseline.
         dead_window_tokens: a neuron counts as dead when it has not fired in this many most recent

@@ -540,11 +540,11 @@ def test_config_accepts_tileable_sparse_impl() -> None:
 
 def test_reference_impl_reads_the_kernel_config(monkeypatch) -> None:
     """mlp_impl='reference' runs with the KernelConfig's tile_n and slots (the fields the CUDA kernels read)."""
-    from sfl.kernels import reference as ref
+    from sfl.models import mlp_impls
 
     seen = []
-    real = ref.gated_ffn_twell
-    monkeypatch.setattr(ref, "gated_ffn_twell", lambda *a, **kw: seen.append((kw["tile_n"], kw["slots"])) or real(*a, **kw))
+    real = mlp_impls.gated_ffn_twell
+    monkeypatch.setattr(mlp_impls, "gated_ffn_twell", lambda *a, **kw: seen.append((kw["tile_n"], kw["slots"])) or real(*a, **kw))
     model = tiny_model(seed=5, mlp_impl="reference", intermediate_size=512, kernel_config={"tile_n": 128, "slots": 8})
     with torch.no_grad():
         model.eval()(input_ids=torch.randint(0, VOCAB, (1, 5)))
