@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from .. import reference as ref
+from ..loader import REFERENCE_HINT, KernelUnavailableError, _arch_for_device, build_extension, source_hash
 from ..reference import Hybrid, _acc_dtype
 
 _HERE = Path(__file__).resolve().parent
@@ -58,8 +59,6 @@ def load_ext(verbose: bool = False) -> ModuleType:
     ext = _EXT.get("ext")
     if ext is not None:  # every call after the first: no import machinery, no lock (host time on each op call)
         return ext
-    from ..loader import REFERENCE_HINT, KernelUnavailableError, _arch_for_device, build_extension, source_hash
-
     hint = "use backend='torch' or mode='dense'"
 
     with _LOCK:

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from ..config import KernelConfig, TILE_N
+from ..loader import load_twell
 
 _lib = torch.library.Library("sfl_twell", "DEF")
 _lib.define("ffn(Tensor x, Tensor? w_gate, Tensor w_up, Tensor w_down, Tensor(a!)? stats, int plan, str config) "
@@ -38,8 +39,6 @@ _STATE = {"ext": None}
 def load():
     """Build (once per source version, cached on disk) and load the extension: registers the CUDA kernels."""
     if _STATE["ext"] is None:
-        from ..loader import load_twell
-
         _STATE["ext"] = load_twell()
     return _STATE["ext"]
 
