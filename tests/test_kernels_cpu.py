@@ -21,6 +21,32 @@ def test_cpu_tensors_name_the_reference_path():
         ffn.sparse_nongated_ffn(x, wu, wd)
 
 
+def test_explicit_dense_is_three_linears_and_no_op(monkeypatch):
+    """mode='dense' (or a dense config) without a plan or stats runs plain torch ops: no plan is made and the op is
+    not called, on any device; the result is HF's dense math bit for bit (what the op's dense path computes)."""
+    from sfl.kernels.config import KernelConfig
+    from sfl.kernels.twell import ops
+
+    def refuse(*a, **kw):
+        raise AssertionError("an explicit dense call reached the plan or the op")
+
+    monkeypatch.setattr(ffn, "plan_for", refuse)
+    monkeypatch.setattr(ops, "ffn", refuse)
+    x, wg, wu, wd = _w(K=64, N=256)
+    x = x.reshape(2, 4, 64)
+    calls = []
+    real_linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a: calls.append(1) or real_linear(*a))
+    y = ffn.sparse_gated_ffn(x, wg, wu, wd, mode="dense")
+    assert len(calls) == 3
+    want = real_linear(torch.relu(real_linear(x, wg)) * real_linear(x, wu), wd)
+    assert y.shape == (2, 4, 64) and torch.equal(y, want)
+    y = ffn.sparse_nongated_ffn(x, wu, wd, config=KernelConfig(mode="dense"))
+    assert torch.equal(y, real_linear(torch.relu(real_linear(x, wu)), wd))
+    with pytest.raises(KernelUnavailableError, match="sfl.kernels.reference"):   # stats are the op's: CUDA only
+        ffn.sparse_gated_ffn(x, wg, wu, wd, mode="dense", stats=torch.zeros(3, dtype=torch.int64))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 def test_loader_without_gpu_says_what_to_do():
     with pytest.raises(KernelUnavailableError, match="CUDA GPU"):
