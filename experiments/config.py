@@ -1,7 +1,7 @@
 """Training configuration: defaults, YAML + --set overrides, validation with errors that name the key.
 
-A config is a flat mapping (YAML top level). Every accepted key is in DEFAULTS below with a
-one-line description in DOCS; experiments/README.md ("train.py config") documents the same set.
+A config is a mapping (YAML top level; `kernel:` nests KernelConfig fields). Every accepted key is in DEFAULTS
+below with a one-line description in DOCS; experiments/README.md ("train.py config") documents the same set.
 """
 from __future__ import annotations
 

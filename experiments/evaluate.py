@@ -473,7 +473,8 @@ def score(model_dir: Path, requests_path: Path, out: Path, device: str, dtype: s
     wall = time.time() - t0
     rec.remove()
     meta = {"provenance": collect(), "model": str(model_dir), "model_type": cfg.model_type,
-            "mlp_impl": getattr(cfg, "mlp_impl", None), "twell_mode": (getattr(cfg, "kernel_config", None) or {}).get("mode"),
+            "mlp_impl": getattr(cfg, "mlp_impl", None),
+            "twell_mode": (getattr(cfg, "kernel_config", None) or {}).get("mode"),
             "tokenizer": tok_src, "device": device, "dtype": dtype,
             "intermediate_size": getattr(cfg, "intermediate_size", None), "requests_digest": rmeta["digest"],
             "requests_meta": rmeta, "n_requests": len(reqs), "max_length": rmeta["max_length"],

@@ -70,7 +70,7 @@ def _train(mlp: Any, x2: Tensor, l1_mode: str | None) -> tuple[Tensor, Tensor | 
         mlp._train_state = train_ffn.DispatchState()  # this layer's measured-activity history
     wg, wu, wd = mlp.weights()
     recompute = in_backward()  # activation checkpointing: statistics were taken in the first forward
-    kc = mlp.plan.config  # config.get_kernel_config(), made once per plan (refresh_plan), not per call
+    kc = mlp.kernel_config  # config.get_kernel_config(), taken once per plan (refresh_plan), not per call
     kw = dict(l1_reduction=mlp.config.l1_reduction, state=mlp._train_state, mode=kc.train_mode, config=kc,
               want_last_active=mlp.training and not recompute)
     if wg is not None:

@@ -501,8 +501,8 @@ def test_uninstrumented_dense_baseline_trains_like_hf_llama() -> None:
 
 @pytest.mark.parametrize("mode", ["auto", "sparse"])
 def test_cuda_impl_passes_the_kernel_mode_to_the_kernels(monkeypatch, mode) -> None:
-    """config.kernel_config's mode reaches the op through the layer's plan (checked with a stand-in for the CUDA op, so it
-    runs on CPU): each layer calls ops.ffn once with its own plan, whose KernelConfig carries the mode, and
+    """config.kernel_config's mode reaches the op through the layer's plan (checked with a stand-in for the CUDA op,
+    so it runs on CPU): each layer calls ops.ffn once with its own plan, whose KernelConfig carries the mode, and
     with its statistics buffer."""
     from sfl.kernels.twell import ops
 
@@ -533,7 +533,8 @@ def test_config_accepts_tileable_sparse_impl() -> None:
     cfg = tiny_config(mlp_impl="reference", intermediate_size=512, kernel_config={"tile_n": 128, "slots": 16})
     assert cfg.mlp_impl == "reference"
     assert SparseLlamaConfig.from_dict(cfg.to_dict()).get_kernel_config().tile_n == 128
-    old = tiny_config(mlp_impl="reference", intermediate_size=512, twell_tile_n=128, twell_slots=16, twell_mode="sparse")
+    old = tiny_config(mlp_impl="reference", intermediate_size=512, twell_tile_n=128, twell_slots=16,
+                      twell_mode="sparse")
     assert (old.get_kernel_config().tile_n, old.get_kernel_config().slots, old.get_kernel_config().mode) == \
         (128, 16, "sparse") and not hasattr(old, "twell_slots")   # an earlier version's config.json reads the same
 
@@ -544,7 +545,8 @@ def test_reference_impl_reads_the_kernel_config(monkeypatch) -> None:
 
     seen = []
     real = mlp_impls.gated_ffn_twell
-    monkeypatch.setattr(mlp_impls, "gated_ffn_twell", lambda *a, **kw: seen.append((kw["tile_n"], kw["slots"])) or real(*a, **kw))
+    monkeypatch.setattr(mlp_impls, "gated_ffn_twell",
+                        lambda *a, **kw: seen.append((kw["tile_n"], kw["slots"])) or real(*a, **kw))
     model = tiny_model(seed=5, mlp_impl="reference", intermediate_size=512, kernel_config={"tile_n": 128, "slots": 8})
     with torch.no_grad():
         model.eval()(input_ids=torch.randint(0, VOCAB, (1, 5)))
