@@ -66,10 +66,6 @@ class DataPaths:
         return self.root / "tokens"
 
     @property
-    def tokens_meta(self) -> Path:
-        return self.tokens / "meta.json"
-
-    @property
     def eval(self) -> Path:
         return self.root / "eval"
 

@@ -5,7 +5,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -127,7 +127,3 @@ def load_split(tokens_dir: Path, split: str) -> list[np.memmap]:
     if meta["dtype"] != "uint16":
         raise ValueError(f"unexpected dtype {meta['dtype']}")
     return [np.memmap(tokens_dir / e["file"], dtype=np.uint16, mode="r", shape=(e["tokens"],)) for e in meta[split]]
-
-
-def count_tokens(tokenizer: Any, texts: Iterable[str]) -> int:
-    return sum(len(e.ids) for e in tokenizer.encode_batch(list(texts), add_special_tokens=False))

@@ -1,7 +1,7 @@
 """Training configuration: defaults, YAML + --set overrides, validation with errors that name the key.
 
-A config is a flat mapping (YAML top level). Every accepted key is in DEFAULTS below with a
-one-line description in DOCS; experiments/README.md ("train.py config") documents the same set.
+A config is a mapping (YAML top level; `kernel:` nests KernelConfig fields). Every accepted key is in DEFAULTS
+below with a one-line description in DOCS; experiments/README.md ("train.py config") documents the same set.
 """
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from sfl.kernels.config import KernelConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,8 +37,8 @@ _SPEC: dict[str, tuple[Any, str]] = {
     "gated_mlp": (True, "gated ReLU FFN (false: non-gated ReLU FFN, no gate_proj)"),
     "activation": ("relu", "relu (sparse model) | silu (dense SiLU baseline, paper Table 3; needs mlp_impl dense)"),
     "mlp_impl": ("dense", "dense | reference | cuda (training through kernels/train_ffn.py, inference through kernels/ffn.py)"),
-    "twell_tile_n": (256, "TwELL tile width for mlp_impl reference/cuda (intermediate_size % twell_tile_n == 0)"),
-    "twell_slots": (32, "TwELL slots per (row, tile) = twell_tile_n // compression"),
+    "kernel": ({}, "settings of the sparse paths (reference and cuda): KernelConfig fields (kernels/config.py), "
+                   "e.g. {tile_n: 256, slots: 32, train_width: 128}; {} = the measured defaults"),
     # --- sparsity
     "l1_coeff": (0.0, "L1 coefficient (>= 0); loss = CE + coeff * L1"),
     "l1_reduction": ("mean", "mean = paper Eq. 2; sum = official code (x intermediate_size)"),
@@ -212,6 +214,17 @@ def _is_num(v: Any) -> bool:
     return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
 
 
+def kernel_config(cfg: dict[str, Any]) -> KernelConfig:
+    """The run's kernel: block as the KernelConfig the model's sparse paths run with (ConfigError if invalid)."""
+    if not isinstance(cfg["kernel"], dict):
+        raise ConfigError(f"config key kernel={cfg['kernel']!r} is invalid: must be a mapping of KernelConfig "
+                          "fields (kernels/config.py), e.g. {slots: 32}")
+    try:
+        return KernelConfig.from_dict(cfg["kernel"])
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"config key kernel={cfg['kernel']!r} is invalid: {e}") from e
+
+
 def validate(cfg: dict[str, Any]) -> None:
     """Raise ConfigError naming the first invalid key. Model-level checks (tileability etc.) are
     repeated by SparseLlamaConfig when the model is built."""
@@ -221,8 +234,7 @@ def validate(cfg: dict[str, Any]) -> None:
 
     _check_keys(list(cfg), "config")
     pos_int = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "seq_len",
-               "max_steps", "micro_batch_size", "grad_accum", "log_every", "eval_batches", "twell_tile_n",
-               "twell_slots"]
+               "max_steps", "micro_batch_size", "grad_accum", "log_every", "eval_batches"]
     for k in pos_int:
         if not _is_int(cfg[k]) or cfg[k] < 1:
             raise bad(k, "must be a positive integer")
@@ -268,11 +280,10 @@ def validate(cfg: dict[str, Any]) -> None:
     if cfg["mlp_impl"] == "cuda" and str(cfg["device"]) == "cpu":
         raise bad("mlp_impl", "the cuda kernels need device cuda (or auto on a GPU machine); on CPU train with "
                               "mlp_impl: dense (or reference)")
-    if cfg["mlp_impl"] != "dense" and cfg["init_from"] is None and cfg["intermediate_size"] % cfg["twell_tile_n"]:
-        raise bad("intermediate_size", f"mlp_impl={cfg['mlp_impl']} needs a multiple of "
-                                       f"twell_tile_n={cfg['twell_tile_n']}; change either, or use mlp_impl: dense")
-    if cfg["twell_slots"] > cfg["twell_tile_n"]:
-        raise bad("twell_slots", f"must be <= twell_tile_n ({cfg['twell_tile_n']})")
+    kernel = kernel_config(cfg)
+    if cfg["mlp_impl"] != "dense" and cfg["init_from"] is None and cfg["intermediate_size"] % kernel.tile_n:
+        raise bad("intermediate_size", f"mlp_impl={cfg['mlp_impl']} needs a multiple of the kernel "
+                                       f"tile_n={kernel.tile_n}; change either, or use mlp_impl: dense")
     if cfg["hidden_size"] % cfg["num_attention_heads"] != 0:
         raise bad("num_attention_heads", f"must divide hidden_size ({cfg['hidden_size']})")
     head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]

@@ -213,7 +213,7 @@ def is_sharded(model: torch.nn.Module) -> bool:
 def eval_path(model: torch.nn.Module) -> Any:
     """Evaluation of an FSDP2 model through the CUDA inference op. FSDP2 frees and refills a layer's gathered
     weights in the same storage without bumping their version counter (checked on torch 2.13), while the
-    inference path caches per weight storage and version (the bf16 cast in SparseLlamaMLP._inference_weights,
+    inference path caches per weight storage and version (the bf16 cast in kernels/sparse_llama_mlp.inference_weights,
     the hot rows in the runtime): it could serve the weights of an earlier step. So, while evaluating, every MLP
     bumps its weights' versions before its forward (after FSDP2 has gathered them): the caches see new weights.
     Training goes through the training op, which caches nothing per weight."""

@@ -257,9 +257,9 @@ def load_model(model_dir: Path, device: str, dtype: torch.dtype, mlp_impl: str |
             raise SystemExit(f"--mlp-impl applies to sparse_llama models; {model_dir} is {cfg.model_type}")
         cfg.mlp_impl = mlp_impl
     if twell_mode is not None:
-        if not hasattr(cfg, "twell_mode"):
+        if not hasattr(cfg, "kernel_config"):
             raise SystemExit(f"--twell-mode applies to sparse_llama models; {model_dir} is {cfg.model_type}")
-        cfg.twell_mode = twell_mode
+        cfg.kernel_config = {**(cfg.kernel_config or {}), "mode": twell_mode}
     check_mlp_impl(cfg, device)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(str(model_dir), config=cfg, dtype=dtype,
@@ -373,7 +373,7 @@ def evaluate(model_dir: Path, settings: LmEvalSettings, batch_size: int, device:
         "model": str(model_dir),
         "model_type": cfg.model_type,
         "mlp_impl": getattr(cfg, "mlp_impl", None),
-        "twell_mode": getattr(cfg, "twell_mode", None),
+        "twell_mode": (getattr(cfg, "kernel_config", None) or {}).get("mode"),
         "tokenizer": tok_src,
         "limit": settings.limit,
         "num_fewshot": settings.num_fewshot,
@@ -560,7 +560,8 @@ def score(model_dir: Path, requests_path: Path, out: Path, device: str, dtype: s
     wall = time.time() - t0
     rec.remove()
     meta = {"provenance": collect(), "model": str(model_dir), "model_type": cfg.model_type,
-            "mlp_impl": getattr(cfg, "mlp_impl", None), "twell_mode": getattr(cfg, "twell_mode", None),
+            "mlp_impl": getattr(cfg, "mlp_impl", None),
+            "twell_mode": (getattr(cfg, "kernel_config", None) or {}).get("mode"),
             "tokenizer": tok_src, "device": device, "dtype": dtype,
             "intermediate_size": getattr(cfg, "intermediate_size", None), "requests_digest": rmeta["digest"],
             "requests_meta": rmeta, "n_requests": len(reqs), "max_length": rmeta["max_length"],

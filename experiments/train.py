@@ -106,8 +106,7 @@ def set_rng_state(s: dict[str, Any]) -> None:
 def build_model(cfg: dict[str, Any], data_vocab: int, eos_id: int | None, dead_window: int) -> SparseLlamaForCausalLM:
     """Scratch model from the arch keys, or init_from a checkpoint (dense Llama is ReLU-fied)."""
     sparsity = dict(hidden_act=cfg["activation"], l1_coeff=float(cfg["l1_coeff"]), l1_reduction=cfg["l1_reduction"], mlp_impl=cfg["mlp_impl"],
-                    twell_tile_n=cfg["twell_tile_n"], twell_slots=cfg["twell_slots"],
-                    dead_window_tokens=dead_window)
+                    kernel_config=dict(cfg["kernel"]) or None, dead_window_tokens=dead_window)
     if cfg["init_from"] is None:
         vocab = cfg["vocab_size"] or data_vocab
         config = SparseLlamaConfig(
@@ -141,12 +140,6 @@ def build_model(cfg: dict[str, Any], data_vocab: int, eos_id: int | None, dead_w
                               f"max_position_embeddings={model.config.max_position_embeddings}")
     if vocab < data_vocab:
         raise ConfigError(f"config key vocab_size={vocab} is smaller than the data's vocab_size={data_vocab}")
-    if any(k.startswith("SFL_KERNEL_") for k in os.environ):
-        # the kernels' settings (training op: train_width, train_dense_above, ...; kernels/config.py) as explicit
-        # overrides, read once here and saved with the model config (the kernels read no environment)
-        from sfl.kernels.config import KernelConfig
-
-        model.set_kernel_config(KernelConfig.from_env(model.config.get_kernel_config()))
     return model
 
 

@@ -2,10 +2,14 @@
 
 One frozen dataclass carried by the model config (``SparseLlamaConfig.kernel_config``), accepted by the functional
 API (``sparse_gated_ffn(..., config=cfg)``) and written into every benchmark, training and eval log
-(``cfg.to_dict()``). Nothing on a hot path reads the environment: ``KernelConfig.from_env()`` is an explicit,
-read-once override for sweeps (the ``SFL_KERNEL_*`` names below), applied by whoever builds the config.
+(``cfg.to_dict()``). A run's YAML sets it in its ``kernel:`` block (experiments/config.py). Nothing reads the
+environment but ``KernelConfig.from_env()``, an explicit, read-once override for benchmark sweeps (the
+``SFL_KERNEL_*`` names below); neither the model nor the trainer calls it.
 
 A value the kernels cannot serve is refused here, when the config is built, with the field's name.
+
+It imports only the standard library: a saved checkpoint carries a copy of this file (models/kernel_config.py
+links here), read by the checkpoint's own configuration code where the project is not installed.
 """
 from __future__ import annotations
 
@@ -71,10 +75,14 @@ RETIRED_FIELDS = frozenset({"down_nb"})
 class KernelConfig:
     """Settings of the sparse FFN kernels (inference and training). Defaults are the measured best on the H100.
 
+    Format (every path, the pure-PyTorch reference included):
+        tile_n: TwELL tile width (columns per tile); the CUDA kernels are built for 256 (TILE_N), the reference
+            takes any width dividing the intermediate size.
+        slots: TwELL slots S per (row, tile) (compression C = tile_n / S); on CUDA above decode_max_m (below it
+            the kernels use S = 256, lossless). A row with a fuller tile (or a non-finite gate value) is flagged
+            and computed exactly by the dense backup.
     Inference (kernels.ffn, mlp_impl="cuda" without grad):
         mode: "auto" (per-layer measured dispatch between the TwELL path and our dense path), "sparse", "dense".
-        slots: TwELL slots S per (row, 256-column tile) above decode_max_m (compression C = 256 / S); a row with a
-            fuller tile (or a non-finite gate value) is flagged and computed exactly by the dense backup.
         backup_rows: rows of the dense backup's cuBLAS block per sparse call above decode_max_m. -1: from the
             layer's last measurement (1.25 x its flagged rows + 32; none if it saw none; M / 16 before one).
             Flagged rows past the block are still exact, on CUDA cores (slower); no host sync either way.
@@ -119,11 +127,12 @@ class KernelConfig:
         train_sparse_min_m: auto runs dense below this many rows.
         train_chunk_rows, train_shrink, train_dw_nb, train_probe_rows, train_fused_dense: see kernels/train/README.md.
         train_mode: the mode models train with: "auto" (measured dispatch), or "sparse" / "dense" to test or
-            benchmark one path inside a model (was SFL_TRAIN_FORCE_MODE).
+            benchmark one path inside a model.
     """
 
-    mode: str = "auto"
+    tile_n: int = TILE_N
     slots: int = 32
+    mode: str = "auto"
     backup_rows: int = -1
     decode_max_m: int = 64
     crossover: str = DEFAULT_CROSSOVER
@@ -166,7 +175,7 @@ class KernelConfig:
             raise bad("train_mode", f"must be one of {MODES}")
         if self.d2t not in D2T_VARIANTS:
             raise bad("d2t", f"must be one of {D2T_VARIANTS}")
-        for name in ("slots", "decode_max_m", "measure_every", "d2t_overlap_min_k", "gate_scratch_mb",
+        for name in ("tile_n", "slots", "decode_max_m", "measure_every", "d2t_overlap_min_k", "gate_scratch_mb",
                      "decode_tiles_per_warp", "train_width", "train_chunk_rows", "train_probe_rows", "train_large_m"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -185,8 +194,8 @@ class KernelConfig:
             raise bad("backup_rows", "must be an integer >= -1 (-1: from the layer's measured flagged rows)")
         if self.hot_neurons % TILE_N:
             raise bad("hot_neurons", f"must be a multiple of {TILE_N} (whole TwELL tiles)")
-        if self.slots > TILE_N:
-            raise bad("slots", f"must be <= {TILE_N} (one tile holds {TILE_N} columns)")
+        if self.slots > self.tile_n:
+            raise bad("slots", f"must be <= tile_n={self.tile_n} (one tile holds tile_n columns)")
         for name in ("flagged_dense_above", "activity_hint", "train_dense_above", "train_dense_above_large",
                      "train_backup_dense_above"):
             v = getattr(self, name)
@@ -222,7 +231,8 @@ class KernelConfig:
     @classmethod
     def from_env(cls, base: "KernelConfig | None" = None, environ: Mapping[str, str] | None = None) -> "KernelConfig":
         """`base` with every SFL_KERNEL_<FIELD> variable applied (e.g. SFL_KERNEL_SLOTS=16). Read once, by the
-        caller that builds the config (benchmark sweeps); the kernels never read the environment."""
+        caller that builds the config: benchmark sweeps only (the model, the trainer and the kernels never read the
+        environment; a run sets its kernels in its YAML's kernel: block)."""
         env = os.environ if environ is None else environ
         base = base or cls()
         changes: dict[str, Any] = {}

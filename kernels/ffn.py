@@ -3,6 +3,7 @@
     y = sparse_gated_ffn(x, w_gate, w_up, w_down)                  # (relu(x Wg^T) * (x Wu^T)) Wd^T
     y = sparse_nongated_ffn(x, w_up, w_down)                       # relu(x Wu^T) Wd^T
     y = sparse_gated_ffn(x, wg, wu, wd, config=KernelConfig(mode="sparse"))
+    y = sparse_gated_ffn(x, wg, wu, wd, mode="dense")              # plain torch: three F.linear, any device
     mlp = TwELLGatedMLP.from_linears(gate_proj, up_proj, down_proj)  # state-dict compatible with HF LlamaMLP
 
 Weights in nn.Linear layouts: w_gate/w_up [N, K], w_down [K, N]; x [..., K] bf16 on CUDA (copied if it is not
@@ -18,6 +19,7 @@ from collections import OrderedDict
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import KernelConfig
@@ -51,9 +53,19 @@ def _inference_only(*ts: Tensor | None) -> None:
                          "sfl.kernels.train_ffn.sparse_gated_ffn_train / sparse_nongated_ffn_train")
 
 
+def dense_ffn(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor) -> Tensor:
+    """The op's dense path in plain torch ops: the same GEMMs and the same elementwise rounding (relu(g) * u in the
+    weights' dtype), so the same bits, with nothing else around them."""
+    a = F.relu(F.linear(x, w_gate if w_gate is not None else w_up))
+    return F.linear(a * F.linear(x, w_up) if w_gate is not None else a, w_down)
+
+
 def _call(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, config: KernelConfig | None,
           mode: str | None, plan: ops.Plan | None, stats: Tensor | None) -> Tensor:
     _inference_only(x, w_gate, w_up, w_down)
+    if plan is None and stats is None and (mode or (config or _DEFAULT).mode) == "dense":
+        # an explicit dense request costs the dense path only: no plan, no dispatch, no op call
+        return dense_ffn(x, w_gate, w_up, w_down)
     if x.device.type != "cuda":
         raise KernelUnavailableError(f"x is on {x.device}: the TwELL kernels run on CUDA tensors only; move the "
                                      f"inputs with .cuda(), or use {REFERENCE_HINT}")
@@ -72,7 +84,8 @@ def sparse_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, *,
 
     config: a KernelConfig (default: the measured defaults); mode overrides config.mode. plan: this layer's Plan
     (default: one per gate weight and config). stats: an int64 [3] CUDA tensor to accumulate (sum of non-zeros,
-    largest per-token count, tokens) into."""
+    largest per-token count, tokens) into. Dense (mode or config.mode "dense") without plan and stats runs
+    dense_ffn: plain torch ops, on any device, the op's dense results."""
     return _call(x, w_gate, w_up, w_down, config, mode, plan, stats)
 
 
@@ -92,8 +105,7 @@ def twell_d2t(x: Tensor, w_gate: Tensor, slots: int = 32, *, config: KernelConfi
         raise KernelUnavailableError(f"x is on {x.device}: twell_d2t runs on CUDA; use kernels.reference.d2t")
     cfg = config or _DEFAULT
     ops.load()
-    return torch.ops.sfl_twell.d2t(x, w_gate, slots, 0 if cfg.d2t == "fused" else 1, cfg.d2t_overlap_min_k,
-                                   cfg.d2t_max_ctas)
+    return torch.ops.sfl_twell.d2t(x, w_gate, slots, ops.plan_spec(cfg))
 
 
 # ------------------------------------------------------------------------------------------------ modules
@@ -173,5 +185,5 @@ class TwELLMLP(_TwELLBase):
         return self._run(x, None)
 
 
-__all__ = ["sparse_gated_ffn", "sparse_nongated_ffn", "twell_d2t", "plan_for", "TwELLGatedMLP", "TwELLMLP",
+__all__ = ["sparse_gated_ffn", "sparse_nongated_ffn", "dense_ffn", "twell_d2t", "plan_for", "TwELLGatedMLP", "TwELLMLP",
            "KernelConfig", "KernelUnavailableError"]

@@ -21,6 +21,9 @@ import warnings
 from pathlib import Path
 from types import ModuleType
 
+import torch
+from torch.utils.cpp_extension import load
+
 from .device import kernels_supported
 
 _HERE = Path(__file__).resolve().parent
@@ -59,8 +62,6 @@ def require_supported_gpu(hint: str) -> None:
 
 
 def _arch_for_device() -> str:
-    import torch
-
     major, minor = torch.cuda.get_device_capability()
     arch = f"{major}.{minor}"
     return arch + "a" if (major, minor) == (9, 0) else arch
@@ -115,7 +116,7 @@ def _build(name: str, sources: list[Path], arch: str, define: str, what: str, hi
     build_dir = Path(os.environ.get("SFL_KERNEL_BUILD_DIR", Path.home() / ".cache" / "sfl_kernels")) / name
     build_dir.mkdir(parents=True, exist_ok=True)
     extra_inc = []
-    try:
+    try:  # optional: the CUDA headers of the pip nvidia-* wheels, where torch was installed with them
         import nvidia  # type: ignore
 
         for root in nvidia.__path__:
@@ -128,8 +129,6 @@ def _build(name: str, sources: list[Path], arch: str, define: str, what: str, hi
     os.environ["TORCH_CUDA_ARCH_LIST"] = arch
     os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 4))
     try:
-        from torch.utils.cpp_extension import load
-
         return load(name=name, sources=[str(p) for p in sources], extra_cflags=["-O3", f"-D{define}"],
                     extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo"], extra_include_paths=extra_inc,
                     build_directory=str(build_dir), verbose=verbose)
@@ -147,8 +146,6 @@ def load_twell(verbose: bool = False) -> ModuleType:
     mod = _CACHE.get("twell")
     if mod is not None:  # every call after the first: no lock (the fused dense path asks on each call)
         return mod
-    import torch
-
     with _LOCK:
         if "twell" in _CACHE:
             return _CACHE["twell"]
@@ -177,9 +174,3 @@ def load_twell(verbose: bool = False) -> ModuleType:
                               what="the TwELL extension", hint=REFERENCE_HINT, verbose=verbose)
         _CACHE["twell"] = mod
         return mod
-
-
-def built_library_path() -> str | None:
-    """Path of the loaded extension's .so (to carry it to a fresh machine via $TWELL_PREBUILT)."""
-    mod = _CACHE.get("twell")
-    return getattr(mod, "__file__", None) if mod is not None else None

@@ -16,6 +16,9 @@ Formats
          A row with any tile count > slots *overflows* and must go through the dense path.
   Hybrid (training):  per row up to `width` (global column, value) pairs; rows with more
          than `width` active entries are stored densely in a backup block (lossless).
+
+It imports only torch and the standard library: a saved checkpoint carries a copy of this file (models/
+twell_reference.py links here), so that mlp_impl='reference' runs where the project is not installed.
 """
 from __future__ import annotations
 
@@ -26,6 +29,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward pass (activation-checkpoint recompute happens there): the model and the
+    training op count statistics and pick paths once per forward, not again in the recompute."""
+    fn = getattr(torch._C, "_current_graph_task_id", None)
+    return fn is not None and fn() != -1
 
 __all__ = [
     "TwELL",

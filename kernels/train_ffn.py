@@ -35,39 +35,13 @@ from torch import Tensor
 from .config import KernelConfig
 from .device import dense_fallback, kernels_supported
 from .layout import is_neuron_major, keep_down_layout
-from .reference import _acc_dtype, check_ffn_layouts
+from .loader import KernelUnavailableError, load_twell
+from .reference import _acc_dtype, check_ffn_layouts, in_backward
 from .train import ops as _ops
 
 _DEFAULT_CONFIG = KernelConfig()
 
 _L1_REDUCTIONS = ("mean", "sum")
-
-
-def _in_backward() -> bool:
-    """True while autograd runs a backward pass (activation-checkpoint recompute happens there)."""
-    fn = getattr(torch._C, "_current_graph_task_id", None)
-    return fn is not None and fn() != -1
-
-
-def knobs(config: KernelConfig | None = None) -> dict[str, Any]:
-    """The training fields of a KernelConfig (default: the measured defaults) under the names the dispatch and
-    the kernels use. Nothing here reads the environment: KernelConfig.from_env() is the explicit override (read
-    once, by the caller that builds the config; SFL_KERNEL_TRAIN_WIDTH etc.)."""
-    c = config if config is not None else _DEFAULT_CONFIG
-    return {
-        "width": c.train_width,
-        "dense_above": c.train_dense_above,
-        "dense_above_large": c.train_dense_above_large,
-        "large_m": c.train_large_m,
-        "backup_dense_above": c.train_backup_dense_above,
-        "chunk_rows": c.train_chunk_rows,
-        "shrink": c.train_shrink,
-        "dw_nb": c.train_dw_nb,
-        "probe_rows": c.train_probe_rows,
-        "sparse_min_m": c.train_sparse_min_m,
-        # dense path: fused elementwise kernels (True) or plain torch autograd (False, the comparison reference)
-        "fused_dense": c.train_fused_dense,
-    }
 
 
 class DispatchState:
@@ -162,20 +136,20 @@ class DispatchState:
         ev.record()
         self._pending = (ev, rows, n_cols, layout)
 
-    def choose(self, kn: dict[str, Any], m: int) -> str:
+    def choose(self, cfg: KernelConfig, m: int) -> str:
         self._poll()
-        if _in_backward() and self.last_forward_path is not None:
+        if in_backward() and self.last_forward_path is not None:
             # activation-checkpoint recompute: take the path of this layer's last forward, so the recomputed
             # saved tensors have the metadata the checkpoint recorded
             return self.last_forward_path
-        if m < kn["sparse_min_m"]:
+        if m < cfg.train_sparse_min_m:
             return "dense"  # measured: fixed costs (host syncs, small launches) lose below this size
         if self.activity is None:
             return "dense"  # nothing measured yet: the dense path measures
         # measured: from 16384 rows sparse won at 1% activity (with 1% heavy rows too); at 8192 rows it lost there
         # with heavy rows (kernels/train/README.md, train_dense_above_large)
-        limit = kn["dense_above_large"] if m >= kn["large_m"] else kn["dense_above"]
-        if self.activity > limit or (self.backup_frac or 0.0) > kn["backup_dense_above"]:
+        limit = cfg.train_dense_above_large if m >= cfg.train_large_m else cfg.train_dense_above
+        if self.activity > limit or (self.backup_frac or 0.0) > cfg.train_backup_dense_above:
             return "dense"
         return "sparse"
 
@@ -239,8 +213,6 @@ def _count_rows(a: Tensor) -> Tensor:
     0.49 ms on [16384, 5632], ~375 GB/s), torch elsewhere."""
     if (a.is_cuda and a.dtype == torch.bfloat16 and a.shape[1] % 8 == 0 and a.stride(1) == 1 and a.stride(0) % 8 == 0
             and kernels_supported(a.device)[0]):
-        from .loader import KernelUnavailableError
-
         try:
             return _ops.load_ext().count(a)
         except KernelUnavailableError:  # no extension here: the torch count is exact too, only slower
@@ -257,8 +229,6 @@ class _FusedDenseFFN(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, scale, row_cap, want_stats, want_last_active):
-        from .loader import load_twell
-
         tw = load_twell()
         gated = w_gate is not None
         M, N = x.shape[0], w_up.shape[0]
@@ -301,14 +271,12 @@ class _FusedDenseFFN(torch.autograd.Function):
         return dx, dwg, dwu, dwd, None, None, None, None
 
 
-def _fused_dense_ok(x2: Tensor, backend: str, kn: dict[str, Any], N: int) -> bool:
+def _fused_dense_ok(x2: Tensor, backend: str, cfg: KernelConfig, N: int) -> bool:
     """The fused dense path takes bf16 CUDA inputs with N % 256 == 0 when both extensions load (eager only)."""
-    if not kn["fused_dense"] or backend != "cuda" or x2.dtype != torch.bfloat16 or N % 256 != 0 or x2.shape[0] == 0:
+    if not cfg.train_fused_dense or backend != "cuda" or x2.dtype != torch.bfloat16 or N % 256 != 0 or x2.shape[0] == 0:
         return False
     if torch.compiler.is_compiling():  # plain torch ops trace cleanly, and inductor fuses the elementwise part itself
         return False
-    from .loader import KernelUnavailableError, load_twell
-
     try:
         load_twell()
         _ops.load_ext()
@@ -317,13 +285,13 @@ def _fused_dense_ok(x2: Tensor, backend: str, kn: dict[str, Any], N: int) -> boo
     return True
 
 
-def _dense(x2, w_gate, w_up, w_down, scale, want_last_active, want_stats, st, kn, M, N, backend="torch"):
+def _dense(x2, w_gate, w_up, w_down, scale, want_last_active, want_stats, st, cfg, M, N, backend="torch"):
     """Dense path: the fused function above where it applies, else plain dense autograd (the same ops as
     models' dense MLP); both measure activity for dispatch."""
-    if _fused_dense_ok(x2, backend, kn, N):
+    if _fused_dense_ok(x2, backend, cfg, N):
         ws = [w.contiguous() if w is not None else None for w in (w_gate, w_up)]
         y, l1, nnz, dstats, last = _FusedDenseFFN.apply(x2.contiguous(), ws[0], ws[1], keep_down_layout(w_down),
-                                                        scale, kn["width"], want_stats, want_last_active)
+                                                        scale, cfg.train_width, want_stats, want_last_active)
         st.record_pair(dstats, M, N)
         stats = {"path": "dense", "nnz_per_token": nnz if want_stats else None, "backup_rows": None,
                  "width": None, "kept_bytes": None}
@@ -337,10 +305,10 @@ def _dense(x2, w_gate, w_up, w_down, scale, want_last_active, want_stats, st, kn
     with torch.no_grad():
         if want_stats:  # per-token counts (what models' dense MLP logs); NaN != 0 counts as active
             nnz = _count_rows(a)
-            st.record(nnz, N, kn["width"])
+            st.record(nnz, N, cfg.train_width)
         else:  # dispatch only needs an estimate: count a row sample (cheap next to the GEMMs)
             nnz = None
-            st.record(_count_rows(a[: kn["probe_rows"]]), N, kn["width"])
+            st.record(_count_rows(a[: cfg.train_probe_rows]), N, cfg.train_width)
         stats = {"path": "dense", "nnz_per_token": nnz, "backup_rows": None, "width": None, "kept_bytes": None}
         if want_last_active:
             stats["last_active_row"] = _last_active_rows(a)
@@ -359,8 +327,6 @@ def _last_active_rows(a: Tensor) -> Tensor:
     (> 0 or NaN), -1 if none: our column-scan kernel on bf16 CUDA (one read of a at most), else torch's mask."""
     if (a.is_cuda and a.dtype == torch.bfloat16 and a.shape[1] % 8 == 0 and a.stride(1) == 1 and a.stride(0) % 8 == 0
             and a.data_ptr() % 16 == 0 and kernels_supported(a.device)[0]):
-        from .loader import KernelUnavailableError
-
         try:
             return _ops.load_ext().last_active(a)
         except KernelUnavailableError:  # no extension here: the torch mask is exact too
@@ -381,8 +347,8 @@ def _run(x, w_gate, w_up, w_down, l1_reduction, mode, state, width, backend, wan
         raise ValueError(f"mode must be 'auto', 'sparse' or 'dense', got {mode!r}")
     if config is not None and not isinstance(config, KernelConfig):
         raise TypeError(f"config must be a KernelConfig (sfl.kernels.config), got {type(config).__name__}")
-    kn = knobs(config)
-    width = int(width if width is not None else kn["width"])
+    cfg = config if config is not None else _DEFAULT_CONFIG
+    width = int(width if width is not None else cfg.train_width)
     if width < 1:
         raise ValueError(f"width must be >= 1, got {width}")
     st = state if state is not None else _state_for(w_up)
@@ -412,19 +378,19 @@ def _run(x, w_gate, w_up, w_down, l1_reduction, mode, state, width, backend, wan
         path = "dense" if no_kernels else mode
         if path == "auto":
             # the torch backend is a correctness fallback, never faster than dense: auto keeps it off
-            path = st.choose(kn, M) if backend == "cuda" else "dense"
+            path = st.choose(cfg, M) if backend == "cuda" else "dense"
         st.last_path = path
-        if not _in_backward():
+        if not in_backward():
             st.last_forward_path = path
         if path == "dense" or M == 0:
-            y, l1, stats = _dense(x2, ws[0], ws[1], ws[2], scale, want_last_active, want_stats, st, kn, M, N,
+            y, l1, stats = _dense(x2, ws[0], ws[1], ws[2], scale, want_last_active, want_stats, st, cfg, M, N,
                                   backend)
         else:
             x2 = x2.contiguous()
             wsc = [w.contiguous() if w is not None else None for w in ws[:2]] + [keep_down_layout(ws[2])]
-            w_call = st.call_width(width, kn["shrink"])  # from earlier measurements: no sync
-            out = _SparseFFN.apply(x2, wsc[0], wsc[1], wsc[2], w_call, width, scale, kn["chunk_rows"],
-                                   st.backup_capacity(M), want_last_active, kn["dw_nb"], backend)
+            w_call = st.call_width(width, cfg.train_shrink)  # from earlier measurements: no sync
+            out = _SparseFFN.apply(x2, wsc[0], wsc[1], wsc[2], w_call, width, scale, cfg.train_chunk_rows,
+                                   st.backup_capacity(M), want_last_active, cfg.train_dw_nb, backend)
             y, l1, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup, host, last = out
             st.record_summary(host, M, N)  # measured against the configured width: dispatch, the next call's width
             kept = sum(t.numel() * t.element_size() for t in (ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup))
@@ -469,5 +435,5 @@ def sparse_nongated_ffn_train(x: Tensor, w_up: Tensor, w_down: Tensor, *,
                 config)
 
 
-__all__ = ["sparse_gated_ffn_train", "sparse_nongated_ffn_train", "DispatchState", "knobs",
+__all__ = ["sparse_gated_ffn_train", "sparse_nongated_ffn_train", "DispatchState",
            "update_tokens_since_fire_sparse"]

@@ -21,7 +21,7 @@ else:
     AutoModelForCausalLM.register(SparseLlamaConfig, SparseLlamaForCausalLM, exist_ok=True)
     # save_pretrained then writes `auto_map` and copies the modelling code into the checkpoint, so
     # AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True) works in a process that never imported us
-    # (the copied code imports `sfl` only for the reference/cuda MLP paths: `pip install -e .` for those).
+    # (the dense and reference MLPs need only torch and transformers; mlp_impl="cuda" needs `pip install -e .`).
     SparseLlamaConfig.register_for_auto_class()
     SparseLlamaForCausalLM.register_for_auto_class("AutoModelForCausalLM")
     # lm-eval's HFLM picks its causal backend from this mapping (else it warns and guesses)

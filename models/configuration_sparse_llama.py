@@ -8,10 +8,18 @@ from __future__ import annotations
 
 from transformers import LlamaConfig
 
+try:  # the installed project; a checkpoint's copy of this file (transformers' custom code) has a copy beside it
+    from sfl.kernels.config import TILE_N, KernelConfig
+except ModuleNotFoundError as e:
+    if e.name != "sfl":
+        raise
+    from .kernel_config import TILE_N, KernelConfig
+
 MLP_IMPLS = ("dense", "reference", "cuda")
 ACTIVATIONS = ("relu", "silu")  # silu only for the dense SiLU baseline (paper Table 3)
 L1_REDUCTIONS = ("mean", "sum")
-TWELL_MODES = ("auto", "sparse")  # mode of the cuda inference kernels (kernels.ffn)
+# Fields of earlier versions, now KernelConfig fields: a saved config.json that has them is read into kernel_config.
+LEGACY_KERNEL_FIELDS = {"twell_tile_n": "tile_n", "twell_slots": "slots", "twell_mode": "mode"}
 
 
 class SparseLlamaConfig(LlamaConfig):
@@ -24,19 +32,17 @@ class SparseLlamaConfig(LlamaConfig):
             "sum" = the official code's variant (sum over neurons, mean over tokens, mean over
             layers), i.e. exactly intermediate_size times larger.
         mlp_impl: "dense" (three F.linear), "reference" (pure-PyTorch TwELL path in
-            kernels.reference, exact, slow) or "cuda" (TwELL kernels in kernels.ffn, inference only).
-        twell_tile_n / twell_slots: TwELL tile width and slots per (row, tile) for the sparse paths.
-        twell_mode: mode of the mlp_impl="cuda" inference kernels: "auto" (dispatch: the dense path
-            where sparse would be slower) or "sparse" (always through TwELL; exact either way).
-        kernel_config: the CUDA kernels' settings (sfl.kernels.config.KernelConfig fields, as a dict; None =
-            defaults). twell_slots and twell_mode reach the kernels through it: `get_kernel_config()` fills
-            `slots` and `mode` from them unless the dict sets them.
+            kernels.reference, exact, slow) or "cuda" (TwELL kernels: kernels.ffn for inference,
+            kernels.train_ffn for training).
+        kernel_config: the sparse paths' settings (sfl.kernels.config.KernelConfig fields, as a dict; None =
+            defaults; a run's YAML kernel: block). The reference and the CUDA kernels read the same fields
+            (tile_n, slots, mode, ...) through `get_kernel_config()`.
         hot_neurons: per layer, the number of leading neurons computed as dense GEMMs in sparse calls
             (KernelConfig.hot_neurons: multiples of 256, below intermediate_size; None = 0 everywhere). Set by
             SparseLlamaForCausalLM.order_hot_neurons_, which also puts each layer's most frequently firing neurons
             first (the weights are saved in that order).
         track_sparsity_stats: accumulate non-zeros per token on the device (read by sparsity_stats()); a model
-            compiled with torch.compile keeps them on for mlp_impl="cuda" (see SparseLlamaMLP._forward_cuda).
+            compiled with torch.compile keeps them on for mlp_impl="cuda" (see kernels/sparse_llama_mlp.py).
             False with mlp_impl="dense" and l1_coeff 0: no statistics at all (no counts, no dead-neuron tracker,
             no L1 value): the MLP runs HF LlamaMLP's ops, the paper's uninstrumented dense baseline.
         dead_window_tokens: a neuron counts as dead when it has not fired in this many most recent
@@ -52,15 +58,15 @@ class SparseLlamaConfig(LlamaConfig):
     l1_coeff: float = 0.0
     l1_reduction: str = "mean"
     mlp_impl: str = "dense"
-    twell_tile_n: int = 256
-    twell_slots: int = 32
-    twell_mode: str = "auto"
     dead_window_tokens: int = 1_048_576
     kernel_config: dict | None = None
     hot_neurons: list | None = None
     track_sparsity_stats: bool = True
 
     def __post_init__(self, **kwargs):
+        legacy = {new: kwargs.pop(old) for old, new in LEGACY_KERNEL_FIELDS.items() if old in kwargs}
+        if legacy:  # a config.json of an earlier version: its TwELL fields, unless kernel_config sets them
+            self.kernel_config = {**legacy, **(self.kernel_config or {})}
         super().__post_init__(**kwargs)
         self.check_sparsity_fields()
 
@@ -86,12 +92,9 @@ class SparseLlamaConfig(LlamaConfig):
             raise bad("l1_reduction", self.l1_reduction, f"must be one of {L1_REDUCTIONS}")
         if self.mlp_impl not in MLP_IMPLS:
             raise bad("mlp_impl", self.mlp_impl, f"must be one of {MLP_IMPLS}")
-        if self.twell_mode not in TWELL_MODES:
-            raise bad("twell_mode", self.twell_mode, f"must be one of {TWELL_MODES}")
-        for field in ("twell_tile_n", "twell_slots", "dead_window_tokens"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise bad(field, value, "must be a positive integer")
+        if isinstance(self.dead_window_tokens, bool) or not isinstance(self.dead_window_tokens, int) or \
+                self.dead_window_tokens < 1:
+            raise bad("dead_window_tokens", self.dead_window_tokens, "must be a positive integer")
         if not isinstance(self.track_sparsity_stats, bool):
             raise bad("track_sparsity_stats", self.track_sparsity_stats, "must be a bool")
         if self.hot_neurons is not None:
@@ -101,36 +104,29 @@ class SparseLlamaConfig(LlamaConfig):
                     for h in hot):
                 raise bad("hot_neurons", hot, f"must be a list of {self.num_hidden_layers} (one per layer) multiples "
                           f"of 256 below intermediate_size={self.intermediate_size}, or None")
-        if self.twell_slots > self.twell_tile_n:
-            raise bad("twell_slots", self.twell_slots,
-                      f"must be <= twell_tile_n ({self.twell_tile_n}); slots = tile_n // compression")
         try:
-            self.get_kernel_config()
+            kc = self.get_kernel_config()
         except (TypeError, ValueError) as e:
-            inherited = "slots" not in (self.kernel_config or {})
-            if inherited and "KernelConfig.slots=" in str(e):  # the value came from twell_slots: name that field
-                raise bad("twell_slots", self.twell_slots, str(e)) from e
             raise bad("kernel_config", self.kernel_config, str(e)) from e
+        if self.mlp_impl == "cuda" and kc.tile_n != TILE_N:
+            raise bad("kernel_config", self.kernel_config,
+                      f"the CUDA kernels are built for tile_n={TILE_N}; use it, or mlp_impl='reference'")
         if self.mlp_impl != "dense":
-            if self.intermediate_size % self.twell_tile_n != 0:
+            if self.intermediate_size % kc.tile_n != 0:
                 raise bad("intermediate_size", self.intermediate_size,
                           f"mlp_impl={self.mlp_impl!r} needs intermediate_size to be a multiple of "
-                          f"twell_tile_n={self.twell_tile_n}; change one of them or use mlp_impl='dense'")
+                          f"kernel_config tile_n={kc.tile_n}; change one of them or use mlp_impl='dense'")
             if self.mlp_bias:
                 raise bad("mlp_bias", self.mlp_bias,
                           f"mlp_impl={self.mlp_impl!r} has no bias support; use mlp_impl='dense'")
 
-    def get_kernel_config(self, layer: int | None = None):
-        """The KernelConfig the CUDA kernels run with: kernel_config, with slots/mode taken from twell_slots and
-        twell_mode unless it sets them; for a layer, with that layer's hot_neurons when they are set."""
-        from sfl.kernels.config import KernelConfig
-
+    def get_kernel_config(self, layer: int | None = None) -> KernelConfig:
+        """The KernelConfig the sparse paths run with: kernel_config; for a layer, with that layer's hot_neurons
+        when they are set."""
         d = dict(self.kernel_config or {})
-        d.setdefault("slots", self.twell_slots)
-        d.setdefault("mode", self.twell_mode)
         if layer is not None and self.hot_neurons is not None:
             d["hot_neurons"] = int(self.hot_neurons[layer])
         return KernelConfig.from_dict(d)
 
 
-__all__ = ["SparseLlamaConfig", "MLP_IMPLS", "L1_REDUCTIONS", "ACTIVATIONS", "TWELL_MODES"]
+__all__ = ["SparseLlamaConfig", "MLP_IMPLS", "L1_REDUCTIONS", "ACTIVATIONS"]

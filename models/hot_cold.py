@@ -19,6 +19,9 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
+from sfl.kernels.sparse_llama_mlp import inference_weights
+from sfl.kernels.twell import ops
+
 HOT_CANDIDATES = (0, 256, 512, 768, 1024, 1536)
 
 
@@ -85,8 +88,6 @@ def choose_hot_neurons(model, rates: Sequence[torch.Tensor], input_ids: torch.Te
     forward; the candidates in forced sparse mode timed in rotation, CUDA events, medians of reps), 0 unless another
     beat it by more than `margin`. Orders the model's neurons by `rates` first (order_hot_neurons_ with no hot
     neurons). CUDA model (mlp_impl="cuda") only; the batch should have as many tokens as the calls to be sped up."""
-    from sfl.kernels.twell import ops
-
     if model.config.mlp_impl != "cuda" or not torch.cuda.is_available():
         raise ValueError("choose_hot_neurons times the CUDA kernels: use a model with mlp_impl='cuda' on a GPU")
     candidates = sorted(set(candidates) | {0})   # 0 (all through TwELL) is the baseline every other is timed against
@@ -97,7 +98,7 @@ def choose_hot_neurons(model, rates: Sequence[torch.Tensor], input_ids: torch.Te
     def hook(i):
         def fn(mod, args):
             x = args[0].reshape(-1, args[0].shape[-1])
-            wg, wu, wd = mod._inference_weights()
+            wg, wu, wd = inference_weights(mod)
             x = x.to(wu.dtype)
             base = mod.plan.config.replace(mode="sparse")
             plans = {h: ops.Plan(base.replace(hot_neurons=h)) for h in candidates if h < mod.intermediate_size}

@@ -23,35 +23,17 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
-from .configuration_sparse_llama import MLP_IMPLS, SparseLlamaConfig
-from .sparsity import dead_fraction, l1_penalty, nnz_per_token, update_tokens_since_fire
+from .configuration_sparse_llama import KernelConfig, SparseLlamaConfig
+from .mlp_impls import in_backward, mlp_function
+from .sparsity import dead_fraction, l1_penalty, update_tokens_since_fire
 
-
-def _in_backward() -> bool:
-    """True while autograd runs a backward pass (activation-checkpoint recompute happens there)."""
-    fn = getattr(torch._C, "_current_graph_task_id", None)
-    return fn is not None and fn() != -1
-
-
-@torch.library.custom_op("sfl_reference::twell_ffn", mutates_args=())
-def _reference_twell_ffn(x: torch.Tensor, w_gate: torch.Tensor | None, w_up: torch.Tensor, w_down: torch.Tensor,
-                         tile_n: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference TwELL FFN as one opaque op, for torch.compile: its data-dependent shapes (nonzero, sparse
-    CSR products, overflow rows) cannot be traced, so a compiled model calls it whole. (y [M, K_out], int32 [M]
-    non-zeros per token); the same Python function as the eager path, so the same results."""
-    from sfl.kernels import reference as ref
-
-    if w_gate is not None:
-        y, st = ref.gated_ffn_twell(x, w_gate, w_up, w_down, tile_n=tile_n, slots=slots, return_stats=True)
-    else:
-        y, st = ref.nongated_ffn_twell(x, w_up, w_down, tile_n=tile_n, slots=slots, return_stats=True)
-    return y, st["nnz_per_token"]
-
-
-@_reference_twell_ffn.register_fake
-def _(x, w_gate, w_up, w_down, tile_n, slots):
-    m = x.numel() // x.shape[-1]
-    return x.new_empty(*x.shape[:-1], w_down.shape[0]), x.new_empty(m, dtype=torch.int32)
+try:  # the installed project's kernels: optional, a checkpoint's copy of this file runs dense and reference without
+    from sfl.kernels.layout import set_down_layout_
+    from sfl.kernels.twell.ops import Plan
+except ModuleNotFoundError as e:
+    if e.name != "sfl":
+        raise
+    set_down_layout_ = Plan = None
 
 
 class L1Terms:
@@ -96,17 +78,18 @@ class SparseLlamaMLP(nn.Module):
         self.register_buffer("nnz_stats", torch.zeros(3, dtype=torch.int64), persistent=False)
         self.last_nnz_per_token: torch.Tensor | None = None
         self.record_per_token = False
+        self._train_state = None  # mlp_impl="cuda" training: the layer's measured-activity history
+        self._cast_cache = None   # mlp_impl="cuda" inference: the weights cast to the autocast dtype
         self.refresh_plan()
 
     def refresh_plan(self) -> None:
-        """(Re)make this layer's kernel plan from config.get_kernel_config() (a new plan starts a new dispatch
-        history; its crossover tables are this GPU's measured ones where there are, kernels/tables.py). Called at
-        construction and by SparseLlamaForCausalLM.set_kernel_config; never per call, so a compiled model sees a
-        constant."""
-        from sfl.kernels.twell.ops import Plan
-
+        """(Re)take this layer's KernelConfig from config.get_kernel_config() and make its kernel plan (a new plan
+        starts a new dispatch history; its crossover tables are this GPU's measured ones where there are,
+        kernels/tables.py; no plan without the project's kernels). Called at construction and by
+        SparseLlamaForCausalLM.set_kernel_config; never per call, so a compiled model sees a constant."""
+        self.kernel_config = self.config.get_kernel_config(self.layer_idx)
         shape = (self.hidden_size, self.intermediate_size)
-        self.plan = Plan(self.config.get_kernel_config(self.layer_idx), shape=shape)
+        self.plan = Plan(self.kernel_config, shape=shape) if Plan is not None else None
 
     def layout_down_proj(self) -> None:
         """down_proj.weight neuron-major for the TwELL paths (mlp_impl "cuda" and its "reference"), which read W_d by
@@ -115,8 +98,8 @@ class SparseLlamaMLP(nn.Module):
         The same Parameter and values; the model calls it at construction, after from_pretrained and in
         set_mlp_impl (a checkpoint loader that replaces the parameters leaves them row-major: still exact, the
         ops copy)."""
-        from sfl.kernels.layout import set_down_layout_
-
+        if set_down_layout_ is None:  # without the project's kernels only dense and reference run: nn.Linear's layout
+            return
         set_down_layout_(self.down_proj, neuron_major=self.config.mlp_impl != "dense")
 
     @torch.no_grad()
@@ -147,10 +130,10 @@ class SparseLlamaMLP(nn.Module):
             self.tokens_since_fire.zero_()
 
     @torch.no_grad()
-    def _record(self, nnz: torch.Tensor, active: torch.Tensor | None) -> None:
+    def record(self, nnz: torch.Tensor, active: torch.Tensor | None) -> None:
         if self.record_per_token:
             self.last_nnz_per_token = nnz.detach().float()
-        if self.training and _in_backward():  # activation-checkpoint recompute: this batch was already counted
+        if self.training and in_backward():  # activation-checkpoint recompute: this batch was already counted
             return
         if self.config.track_sparsity_stats and nnz.numel() > 0:
             n = nnz.detach().to(torch.int64)
@@ -172,14 +155,14 @@ class SparseLlamaMLP(nn.Module):
         return {"nnz_mean": nnz_mean, "nnz_max": nnz_max, "dead_frac": dead, "tokens": tokens}
 
     # ----------------------------------------------------------------------------- forward
-    def _weights(self) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    def weights(self) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         return (self.gate_proj.weight if self.gated else None, self.up_proj.weight, self.down_proj.weight)
 
     def act(self, t: torch.Tensor) -> torch.Tensor:
         # ReLU for the sparse model; SiLU only for the dense baseline (config allows it with mlp_impl dense).
         return F.relu(t) if self.config.hidden_act == "relu" else F.silu(t)
 
-    def _activation(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def activation(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(a, h): a = relu(gate) (or relu(up)) decides activity; h feeds down_proj."""
         if self.gated:
             a = self.act(F.linear(x2, self.gate_proj.weight, self.gate_proj.bias))
@@ -187,7 +170,7 @@ class SparseLlamaMLP(nn.Module):
         a = self.act(F.linear(x2, self.up_proj.weight, self.up_proj.bias))
         return a, a
 
-    def _l1(self, h: torch.Tensor, l1_mode: str | None) -> torch.Tensor | None:
+    def l1_term(self, h: torch.Tensor, l1_mode: str | None) -> torch.Tensor | None:
         """The L1 term of h: differentiable ("grad"), a detached value for the log ("value"), or None."""
         if l1_mode is None:
             return None
@@ -196,138 +179,25 @@ class SparseLlamaMLP(nn.Module):
         with torch.no_grad():
             return l1_penalty(h, self.config.l1_reduction)
 
+    def needs_grad(self, x: torch.Tensor) -> bool:
+        """Whether autograd needs this call differentiable (the inference kernels have no backward)."""
+        return self.training or x.requires_grad or any(w is not None and w.requires_grad for w in self.weights())
+
     def forward(self, x: torch.Tensor, l1_terms: L1Terms | None = None) -> torch.Tensor:
         """y; with l1_terms (the decoder layer passes the forward's collector) this layer's L1 term is appended
         to it. Called through the module, so forward hooks see x and y as with HF's LlamaMLP."""
         y, l1 = self.forward_l1(x, l1_terms.mode if l1_terms is not None else None)
-        if l1 is not None and not _in_backward():  # an activation-checkpoint recompute adds nothing
+        if l1 is not None and not in_backward():  # an activation-checkpoint recompute adds nothing
             l1_terms.terms.append(l1)
         return y
 
     def forward_l1(self, x: torch.Tensor, l1_mode: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(y, L1 term): l1_mode "grad" (differentiable), "value" (for the log) or None (not computed)."""
-        impl = self.config.mlp_impl
-        if impl == "cuda" and not (torch.is_grad_enabled() and self._needs_grad(x)):
-            return self._forward_cuda(x), None  # the op takes [..., K] as it is; h never leaves the kernels
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        l1 = None
-        if impl == "dense" and l1_mode is None and not self.config.track_sparsity_stats:
-            # uninstrumented: exactly HF LlamaMLP's ops (the paper's dense baseline); no counts, no dead tracker
-            y = F.linear(self._activation(x2)[1], self.down_proj.weight, self.down_proj.bias)
-        elif impl == "dense":
-            a, h = self._activation(x2)
-            y = F.linear(h, self.down_proj.weight, self.down_proj.bias)
-            l1 = self._l1(h, l1_mode)
-            self._record(nnz_per_token(a), a != 0)
-        elif impl == "reference":
-            y, l1 = self._forward_reference(x2, l1_mode)
-        elif impl == "cuda":
-            # under torch.compile the training forward runs eagerly (a graph break around each MLP): its dispatch reads
-            # the layer's measured history (activity, widest row, backup fraction: host values that change every
-            # step), on which a traced region would specialise and recompile each step until dynamo's recompile limit
-            # sent the whole frame to eager; outside compile the plain method runs (no wrapper on the hot path)
-            fwd = _eager_cuda_train if torch.compiler.is_compiling() else SparseLlamaMLP._forward_cuda_train
-            y, l1 = fwd(self, x2, l1_mode)
-        else:
-            raise ValueError(f"config.mlp_impl={impl!r} is invalid: must be one of {MLP_IMPLS}")
-        return y.reshape(*shape[:-1], y.shape[-1]), l1
-
-    def _needs_grad(self, x: torch.Tensor) -> bool:
-        # differentiable whenever autograd needs it (the inference kernels have no backward)
-        return self.training or x.requires_grad or any(w is not None and w.requires_grad for w in self._weights())
-
-    def _forward_reference(self, x2: torch.Tensor, l1_mode: str | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        try:
-            from sfl.kernels import reference as ref
-        except ImportError as e:  # pragma: no cover - depends on the kernels package
-            raise ImportError(
-                "mlp_impl='reference' needs kernels/reference.py (pure-PyTorch TwELL path); "
-                f"it could not be imported ({e}). Use mlp_impl='dense'."
-            ) from e
-        wg, wu, wd = self._weights()
-        tile_n, slots = self.config.twell_tile_n, self.config.twell_slots
-        need_h = l1_mode is not None or self.training
-        if torch.compiler.is_compiling() and not (torch.is_grad_enabled() and self._needs_grad(x2)):
-            y, nnz = _reference_twell_ffn(x2, wg, wu, wd, tile_n, slots)  # opaque to the compiler (no backward)
-        elif self.gated:
-            y, stats = ref.gated_ffn_twell(x2, wg, wu, wd, tile_n=tile_n, slots=slots, return_stats=True)
-            nnz = stats["nnz_per_token"]
-        else:
-            y, stats = ref.nongated_ffn_twell(x2, wu, wd, tile_n=tile_n, slots=slots, return_stats=True)
-            nnz = stats["nnz_per_token"]
-        # Activity and L1 come from a dense recomputation of a and h when L1 or training needs them: the TwELL
-        # path stores values in bf16 and does not return h, while statistics must be exact and L1 differentiable.
-        if need_h:
-            a, h = self._activation(x2)
-            self._record(nnz_per_token(a), a != 0)
-            return y, self._l1(h, l1_mode)
-        self._record(nnz.float(), None)
-        return y, None
-
-    def _forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
-        """Inference through the one C++ op: dispatch, kernels, exact backup and the statistics all happen there;
-        h never leaves the kernels, so there is no L1 term here. On a GPU without the kernels (not sm_90) the op
-        takes the dense path, with one warning (sfl.kernels.device)."""
-        from sfl.kernels.twell import ops
-
-        wg, wu, wd = self._inference_weights()
-        if x.dtype != wu.dtype:  # the residual stream may be wider than the kernels' bf16 (autocast evaluation)
-            x = x.to(wu.dtype)
-        # Inductor cannot lower the op with its optional mutable argument left out (seen with torch 2.11: "getitem is
-        # not an OpOverload"), so a compiled model always passes the buffer: statistics stay on while compiled
-        track = self.config.track_sparsity_stats or torch.compiler.is_compiling()
-        stats = self.nnz_stats if track else None
-        return ops.ffn(x, wg, wu, wd, self.plan, stats)
-
-    def _inference_weights(self) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        """The weights in the dtype the inference kernels run in: bf16 under CUDA autocast (fp32 master
-        weights during training-time evaluation), else as stored. Casts are cached per weight version, so
-        the kernels' per-weight caches (transposed w_down, dispatch history) see stable tensors."""
-        ws = self._weights()
-        dt = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else ws[1].dtype
-        if all(w is None or w.dtype == dt for w in ws):
-            return ws
-        key = (dt,) + tuple(None if w is None else (w.data_ptr(), w._version) for w in ws)
-        cache = getattr(self, "_cast_cache", None)
-        if cache is None or cache[0] != key:
-            from sfl.kernels.layout import keep_down_layout
-
-            with torch.no_grad():  # W_d keeps a neuron-major layout through the cast (kernels/layout.py)
-                wg, wu, wd = (None if w is None else w.detach().to(dt) for w in ws)
-                cache = (key, (None if wg is None else wg.contiguous(), wu.contiguous(), keep_down_layout(wd)))
-            self._cast_cache = cache
-        return cache[1]
-
-    def _forward_cuda_train(self, x2: torch.Tensor, l1_mode: str | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Training through the hybrid-format op of kernels/train_ffn.py: exact y, L1 and gradients."""
-        try:
-            from sfl.kernels import train_ffn
-        except ImportError as e:  # pragma: no cover - depends on the kernels package
-            raise ImportError(f"mlp_impl='cuda' training needs kernels/train_ffn.py ({e}); use mlp_impl='dense'.") from e
-        if self.config.mlp_bias:
-            raise ValueError("mlp_impl='cuda' training supports mlp_bias=False only; use mlp_impl='dense'")
-        if getattr(self, "_train_state", None) is None:
-            self._train_state = train_ffn.DispatchState()  # this layer's measured-activity history
-        wg, wu, wd = self._weights()
-        recompute = _in_backward()  # activation checkpointing: statistics were taken in the first forward
-        kc = self.plan.config  # config.get_kernel_config(), made once per plan (refresh_plan), not per call
-        kw = dict(l1_reduction=self.config.l1_reduction, state=self._train_state, mode=kc.train_mode, config=kc,
-                  want_last_active=self.training and not recompute)
-        if self.gated:
-            y, l1, st = train_ffn.sparse_gated_ffn_train(x2, wg, wu, wd, **kw)
-        else:
-            y, l1, st = train_ffn.sparse_nongated_ffn_train(x2, wu, wd, **kw)
-        self._record(st["nnz_per_token"].float(), None)
-        if self.training and not recompute:
-            train_ffn.update_tokens_since_fire_sparse(self.tokens_since_fire, st["last_active_row"], x2.shape[0])
-        return y, (None if l1_mode is None else l1 if l1_mode == "grad" else l1.detach())
+        """(y, L1 term): l1_mode "grad" (differentiable), "value" (for the log) or None (not computed). The
+        computation is config.mlp_impl's entry in models/mlp_impls.py."""
+        return mlp_function(self.config.mlp_impl)(self, x, l1_mode)
 
     def extra_repr(self) -> str:
         return f"gated={self.gated}, impl={self.config.mlp_impl}, act={self.config.hidden_act}"
-
-
-_eager_cuda_train = torch.compiler.disable(SparseLlamaMLP._forward_cuda_train)
 
 
 class SparseLlamaDecoderLayer(LlamaDecoderLayer):
@@ -429,11 +299,9 @@ class SparseLlamaForCausalLM(SparseLlamaPreTrainedModel, LlamaForCausalLM):
         for mlp in self.sparse_mlps():
             mlp.layout_down_proj()
 
-    def set_kernel_config(self, kernel_config) -> None:
-        """Run the CUDA kernels with this KernelConfig (or dict of its fields): stored in config.kernel_config
+    def set_kernel_config(self, kernel_config: KernelConfig | dict) -> None:
+        """Run the sparse paths with this KernelConfig (or dict of its fields): stored in config.kernel_config
         (saved with the model) and given to every layer as a new plan (fresh dispatch histories)."""
-        from sfl.kernels.config import KernelConfig
-
         cfg = kernel_config if isinstance(kernel_config, KernelConfig) else KernelConfig.from_dict(kernel_config)
         self.config.kernel_config = cfg.to_dict()
         for mlp in self.sparse_mlps():

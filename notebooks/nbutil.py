@@ -714,11 +714,6 @@ def pub(item: str, model: str, setting: str, metric: str, l1: float | None = Non
     return df.iloc[0].to_dict()
 
 
-def cite(row: dict[str, Any]) -> str:
-    """'46.2 [S1 Table 1; S3 | [2]]' for a published row."""
-    return f"{fmt(row['value'])} [{row['source']} | {row['confidence']}]"
-
-
 def reference_kernels() -> pd.DataFrame:
     """The official kernels timed on our H100 (results/published/reference_kernels_h100.csv)."""
     return pd.read_csv(published_dir() / "reference_kernels_h100.csv")
@@ -892,9 +887,3 @@ def write_index() -> Path:
     path = out / "INDEX.md"
     path.write_text("\n".join(lines) + "\n")
     return path
-
-
-def read_csv_rows(path: Path | str) -> list[dict[str, str]]:
-    """Plain CSV rows (for tests and quick checks without pandas type inference)."""
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))

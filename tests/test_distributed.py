@@ -336,7 +336,7 @@ def test_checkpoint_from_before_dcp_still_resumes(runs, tmp_path) -> None:
 GPU_SHAPE = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=16, tie_word_embeddings=True,
                  eos_token_id=0, bos_token_id=0)
-GPU_FORCED_SPARSE = {"SFL_KERNEL_MODE": "sparse", "SFL_KERNEL_TRAIN_MODE": "sparse", "SFL_KERNEL_TRAIN_SPARSE_MIN_M": "1"}
+GPU_FORCED_SPARSE = {"mode": "sparse", "train_mode": "sparse", "train_sparse_min_m": 1}  # the run's kernel: block
 GPU_COMPARED = ["loss", "ce", "l1", "grad_norm", "nnz_mean", "nnz_max", "dead_frac"]
 
 
@@ -347,7 +347,7 @@ def gpu_train(sets: dict, nproc: int | None, resume: bool = False) -> None:
     for s in as_sets(sets):
         cmd += ["--set", s]
     cmd += ["--resume"] if resume else []
-    env = dict(os.environ, PYTHONWARNINGS="ignore", **GPU_FORCED_SPARSE)
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
 
@@ -364,8 +364,8 @@ def gpu_runs(tmp_path_factory, data) -> dict[str, Any]:
     out: dict[str, Any] = {"nproc": nproc}
     for impl in ("cuda", "dense"):
         base = {**base_sets(data, root / "init", root / "x"), "device": "cuda", "precision": "bf16",
-                "mlp_impl": impl, "global_batch_size": 8, "micro_batch_size": 2, "dead_reinit_lambda": 0.0,
-                "activation_checkpointing": True}
+                "mlp_impl": impl, "kernel": GPU_FORCED_SPARSE, "global_batch_size": 8, "micro_batch_size": 2,
+                "dead_reinit_lambda": 0.0, "activation_checkpointing": True}
         for name, nprocs, extra in (("one", None, {}), ("fsdp", nproc, {"parallel": "fsdp"}),
                                     ("ddp", nproc, {"parallel": "ddp"})):
             out[f"{name}_{impl}"] = root / f"{name}_{impl}"
@@ -376,6 +376,7 @@ def gpu_runs(tmp_path_factory, data) -> dict[str, Any]:
         shutil.rmtree(out[k] / "checkpoints" / "step_0000004")
         (out[k] / "checkpoints" / "latest.json").unlink()
         base = {**base_sets(data, root / "init", out[k]), "device": "cuda", "precision": "bf16", "mlp_impl": "cuda",
+                "kernel": GPU_FORCED_SPARSE,
                 "global_batch_size": 8, "micro_batch_size": 2, "dead_reinit_lambda": 0.0,
                 "activation_checkpointing": True, "parallel": "fsdp"}
         gpu_train(base, nprocs, resume=True)

@@ -60,3 +60,39 @@ def test_fresh_process_elsewhere_loads_and_generates(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     name, length, first = r.stdout.split()
     assert (name, int(length), int(first)) == ("SparseLlamaForCausalLM", 7, want)
+
+
+def test_checkpoint_runs_dense_and_reference_without_the_project(tmp_path):
+    """A checkpoint's own code (auto_map) loads and runs with only torch and transformers: in a fresh process where
+    `sfl` cannot be imported, the dense forward equals the project's, and mlp_impl='reference' runs (the
+    reference travels beside the modelling code); 'cuda' says what to install."""
+    cfg = SparseLlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=256, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = SparseLlamaForCausalLM(cfg).eval()
+    out = tmp_path / "ckpt"
+    model.save_pretrained(out)
+    assert (out / "twell_reference.py").is_file() and (out / "kernel_config.py").is_file()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        want = model(ids).logits[0, -1].tolist()
+    code = ("import json, sys, torch\nfrom transformers import AutoModelForCausalLM\n"
+            "try:\n    import sfl\n    sys.exit('sfl is importable: the test needs an environment without it')\n"
+            "except ModuleNotFoundError:\n    pass\n"
+            f"m = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True).eval()\n"
+            "with torch.no_grad():\n"
+            "    dense = m(torch.tensor([[1, 2, 3, 4]])).logits[0, -1].tolist()\n"
+            "    m.set_mlp_impl('reference')\n"
+            "    ref = m(torch.tensor([[1, 2, 3, 4]])).logits[0, -1].tolist()\n"
+            "try:\n    m.set_mlp_impl('cuda')\n    m(torch.tensor([[1, 2]]))\n    cuda = 'ran'\n"
+            "except ValueError as e:\n    cuda = str(e)\n"
+            "print(json.dumps([dense, ref, cuda]))\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_MODULES_CACHE=str(tmp_path / "hf_modules"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-1000:]
+    dense, ref, cuda = json.loads(r.stdout.splitlines()[-1])
+    torch.testing.assert_close(torch.tensor(dense), torch.tensor(want), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(ref), torch.tensor(want), rtol=2e-2, atol=2e-3)
+    assert "pip install" in cuda

@@ -21,6 +21,32 @@ def test_cpu_tensors_name_the_reference_path():
         ffn.sparse_nongated_ffn(x, wu, wd)
 
 
+def test_explicit_dense_is_three_linears_and_no_op(monkeypatch):
+    """mode='dense' (or a dense config) without a plan or stats runs plain torch ops: no plan is made and the op is
+    not called, on any device; the result is HF's dense math bit for bit (what the op's dense path computes)."""
+    from sfl.kernels.config import KernelConfig
+    from sfl.kernels.twell import ops
+
+    def refuse(*a, **kw):
+        raise AssertionError("an explicit dense call reached the plan or the op")
+
+    monkeypatch.setattr(ffn, "plan_for", refuse)
+    monkeypatch.setattr(ops, "ffn", refuse)
+    x, wg, wu, wd = _w(K=64, N=256)
+    x = x.reshape(2, 4, 64)
+    calls = []
+    real_linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a: calls.append(1) or real_linear(*a))
+    y = ffn.sparse_gated_ffn(x, wg, wu, wd, mode="dense")
+    assert len(calls) == 3
+    want = real_linear(torch.relu(real_linear(x, wg)) * real_linear(x, wu), wd)
+    assert y.shape == (2, 4, 64) and torch.equal(y, want)
+    y = ffn.sparse_nongated_ffn(x, wu, wd, config=KernelConfig(mode="dense"))
+    assert torch.equal(y, real_linear(torch.relu(real_linear(x, wu)), wd))
+    with pytest.raises(KernelUnavailableError, match="sfl.kernels.reference"):   # stats are the op's: CUDA only
+        ffn.sparse_gated_ffn(x, wg, wu, wd, mode="dense", stats=torch.zeros(3, dtype=torch.int64))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 def test_loader_without_gpu_says_what_to_do():
     with pytest.raises(KernelUnavailableError, match="CUDA GPU"):
@@ -225,26 +251,30 @@ def test_parse_crossover_and_crossover_at():
     assert cfg.crossover_table(False) != cfg.crossover_table(True)   # the non-gated table is its own
 
 
-def test_plan_args_layout():
-    """plan_args is what runtime.cpp's parse_config reads: 16 ints in a fixed order, then floats
-    [flagged_dense_above, activity_hint, n, m1, p1, ..., n', m1', p1', ...] with the gated table first."""
+def test_plan_spec_has_every_field_the_op_reads():
+    """plan_spec names exactly the fields runtime.cpp's parse_config reads (taken from its source), each once, with
+    values that read back exactly; a field added on one side only fails here."""
+    import re
+    from pathlib import Path
+
     from sfl.kernels.config import KernelConfig
     from sfl.kernels.twell import ops
 
-    cfg = KernelConfig(mode="sparse", slots=16, decode_max_m=32, self_timing=False, measure_every=7, d2t="cublas",
-                       d2t_overlap_min_k=2048, d2t_max_ctas=3, gate_scratch_mb=64,
-                       decode_tiles_per_warp=5, fused_decode_max_m=4, rows_decode_max_m=48, decode_rows_slices=3,
-                       backup_rows=40, up_list_min_m=9000, hot_neurons=512, flagged_dense_above=0.1,
-                       activity_hint=0.03, crossover="1:0.01,64:0.002", crossover_nongated="8:0.2")
-    ints, floats = ops.plan_args(cfg)
-    assert ints == [1, 16, 32, 0, 7, 0, 2048, 3, 64, 5, 4, 48, 3, 40, 9000, 512]
-    assert all(type(v) is int for v in ints) and all(type(v) is float for v in floats)
-    assert floats == [0.1, 0.03, 2.0, 1.0, 0.01, 64.0, 0.002, 2.0, 1.0, 0.0, 8.0, 0.2]
-    ints, _ = ops.plan_args(KernelConfig())
-    assert ints[0] == 0 and ints[3] == 1 and ints[5] == 1   # auto, self-timing on, fused d2t
-    assert ops.plan_args(KernelConfig(mode="dense"))[0][0] == 2
+    src = (Path(ops.__file__).parent / "runtime.cpp").read_text()
+    body = src[src.index("Config parse_config("):]
+    body = body[: body.index("\n}\n")]
+    read = re.findall(r'f\.(?:text|integer|number|flag|table)\("(\w+)"', body)
+    assert len(read) == len(set(read)) and set(read) == set(ops.OP_FIELDS)
+    assert set(ops.OP_FIELDS) == {f for f in KernelConfig().to_dict() if not f.startswith("train_")}
+    cfg = KernelConfig(mode="sparse", slots=16, self_timing=False, d2t="cublas", flagged_dense_above=0.1,
+                       activity_hint=1 / 3, crossover="64:0.002,1:0.01", crossover_nongated="8:0.2")
+    fields = dict(item.split("=", 1) for item in ops.plan_spec(cfg).split(";"))
+    assert list(fields) == list(ops.OP_FIELDS)
+    assert (fields["mode"], fields["slots"], fields["self_timing"], fields["d2t"]) == ("sparse", "16", "0", "cublas")
+    assert float(fields["activity_hint"]) == 1 / 3 and fields["tile_n"] == "256"
+    assert fields["crossover"] == "1:0.01,64:0.002" and fields["crossover_nongated"] == "1:0.0,8:0.2"
     plan = ops.Plan(cfg)
-    assert (plan.icfg, plan.fcfg) == ops.plan_args(cfg) and plan.config is cfg
+    assert plan.spec == ops.plan_spec(cfg) and plan.config is cfg
     assert ops.Plan(cfg).id != plan.id
 
 
@@ -271,20 +301,20 @@ def test_fake_impls_shapes():
     from sfl.kernels.config import KernelConfig
     from sfl.kernels.twell import ops
 
-    ints, floats = ops.plan_args(KernelConfig())
+    spec = ops.plan_spec(KernelConfig())
     with FakeTensorMode():
         x = torch.empty(3, 37, 576, dtype=torch.bfloat16)
         wg = torch.empty(1536, 576, dtype=torch.bfloat16)
         wd = torch.empty(576, 1536, dtype=torch.bfloat16)
         stats = torch.zeros(3, dtype=torch.int64)
-        y = torch.ops.sfl_twell.ffn(x, wg, wg, wd, stats, 1, ints, floats)
+        y = torch.ops.sfl_twell.ffn(x, wg, wg, wd, stats, 1, spec)
         assert y.shape == (3, 37, 576) and y.dtype == torch.bfloat16
-        y = torch.ops.sfl_twell.ffn(x[0], None, wg, wd, None, 2, ints, floats)
+        y = torch.ops.sfl_twell.ffn(x[0], None, wg, wd, None, 2, spec)
         assert y.shape == (37, 576) and y.dtype == torch.bfloat16
-        p, c, f = torch.ops.sfl_twell.d2t(x, wg, 32, 0, 4096, 0)
+        p, c, f = torch.ops.sfl_twell.d2t(x, wg, 32, spec)
         assert p.shape == (111, 6, 32) and c.shape == (111, 6) and f.shape == (111,)
         assert p.dtype == c.dtype == f.dtype == torch.int32
-        p, c, f = torch.ops.sfl_twell.d2t(x[0], wg, 8, 1, 4096, 0)
+        p, c, f = torch.ops.sfl_twell.d2t(x[0], wg, 8, spec)
         assert p.shape == (37, 6, 8) and c.shape == (37, 6) and f.shape == (37,)
 
 

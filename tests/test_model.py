@@ -212,7 +212,8 @@ def _reference_available() -> bool:
 @pytest.mark.skipif(not _reference_available(), reason="sfl.kernels.reference.*_ffn_twell not importable yet")
 @pytest.mark.parametrize("gated", [True, False])
 def test_reference_impl_matches_dense(gated: bool) -> None:
-    model = tiny_model(seed=3, gated_mlp=gated, intermediate_size=512, twell_tile_n=256, twell_slots=32).eval()
+    model = tiny_model(seed=3, gated_mlp=gated, intermediate_size=512,
+                       kernel_config={"tile_n": 256, "slots": 32}).eval()
     model.record_nnz_per_token(True)
     x = torch.randint(0, VOCAB, (2, 16))
     with torch.no_grad():
@@ -444,10 +445,12 @@ def test_generate_greedy_matches_manual_argmax() -> None:
     (dict(l1_reduction="max"), "l1_reduction"),
     (dict(mlp_impl="triton"), "mlp_impl"),
     (dict(mlp_impl="cuda", intermediate_size=300), "intermediate_size"),
-    (dict(twell_tile_n=0), "twell_tile_n"),
-    (dict(twell_slots=512), "twell_slots"),
+    (dict(kernel_config={"tile_n": 0}), "kernel_config"),
+    (dict(kernel_config={"slots": 512}), "kernel_config"),
+    (dict(twell_slots=512), "kernel_config"),                                 # an earlier version's field
+    (dict(mlp_impl="cuda", intermediate_size=512, kernel_config={"tile_n": 128}), "kernel_config"),
     (dict(dead_window_tokens=0), "dead_window_tokens"),
-    (dict(twell_mode="dense"), "twell_mode"),
+    (dict(kernel_config={"mode": "fast"}), "kernel_config"),
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(hidden_act="silu", mlp_impl="reference", intermediate_size=256), "hidden_act"),
     (dict(mlp_impl="reference", intermediate_size=256, mlp_bias=True), "mlp_bias"),
@@ -497,9 +500,9 @@ def test_uninstrumented_dense_baseline_trains_like_hf_llama() -> None:
 
 
 @pytest.mark.parametrize("mode", ["auto", "sparse"])
-def test_cuda_impl_passes_twell_mode_to_the_kernels(monkeypatch, mode) -> None:
-    """config.twell_mode reaches the op through the layer's plan (checked with a stand-in for the CUDA op, so it
-    runs on CPU): each layer calls ops.ffn once with its own plan, whose KernelConfig carries the mode, and
+def test_cuda_impl_passes_the_kernel_mode_to_the_kernels(monkeypatch, mode) -> None:
+    """config.kernel_config's mode reaches the op through the layer's plan (checked with a stand-in for the CUDA op,
+    so it runs on CPU): each layer calls ops.ffn once with its own plan, whose KernelConfig carries the mode, and
     with its statistics buffer."""
     from sfl.kernels.twell import ops
 
@@ -511,7 +514,8 @@ def test_cuda_impl_passes_twell_mode_to_the_kernels(monkeypatch, mode) -> None:
 
     monkeypatch.setattr(ops, "ffn", fake)
     monkeypatch.setattr(ops, "ensure_loaded", lambda: None)
-    model = tiny_model(seed=4, mlp_impl="cuda", intermediate_size=512, twell_tile_n=256, twell_mode=mode).eval()
+    model = tiny_model(seed=4, mlp_impl="cuda", intermediate_size=512,
+                       kernel_config={"mode": mode}).eval()
     x = torch.randint(0, VOCAB, (1, 5))
     with torch.no_grad():
         got = model(input_ids=x).logits
@@ -526,9 +530,27 @@ def test_cuda_impl_passes_twell_mode_to_the_kernels(monkeypatch, mode) -> None:
 
 
 def test_config_accepts_tileable_sparse_impl() -> None:
-    cfg = tiny_config(mlp_impl="reference", intermediate_size=512, twell_tile_n=128, twell_slots=16)
+    cfg = tiny_config(mlp_impl="reference", intermediate_size=512, kernel_config={"tile_n": 128, "slots": 16})
     assert cfg.mlp_impl == "reference"
-    assert SparseLlamaConfig.from_dict(cfg.to_dict()).twell_tile_n == 128
+    assert SparseLlamaConfig.from_dict(cfg.to_dict()).get_kernel_config().tile_n == 128
+    old = tiny_config(mlp_impl="reference", intermediate_size=512, twell_tile_n=128, twell_slots=16,
+                      twell_mode="sparse")
+    assert (old.get_kernel_config().tile_n, old.get_kernel_config().slots, old.get_kernel_config().mode) == \
+        (128, 16, "sparse") and not hasattr(old, "twell_slots")   # an earlier version's config.json reads the same
+
+
+def test_reference_impl_reads_the_kernel_config(monkeypatch) -> None:
+    """mlp_impl='reference' runs with the KernelConfig's tile_n and slots (the fields the CUDA kernels read)."""
+    from sfl.models import mlp_impls
+
+    seen = []
+    real = mlp_impls.gated_ffn_twell
+    monkeypatch.setattr(mlp_impls, "gated_ffn_twell",
+                        lambda *a, **kw: seen.append((kw["tile_n"], kw["slots"])) or real(*a, **kw))
+    model = tiny_model(seed=5, mlp_impl="reference", intermediate_size=512, kernel_config={"tile_n": 128, "slots": 8})
+    with torch.no_grad():
+        model.eval()(input_ids=torch.randint(0, VOCAB, (1, 5)))
+    assert seen and set(seen) == {(128, 8)}
 
 
 # ----------------------------------------------------------------------------- ReLU-fication

@@ -80,13 +80,13 @@ def test_header_records_world_size_kernel_config_and_data(data_dir, tmp_path) ->
 
 
 def test_header_kernel_config_is_the_effective_one(data_dir, tmp_path, monkeypatch) -> None:
-    """An SFL_KERNEL_* override (read once when the model is built) is what the header records."""
-    monkeypatch.setenv("SFL_KERNEL_TRAIN_WIDTH", "96")
+    """The run's kernel: block is what the header records."""
     out = tmp_path / "run"
-    train_mod.train(cfg_for(data_dir, out, max_steps=2, ckpt_every=0, eval_every=0, ckpt_hf=False, save_final=False))
+    train_mod.train(cfg_for(data_dir, out, max_steps=2, ckpt_every=0, eval_every=0, ckpt_hf=False, save_final=False,
+                            kernel={"train_width": 96}))
     header = read_log(out)[0]
     assert header["kernel_config"]["train_width"] == 96 != KernelConfig().train_width
-    assert header["kernel_config"] == KernelConfig.from_env(KernelConfig()).to_dict()
+    assert header["kernel_config"] == KernelConfig(train_width=96).to_dict()
 
 
 # ----------------------------------------------------------------------------- item 5: checkpoints HF-native

@@ -203,7 +203,7 @@ def test_temp_files_belong_to_their_process(data_dir, tmp_path) -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 def test_cuda_mlp_impl_without_gpu_refused_at_startup(data_dir, tmp_path) -> None:
     out = tmp_path / "run"
-    cfg = cfg_for(data_dir, out, mlp_impl="cuda", device="auto", intermediate_size=256, twell_tile_n=256)
+    cfg = cfg_for(data_dir, out, mlp_impl="cuda", device="auto", intermediate_size=256)
     with pytest.raises(ConfigError, match="mlp_impl='cuda' needs a CUDA GPU.*auto resolved to cpu"):
         train_mod.train(cfg)
     assert not out.exists()  # nothing trained, nothing written: the out_dir is not 'already holding a run'

@@ -402,18 +402,15 @@ def test_provenance_prefers_exported_commit(monkeypatch):
     assert info["git_commit"] == "a" * 40 and info["git_dirty"] is False and "git_head_local" not in info
 
 
-def test_build_model_applies_sfl_kernel_env_once(tmp_path, monkeypatch) -> None:
-    """SFL_KERNEL_* set for a training run reach the model's KernelConfig (and its saved config) when the model is
-    built; without them the config is left alone."""
-    cfg = cfg_for(tmp_path, tmp_path / "run")
-    plain = train_mod.build_model(cfg, VOCAB, 0, 64)
-    assert plain.config.kernel_config is None
-    monkeypatch.setenv("SFL_KERNEL_TRAIN_WIDTH", "96")
-    monkeypatch.setenv("SFL_KERNEL_TRAIN_MODE", "sparse")
+def test_build_model_takes_the_kernel_block(tmp_path, monkeypatch) -> None:
+    """The YAML kernel: block is the model's KernelConfig (and its saved config); the environment is not read."""
+    monkeypatch.setenv("SFL_KERNEL_TRAIN_WIDTH", "64")   # benchmark sweeps only: the trainer ignores it
+    plain = train_mod.build_model(cfg_for(tmp_path, tmp_path / "run"), VOCAB, 0, 64)
+    assert plain.config.kernel_config is None and plain.config.get_kernel_config().train_width == 128
+    cfg = cfg_for(tmp_path, tmp_path / "run", kernel={"train_width": 96, "train_mode": "sparse"})
     model = train_mod.build_model(cfg, VOCAB, 0, 64)
     kc = model.config.get_kernel_config()
     assert (kc.train_width, kc.train_mode) == (96, "sparse") and model.config.kernel_config["train_width"] == 96
     assert all(m.plan.config == kc for m in model.sparse_mlps())
-    with pytest.raises(ValueError, match=r"KernelConfig\.train_mode"):
-        monkeypatch.setenv("SFL_KERNEL_TRAIN_MODE", "fast")
-        train_mod.build_model(cfg, VOCAB, 0, 64)
+    with pytest.raises(ConfigError, match=r"kernel=.*KernelConfig\.train_mode"):
+        load_config(sets=["kernel={train_mode: fast}"])

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from sfl.kernels.config import KernelConfig
 from sfl.kernels.train import ops
 from sfl.kernels.train_ffn import (DispatchState, sparse_gated_ffn_train, sparse_nongated_ffn_train,
                                update_tokens_since_fire_sparse)
@@ -176,8 +177,8 @@ def test_last_active_rows_and_tracker():
 
 def test_dispatch_state():
     st = DispatchState()
-    kn = {"dense_above": 0.01, "dense_above_large": 0.01, "large_m": 10 ** 9, "backup_dense_above": 0.1, "width": 8,
-          "sparse_min_m": 100}
+    kn = KernelConfig(train_dense_above=0.01, train_dense_above_large=0.01, train_large_m=10 ** 9,
+                      train_backup_dense_above=0.1, train_width=8, train_sparse_min_m=100)
     assert st.choose(kn, 1000) == "dense"  # nothing measured
     st.record(torch.tensor([1, 2, 0, 3], dtype=torch.int32), 100, 8)
     assert st.choose(kn, 1000) == "dense" and st.activity == 6 / 400  # 1.5% active > 1%
@@ -190,7 +191,7 @@ def test_dispatch_state():
     assert st3.activity == 3 / 3000  # activity is measured on the light rows
     assert st2.choose(kn, 10) == "dense"  # below sparse_min_m
     # from large_m rows the activity limit is dense_above_large: 1.5% runs sparse there, dense below
-    kn_large = {**kn, "dense_above_large": 0.02, "large_m": 5000}
+    kn_large = kn.replace(train_dense_above_large=0.02, train_large_m=5000)
     assert st.choose(kn_large, 4999) == "dense" and st.choose(kn_large, 5000) == "sparse"
 
 
@@ -206,22 +207,12 @@ def test_dw_chunks_fit_one_slice_in_l2_and_bad_values_are_refused():
 
 
 def test_settings_come_from_the_kernel_config_not_the_environment(monkeypatch):
-    """knobs(config) maps the train_* fields; the default width and the dispatch thresholds are the config's; the
-    old SFL_TRAIN_* variables are not read per call (KernelConfig.from_env is the explicit, read-once override)."""
+    """The width and the dispatch thresholds are the config's train_* fields; no environment variable is read per
+    call (KernelConfig.from_env is the explicit, read-once override of benchmark sweeps)."""
     from sfl.kernels.config import KernelConfig
-    from sfl.kernels.train_ffn import knobs
 
-    cfg = KernelConfig(train_width=4, train_dense_above=0.5, train_dense_above_large=0.6, train_large_m=99,
-                       train_backup_dense_above=0.75, train_chunk_rows=64,
-                       train_shrink=False, train_dw_nb=2, train_probe_rows=16, train_sparse_min_m=0,
-                       train_fused_dense=False)
-    assert knobs(cfg) == {"width": 4, "dense_above": 0.5, "dense_above_large": 0.6, "large_m": 99,
-                          "backup_dense_above": 0.75, "chunk_rows": 64,
-                          "shrink": False, "dw_nb": 2, "probe_rows": 16, "sparse_min_m": 0, "fused_dense": False}
-    assert knobs() == knobs(KernelConfig()) and knobs()["width"] == 128
-    monkeypatch.setenv("SFL_TRAIN_WIDTH", "4")
-    monkeypatch.setenv("SFL_TRAIN_FORCE_MODE", "dense")
-    assert knobs()["width"] == 128
+    cfg = KernelConfig(train_width=4, train_shrink=False, train_fused_dense=False)
+    monkeypatch.setenv("SFL_KERNEL_TRAIN_WIDTH", "4")
     x, wg, wu, wd = problem(9, 16, 32, -1.0, 2)   # most neurons active: every row is heavy at W=4, none at W=128
     _, _, st = sparse_gated_ffn_train(x, wg, wu, wd, mode="sparse", backend="torch", config=cfg)
     assert st["path"] == "sparse" and st["backup_rows"] == 9 and st["width"] == 4   # config width, no shrink
@@ -301,8 +292,8 @@ def test_recompute_in_backward_reuses_forward_path():
     # (else the recomputed saved tensors differ from what the checkpoint recorded), whatever the history says
     st = DispatchState()
     st.last_forward_path = "sparse"
-    kn = {"dense_above": 0.01, "dense_above_large": 0.01, "large_m": 10 ** 9, "backup_dense_above": 0.1, "width": 8,
-          "sparse_min_m": 100}
+    kn = KernelConfig(train_dense_above=0.01, train_dense_above_large=0.01, train_large_m=10 ** 9,
+                      train_backup_dense_above=0.1, train_width=8, train_sparse_min_m=100)
     assert st.choose(kn, 10) == "dense"  # outside backward: below sparse_min_m
     seen = {}
     t = torch.ones(3, requires_grad=True)

@@ -419,6 +419,21 @@ def test_dense_path_is_torch_dense(ffn):
         check_stats(stats, F.relu(F.linear(x, wg if gated else wu)))
 
 
+@pytest.mark.parametrize("M", [1, 64, 4096])
+def test_explicit_dense_equals_the_op_dense_path(ffn, M):
+    """mode='dense' without a plan runs plain torch (kernels.ffn.dense_ffn): the op's dense path bit for bit, for a
+    row-major and a neuron-major w_down."""
+    from sfl.kernels.layout import keep_down_layout
+    from sfl.kernels.twell import ops
+
+    for gated, N in ((True, 5632), (False, 8192)):
+        x, wg, wu, wd = make_problem(M, 2048, N, 0.02, seed=M, gated=gated)
+        for w_down in (wd, keep_down_layout(wd.t().contiguous().t())):
+            y = run(ffn, x, wg, wu, w_down, gated, mode="dense")
+            want = ops.ffn(x, wg if gated else None, wu, w_down, new_plan(gated, mode="dense"))
+            assert torch.equal(y, want)
+
+
 def test_row_stats_kernel(ffn):
     from sfl.kernels.loader import load_twell
 

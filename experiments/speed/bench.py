@@ -25,8 +25,7 @@ What is timed
 - paper shapes: the gates are calibrated on the timed tokens themselves (calibration_ok: every layer within 10%).
 - training: full steps (forward with the L1 loss, backward, AdamW) on fp32 weights under bf16 autocast, as
   experiments/train.py runs them; peak memory = torch.cuda.max_memory_allocated over the timed steps. The sparse
-  side needs a training-capable sparse mlp_impl (--train-impl); until the training kernels exist it is recorded
-  as null with the reason.
+  side trains with --train-impl (default cuda: the training op of kernels/train_ffn.py).
 - energy: NVML total-energy counter difference over the timed loop (nvmlDeviceGetTotalEnergyConsumption), falling
   back to 20 ms power sampling; whole-GPU energy, so keep the GPU otherwise idle.
 """
@@ -378,12 +377,12 @@ def activity(model, ids: torch.Tensor, chunk: int = 8) -> dict[str, Any]:
             "nnz_max_per_layer": st["nnz_max_per_layer"]}
 
 
-def measure_training(model, ids: torch.Tensor, micro_batch: int, train_impl: str, steps: int, warmup: int,
-                     min_seconds: float, meter: EnergyMeter, blocks: int = 6) -> dict[str, Any]:
+def measure_training(model, ids: torch.Tensor, micro_batch: int, train_impl: str, warmup: int, min_seconds: float,
+                     meter: EnergyMeter, blocks: int = 6) -> dict[str, Any]:
     """Training tokens/s, J/token and peak memory (fp32 weights + bf16 autocast + AdamW, L1 loss on), dense
     mlp_impl vs `train_impl`, in interleaved blocks. One optimizer serves both sides (same parameters), so neither
-    side's peak memory holds a second copy of the AdamW state. `steps` is unused (kept for the CLI: the number of
-    steps follows from --min-seconds). Leaves the model in fp32: call it last."""
+    side's peak memory holds a second copy of the AdamW state. The number of steps follows from min_seconds.
+    Leaves the model in fp32: call it last."""
     out: dict[str, Any] = {"train_impl": train_impl, "blocks_per_side": blocks, "block_order": "ABBA (A = dense)",
                            "warmup_calls": warmup}
     model.float().train()
@@ -694,7 +693,7 @@ def measure_all(model, ids: torch.Tensor, a: argparse.Namespace, dev: torch.devi
               f"{sum(r['sparse_forced_ms'] for r in lt):.2f} ms over {len(lt)} layers", flush=True)
     if train:
         mb = min(a.train_micro_batch, ids.shape[0])
-        tr = measure_training(model, ids, mb, a.train_impl, a.train_steps, a.warmup, a.min_seconds, meter, a.blocks)
+        tr = measure_training(model, ids, mb, a.train_impl, a.warmup, a.min_seconds, meter, a.blocks)
         rows.append({**common, "mode": "training", "batch_tokens": mb * a.seq_len, "timed": "forward (with the model's L1) + "
                      "backward + AdamW, fp32 weights + bf16 autocast", **tr, "provenance": collect()})
         print(f"[{name}] training: {_summary(tr)} {tr.get('sparse_note') or ''}", flush=True)
@@ -713,7 +712,6 @@ def main(argv: list[str] | None = None) -> int:
                             "sparse forces TwELL")
         p.add_argument("--train-impl", default="cuda", help="mlp_impl for the sparse training side")
         p.add_argument("--train-micro-batch", type=int, default=8)
-        p.add_argument("--train-steps", type=int, default=10, help="unused (steps follow from --min-seconds)")
         p.add_argument("--min-seconds", type=float, default=3.0, help="minimum timed seconds per side")
         p.add_argument("--blocks", type=int, default=6,
                        help="timed blocks per side, interleaved dense/sparse (ABBA...); the median block is reported")

@@ -77,7 +77,8 @@ void check(cudaError_t e, const char* what) {
 void req(const at::Tensor& t, const char* name, at::ScalarType dt, int dim) {
   TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
   TORCH_CHECK(t.scalar_type() == dt, name, " must be ", c10::toString(dt), ", got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dims, got ", t.dim());
+  // integers go through std::to_string, as in runtime.cpp (streaming one into the message crashed there)
+  TORCH_CHECK(t.dim() == dim, name, " must have ", std::to_string(dim), " dims, got ", std::to_string(t.dim()));
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous (call .contiguous())");
 }
 

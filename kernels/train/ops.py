@@ -44,6 +44,8 @@ from torch import Tensor
 
 from .. import reference as ref
 from ..device import kernels_supported
+from ..loader import (REFERENCE_HINT, KernelUnavailableError, _arch_for_device, build_extension, require_supported_gpu,
+                      source_hash)
 from ..reference import Hybrid, _acc_dtype
 
 _HERE = Path(__file__).resolve().parent
@@ -59,9 +61,6 @@ def load_ext(verbose: bool = False) -> ModuleType:
     ext = _EXT.get("ext")
     if ext is not None:  # every call after the first: no import machinery, no lock (host time on each op call)
         return ext
-    from ..loader import (REFERENCE_HINT, KernelUnavailableError, _arch_for_device, build_extension,
-                          require_supported_gpu, source_hash)
-
     hint = "use backend='torch' or mode='dense'"
 
     with _LOCK:

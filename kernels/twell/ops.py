@@ -1,12 +1,12 @@
 """The inference ops of the TwELL kernels: schemas and fake implementations (here), CUDA implementations (runtime.cpp).
 
-    y = torch.ops.sfl_twell.ffn(x, w_gate, w_up, w_down, stats, plan.id, plan.icfg, plan.fcfg)
-    packed, counts, flag = torch.ops.sfl_twell.d2t(x, w_gate, slots, variant, overlap_min_k, max_ctas)
+    y = torch.ops.sfl_twell.ffn(x, w_gate, w_up, w_down, stats, plan.id, plan.spec)
+    packed, counts, flag = torch.ops.sfl_twell.d2t(x, w_gate, slots, plan_spec(config))
 
 ``ffn`` is one C++ op per FFN call (gated, or non-gated with ``w_gate=None``): checks, dispatch, workspaces, kernels
 and the exact dense backup run in C++ (runtime.cpp; kernels/README.md, "The op"). Its state between calls lives in a
 per-layer **plan** that the C++ side creates on the first call naming ``plan.id``, from the configuration the call
-carries (``plan.icfg``/``plan.fcfg``: a KernelConfig as two lists of numbers). ``stats`` (optional, int64 [3],
+carries (``plan.spec``: a KernelConfig's fields by name, ``plan_spec``). ``stats`` (optional, int64 [3],
 mutated) accumulates the model's statistics on the device: non-zeros summed over tokens, the largest per-token
 count, tokens.
 
@@ -26,22 +26,21 @@ from torch import Tensor
 from ..config import KernelConfig, TILE_N
 from .. import tables
 from ..device import dense_ffn, dense_fallback, kernels_supported
+from ..loader import load_twell
 
 _lib = torch.library.Library("sfl_twell", "DEF")
-_lib.define("ffn(Tensor x, Tensor? w_gate, Tensor w_up, Tensor w_down, Tensor(a!)? stats, int plan, int[] icfg, "
-            "float[] fcfg) -> Tensor")
-_lib.define("d2t(Tensor x, Tensor w_gate, int slots, int variant, int overlap_min_k, int max_ctas) "
-            "-> (Tensor, Tensor, Tensor)")
+_lib.define("ffn(Tensor x, Tensor? w_gate, Tensor w_up, Tensor w_down, Tensor(a!)? stats, int plan, str config) "
+            "-> Tensor")
+_lib.define("d2t(Tensor x, Tensor w_gate, int slots, str config) -> (Tensor, Tensor, Tensor)")
 
-_MODE_CODE = {"auto": 0, "sparse": 1, "dense": 2}
+# The fields the C++ op reads (runtime.cpp: parse_config): every KernelConfig field but the training op's.
+OP_FIELDS = tuple(f for f in KernelConfig().to_dict() if not f.startswith("train_"))
 _STATE = {"ext": None}
 
 
 def load():
     """Build (once per source version, cached on disk) and load the extension: registers the CUDA kernels."""
     if _STATE["ext"] is None:
-        from ..loader import load_twell
-
         _STATE["ext"] = load_twell()
     return _STATE["ext"]
 
@@ -58,32 +57,31 @@ def _load_if_cuda() -> None:
 
 
 @torch.library.register_fake("sfl_twell::ffn")
-def _ffn_fake(x, w_gate, w_up, w_down, stats, plan, icfg, fcfg):
+def _ffn_fake(x, w_gate, w_up, w_down, stats, plan, config):
     _load_if_cuda()
     return torch.empty_like(x)
 
 
 @torch.library.register_fake("sfl_twell::d2t")
-def _d2t_fake(x, w_gate, slots, variant, overlap_min_k, max_ctas):
+def _d2t_fake(x, w_gate, slots, config):
     _load_if_cuda()
     M, T = x.numel() // x.shape[-1], w_gate.shape[0] // TILE_N
     return (x.new_empty(M, T, slots, dtype=torch.int32), x.new_empty(M, T, dtype=torch.int32),
             x.new_empty(M, dtype=torch.int32))
 
 
-def plan_args(cfg: KernelConfig) -> tuple[list[int], list[float]]:
-    """A KernelConfig as the op's two argument lists (runtime.cpp: parse_config reads them in this order)."""
-    ints = [_MODE_CODE[cfg.mode], cfg.slots, cfg.decode_max_m, int(cfg.self_timing), cfg.measure_every,
-            int(cfg.d2t == "fused"), cfg.d2t_overlap_min_k, cfg.d2t_max_ctas, cfg.gate_scratch_mb,
-            cfg.decode_tiles_per_warp, cfg.fused_decode_max_m, cfg.rows_decode_max_m,
-            cfg.decode_rows_slices, cfg.backup_rows, cfg.up_list_min_m, cfg.hot_neurons]
-    floats = [float(cfg.flagged_dense_above), float(cfg.activity_hint)]
-    for gated in (True, False):
-        ms, ps = cfg.crossover_table(gated)
-        floats.append(float(len(ms)))
-        for m, p in zip(ms, ps):
-            floats += [float(m), float(p)]
-    return ints, floats
+def _spec_value(cfg: KernelConfig, name: str) -> str:
+    if name in ("crossover", "crossover_nongated"):  # as parsed: bucket starts ascending, bucket 1 present
+        ms, ps = cfg.crossover_table(name == "crossover")
+        return ",".join(f"{m}:{p!r}" for m, p in zip(ms, ps))
+    value = getattr(cfg, name)
+    return str(int(value)) if isinstance(value, bool) else repr(value) if isinstance(value, float) else str(value)
+
+
+def plan_spec(cfg: KernelConfig) -> str:
+    """A KernelConfig as the op receives it: "name=value;..." for every field in OP_FIELDS (runtime.cpp:
+    parse_config looks each up by name and refuses missing or unknown ones). Floats in repr, so exact."""
+    return ";".join(f"{name}={_spec_value(cfg, name)}" for name in OP_FIELDS)
 
 
 _IDS = itertools.count(1)
@@ -104,14 +102,13 @@ class Plan:
     config: KernelConfig
     shape: tuple[int, int] | None = None
     id: int = 0
-    icfg: list[int] | None = None
-    fcfg: list[float] | None = None
+    spec: str = ""
 
     def __post_init__(self) -> None:
         if self.shape is not None:
             self.config = tables.for_current_gpu(self.config, *self.shape)
         self.id = next(_IDS)
-        self.icfg, self.fcfg = plan_args(self.config)
+        self.spec = plan_spec(self.config)
         weakref.finalize(self, _free, self.id)
 
     def info(self) -> dict:
@@ -138,7 +135,7 @@ def ffn(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, plan: Pl
     if dense_fallback(x.device):
         return dense_ffn(x, w_gate, w_up, w_down, stats)
     ensure_loaded()
-    return torch.ops.sfl_twell.ffn(x, w_gate, w_up, w_down, stats, plan.id, plan.icfg, plan.fcfg)
+    return torch.ops.sfl_twell.ffn(x, w_gate, w_up, w_down, stats, plan.id, plan.spec)
 
 
-__all__ = ["Plan", "plan_args", "ffn", "load", "ensure_loaded"]
+__all__ = ["Plan", "plan_spec", "OP_FIELDS", "ffn", "load", "ensure_loaded"]

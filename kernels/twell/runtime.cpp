@@ -7,7 +7,7 @@
 // A plan (one per layer, keyed by an integer id the module owns) holds what persists between calls: the layer's
 // measured activity (read back from pinned memory once its event completed, never waited on), the self-timing
 // samples, the neuron-major copy of W_d (keyed to the weight's identity and version) and the configuration
-// (KernelConfig, passed as two small lists: it arrives with the first call that names the plan).
+// (KernelConfig, passed as its named fields: it arrives with the first call that names the plan).
 //
 // Dispatch (mode auto), documented in kernels/README.md:
 //   sparse iff the last measured activity p of the unflagged rows is <= crossover(M) and (sync-free, or the
@@ -41,6 +41,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <deque>
 #include <map>
 #include <memory>
@@ -111,36 +112,105 @@ at::Tensor kept_empty(at::IntArrayRef size, const at::TensorOptions& opts, cudaS
   return t;
 }
 
-// KernelConfig, as the op receives it (kernels/twell/ops.py: plan_args)
+// KernelConfig, as the op receives it: "name=value;..." with every field this file reads, by its KernelConfig name
+// (kernels/twell/ops.py: plan_spec). The defaults live in Python only: a missing or unknown name is an error.
 struct Config {
-  int mode = kAuto, slots = 32, decode_max_m = 64, measure_every = 16, d2t_overlap_min_k = 4096, d2t_max_ctas = 0;
-  int decode_tiles_per_warp = 4, fused_decode_max_m = 2, rows_decode_max_m = 64;
-  int decode_rows_slices = 0, backup_rows = -1, up_list_min_m = 16384, hot_neurons = 0;
-  bool self_timing = true, fused_d2t = true;
-  int64_t gate_scratch_mb = 1024;
-  double flagged_dense_above = 0.05, activity_hint = 0.0;
+  int mode, tile_n, slots, decode_max_m, measure_every, d2t_overlap_min_k, d2t_max_ctas;
+  int decode_tiles_per_warp, fused_decode_max_m, rows_decode_max_m;
+  int decode_rows_slices, backup_rows, up_list_min_m, hot_neurons;
+  bool self_timing, fused_d2t;
+  int64_t gate_scratch_mb;
+  double flagged_dense_above, activity_hint;
   std::vector<int64_t> xo_m[2];  // crossover tables: [0] non-gated, [1] gated
   std::vector<double> xo_p[2];
 };
 
-Config parse_config(at::IntArrayRef ic, at::ArrayRef<double> fc) {
-  TORCH_CHECK(ic.size() == 16 && fc.size() >= 4, "sfl_twell::ffn: malformed plan arguments (build them with "
-              "kernels.twell.ops.plan_args)");
-  Config c;
-  c.mode = (int)ic[0]; c.slots = (int)ic[1]; c.decode_max_m = (int)ic[2]; c.self_timing = ic[3] != 0;
-  c.measure_every = (int)ic[4]; c.fused_d2t = ic[5] != 0; c.d2t_overlap_min_k = (int)ic[6];
-  c.d2t_max_ctas = (int)ic[7]; c.gate_scratch_mb = ic[8]; c.decode_tiles_per_warp = (int)ic[9];
-  c.fused_decode_max_m = (int)ic[10]; c.rows_decode_max_m = (int)ic[11]; c.decode_rows_slices = (int)ic[12];
-  c.backup_rows = (int)ic[13]; c.up_list_min_m = (int)ic[14]; c.hot_neurons = (int)ic[15];
-  c.flagged_dense_above = fc[0];
-  c.activity_hint = fc[1];
-  size_t i = 2;
-  for (int t = 1; t >= 0; --t) {  // gated table first, then non-gated
-    TORCH_CHECK(i < fc.size(), "sfl_twell::ffn: malformed crossover table");
-    const int n = (int)fc[i++];
-    TORCH_CHECK(n >= 1 && i + 2 * n <= fc.size(), "sfl_twell::ffn: malformed crossover table");
-    for (int k = 0; k < n; ++k) { c.xo_m[t].push_back((int64_t)fc[i++]); c.xo_p[t].push_back(fc[i++]); }
+// The named fields of one configuration; each read takes its field, and done() refuses any left over.
+class ConfigFields {
+ public:
+  explicit ConfigFields(const std::string& spec) {
+    size_t start = 0;
+    while (start < spec.size()) {
+      size_t end = spec.find(';', start);
+      if (end == std::string::npos) end = spec.size();
+      const std::string item = spec.substr(start, end - start);
+      const size_t eq = item.find('=');
+      TORCH_CHECK(eq != std::string::npos && eq > 0, "sfl_twell: malformed plan configuration item '", item,
+                  "' (build it with kernels.twell.ops.plan_spec)");
+      TORCH_CHECK(fields_.emplace(item.substr(0, eq), item.substr(eq + 1)).second,
+                  "sfl_twell: KernelConfig.", item.substr(0, eq), " given twice in the plan configuration");
+      start = end + 1;
+    }
   }
+  std::string text(const char* name) {
+    auto it = fields_.find(name);
+    TORCH_CHECK(it != fields_.end(), "sfl_twell: the plan configuration lacks KernelConfig.", name,
+                " (build it with kernels.twell.ops.plan_spec)");
+    std::string v = it->second;
+    fields_.erase(it);
+    return v;
+  }
+  int64_t integer(const char* name) { return to_integer(text(name), name); }
+  double number(const char* name) { return to_number(text(name), name); }
+  bool flag(const char* name) { return integer(name) != 0; }
+  // a crossover table "m:p,m:p,..." (bucket starts ascending, as KernelConfig.crossover_table gives it)
+  void table(const char* name, std::vector<int64_t>& ms, std::vector<double>& ps) {
+    const std::string v = text(name);
+    size_t start = 0;
+    while (start < v.size()) {
+      size_t end = v.find(',', start);
+      if (end == std::string::npos) end = v.size();
+      const std::string pair = v.substr(start, end - start);
+      const size_t colon = pair.find(':');
+      TORCH_CHECK(colon != std::string::npos, "sfl_twell: malformed KernelConfig.", name, " table");
+      ms.push_back(to_integer(pair.substr(0, colon), name));
+      ps.push_back(to_number(pair.substr(colon + 1), name));
+      start = end + 1;
+    }
+    TORCH_CHECK(!ms.empty(), "sfl_twell: empty KernelConfig.", name, " table");
+  }
+  void done() const {
+    TORCH_CHECK(fields_.empty(), "sfl_twell: unknown field KernelConfig.", fields_.empty() ? "" : fields_.begin()->first,
+                " in the plan configuration (this build of the kernels does not read it: rebuild them)");
+  }
+
+ private:
+  static int64_t to_integer(const std::string& v, const char* name) {
+    char* end = nullptr;
+    const long long r = std::strtoll(v.c_str(), &end, 10);
+    TORCH_CHECK(!v.empty() && *end == '\0', "sfl_twell: KernelConfig.", name, "='", v, "' is not an integer");
+    return r;
+  }
+  static double to_number(const std::string& v, const char* name) {
+    char* end = nullptr;
+    const double r = std::strtod(v.c_str(), &end);
+    TORCH_CHECK(!v.empty() && *end == '\0', "sfl_twell: KernelConfig.", name, "='", v, "' is not a number");
+    return r;
+  }
+  std::map<std::string, std::string> fields_;
+};
+
+Config parse_config(const std::string& spec) {
+  ConfigFields f(spec);
+  Config c;
+  const std::string mode = f.text("mode"), d2t = f.text("d2t");
+  TORCH_CHECK(mode == "auto" || mode == "sparse" || mode == "dense", "KernelConfig.mode must be auto, sparse or dense");
+  c.mode = mode == "auto" ? kAuto : mode == "sparse" ? kSparse : kDense;
+  TORCH_CHECK(d2t == "fused" || d2t == "cublas", "KernelConfig.d2t must be fused or cublas");
+  c.fused_d2t = d2t == "fused";
+  c.tile_n = (int)f.integer("tile_n"); c.slots = (int)f.integer("slots"); c.decode_max_m = (int)f.integer("decode_max_m");
+  c.self_timing = f.flag("self_timing"); c.measure_every = (int)f.integer("measure_every");
+  c.d2t_overlap_min_k = (int)f.integer("d2t_overlap_min_k"); c.d2t_max_ctas = (int)f.integer("d2t_max_ctas");
+  c.gate_scratch_mb = f.integer("gate_scratch_mb"); c.decode_tiles_per_warp = (int)f.integer("decode_tiles_per_warp");
+  c.fused_decode_max_m = (int)f.integer("fused_decode_max_m"); c.rows_decode_max_m = (int)f.integer("rows_decode_max_m");
+  c.decode_rows_slices = (int)f.integer("decode_rows_slices"); c.backup_rows = (int)f.integer("backup_rows");
+  c.up_list_min_m = (int)f.integer("up_list_min_m"); c.hot_neurons = (int)f.integer("hot_neurons");
+  c.flagged_dense_above = f.number("flagged_dense_above");
+  c.activity_hint = f.number("activity_hint");
+  f.table("crossover", c.xo_m[1], c.xo_p[1]);
+  f.table("crossover_nongated", c.xo_m[0], c.xo_p[0]);
+  f.done();
+  TORCH_CHECK(c.tile_n == kTileN, "KernelConfig.tile_n must be 256: the CUDA kernels are built for 256-column tiles");
   TORCH_CHECK(c.slots >= 1 && c.slots <= kTileN, "KernelConfig.slots must be in 1..256");
   TORCH_CHECK(c.hot_neurons >= 0 && c.hot_neurons % kTileN == 0, "KernelConfig.hot_neurons must be a multiple of 256");
   return c;
@@ -384,12 +454,12 @@ std::mutex g_mutex;
 // never destroyed: plans hold CUDA events, which must not be released after the CUDA context is gone at exit
 auto& g_plans = *new std::unordered_map<int64_t, std::unique_ptr<Plan>>();
 
-Plan& plan_for(int64_t id, at::IntArrayRef ic, at::ArrayRef<double> fc, bool gated) {
+Plan& plan_for(int64_t id, c10::string_view spec, bool gated) {
   std::lock_guard<std::mutex> lock(g_mutex);
   auto& slot = g_plans[id];
   if (!slot) {
     slot = std::make_unique<Plan>();
-    slot->cfg = parse_config(ic, fc);
+    slot->cfg = parse_config(std::string(spec.data(), spec.size()));
     slot->gated = gated;
   }
   TORCH_CHECK(slot->gated == gated, "sfl_twell::ffn: plan ", std::to_string(id), " was made for a ", slot->gated ? "gated" : "non-gated",
@@ -768,10 +838,10 @@ at::Tensor sparse_path(Call& c, bool sync_free) {
 // ------------------------------------------------------------------------------------------------ the op
 at::Tensor ffn_cuda(const at::Tensor& x_in, const c10::optional<at::Tensor>& w_gate, const at::Tensor& w_up,
                     const at::Tensor& w_down, const c10::optional<at::Tensor>& stats, int64_t plan_id,
-                    at::IntArrayRef icfg, at::ArrayRef<double> fcfg) {
+                    c10::string_view config) {
   check_inputs(x_in, w_gate, w_up, w_down, stats);
   const c10::cuda::CUDAGuard guard(x_in.device());
-  Plan& P = plan_for(plan_id, icfg, fcfg, w_gate.has_value());
+  Plan& P = plan_for(plan_id, config, w_gate.has_value());
   P.ensure_device(x_in.get_device(), c10::cuda::getCurrentCUDAStream().stream());
   const int64_t K = x_in.size(-1), N = w_up.size(0);
   const at::Tensor x = readable(x_in.reshape({-1, K}));
@@ -835,7 +905,7 @@ at::Tensor ffn_cuda(const at::Tensor& x_in, const c10::optional<at::Tensor>& w_g
 // d2t alone: (packed [M, T, slots], counts [M, T], flag [M]) of relu(x w_gate^T). variant: 0 fused where the GPU
 // runs it, 1 cuBLAS + compaction.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> d2t_cuda(const at::Tensor& x_in, const at::Tensor& w_gate, int64_t slots,
-                                                        int64_t variant, int64_t overlap_min_k, int64_t max_ctas) {
+                                                        c10::string_view config) {
   TORCH_CHECK(x_in.is_cuda() && w_gate.is_cuda() && x_in.device() == w_gate.device(),
               "d2t: x and w_gate must be CUDA tensors on one device");
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && w_gate.scalar_type() == at::kBFloat16,
@@ -851,10 +921,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> d2t_cuda(const at::Tensor& x_in, 
   const auto i32o = x.options().dtype(at::kInt);
   at::Tensor packed = at::empty({M, T, slots}, i32o), counts = at::empty({M, T}, i32o), flag = at::zeros({M}, i32o);
   if (M > 0) {
-    Config cfg;
-    cfg.fused_d2t = variant == 0;
-    cfg.d2t_overlap_min_k = (int)overlap_min_k;
-    cfg.d2t_max_ctas = (int)max_ctas;
+    const Config cfg = parse_config(std::string(config.data(), config.size()));
     d2t_into(x, w, packed, counts, flag, cfg, c10::cuda::getCurrentCUDAStream().stream(), nullptr);
   }
   return {packed, counts, flag};
