@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import KernelConfig
+from .device import dense_ffn
 from .layout import set_down_layout_
 from .loader import REFERENCE_HINT, KernelUnavailableError
 from .twell import ops
@@ -53,13 +54,6 @@ def _inference_only(*ts: Tensor | None) -> None:
                          "sfl.kernels.train_ffn.sparse_gated_ffn_train / sparse_nongated_ffn_train")
 
 
-def dense_ffn(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor) -> Tensor:
-    """The op's dense path in plain torch ops: the same GEMMs and the same elementwise rounding (relu(g) * u in the
-    weights' dtype), so the same bits, with nothing else around them."""
-    a = F.relu(F.linear(x, w_gate if w_gate is not None else w_up))
-    return F.linear(a * F.linear(x, w_up) if w_gate is not None else a, w_down)
-
-
 def _call(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, config: KernelConfig | None,
           mode: str | None, plan: ops.Plan | None, stats: Tensor | None) -> Tensor:
     _inference_only(x, w_gate, w_up, w_down)
@@ -85,7 +79,7 @@ def sparse_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, *,
     config: a KernelConfig (default: the measured defaults); mode overrides config.mode. plan: this layer's Plan
     (default: one per gate weight and config). stats: an int64 [3] CUDA tensor to accumulate (sum of non-zeros,
     largest per-token count, tokens) into. Dense (mode or config.mode "dense") without plan and stats runs
-    dense_ffn: plain torch ops, on any device, the op's dense results."""
+    device.dense_ffn: HF's plain torch ops, on any device."""
     return _call(x, w_gate, w_up, w_down, config, mode, plan, stats)
 
 

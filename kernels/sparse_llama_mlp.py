@@ -33,8 +33,8 @@ def cuda_forward(mlp: Any, x: Tensor, l1_mode: str | None) -> tuple[Tensor, Tens
 
 
 def _inference(mlp: Any, x: Tensor) -> Tensor:
-    """Dispatch, kernels, exact backup and the statistics all happen in the op."""
-    ops.ensure_loaded()
+    """Dispatch, kernels, exact backup and the statistics all happen in the op (which loads the kernels, or takes
+    the dense path on a GPU without them)."""
     wg, wu, wd = inference_weights(mlp)
     if x.dtype != wu.dtype:  # the residual stream may be wider than the kernels' bf16 (autocast evaluation)
         x = x.to(wu.dtype)

@@ -59,6 +59,7 @@ def main() -> None:
         err = float((got - want).norm() / want.norm())
         report["checks"].append({"step": step, "rel_err": err, "sparse_calls": calls})
         # the same update on both (FSDP2 writes its shards in place): every weight + 1e-2 * a fixed sign pattern
+        sharded.reshard()  # the root keeps its gathered parameters after a forward: back to the shards
         with torch.no_grad():
             plain_params = dict(plain.named_parameters())
             for name, q in sharded.named_parameters():

@@ -420,9 +420,9 @@ def test_dense_path_is_torch_dense(ffn):
 
 
 @pytest.mark.parametrize("M", [1, 64, 4096])
-def test_explicit_dense_equals_the_op_dense_path(ffn, M):
-    """mode='dense' without a plan runs plain torch (kernels.ffn.dense_ffn): the op's dense path bit for bit, for a
-    row-major and a neuron-major w_down."""
+def test_explicit_dense_is_plain_torch(ffn, M):
+    """mode='dense' without a plan runs plain torch (kernels.device.dense_ffn), bit for bit, for a row-major and a
+    neuron-major w_down; the op's own dense path agrees to bf16 rounding (at decode sizes it runs its own kernels)."""
     from sfl.kernels.layout import keep_down_layout
     from sfl.kernels.twell import ops
 
@@ -430,8 +430,10 @@ def test_explicit_dense_equals_the_op_dense_path(ffn, M):
         x, wg, wu, wd = make_problem(M, 2048, N, 0.02, seed=M, gated=gated)
         for w_down in (wd, keep_down_layout(wd.t().contiguous().t())):
             y = run(ffn, x, wg, wu, w_down, gated, mode="dense")
-            want = ops.ffn(x, wg if gated else None, wu, w_down, new_plan(gated, mode="dense"))
-            assert torch.equal(y, want)
+            a = F.relu(F.linear(x, wg if gated else wu))
+            assert torch.equal(y, F.linear(a * F.linear(x, wu) if gated else a, w_down))
+            op = ops.ffn(x, wg if gated else None, wu, w_down, new_plan(gated, mode="dense"))
+            assert float((op.float() - y.float()).norm() / y.float().norm()) < 1e-2
 
 
 def test_row_stats_kernel(ffn):
