@@ -4,11 +4,14 @@
    lab/HISTORY.md only. Recorded logs (their raw output, e.g. absolute paths of the machine that wrote them) are
    left as recorded.
 2. README.md's claims block equals paper_tables/claims.md, which notebooks/claims.py writes.
+3. Every lab/ log a document names (`lab/<topic>.tar.xz: MEMBER`, the logs being kept compressed) is there.
 """
 from __future__ import annotations
 
+import fnmatch
 import re
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -25,6 +28,10 @@ HISTORY = "lab/HISTORY.md"
 LOG_SUFFIXES = (".jsonl", ".json", ".log", ".txt", ".csv", ".png", ".ipynb_checkpoints")
 LOG_DIRS = ("results/", "lab/results/", "lab/speed/")
 THIS_FILE = "tests/test_docs.py"
+# `lab/x.tar.xz` or `lab/x.tar.xz: MEMBER` (a glob, {a,b} alternatives, a trailing / for a folder of members)
+LAB_ARCHIVE_REF = re.compile(r"(?<![\w/.])(lab/[\w./-]+\.tar\.xz)(?::\s+((?:\{[^{}\s]*\}|[^\s`'\")\],;|{])+))?")
+LAB_PLAIN_REF = re.compile(r"(?<![\w/.])lab/(?:\{[^{}\s]*\}|[^\s`'\")\],;|{:])+")
+LAB_LOG_SUFFIXES = (".jsonl", ".json", ".log", ".txt", ".csv", ".env", ".*")
 
 
 def _tracked_text_files() -> list[str]:
@@ -95,3 +102,58 @@ def test_claims_generator_reproduces_committed_table():
 
     assert render() == (ROOT / "paper_tables" / "claims.md").read_text(), (
         "paper_tables/claims.md is stale against paper_tables/*.csv: run `python -m sfl.notebooks.claims`")
+
+
+def _alternatives(path: str) -> list[str]:
+    """{a,b} alternatives expanded, <placeholders> as wildcards."""
+    m = re.search(r"\{([^{}]*)\}", path)
+    if not m:
+        return [re.sub(r"<[^<>]*>", "*", path)]
+    return [x for alt in m.group(1).split(",") for x in _alternatives(path[:m.start()] + alt + path[m.end():])]
+
+
+def _matches(names: list[str], pattern: str) -> bool:
+    pattern = pattern.rstrip(".").rstrip("/")
+    return any(fnmatch.fnmatch(n, pattern) or n.startswith(pattern + "/") for n in names)
+
+
+def _unresolved_lab_refs(doc: str, text: str, tracked: list[str], members: dict[str, list[str]]) -> list[str]:
+    archive_dirs = tuple(a[:-len(".tar.xz")] + "/" for a in members)
+    bad = []
+    for n, line in enumerate(text.splitlines(), 1):
+        for m in LAB_ARCHIVE_REF.finditer(line):
+            archive, member = m.group(1), m.group(2)
+            if archive not in members:
+                bad.append(f"{doc}:{n}: no archive {archive}")
+            elif member and not all(_matches(members[archive], p) for p in _alternatives(member)):
+                bad.append(f"{doc}:{n}: {archive} has no member {member}")
+        for m in LAB_PLAIN_REF.finditer(line):
+            ref = m.group(0).rstrip(".")
+            names_a_log = ref.endswith(LAB_LOG_SUFFIXES) or ref.startswith(archive_dirs)
+            if ".tar.xz" in ref or not names_a_log:
+                continue
+            if not all(_matches(tracked, p) for p in _alternatives(ref)):
+                bad.append(f"{doc}:{n}: {ref} is not tracked (logs under lab/ live in archives: `ARCHIVE: MEMBER`)")
+    return bad
+
+
+def test_lab_logs_named_by_docs_resolve():
+    tracked = [f for f in subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True,
+                                         check=True).stdout.decode().split("\0") if f]
+    members = {}
+    for archive in (f for f in tracked if f.startswith("lab/") and f.endswith(".tar.xz")):
+        with tarfile.open(ROOT / archive, "r:xz") as tar:
+            members[archive] = [m.name for m in tar.getmembers() if m.isfile()]
+    assert members, "no lab/**/*.tar.xz archives tracked: where did the trial logs go?"
+    docs = [f for f in tracked if f.endswith(".md") and not f.startswith("results/")]
+    bad = [b for doc in docs for b in _unresolved_lab_refs(doc, (ROOT / doc).read_text(), tracked, members)]
+    assert not bad, f"{len(bad)} lab/ log references do not resolve:\n" + "\n".join(bad[:40])
+
+
+def test_lab_ref_check_catches_a_missing_member():
+    members = {"lab/results/x.tar.xz": ["a.jsonl", "d/b.txt"]}
+    ok = "`lab/results/x.tar.xz: a.jsonl`, `lab/results/x.tar.xz: d/`, `lab/results/x.tar.xz: {a.jsonl,d/b.txt}`"
+    assert _unresolved_lab_refs("doc.md", ok, [], members) == []
+    for line in ("`lab/results/x.tar.xz: c.jsonl`", "`lab/results/y.tar.xz`", "`lab/results/x/a.jsonl`",
+                 "`lab/results/x.tar.xz: {a,c}.jsonl`"):
+        assert _unresolved_lab_refs("doc.md", line, [], members), line
