@@ -182,7 +182,8 @@ def test_synthetic_results_dir(runs):
 
     s = {x["scale"]: x for x in _rows(T / "table1_speed.csv")}
     assert _num(s["2B"]["published fwd speed-up (%)"]) == 20.5 and _num(s["2B"]["ours fwd speed-up (%)"]) == pytest.approx(24.0)
-    assert _num(s["2B"]["published train speed-up (%)"]) == 21.9 and _num(s["1.5B"]["ours peak-mem change (%)"]) == pytest.approx(-25.0)
+    # training and memory at the paper shapes are table1_training's (the paper's L1 = 0 baseline), not repeated here
+    assert not [c for c in s["2B"] if "train" in c or "mem" in c], list(s["2B"])
 
     k = _rows(T / "kernel_targets.csv")
     inf05 = [x for x in k if x["mode"] == "inference" and x["M"] == "65536" and x["pattern"] == "uniform" and _num(x["activity (%)"]) == 0.5][0]
