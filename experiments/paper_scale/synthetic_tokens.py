@@ -2,7 +2,7 @@
 paper-scale throughput where no corpus is at hand: the speed of a training step does not depend on which tokens it
 reads, only the activity does, and paper_init calibrates that on the same kind of ids.
 
-    python experiments/paper_scale/synthetic_tokens.py DATA_DIR [--train-tokens 40000000] [--vocab 49152]
+    python -m sfl.experiments.paper_scale.synthetic_tokens DATA_DIR [--train-tokens 40000000] [--vocab 49152]
 
 Writes DATA_DIR/tokens_synthetic/; DATA_DIR/tokenizer must be a prepared tokenizer (it is copied into saved models).
 """

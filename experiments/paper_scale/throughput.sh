@@ -5,7 +5,7 @@
 #   SIZES="0p5b 1p5b" bash experiments/paper_scale/throughput.sh            # all visible GPUs
 #   NPROC=1 SIZES=0p5b ARMS=sparse AC="true false" MP="false true" bash experiments/paper_scale/throughput.sh
 # The activity is held by lr = 1e-12 (AdamW's whole update; no fp32 weight moves), and every step logs it.
-# Data: DATA_DIR/tokens_synthetic (uniform random ids; synthetic_tokens.py writes it) unless TOKENS_SUBDIR names
+# Data: DATA_DIR/tokens_synthetic (uniform random ids; paper_scale/synthetic_tokens.py writes it) unless TOKENS_SUBDIR names
 # a prepared corpus. Global batch = 2 micro-batches of 8 x 2048 per GPU (GBS overrides); STEPS optimizer steps, the
 # first WARM not counted. Rows: $OUT (default results/paper_scale/throughput_<gpu>_n<NPROC>.jsonl), one per run.
 set -euo pipefail
@@ -17,7 +17,7 @@ SIZES="${SIZES:-0p5b}" ARMS="${ARMS:-dense_l1_0 dense_l1 sparse}" AC="${AC:-true
 STEPS="${STEPS:-6}" WARM="${WARM:-2}" GBS="${GBS:-$((16 * NPROC))}"
 DATA_DIR="${DATA_DIR:-.data}" TOKENS_SUBDIR="${TOKENS_SUBDIR:-tokens_synthetic}"
 ROOT="${ROOT:-runs/paper_scale_throughput}"
-[ -f "$DATA_DIR/$TOKENS_SUBDIR/meta.json" ] || python "$HERE/synthetic_tokens.py" "$DATA_DIR"
+[ -f "$DATA_DIR/$TOKENS_SUBDIR/meta.json" ] || python -m sfl.experiments.paper_scale.synthetic_tokens "$DATA_DIR"
 declare -A LAYERS=([0p5b]=8 [1b]=18 [1p5b]=28 [2b]=38)
 runs=()
 for size in $SIZES; do
@@ -44,4 +44,4 @@ for size in $SIZES; do
   done
 done
 gpu=$(python -c 'import torch; print(torch.cuda.get_device_name().split()[-1].lower())')
-python "$HERE/throughput_rows.py" --warm "$WARM" --out "${OUT:-results/paper_scale/throughput_${gpu}_n${NPROC}.jsonl}" "${runs[@]}"
+python -m sfl.experiments.paper_scale.throughput_rows --warm "$WARM" --out "${OUT:-results/paper_scale/throughput_${gpu}_n${NPROC}.jsonl}" "${runs[@]}"

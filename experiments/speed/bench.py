@@ -389,7 +389,7 @@ def measure_training(model, ids: torch.Tensor, micro_batch: int, train_impl: str
     coeff = float(model.config.l1_coeff)  # the model's own recipe: L1 = 0 models train without the penalty
     x = ids[:micro_batch]
     # lr 0: AdamW does its whole update but the calibrated weights stay; with lr > 0 the activity drifts within a
-    # few steps (train_throughput.Trainer; lab/speed/logs/train_throughput_lr_drift_h100.jsonl)
+    # few steps (train_throughput.Trainer; lab/speed/logs.tar.xz: train_throughput_lr_drift_h100.jsonl)
     opt = torch.optim.AdamW(model.parameters(), lr=0.0)
 
     def step() -> None:

@@ -6,7 +6,7 @@
 // A thread owns one 16-byte chunk of one row; a block holds ROWS rows of one K slice of kChunks chunks, and the grid
 // walks slice-major, so that the blocks resident at once gather from one 512-column slice of B (and B2): N x 1 KB,
 // 5.8 MB at N 5632, which the L2 holds (one block per row reading whole rows of the matrices missed it: 37% L2 hit
-// rate for the training backward's three, lab/results/kernel_bench/ncu_sparse_phases_h100_2960055.txt). Entries in
+// rate for the training backward's three, lab/results/kernel_bench.tar.xz: ncu_sparse_phases_h100_2960055.txt). Entries in
 // ascending order, the B term before the B2 term: the per-row kernels' sums (bwd_rows, fwd_rows, up_down), bit for
 // bit.
 #include <cuda_runtime.h>

@@ -453,7 +453,7 @@ __global__ void __launch_bounds__(kRbThreads, NI <= 8 ? (COEF ? (GATED ? 6 : 5) 
 // Work order: part, then K slice, then neuron (adjacent warps = adjacent neurons). The warps resident at once
 // then gather from one K slice of one of x / dy (M x 256 NB x 2 bytes, 16 MB at M 16384, NB 2) instead of
 // whole rows of both (128 MB), and the L2 holds it: 0.99 -> 0.54 ms at M 16384, 0.5% (neuron-major order read
-// a 23% L2 hit rate; lab/results/kernel_bench/dw_order_ab_h100_d457621.jsonl). Same sums, same bits.
+// a 23% L2 hit rate; lab/results/kernel_bench.tar.xz: dw_order_ab_h100_d457621.jsonl). Same sums, same bits.
 template <int NB, bool GATED>
 __global__ void __launch_bounds__(128) dw_kernel(const __nv_bfloat16* __restrict__ x,
                                                  const __nv_bfloat16* __restrict__ dy, int N, int K, int W,

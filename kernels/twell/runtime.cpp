@@ -565,7 +565,7 @@ at::Tensor dense_ffn(const at::Tensor& x, const at::Tensor* wg, const at::Tensor
 
 // The non-gated block's h = relu(x W_u^T) with the ReLU in the GEMM's epilogue (cuBLASLt RELU_BIAS, zero bias):
 // HF's bits and non-finite pattern without its [M, N] ReLU pass, 1.05-1.16x of HF's linear-relu-linear at
-// M 64-65536 (lab/results/kernel_bench/relu_epilogue_probe_h100_*). Undefined when no bias can be made (a capture
+// M 64-65536 (lab/results/kernel_bench.tar.xz: relu_epilogue_probe_h100_*). Undefined when no bias can be made (a capture
 // before the layer has made it): the caller runs torch's relu.
 at::Tensor relu_gemm(Call& c) {
   Plan& P = c.P;

@@ -256,11 +256,11 @@ __global__ void __launch_bounds__(128, 1) down_kernel(const __nv_bfloat16* __res
 // LIST (up_list, the large-M path): steps 1-2 only; the row's entries go to device memory as a compact list
 // (lcol[r, 0 .. lnnz[r]) in column order, lh fp32 h) and common/slices.cu sums y slice-major over W_dT, which the
 // L2 holds one 512-column slice of at a time (here each block reads whole W_u and W_dT rows: 46 MB, a 52% L2 hit
-// rate at M 65536, lab/results/kernel_bench/ncu_sparse_phases_h100_2960055.txt). The same products and sums: y is
+// rate at M 65536, lab/results/kernel_bench.tar.xz: ncu_sparse_phases_h100_2960055.txt). The same products and sums: y is
 // bit-identical to the fused step's at K >= 2048. Flagged rows are skipped (lnnz not written). Without step 3's
 // accumulators it runs 6 blocks per SM (W_u loaded 2 chunks per lane at a time, the same sums): a row's chain of
 // dependent loads (flag, counts, words, ~4 W_u rows per warp) bounds it, so more rows in flight pay (M 65536, 0.5%,
-// H200: 1.20 / 1.06 / 1.00 ms at 4 / 5 / 6 blocks, lab/results/kernel_bench/up_down_ab_h200_b7d99d0.jsonl).
+// H200: 1.20 / 1.06 / 1.00 ms at 4 / 5 / 6 blocks, lab/results/kernel_bench.tar.xz: up_down_ab_h200_b7d99d0.jsonl).
 constexpr int kUdThreads = 256;
 constexpr int kUdCap = 2048;  // entries per window (16 KB of shared memory)
 template <int NI, bool GATED, bool LIST>
@@ -936,7 +936,7 @@ constexpr int kRowsMaxN = 24576;  // decode_rows keeps the row's active list in 
 
 // The most clusters of `slices` blocks of decode_rows<NI, G> with `smem` bytes that can be resident at once.
 // Clusters are placed inside one GPC, so this is below SM slots / slices: on an H100 at two blocks per SM, 30
-// clusters of 8 and 62 of 4 (Nsight Compute, lab/results/kernel_bench/ncu_rows_h100_b06d4e3.txt). 0: unknown.
+// clusters of 8 and 62 of 4 (Nsight Compute, lab/results/kernel_bench.tar.xz: ncu_rows_h100_b06d4e3.txt). 0: unknown.
 template <int NI, bool G>
 static int rows_max_clusters(int slices, size_t smem) {
   static std::mutex mu;

@@ -1,6 +1,6 @@
 """Probe: the non-gated block's dense call with the ReLU in the first GEMM's epilogue (cuBLASLt RELU_BIAS through
 torch._addmm_activation, zero bias) against HF's linear-relu-linear, which runs the ReLU as its own pass over
-[M, N] (175 us of 1.49 ms at M 16384, N 8192: lab/results/kernel_bench/nongated_dense_gap_h100_d7b4945.txt).
+[M, N] (175 us of 1.49 ms at M 16384, N 8192: lab/results/kernel_bench.tar.xz: nongated_dense_gap_h100_d7b4945.txt).
 Per M: time ratio HF / epilogue (single calls and 8 back to back), whether h is bit-equal to HF's, y's error
 against fp32, and the kernels each side runs. GPU only; one JSON row per case.
 

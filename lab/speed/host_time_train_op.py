@@ -1,7 +1,7 @@
 """Trial (lab): the training op's host time per call against dense autograd's, the GPU kept busy so that no launch
 waits (the backward after a sync: its one event wait is then free), medians over reps; ffn_fwd_gate's steps one at
 a time; then cProfile of each side's fwd+bwd, microseconds per call by own time. Defaults: M = 8192 (a 4 x 2048
-micro-batch), 0.5%; the an earlier logs ran M = 16384 at 0.5% and 1% (lab/results/speed/host_time/).
+micro-batch), 0.5%; the earlier logs ran M = 16384 at 0.5% and 1% (lab/results/speed.tar.xz: host_time/).
 
     PYTHONPATH=. python lab/speed/host_time_train_op.py [--m 16384 --p 0.01]
 """
