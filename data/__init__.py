@@ -10,6 +10,7 @@ if __name__ == "data":  # imported by the bare name from a checkout: not this pa
 
     defer_to_installed(__name__)
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,8 +91,6 @@ class DataNotPrepared(RuntimeError):
 def read_manifest(path: Path) -> dict:
     """Parse a manifest.json; a malformed one raises DataNotPrepared naming the file and the fix
     (FileNotFoundError passes through: callers say what a missing one means)."""
-    import json
-
     try:
         data = json.loads(Path(path).read_text())
         if not isinstance(data, dict) or not isinstance(data.get("steps"), dict):
@@ -110,8 +109,6 @@ def require(step: str, data_dir_: str | os.PathLike | None = None) -> DataPaths:
     Cheap: checks presence and sizes only. Full sha256 verification is what `python -m sfl.data.prepare`
     does on every run.
     """
-    import json
-
     if step not in STEPS:
         raise ValueError(f"unknown data step {step!r}; known steps: {', '.join(STEPS)}")
     p = paths(data_dir_)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
+from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from . import DataPaths
@@ -96,7 +97,7 @@ def resolve_source(source: str) -> tuple[str, list[Path]]:
 
 def _offline() -> bool:
     """Offline as `datasets` sees it (read when it was imported) or as the environment says now."""
-    import datasets.config
+    import datasets.config  # optional dependency (the eval extra): the GPU machine has no `datasets`
 
     now = any(os.environ.get(k, "").upper() in ("1", "ON", "YES", "TRUE")
               for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
@@ -105,7 +106,7 @@ def _offline() -> bool:
 
 def open_stream(spec: CorpusSpec, builder: str, files: list[Path]) -> Any:
     """A streaming `datasets.IterableDataset` over the source (nothing is downloaded ahead or cached)."""
-    import datasets
+    import datasets  # optional dependency (the eval extra): the GPU machine has no `datasets`
 
     if builder != "hf":
         kw = {"sample_by": "document"} if builder == "text" else {}
@@ -151,8 +152,6 @@ def read_texts(stream: Any, field: str, source: str) -> Iterator[str]:
 
 def check_tokenizer(tokenizer_file: Path) -> tuple[int, int]:
     """(vocab size, EOS id) of the project's tokenizer; refuses a vocab that does not fit uint16 shards."""
-    from tokenizers import Tokenizer
-
     if not tokenizer_file.is_file():
         raise CorpusError(f"{tokenizer_file} not found: run `python -m sfl.data.prepare --only tokenizer "
                           f"--data-dir {tokenizer_file.parent.parent}` first")
@@ -170,8 +169,6 @@ _WORKER: dict[str, Any] = {}
 
 
 def _init_worker(tokenizer_file: str, eos_id: int, val_permille: int) -> None:
-    from tokenizers import Tokenizer
-
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker process
     _WORKER.update(tok=Tokenizer.from_file(tokenizer_file), eos=eos_id, permille=val_permille)
 

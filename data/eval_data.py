@@ -38,7 +38,7 @@ def hellaswag_preprocess(text: str) -> str:
 
 
 def _arrow_rows(path: Path) -> Iterator[dict[str, Any]]:
-    from datasets import Dataset  # heavy; only the eval step needs it
+    from datasets import Dataset  # optional dependency (the eval extra), and heavy: only the eval step needs it
 
     files = sorted(path.glob("data-*.arrow"))
     if not files:

@@ -17,7 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import EVAL_TASKS
+from . import EVAL_TASKS, DataNotPrepared, paths, read_manifest
 
 TEMPLATE_DIR = Path(__file__).resolve().parent / "tasks"
 PLACEHOLDER = "@SFL_EVAL_DIR@"
@@ -57,8 +57,6 @@ def check_eval_files(eval_dir: Path, tasks: list[str]) -> None:
     """Check each task file against the `eval` record of the data dir's manifest.json: its size and its row
     count (a file cut to 10 lines would otherwise be scored as n = 10). An eval dir outside a prepared data
     dir (no manifest beside it, e.g. --eval-dir of hand-made files) has nothing to check against."""
-    from . import read_manifest
-
     manifest = eval_dir.parent / "manifest.json"
     if eval_dir.name != "eval" or not manifest.is_file():
         return
@@ -128,7 +126,6 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--data-dir", default=None, help="prepared data dir (default $SFL_DATA_DIR or <repo>/.data)")
     w.add_argument("--tasks", default="all", help="'all' or a comma list of short names")
     a = ap.parse_args(argv)
-    from . import DataNotPrepared, paths
 
     eval_dir = Path(a.eval_dir) if a.eval_dir else paths(a.data_dir).eval
     try:

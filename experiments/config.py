@@ -228,95 +228,105 @@ def kernel_config(cfg: dict[str, Any]) -> KernelConfig:
 def validate(cfg: dict[str, Any]) -> None:
     """Raise ConfigError naming the first invalid key. Model-level checks (tileability etc.) are
     repeated by SparseLlamaConfig when the model is built."""
-
-    def bad(key: str, why: str) -> ConfigError:
-        return ConfigError(f"config key {key}={cfg[key]!r} is invalid: {why}")
-
     _check_keys(list(cfg), "config")
+    _check_numbers(cfg)
+    _check_choices_and_shapes(cfg)
+
+
+def _bad(cfg: dict[str, Any], key: str, why: str) -> ConfigError:
+    return ConfigError(f"config key {key}={cfg[key]!r} is invalid: {why}")
+
+
+def _check_numbers(cfg: dict[str, Any]) -> None:
+    """The keys that are numbers or flags, each on its own: type and range."""
     pos_int = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "seq_len",
                "max_steps", "micro_batch_size", "grad_accum", "log_every", "eval_batches"]
     for k in pos_int:
         if not _is_int(cfg[k]) or cfg[k] < 1:
-            raise bad(k, "must be a positive integer")
+            raise _bad(cfg, k, "must be a positive integer")
     for k in ["l1_warmup_start", "l1_warmup_steps", "warmup_steps", "eval_every", "ckpt_every", "seed",
               "max_nonfinite_skips"]:
         if not _is_int(cfg[k]) or cfg[k] < 0:
-            raise bad(k, "must be an integer >= 0")
+            raise _bad(cfg, k, "must be an integer >= 0")
     if cfg["seed"] >= 2**32:  # numpy's global seed is 32-bit
-        raise bad("seed", "must be < 2**32 (4294967296)")
+        raise _bad(cfg, "seed", "must be < 2**32 (4294967296)")
     for k in ["vocab_size", "num_key_value_heads", "max_position_embeddings", "dead_window_tokens",
               "global_batch_size"]:
         if cfg[k] is not None and (not _is_int(cfg[k]) or cfg[k] < 1):
-            raise bad(k, "must be null or a positive integer")
+            raise _bad(cfg, k, "must be null or a positive integer")
     for k in ["l1_coeff", "lr", "min_lr", "eps", "weight_decay", "grad_clip"]:
         if not _is_num(cfg[k]) or cfg[k] < 0:
-            raise bad(k, "must be a finite number >= 0")
+            raise _bad(cfg, k, "must be a finite number >= 0")
     for k in ["rope_theta", "rms_norm_eps", "initializer_range"]:
         if not _is_num(cfg[k]) or cfg[k] <= 0:
-            raise bad(k, "must be a finite number > 0")
+            raise _bad(cfg, k, "must be a finite number > 0")
     if cfg["lr"] <= 0:
-        raise bad("lr", "must be > 0")
+        raise _bad(cfg, "lr", "must be > 0")
     if cfg["min_lr"] > cfg["lr"]:
-        raise bad("min_lr", f"must be <= lr ({cfg['lr']})")
+        raise _bad(cfg, "min_lr", f"must be <= lr ({cfg['lr']})")
     betas = cfg["betas"]
     if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(_is_num(b) and 0 <= b < 1 for b in betas)):
-        raise bad("betas", "must be a list of two numbers in [0, 1), e.g. [0.9, 0.95]")
+        raise _bad(cfg, "betas", "must be a list of two numbers in [0, 1), e.g. [0.9, 0.95]")
     for k in ["tie_word_embeddings", "gated_mlp", "compile", "save_final", "ckpt_hf", "progress", "fsdp_mixed_precision",
               "activation_checkpointing"]:
         if not isinstance(cfg[k], bool):
-            raise bad(k, "must be true or false")
+            raise _bad(cfg, k, "must be true or false")
     if not _is_num(cfg["dead_reinit_lambda"]) or not 0 <= cfg["dead_reinit_lambda"] <= 1:
-        raise bad("dead_reinit_lambda", "must be a number in [0, 1] (0 = off; the paper uses 0.1)")
+        raise _bad(cfg, "dead_reinit_lambda", "must be a number in [0, 1] (0 = off; the paper uses 0.1)")
     if not _is_num(cfg["dead_reinit_std"]) or cfg["dead_reinit_std"] <= 0:
-        raise bad("dead_reinit_std", "must be a finite number > 0")
+        raise _bad(cfg, "dead_reinit_std", "must be a finite number > 0")
+
+
+def _check_choices_and_shapes(cfg: dict[str, Any]) -> None:
+    """The keys with a fixed set of values, the paths, and the keys that must agree with each other."""
     if cfg["l1_reduction"] not in ("mean", "sum"):
-        raise bad("l1_reduction", "must be 'mean' (paper Eq. 2) or 'sum' (official code)")
+        raise _bad(cfg, "l1_reduction", "must be 'mean' (paper Eq. 2) or 'sum' (official code)")
     if cfg["activation"] not in ("relu", "silu"):
-        raise bad("activation", "must be relu or silu")
+        raise _bad(cfg, "activation", "must be relu or silu")
     if cfg["activation"] != "relu" and cfg["mlp_impl"] != "dense":
-        raise bad("activation", "silu runs only with mlp_impl: dense")
+        raise _bad(cfg, "activation", "silu runs only with mlp_impl: dense")
     if cfg["mlp_impl"] not in ("dense", "reference", "cuda"):
-        raise bad("mlp_impl", "must be one of dense, reference, cuda")
+        raise _bad(cfg, "mlp_impl", "must be one of dense, reference, cuda")
     if cfg["mlp_impl"] == "cuda" and str(cfg["device"]) == "cpu":
-        raise bad("mlp_impl", "the cuda kernels need device cuda (or auto on a GPU machine); on CPU train with "
-                              "mlp_impl: dense (or reference)")
+        raise _bad(cfg, "mlp_impl", "the cuda kernels need device cuda (or auto on a GPU machine); on CPU train with "
+                                    "mlp_impl: dense (or reference)")
     kernel = kernel_config(cfg)
     if cfg["mlp_impl"] != "dense" and cfg["init_from"] is None and cfg["intermediate_size"] % kernel.tile_n:
-        raise bad("intermediate_size", f"mlp_impl={cfg['mlp_impl']} needs a multiple of the kernel "
-                                       f"tile_n={kernel.tile_n}; change either, or use mlp_impl: dense")
+        raise _bad(cfg, "intermediate_size", f"mlp_impl={cfg['mlp_impl']} needs a multiple of the kernel "
+                                             f"tile_n={kernel.tile_n}; change either, or use mlp_impl: dense")
     if cfg["hidden_size"] % cfg["num_attention_heads"] != 0:
-        raise bad("num_attention_heads", f"must divide hidden_size ({cfg['hidden_size']})")
+        raise _bad(cfg, "num_attention_heads", f"must divide hidden_size ({cfg['hidden_size']})")
     head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
     if cfg["init_from"] is None and head_dim % 2:  # RoPE rotates pairs of channels
-        raise bad("num_attention_heads", f"gives head_dim = hidden_size / num_attention_heads = {head_dim}, which "
-                                         "RoPE needs even; change hidden_size or num_attention_heads")
+        raise _bad(cfg, "num_attention_heads", f"gives head_dim = hidden_size / num_attention_heads = {head_dim}, "
+                                               "which RoPE needs even; change hidden_size or num_attention_heads")
     kv = cfg["num_key_value_heads"]
     if kv is not None and cfg["num_attention_heads"] % kv != 0:
-        raise bad("num_key_value_heads", f"must divide num_attention_heads ({cfg['num_attention_heads']})")
+        raise _bad(cfg, "num_key_value_heads", f"must divide num_attention_heads ({cfg['num_attention_heads']})")
     mpe = cfg["max_position_embeddings"]
     if mpe is not None and mpe < cfg["seq_len"]:
-        raise bad("max_position_embeddings", f"must be >= seq_len ({cfg['seq_len']})")
+        raise _bad(cfg, "max_position_embeddings", f"must be >= seq_len ({cfg['seq_len']})")
     if cfg["warmup_steps"] > cfg["max_steps"]:
-        raise bad("warmup_steps", f"must be <= max_steps ({cfg['max_steps']})")
+        raise _bad(cfg, "warmup_steps", f"must be <= max_steps ({cfg['max_steps']})")
     if not (cfg["device"] in ("auto", "cpu", "cuda") or str(cfg["device"]).startswith("cuda:")):
-        raise bad("device", "must be auto, cpu, cuda or cuda:N")
+        raise _bad(cfg, "device", "must be auto, cpu, cuda or cuda:N")
     if cfg["parallel"] not in ("ddp", "fsdp"):
-        raise bad("parallel", "must be ddp or fsdp")
+        raise _bad(cfg, "parallel", "must be ddp or fsdp")
     if cfg["fsdp_mixed_precision"] and cfg["parallel"] != "fsdp":
-        raise bad("fsdp_mixed_precision", "needs parallel: fsdp")
+        raise _bad(cfg, "fsdp_mixed_precision", "needs parallel: fsdp")
     if cfg["data_order"] not in ("random", "disjoint"):
-        raise bad("data_order", "must be random or disjoint")
+        raise _bad(cfg, "data_order", "must be random or disjoint")
     if cfg["global_batch_size"] is not None and cfg["global_batch_size"] % cfg["micro_batch_size"]:
-        raise bad("global_batch_size", f"must be a multiple of micro_batch_size ({cfg['micro_batch_size']})")
+        raise _bad(cfg, "global_batch_size", f"must be a multiple of micro_batch_size ({cfg['micro_batch_size']})")
     if cfg["precision"] not in ("auto", "bf16", "fp32"):
-        raise bad("precision", "must be auto, bf16 or fp32")
+        raise _bad(cfg, "precision", "must be auto, bf16 or fp32")
     for k in ["init_from", "data_dir"]:
         if cfg[k] is not None and not isinstance(cfg[k], str):
-            raise bad(k, "must be null or a path string")
+            raise _bad(cfg, k, "must be null or a path string")
     if not isinstance(cfg["tokens_subdir"], str) or not cfg["tokens_subdir"]:
-        raise bad("tokens_subdir", "must be a non-empty path string (a subdir of data_dir), e.g. tokens")
+        raise _bad(cfg, "tokens_subdir", "must be a non-empty path string (a subdir of data_dir), e.g. tokens")
     if not isinstance(cfg["out_dir"], str) or not cfg["out_dir"]:
-        raise bad("out_dir", "must be a non-empty path string")
+        raise _bad(cfg, "out_dir", "must be a non-empty path string")
 
 
 def _abs(p: str) -> str:

@@ -28,8 +28,17 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sfl.kernels.layout import make_down_shardable_
+from sfl.models import SparseLlamaForCausalLM
 from sfl.models.sparsity import dead_fraction, reinit_dead_rows
 
 from .checkpoint import (CheckpointWriteError, abort_checkpoint, begin_checkpoint, commit_checkpoint, os_error_of,
@@ -166,13 +175,10 @@ def wrap_model(model: torch.nn.Module, cfg: dict[str, Any], d: Dist, device: tor
     if not dist.is_initialized():
         return model
     if cfg["parallel"] == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
         # broadcast_buffers=False: the per-neuron dead counters are per-rank statistics.
         with warnings.catch_warnings():  # torch >= 2.13 deprecates the flag but still advises it for this case
             warnings.simplefilter("ignore", FutureWarning)
             return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (d.world,))
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -194,8 +200,6 @@ def accumulation_context(fwd_model: torch.nn.Module, last: bool) -> contextlib.A
 
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """Global gradient norm before clipping (sharded FSDP gradients included), then clip to max_norm."""
-    from torch.distributed.tensor import DTensor
-
     grads = [p.grad for p in params if p.grad is not None]
     total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
     if isinstance(total, DTensor):
@@ -205,7 +209,6 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.T
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
     return isinstance(model, FSDPModule)
 
 
@@ -289,8 +292,6 @@ def _reinit_dead_rows_sharded(weight: Any, since: torch.Tensor, window: int, lam
                               gen: torch.Generator) -> int:
     """reinit_dead_rows on a DTensor sharded on dim 0 (FSDP2): draws the noise of every dead row, in the
     same order as the unsharded function, and applies the rows this rank holds."""
-    from torch.distributed.tensor import Shard
-
     if tuple(weight.placements) != (Shard(0),):
         raise NotImplementedError(f"dead-neuron re-initialisation of a weight sharded as {weight.placements}")
     dead = (since >= window).nonzero().flatten().cpu()  # CPU like the noise (a CUDA mask cannot index it)
@@ -354,10 +355,6 @@ def save_checkpoint_dcp(out_dir: Path, step: int, model: torch.nn.Module, opt: t
     resharding on load), the rest (`state`: step, scheduler, RNG, counters, config) as state.pt by rank 0, then
     `write_extra(temp dir)` on rank 0 (the save_pretrained copy); COMPLETE and the atomic rename come last
     (checkpoint.py). Collective: every rank calls it."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
     def stop_on_error(err: Exception | None) -> None:  # every rank raises when one failed (none waits forever)
         msg = d.broadcast(None if err is None or not d.main else str(err)) if d.world > 1 else None
         if err is not None:
@@ -434,9 +431,6 @@ def _dcp_os_error(exc: BaseException) -> OSError | None:
 def load_checkpoint_dcp(ckpt_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     """Load a DCP checkpoint's model and optimizer into `model`/`opt` as they are laid out now (any world
     size, DDP, FSDP2 or one process). Collective when world > 1."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
     msd, osd = get_state_dict(model, opt)  # also creates the optimizer's state tensors to load into
     sd = {"model": msd, "optim": osd}
     with _quiet_single_process():
@@ -462,10 +456,6 @@ def unsharded_copy(model: torch.nn.Module, d: Dist) -> torch.nn.Module | None:
     """An ordinary CPU copy of an FSDP2 model, on rank 0 (None elsewhere), for save_pretrained: the full
     weights gathered shard by shard into a model built on the meta device (no init, no second copy).
     Collective: every rank calls it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    from sfl.models import SparseLlamaForCausalLM
-
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not d.main:
         return None

@@ -12,7 +12,7 @@ included, into <out>/samples_<task>.jsonl) go to lm-eval as they are. Mean non-z
 are recorded during the eval forwards: from each module exposing `last_nnz_per_token` (our sparse
 MLPs, with per-token recording switched on for the run; the CUDA inference path keeps totals only, so there the
 layers' device counters are read, padding included), else from the output of every `mlp.act_fn` (plain HF Llama). lm-eval is imported only inside
-main(), so this module imports on machines without it.
+the functions that run it, so this module imports on machines without it.
 
 Split evaluation, for a GPU machine without lm-eval (experiments/loglik.py explains it):
 
@@ -32,6 +32,7 @@ eval.json and scores.* are written to a temp file and renamed into place.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -41,9 +42,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from safetensors import SafetensorError
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from sfl.data import DataNotPrepared, paths, require
+from sfl.data.lm_tasks import TASK_SPLITS, EvalDataError, check_eval_files, lm_eval_name, parse_tasks, write_tasks
 
 from .checkpoint import atomic_write_text
+from .loglik import load_requests, load_scores, save_requests, save_scores, score_requests
+from .provenance import collect
 from .weight_hashes import HASH_FILE, WeightIntegrityError, verify_weight_hashes
 
 for _k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
@@ -239,9 +248,6 @@ def load_model(model_dir: Path, device: str, dtype: torch.dtype, mlp_impl: str |
     """(model, tokenizer, tokenizer source) of a save_pretrained folder, refusing what would give wrong
     scores: weight files that fail their SHA-256, weights that do not fit the config (unless allow_partial),
     a tokenizer with ids beyond the embedding, mlp_impl="cuda" off a GPU."""
-    from safetensors import SafetensorError
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     try:  # registers sparse_llama with the Auto classes; plain Llama works without it
         from sfl import models  # noqa: F401
     except Exception as e:  # noqa: BLE001 - a broken models/ must not block evaluating plain HF models
@@ -272,8 +278,6 @@ def load_model(model_dir: Path, device: str, dtype: torch.dtype, mlp_impl: str |
     try:
         tok = AutoTokenizer.from_pretrained(tok_src)
     except (OSError, ValueError, TypeError):
-        from sfl.data import require
-
         tok_src = str(require("tokenizer", data_dir).tokenizer)  # models saved without tokenizer files
         tok = AutoTokenizer.from_pretrained(tok_src)
     check_vocab(model, tok, tok_src)
@@ -341,10 +345,9 @@ def evaluate(model_dir: Path, settings: LmEvalSettings, batch_size: int, device:
              dtype: str, mlp_impl: str | None, eval_dir: Path, data_dir: str | None = None,
              twell_mode: str | None = None, allow_partial: bool = False) -> tuple[dict[str, Any], LmEvalOutput]:
     """Run lm-eval on the settings' tasks; returns the eval.json dict (without writing it) and lm-eval's output."""
+    # optional dependency (the eval extra): lm-eval is imported by the modes that run it
     import lm_eval
     from lm_eval.models.huggingface import HFLM
-
-    from .provenance import collect
 
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but no GPU is visible; use --device cpu")
@@ -406,10 +409,9 @@ def _run_lm_eval(lm: Any, settings: LmEvalSettings, eval_dir: Path) -> LmEvalOut
     the lm-eval CLI's include dir) -> per-task metrics, per-document 0/1 scores, and the samples if asked for.
     lm-eval always logs samples here (cheap: tens of MB at most for the full 7 tasks): the per-doc scores come
     from them."""
+    # optional dependency (the eval extra): lm-eval is imported by the modes that run it
     import lm_eval
     from lm_eval.tasks import TaskManager
-
-    from sfl.data.lm_tasks import TASK_SPLITS, lm_eval_name, write_tasks
 
     with tempfile.TemporaryDirectory(prefix="sfl_tasks_") as td:
         write_tasks(eval_dir, Path(td), settings.tasks)
@@ -436,8 +438,6 @@ def per_doc_scores(samples: list[dict], n: int) -> dict[str, Any]:
     """lm-eval's logged samples of one task -> {"acc": "0110...", "acc_norm": ... | None, "docs_sha256"}:
     character i is document i's 0/1 score. docs_sha256 hashes each document's doc, prompt (few-shot context
     included) and target hashes in order, so two eval.json files can be checked to hold the same requests."""
-    import hashlib
-
     rows = sorted(samples, key=lambda s: s["doc_id"])
     if [s["doc_id"] for s in rows] != list(range(n)):
         raise RuntimeError(f"lm-eval logged doc ids {[s['doc_id'] for s in rows][:10]}... for {n} documents; "
@@ -459,9 +459,8 @@ def per_doc_scores(samples: list[dict], n: int) -> dict[str, Any]:
 
 def write_samples(out: Path, samples: dict[str, list[dict]]) -> list[Path]:
     """lm-eval's logged samples, one JSON line per document, as the lm-eval CLI's samples_<task>_*.jsonl."""
+    # optional dependency (the eval extra): lm-eval is imported by the modes that run it
     from lm_eval.utils import handle_non_serializable
-
-    from sfl.data.lm_tasks import lm_eval_name
 
     files = []
     for t, rows in samples.items():
@@ -477,8 +476,6 @@ def write_samples(out: Path, samples: dict[str, list[dict]]) -> list[Path]:
 
 def vocab_digest(tok: Any) -> str:
     """sha256 of the tokenizer's vocabulary (token -> id): the export and the scorer must share it."""
-    import hashlib
-
     vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
 
@@ -488,6 +485,7 @@ def _split_lm(kind: str, model: torch.nn.Module, tok: Any, table: dict | None = 
 
     Everything before that call -- the tasks' requests, lm-eval's own tokenisation (trailing spaces moved
     into the continuation, the empty-context prefix token) -- is lm-eval's unchanged code."""
+    # optional dependency (the eval extra): lm-eval is imported by the modes that run it
     from lm_eval.models.huggingface import HFLM
 
     class SplitHFLM(HFLM):
@@ -516,10 +514,8 @@ def _split_lm(kind: str, model: torch.nn.Module, tok: Any, table: dict | None = 
 def export_requests(model_dir: Path, settings: LmEvalSettings, eval_dir: Path, path: Path,
                     data_dir: str | None = None) -> dict[str, Any]:
     """Split eval, step 1: every loglikelihood request of the tasks, tokenised by lm-eval's HFLM."""
+    # optional dependency (the eval extra): lm-eval is imported by the modes that run it
     import lm_eval
-
-    from .loglik import save_requests
-    from .provenance import collect
 
     # only the tokenizer and config are used here, so weights that do not fit the config do not matter
     model, tok, tok_src = load_model(model_dir, "cpu", torch.float32, None, data_dir, allow_partial=True)
@@ -537,11 +533,6 @@ def score(model_dir: Path, requests_path: Path, out: Path, device: str, dtype: s
           max_tokens: int, data_dir: str | None = None, twell_mode: str | None = None,
           allow_partial: bool = False) -> dict[str, Any]:
     """Split eval, step 2 (no lm-eval): score the requests with the model; writes scores.npz/.json."""
-    import numpy as np
-
-    from .loglik import load_requests, save_scores, score_requests
-    from .provenance import collect
-
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but no GPU is visible; use --device cpu")
     reqs = load_requests(requests_path)
@@ -578,10 +569,8 @@ def replay(scores_path: Path, requests_path: Path, model_dir: Path | None, eval_
            data_dir: str | None = None, log_samples: bool = False) -> tuple[dict[str, Any], LmEvalOutput]:
     """Split eval, step 3: lm-eval's metrics from scored requests; returns the eval.json dict and lm-eval's
     output (tasks, limit and num_fewshot are the export's)."""
+    # optional dependency (the eval extra): lm-eval is imported by the modes that run it
     import lm_eval
-
-    from .loglik import load_requests, load_scores
-    from .provenance import collect
 
     reqs = load_requests(requests_path)
     ll, greedy, smeta = load_scores(scores_path)
@@ -638,8 +627,6 @@ def format_table(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    from sfl.data import paths
-    from sfl.data.lm_tasks import parse_tasks
 
     try:
         tasks = parse_tasks(a.tasks)
@@ -659,8 +646,6 @@ def main(argv: list[str] | None = None) -> int:
     if a.model is None and a.replay is None:
         raise SystemExit("--model is required (except with --replay)")
     if not a.score:  # every mode but --score reads the eval files: check them before loading a model
-        from sfl.data import DataNotPrepared
-        from sfl.data.lm_tasks import EvalDataError, check_eval_files
         try:
             check_eval_files(eval_dir.resolve(), tasks)
         except (EvalDataError, DataNotPrepared, FileNotFoundError) as e:

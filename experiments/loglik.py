@@ -25,6 +25,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from .rundir import tmp_name
 
@@ -130,8 +131,6 @@ def score_requests(model: torch.nn.Module, reqs: Requests, device: str | torch.d
     makes the padding invisible to the real positions. `recorder` (an evaluate.NnzRecorder) counts
     non-zeros over the real positions only.
     """
-    from tqdm import tqdm
-
     n = len(reqs)
     seqs_len = np.minimum(reqs.offsets[1:] - reqs.offsets[:-1], max_length + 1) - 1  # model input lengths
     if (reqs.cont_len > max_length).any():

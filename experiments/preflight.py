@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from sfl.kernels.loader import KernelUnavailableError, load_twell
+
 from .checkpoint import KEEP as CKPT_KEEP
 from .config import ConfigError
 
@@ -29,7 +31,6 @@ def check_kernels(mlp_impl: str, device: torch.device, device_key: str) -> None:
                else f"device={device_key!r}")
         raise ConfigError(f"config key mlp_impl='cuda' needs a CUDA GPU but {why}; on this machine train with "
                           "mlp_impl: dense (or reference, the slow pure-PyTorch TwELL path)")
-    from sfl.kernels.loader import KernelUnavailableError, load_twell
     try:
         load_twell()
     except KernelUnavailableError as e:

@@ -1,15 +1,22 @@
 """Provenance for every logged result: where, when and with what code a number was produced."""
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import hashlib
+import io
 import json
 import os
 import platform
 import socket
 import subprocess
+import sys
+import tarfile
+import tempfile
 from pathlib import Path
 from typing import Any
+
+import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,10 +49,6 @@ def source_tree_hash(root: Path = REPO_ROOT) -> str:
 
 def tree_hash_at(commit: str) -> str | None:
     """source_tree_hash of a commit's tree (git archive into a temp dir), or None when git does not know it."""
-    import io
-    import tarfile
-    import tempfile
-
     top = _git("ls-tree", "--name-only", commit)  # archive only the code dirs that exist at that commit
     dirs = [d for d in _CODE_DIRS if top and d in top.split("\n")]
     if not dirs:
@@ -111,8 +114,6 @@ def verify(paths: list[Path]) -> list[tuple[Path, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
     ap = argparse.ArgumentParser(prog="python -m sfl.experiments.provenance",
                                  description="verify LOG...: does each log's source_tree_hash equal its commit's?")
     ap.add_argument("cmd", choices=["verify"])
@@ -132,8 +133,6 @@ def collect(extra: dict[str, Any] | None = None) -> dict[str, Any]:
     $SFL_GIT_COMMIT (and $SFL_GIT_DIRTY) names the commit then (run scripts export it), and a differing local
     HEAD is kept as git_head_local.
     """
-    import torch
-
     # An exported SFL_GIT_COMMIT wins: the GPU machine's copy can hold a stale .git (the checkout's base commit,
     # with the local commits as uncommitted changes), so rev-parse there names the wrong commit.
     local = _git("rev-parse", "HEAD")
@@ -158,7 +157,7 @@ def collect(extra: dict[str, Any] | None = None) -> dict[str, Any]:
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "gpu_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
     }
-    try:
+    try:  # optional here: the kernels' calibration records provenance where only torch is installed
         import transformers
 
         info["transformers"] = transformers.__version__
@@ -170,6 +169,4 @@ def collect(extra: dict[str, Any] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    import sys
-
     sys.exit(main())

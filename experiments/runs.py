@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from .config import DEFAULTS, ConfigError, _check_keys, _parse_set, load_config, read_yaml
 from .rundir import RunDirError, RunLock, tmp_name
 
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
@@ -35,8 +36,6 @@ _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 def merge_configs(paths: list[str], sets: list[str]) -> dict[str, Any]:
     """Flat merge of YAML files then key=value overrides; keys checked against experiments.config."""
-    from .config import ConfigError, _check_keys, _parse_set, read_yaml
-
     cfg: dict[str, Any] = {}
     for p in paths:
         loaded = read_yaml(p) or {}
@@ -185,8 +184,6 @@ def same_run(saved: dict[str, Any] | None, cfg: dict[str, Any]) -> bool:
     """True when a run logged with config `saved` is the run that `cfg` (resolved, experiments.config) asks for:
     equal in every key but SAME_RUN_IGNORES (grad_accum too when global_batch_size sets it). A key the saved
     config lacks (added to train.py after that run) counts as its default."""
-    from .config import DEFAULTS
-
     if saved is None:
         return False
     ignore = set(SAME_RUN_IGNORES) | ({"grad_accum"} if cfg.get("global_batch_size") is not None else set())
@@ -344,7 +341,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {summarize(p)}")
         return 0
     if a.cmd == "pick-dir":
-        from .config import ConfigError, load_config
         try:
             cfg = load_config(a.config, [f"out_dir={a.base_dir}"])
         except (ConfigError, OSError) as e:

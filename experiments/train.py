@@ -34,8 +34,9 @@ if __name__ == "__main__" and any(a == "-h" or a.startswith("--h") for a in sys.
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 from tqdm import tqdm  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
+from transformers import AutoTokenizer, LlamaForCausalLM  # noqa: E402
 
 from .checkpoint import (HF_SUBDIR, RunWriteError, atomic_write_text, ckpt_root, clean_torn_checkpoints,  # noqa: E402
                          find_latest, list_checkpoints, load_checkpoint, os_error_of, remove_dir, write_failure,
@@ -47,9 +48,11 @@ from .distributed import (Dist, accumulation_context, clip_grad_norm, eval_path,
                           resolve_grad_accum, restore_trackers, resume_config_view, save_checkpoint_dcp,
                           unsharded_copy, wrap_model)
 from .preflight import check_disk_space, check_kernels  # noqa: E402
+from .provenance import collect  # noqa: E402
 from .rundir import RunDirError, RunLock, clean_stale_temps, tmp_name  # noqa: E402
 from .runs import read_rows  # noqa: E402
 from sfl.models import SparseLlamaConfig, SparseLlamaForCausalLM  # noqa: E402
+from sfl.models.convert import relufy  # noqa: E402
 
 # Keys that may change between a checkpoint and its resumption without breaking exactness.
 RESUME_MUTABLE = {"max_steps", "log_every", "eval_every", "eval_batches", "ckpt_every", "progress", "device",
@@ -125,9 +128,6 @@ def build_model(cfg: dict[str, Any], data_vocab: int, eos_id: int | None, dead_w
             raise ConfigError(f"config key init_from={str(src)!r}: no config.json there")
         model_type = json.loads((src / "config.json").read_text()).get("model_type")
         if model_type == "llama":
-            from transformers import LlamaForCausalLM
-
-            from sfl.models.convert import relufy
             model = relufy(LlamaForCausalLM.from_pretrained(src, dtype=torch.float32), **sparsity)
         elif model_type == SparseLlamaConfig.model_type:
             # config kwargs are applied before the model is built (and validated there)
@@ -252,8 +252,6 @@ def optimizer_step(fwd_model: torch.nn.Module, batch: torch.Tensor, cfg: dict[st
 
 def weights_finite(model: torch.nn.Module, d: Dist) -> bool:
     """Whether every parameter entry is finite, on all ranks (FSDP2: each checks its shards)."""
-    from torch.distributed.tensor import DTensor
-
     bad = torch.zeros((), device=next(model.parameters()).device)
     for p in model.parameters():
         local = p.to_local() if isinstance(p, DTensor) else p
@@ -442,191 +440,256 @@ def train(cfg: dict[str, Any], resume: bool = False, resume_from: int | None = N
 
 def _train(cfg: dict[str, Any], resume: bool, d: Dist, device: torch.device, t_start: float,
            resume_from: int | None = None) -> dict[str, Any]:
+    """The run inside the lock: set-up, resume, the log's first line, the loop and finalisation, in this order."""
     d.init(device)
-    out_dir = Path(cfg["out_dir"])
-    log_path = out_dir / "train_log.jsonl"
+    run = _Run(cfg, d, device, t_start)
+    ckpt_dir = run.prepare_out_dir(resume, resume_from)
+    run.load_data()
+    run.build()
+    log_lines = run.restore(ckpt_dir, resume_from) if ckpt_dir is not None else 0
+    run.open_log(log_lines, resumed=ckpt_dir is not None)
+    last_saved = run.loop(resumed=ckpt_dir is not None)
+    return run.finish(last_saved)
 
-    if d.main:
-        for stale in clean_stale_temps(out_dir, ckpt_root(out_dir)):
-            print(f"removed {stale} (a temporary file of an interrupted process)", file=sys.stderr)
-        for torn in clean_torn_checkpoints(out_dir):
-            print(f"removed {torn} (a checkpoint half-deleted by an interrupted process)", file=sys.stderr)
-    d.barrier()
-    ckpt_dir = pick_checkpoint(out_dir, resume_from) if resume else None
-    if d.main:
-        if not resume and (log_path.exists() or find_latest(out_dir) is not None):
-            raise ConfigError(f"out_dir={str(out_dir)!r} already holds a run; pass --resume to continue it "
-                              "or choose another out_dir")
-        out_dir.mkdir(parents=True, exist_ok=True)
-        if resume and ckpt_dir is None:
-            print(f"--resume: no checkpoint in {out_dir}, starting from scratch", file=sys.stderr)
-            log_path.unlink(missing_ok=True)  # killed before its first checkpoint: the run restarts whole
-    d.barrier()
 
-    data = TokenData(Path(cfg["data_dir"]) / cfg["tokens_subdir"], cfg["seq_len"], cfg["data_order"], d.world)
-    data_fp = rank0_check(d, data.fingerprint)  # checksums + id range of every shard (one read)
-    cfg = {**cfg, "grad_accum": resolve_grad_accum(cfg, d.world)}
-    mbs, accum, seq = cfg["micro_batch_size"], cfg["grad_accum"], cfg["seq_len"]
-    tokens_per_step_rank = mbs * accum * seq
-    tokens_per_step = tokens_per_step_rank * d.world
-    dead_window = local_dead_window(cfg, d.world, tokens_per_step_rank)  # per rank
-    n_val = cfg["eval_batches"] * mbs
-    if n_val > data.n_val_windows and d.main:
-        print(f"note: val split has only {data.n_val_windows} windows of {seq + 1} tokens; evaluating on all of "
-              f"them instead of eval_batches*micro_batch_size={n_val}", file=sys.stderr)
-    val_windows = data.val_windows(min(n_val, data.n_val_windows))  # DataError if the val split is too small
-    tokenizer_dir = Path(cfg["data_dir"]) / "tokenizer"
-    if cfg["save_final"] or cfg["ckpt_hf"]:  # copied beside every saved model: a broken one would fail there
-        rank0_check(d, lambda: check_tokenizer(tokenizer_dir))
+class _Run:
+    """The state of one training run in this process, shared by the steps `_train` takes. The loop advances
+    `step` and the counters; every checkpoint saves them, and a resume restores them."""
 
-    seed_everything(cfg["seed"])
-    model = build_model(cfg, data.vocab_size, data.meta.get("eos_id"), dead_window).to(device)
-    model.train()
-    n_params = sum(p.numel() for p in model.parameters())
-    rank0_check(d, lambda: check_disk_space(out_dir, model, len(list_checkpoints(out_dir)), cfg["save_final"],
-                                            cfg["ckpt_hf"]))
-    fwd_model = wrap_model(model, cfg, d, device)  # before the optimizer: FSDP2 replaces parameters by shards
-    opt = torch.optim.AdamW(param_groups(model, cfg["weight_decay"]), lr=cfg["lr"], betas=tuple(cfg["betas"]),
-                            eps=cfg["eps"])
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(cfg, s) / cfg["lr"])
+    def __init__(self, cfg: dict[str, Any], d: Dist, device: torch.device, t_start: float) -> None:
+        self.cfg, self.d, self.device, self.t_start = cfg, d, device, t_start
+        self.out_dir = Path(cfg["out_dir"])
+        self.log_path = self.out_dir / "train_log.jsonl"
+        self.step, self.wall_prev, self.n_reinit, self.n_skips = 0, 0.0, 0, 0
 
-    step, wall_prev, n_reinit, log_lines, n_skips = 0, 0.0, 0, 0, 0
-    if ckpt_dir is not None:
+    # ----------------------------------------------------------------------------------- set-up
+    def prepare_out_dir(self, resume: bool, resume_from: int | None) -> Path | None:
+        """Clear what interrupted processes left and refuse an out_dir holding a run unless resuming; returns
+        the checkpoint a resume starts from (None: from scratch)."""
+        d, out_dir, log_path = self.d, self.out_dir, self.log_path
+        if d.main:
+            for stale in clean_stale_temps(out_dir, ckpt_root(out_dir)):
+                print(f"removed {stale} (a temporary file of an interrupted process)", file=sys.stderr)
+            for torn in clean_torn_checkpoints(out_dir):
+                print(f"removed {torn} (a checkpoint half-deleted by an interrupted process)", file=sys.stderr)
+        d.barrier()
+        ckpt_dir = pick_checkpoint(out_dir, resume_from) if resume else None
+        if d.main:
+            if not resume and (log_path.exists() or find_latest(out_dir) is not None):
+                raise ConfigError(f"out_dir={str(out_dir)!r} already holds a run; pass --resume to continue it "
+                                  "or choose another out_dir")
+            out_dir.mkdir(parents=True, exist_ok=True)
+            if resume and ckpt_dir is None:
+                print(f"--resume: no checkpoint in {out_dir}, starting from scratch", file=sys.stderr)
+                log_path.unlink(missing_ok=True)  # killed before its first checkpoint: the run restarts whole
+        d.barrier()
+        return ckpt_dir
+
+    def load_data(self) -> None:
+        """The token data (fingerprinted once, on rank 0), the batch sizes, the val windows, the tokenizer check."""
+        cfg, d = self.cfg, self.d
+        data = self.data = TokenData(Path(cfg["data_dir"]) / cfg["tokens_subdir"], cfg["seq_len"],
+                                     cfg["data_order"], d.world)
+        self.data_fp = rank0_check(d, data.fingerprint)  # checksums + id range of every shard (one read)
+        cfg = self.cfg = {**cfg, "grad_accum": resolve_grad_accum(cfg, d.world)}
+        mbs, accum, seq = cfg["micro_batch_size"], cfg["grad_accum"], cfg["seq_len"]
+        tokens_per_step_rank = mbs * accum * seq
+        self.tokens_per_step = tokens_per_step_rank * d.world
+        self.dead_window = local_dead_window(cfg, d.world, tokens_per_step_rank)  # per rank
+        n_val = cfg["eval_batches"] * mbs
+        if n_val > data.n_val_windows and d.main:
+            print(f"note: val split has only {data.n_val_windows} windows of {seq + 1} tokens; evaluating on all "
+                  f"of them instead of eval_batches*micro_batch_size={n_val}", file=sys.stderr)
+        self.val_windows = data.val_windows(min(n_val, data.n_val_windows))  # DataError if the val split is too small
+        self.tokenizer_dir = Path(cfg["data_dir"]) / "tokenizer"
+        if cfg["save_final"] or cfg["ckpt_hf"]:  # copied beside every saved model: a broken one would fail there
+            rank0_check(d, lambda: check_tokenizer(self.tokenizer_dir))
+
+    def build(self) -> None:
+        """The seeded model, the disk-space check, the wrapped model (DDP or FSDP2), AdamW and its schedule."""
+        cfg, d = self.cfg, self.d
+        seed_everything(cfg["seed"])
+        model = self.model = build_model(cfg, self.data.vocab_size, self.data.meta.get("eos_id"),
+                                         self.dead_window).to(self.device)
+        model.train()
+        self.n_params = sum(p.numel() for p in model.parameters())
+        rank0_check(d, lambda: check_disk_space(self.out_dir, model, len(list_checkpoints(self.out_dir)),
+                                                cfg["save_final"], cfg["ckpt_hf"]))
+        self.fwd_model = wrap_model(model, cfg, d, self.device)  # before the optimizer: FSDP2 replaces parameters
+        self.opt = torch.optim.AdamW(param_groups(model, cfg["weight_decay"]), lr=cfg["lr"],
+                                     betas=tuple(cfg["betas"]), eps=cfg["eps"])
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_at(cfg, s) / cfg["lr"])
+
+    # ----------------------------------------------------------------------------------- resume
+    def restore(self, ckpt_dir: Path, resume_from: int | None) -> int:
+        """Load a checkpoint after checking that it may be resumed with this config and data; returns the
+        number of log lines it was written after (rank 0; 0 elsewhere)."""
+        cfg, d, out_dir = self.cfg, self.d, self.out_dir
         # CPU: RNG states must stay CPU ByteTensors; load_state_dict moves weights/optimizer state to device.
         state = load_checkpoint(ckpt_dir, map_location="cpu", model=False)
         check_resume_config(state["config"], resume_config_view(state["config"], state["world_size"], cfg, d.world))
         if state["step"] > cfg["max_steps"]:
             raise ConfigError(f"--resume: the newest checkpoint in {out_dir} is at step {state['step']}, past "
                               f"max_steps={cfg['max_steps']}; resume with max_steps >= {state['step']}")
-        mismatch = rank0_check(d, lambda: data.fingerprint_mismatch(state["data"]))
+        mismatch = rank0_check(d, lambda: self.data.fingerprint_mismatch(state["data"]))
         if mismatch is not None:
             raise DataError(f"--resume: the data differ from the checkpoint's: {mismatch}")
-        load_model_and_optimizer(ckpt_dir, state, model, opt)  # any world size, DDP or FSDP2
-        if not weights_finite(model, d):  # written by a version that saved without checking
-            raise TrainingDiverged(f"checkpoint {ckpt_dir} holds non-finite weights: resume from an earlier one with "
-                                   f"--resume-from STEP (kept: {checkpoint_names(out_dir)})")
-        sched.load_state_dict(state["scheduler"])
-        restore_trackers(model, state["trackers"], d)
+        load_model_and_optimizer(ckpt_dir, state, self.model, self.opt)  # any world size, DDP or FSDP2
+        if not weights_finite(self.model, d):  # written by a version that saved without checking
+            raise TrainingDiverged(f"checkpoint {ckpt_dir} holds non-finite weights: resume from an earlier one "
+                                   f"with --resume-from STEP (kept: {checkpoint_names(out_dir)})")
+        self.sched.load_state_dict(state["scheduler"])
+        restore_trackers(self.model, state["trackers"], d)
         rngs = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]
         set_rng_state(rngs[d.rank % len(rngs)])  # another world size: nothing in training draws from these
-        step, wall_prev = state["step"], state["wall_s"]
-        n_reinit = state.get("counters", {}).get("reinit_neurons", 0)  # re-initialised since the last step line
+        self.step, self.wall_prev = state["step"], state["wall_s"]
+        self.n_reinit = state.get("counters", {}).get("reinit_neurons", 0)  # re-initialised since the last step line
+        log_lines = 0
         if d.main:
             if resume_from is not None:
-                drop_newer_than(out_dir, step)
-            log_lines = truncate_log(log_path, step, state.get("log_lines"))
-        n_skips = state.get("counters", {}).get("nonfinite_skips", 0)
-        del state
+                drop_newer_than(out_dir, self.step)
+            log_lines = truncate_log(self.log_path, self.step, state.get("log_lines"))
+        self.n_skips = state.get("counters", {}).get("nonfinite_skips", 0)
+        return log_lines
 
-    log = JsonlLog(log_path, d.main, lines=log_lines)
-    from .provenance import collect
-    # what a run's numbers depend on besides its config: the processes, the kernels' settings, the exact data
-    data_info = {"tokens_dir": str(data.dir), "tokenizer": data.meta.get("tokenizer"), **(data_fp or {})}
-    setup = {"world_size": d.world, "kernel_config": model.config.get_kernel_config().to_dict(), "data": data_info}
-    if ckpt_dir is None:
-        mc = model.config  # the built model's shape (with init_from the arch keys of cfg are not used)
-        arch = {k: getattr(mc, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                                            "num_attention_heads", "vocab_size", "gated_mlp")}
-        log.write({"type": "header", "provenance": collect(), "config": cfg, "model": arch, "n_params": n_params,
-                   **setup})
-    else:  # a resume may run on another number of processes, or with other kernel settings
-        log.write({"type": "resume", "step": step, "provenance": collect(), **setup})
+    # ----------------------------------------------------------------------------------- provenance
+    def open_log(self, log_lines: int, resumed: bool) -> None:
+        """Open the log and write its header (a new run) or a resume line: what a run's numbers depend on
+        besides its config: the code and machine, the processes, the kernels' settings, the exact data."""
+        d, data, model = self.d, self.data, self.model
+        self.log = JsonlLog(self.log_path, d.main, lines=log_lines)
+        data_info = {"tokens_dir": str(data.dir), "tokenizer": data.meta.get("tokenizer"), **(self.data_fp or {})}
+        setup = {"world_size": d.world, "kernel_config": model.config.get_kernel_config().to_dict(), "data": data_info}
+        if not resumed:
+            mc = model.config  # the built model's shape (with init_from the arch keys of cfg are not used)
+            arch = {k: getattr(mc, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                                "num_attention_heads", "vocab_size", "gated_mlp")}
+            self.log.write({"type": "header", "provenance": collect(), "config": self.cfg, "model": arch,
+                            "n_params": self.n_params, **setup})
+        else:  # a resume may run on another number of processes, or with other kernel settings
+            self.log.write({"type": "resume", "step": self.step, "provenance": collect(), **setup})
 
-    if cfg["compile"]:
-        fwd_model = torch.compile(fwd_model)
+    # ----------------------------------------------------------------------------------- the loop
+    def loop(self, resumed: bool) -> int:
+        """Train to max_steps, with the log, eval and checkpoint lines on their schedules; returns the step of
+        the last checkpoint (-1: none since the start of a new run)."""
+        cfg, d, model = self.cfg, self.d, self.model
+        if cfg["compile"]:
+            self.fwd_model = torch.compile(self.fwd_model)
+        accum = cfg["grad_accum"]
+        params = [p for p in model.parameters() if p.requires_grad]
+        clip = cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf")
+        bar = tqdm(total=cfg["max_steps"], initial=self.step, disable=not (cfg["progress"] and d.main),
+                   desc="train", dynamic_ncols=True)
+        self.t_log, self.tok_log = time.time(), 0
+        last_saved = self.step if resumed else -1
+        while self.step < cfg["max_steps"]:
+            coeff = l1_coeff_at(cfg, self.step)
+            lr = self.opt.param_groups[0]["lr"]
+            batch = self.data.train_batch(cfg["seed"], self.step, d.rank, cfg["micro_batch_size"] * accum)
+            model.reset_sparsity_stats(dead_tracker=False)
+            sums, grad_norm, stepped = optimizer_step(self.fwd_model, batch, cfg, coeff, self.device, params, clip,
+                                                      self.opt, self.sched, d)
+            coeff = model.last_losses.get("l1_coeff", coeff)  # the coefficient the forward applied, as logged
+            if cfg["dead_reinit_lambda"] > 0:
+                self.n_reinit += reinit_dead(model, cfg, self.step, self.dead_window, d)
+            self.step += 1
+            step = self.step
+            self.tok_log += self.tokens_per_step
+            bar.update(1)
+            self.n_skips = 0 if stepped else self.n_skips + 1
+            if not stepped:
+                note_skip(self.log, d, cfg, self.out_dir, step, sums / accum, grad_norm, self.n_skips)
 
-    def checkpoint_state(done: int) -> dict[str, Any]:
+            if step % cfg["log_every"] == 0 or step == cfg["max_steps"]:
+                self.log_step(sums / accum, grad_norm, coeff, lr, bar)
+            if cfg["eval_every"] and step % cfg["eval_every"] == 0 and step < cfg["max_steps"]:
+                self.log_eval()
+            if cfg["ckpt_every"] and step % cfg["ckpt_every"] == 0 and step < cfg["max_steps"]:
+                self.save(step)
+                last_saved = step
+        bar.close()
+        return last_saved
+
+    def log_step(self, mean: torch.Tensor, grad_norm: torch.Tensor, coeff: float, lr: float, bar: tqdm) -> None:
+        """The step line: losses (mean over ranks), sparsity over all ranks, throughput since the last line."""
+        cfg, d, step = self.cfg, self.d, self.step
+        rank0_check(d, lambda: check_data_unchanged(self.data, self.out_dir, step))
+        loss, ce, l1v = (d.all_mean(mean)).tolist()
+        st = global_sparsity_stats(self.model, d, self.dead_window)  # over all ranks
+        now = time.time()
+        line = {"type": "step", "step": step, "tokens": step * self.tokens_per_step, "loss": loss, "ce": ce,
+                "l1": l1v, "l1_coeff": coeff, "lr": lr, "grad_norm": float(grad_norm),
+                "tokens_per_s": self.tok_log / max(now - self.t_log, 1e-9), "nnz_mean": st["nnz_mean"],
+                "nnz_max": st["nnz_max"], "dead_frac": st["dead_frac"],
+                "nnz_mean_per_layer": st["nnz_mean_per_layer"], "nnz_max_per_layer": st["nnz_max_per_layer"],
+                "dead_frac_per_layer": st["dead_frac_per_layer"]}
+        if cfg["dead_reinit_lambda"] > 0:
+            line["reinit_neurons"], self.n_reinit = self.n_reinit, 0
+        if self.device.type == "cuda":
+            line["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        self.log.write(line)
+        bar.set_postfix(loss=f"{loss:.3f}", ce=f"{ce:.3f}", nnz=f"{st['nnz_mean']:.1f}")
+        self.t_log, self.tok_log = now, 0
+
+    def log_eval(self) -> float:
+        """Evaluate on the val windows and write the eval line; returns the val CE."""
+        val_ce, val_nnz = evaluate(self.model, self.val_windows, self.cfg, self.device, self.d, self.dead_window)
+        self.log.write({"type": "eval", "step": self.step, "val_ce": val_ce, "val_nnz_mean": val_nnz})
+        return val_ce
+
+    def checkpoint_state(self, done: int) -> dict[str, Any]:
         """Everything but model and optimizer (those go through DCP); collective when world > 1."""
+        d, cfg = self.d, self.cfg
         rngs = [None] * d.world
         if d.world > 1:
             dist.all_gather_object(rngs, rng_state())
         else:
             rngs = [rng_state()]
-        return {"step": done, "scheduler": sched.state_dict(), "trackers": gather_trackers(model, d),
+        return {"step": done, "scheduler": self.sched.state_dict(), "trackers": gather_trackers(self.model, d),
                 "rng": rngs, "sampler": {"kind": f"stateless(seed, step, rank), order {cfg['data_order']}",
                                          "seed": cfg["seed"], "next_step": done},
-                "data": data_fp, "world_size": d.world, "config": cfg,
-                "wall_s": wall_prev + time.time() - t_start,
+                "data": self.data_fp, "world_size": d.world, "config": cfg,
+                "wall_s": self.wall_prev + time.time() - self.t_start,
                 # what a resume needs to write the log an uninterrupted run writes
-                "log_lines": log.lines, "counters": {"reinit_neurons": n_reinit, "nonfinite_skips": n_skips}}
+                "log_lines": self.log.lines,
+                "counters": {"reinit_neurons": self.n_reinit, "nonfinite_skips": self.n_skips}}
 
-    def save(done: int) -> None:
+    def save(self, done: int) -> None:
+        """Checkpoint the state after step `done` (collective), never one with non-finite weights."""
+        d, model = self.d, self.model
         if not weights_finite(model, d):  # never a checkpoint that cannot be resumed from
             raise TrainingDiverged(f"the weights after step {done} are not finite, so no checkpoint was written; "
-                                   f"{diverged_advice(out_dir)}")
-        rank0_check(d, lambda: check_data_unchanged(data, out_dir, done))
-        state = checkpoint_state(done)
+                                   f"{diverged_advice(self.out_dir)}")
+        rank0_check(d, lambda: check_data_unchanged(self.data, self.out_dir, done))
+        state = self.checkpoint_state(done)
         if d.main:
-            log.sync()
+            self.log.sync()
         write_hf = None
-        if cfg["ckpt_hf"]:  # a from_pretrained-able copy of the same weights beside the training state
+        if self.cfg["ckpt_hf"]:  # a from_pretrained-able copy of the same weights beside the training state
             plain = unsharded_copy(model, d) if is_sharded(model) else model  # collective under FSDP2
-            write_hf = lambda tmp: write_pretrained(plain, tmp / HF_SUBDIR, tokenizer_dir)  # noqa: E731
-        save_checkpoint_dcp(out_dir, done, model, opt, state, d, write_hf)  # collective: every rank writes its shards
+            write_hf = lambda tmp: write_pretrained(plain, tmp / HF_SUBDIR, self.tokenizer_dir)  # noqa: E731
+        # collective: every rank writes its shards
+        save_checkpoint_dcp(self.out_dir, done, model, self.opt, state, d, write_hf)
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    clip = cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf")
-    bar = tqdm(total=cfg["max_steps"], initial=step, disable=not (cfg["progress"] and d.main), desc="train",
-               dynamic_ncols=True)
-    t_log, tok_log = time.time(), 0
-    last_saved = step if ckpt_dir is not None else -1
-    while step < cfg["max_steps"]:
-        coeff = l1_coeff_at(cfg, step)
-        lr = opt.param_groups[0]["lr"]
-        batch = data.train_batch(cfg["seed"], step, d.rank, mbs * accum)
-        model.reset_sparsity_stats(dead_tracker=False)
-        sums, grad_norm, stepped = optimizer_step(fwd_model, batch, cfg, coeff, device, params, clip, opt, sched, d)
-        coeff = model.last_losses.get("l1_coeff", coeff)  # the coefficient the forward applied, as logged
-        if cfg["dead_reinit_lambda"] > 0:
-            n_reinit += reinit_dead(model, cfg, step, dead_window, d)
-        step += 1
-        tok_log += tokens_per_step
-        bar.update(1)
-        n_skips = 0 if stepped else n_skips + 1
-        if not stepped:
-            note_skip(log, d, cfg, out_dir, step, sums / accum, grad_norm, n_skips)
-
-        if step % cfg["log_every"] == 0 or step == cfg["max_steps"]:
-            rank0_check(d, lambda: check_data_unchanged(data, out_dir, step))
-            loss, ce, l1v = (d.all_mean(sums / accum)).tolist()
-            st = global_sparsity_stats(model, d, dead_window)  # over all ranks
-            now = time.time()
-            line = {"type": "step", "step": step, "tokens": step * tokens_per_step, "loss": loss, "ce": ce,
-                    "l1": l1v, "l1_coeff": coeff, "lr": lr, "grad_norm": float(grad_norm),
-                    "tokens_per_s": tok_log / max(now - t_log, 1e-9), "nnz_mean": st["nnz_mean"],
-                    "nnz_max": st["nnz_max"], "dead_frac": st["dead_frac"],
-                    "nnz_mean_per_layer": st["nnz_mean_per_layer"], "nnz_max_per_layer": st["nnz_max_per_layer"],
-                    "dead_frac_per_layer": st["dead_frac_per_layer"]}
-            if cfg["dead_reinit_lambda"] > 0:
-                line["reinit_neurons"], n_reinit = n_reinit, 0
-            if device.type == "cuda":
-                line["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-            log.write(line)
-            bar.set_postfix(loss=f"{loss:.3f}", ce=f"{ce:.3f}", nnz=f"{st['nnz_mean']:.1f}")
-            t_log, tok_log = now, 0
-        if cfg["eval_every"] and step % cfg["eval_every"] == 0 and step < cfg["max_steps"]:
-            val_ce, val_nnz = evaluate(model, val_windows, cfg, device, d, dead_window)
-            log.write({"type": "eval", "step": step, "val_ce": val_ce, "val_nnz_mean": val_nnz})
-        if cfg["ckpt_every"] and step % cfg["ckpt_every"] == 0 and step < cfg["max_steps"]:
-            save(step)
-            last_saved = step
-    bar.close()
-
-    if last_saved != step:
-        save(step)  # before the final evaluation: a failure there never loses the training
-    val_ce, val_nnz = evaluate(model, val_windows, cfg, device, d, dead_window)
-    log.write({"type": "eval", "step": step, "val_ce": val_ce, "val_nnz_mean": val_nnz})
-    wall = wall_prev + time.time() - t_start
-    final = {"type": "final", "step": step, "val_ce": val_ce, "wall_s": wall}
-    if cfg["save_final"]:
-        plain = unsharded_copy(model, d) if is_sharded(model) else model  # FSDP2: gathered on rank 0
-        if d.main:
-            save_final(plain, out_dir / "final", Path(cfg["data_dir"]))
-    log.write(final)
-    log.sync()
-    log.close()
-    d.close()
-    return final
+    # ----------------------------------------------------------------------------------- finalisation
+    def finish(self, last_saved: int) -> dict[str, Any]:
+        """The last checkpoint, the final evaluation, the final model and the log's final line."""
+        cfg, d = self.cfg, self.d
+        if last_saved != self.step:
+            self.save(self.step)  # before the final evaluation: a failure there never loses the training
+        val_ce = self.log_eval()
+        wall = self.wall_prev + time.time() - self.t_start
+        final = {"type": "final", "step": self.step, "val_ce": val_ce, "wall_s": wall}
+        if cfg["save_final"]:
+            plain = unsharded_copy(self.model, d) if is_sharded(self.model) else self.model  # FSDP2: gathered on rank 0
+            if d.main:
+                save_final(plain, self.out_dir / "final", Path(cfg["data_dir"]))
+        self.log.write(final)
+        self.log.sync()
+        self.log.close()
+        d.close()
+        return final
 
 
 def save_final(model: SparseLlamaForCausalLM, dest: Path, data_dir: Path) -> None:

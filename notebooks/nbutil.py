@@ -28,6 +28,7 @@ import math
 import os
 import re
 import sys
+import textwrap
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +48,9 @@ if not in_notebook():
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
+
+from sfl.experiments.paired_eval import change_with_interval  # noqa: E402
+from sfl.experiments.runs import config_name, mean_ci95  # noqa: E402
 
 # One look for every figure: seaborn's theme (white grid, a colour-blind-safe palette), set when a notebook
 # imports these helpers. Notebooks draw with seaborn's plots where they fit, matplotlib where they do not.
@@ -408,8 +412,6 @@ def change_interval(base: dict[str, Any] | None, other: dict[str, Any] | None, k
     """Mean-accuracy change other - base (points) with its 95% paired-bootstrap interval over documents, as
     '-0.37 [-1.21, +0.48]', from the eval.json files' per-document scores; 'n/a (no per-document log)' when either
     file predates them (an interval is never made up for an old log). experiments/paired_eval.py has the method."""
-    from sfl.experiments.paired_eval import change_with_interval
-
     return change_with_interval(base, other, metric=key, n_boot=PAIRED_BOOT)
 
 
@@ -544,8 +546,6 @@ def dead_window_comparable(logs: Sequence[TrainLog]) -> bool:
 def seed_groups(logs: Sequence[TrainLog]) -> dict[str, list[TrainLog]]:
     """Runs by configuration (the run name without its `_seed<N>` suffix), seed 0 (no suffix) first: the repeats
     a mean and interval are taken over. Order of first appearance."""
-    from sfl.experiments.runs import config_name
-
     groups: dict[str, list[TrainLog]] = {}
     for lg in logs:
         groups.setdefault(config_name(lg.name), []).append(lg)
@@ -556,8 +556,6 @@ def seed_groups(logs: Sequence[TrainLog]) -> dict[str, list[TrainLog]]:
 
 def mean_ci(values: Sequence[float]) -> tuple[float, float, int]:
     """(mean, half-width of the 95% t-interval, n) over the finite values (experiments/runs.py mean_ci95)."""
-    from sfl.experiments.runs import mean_ci95
-
     return mean_ci95(list(values))
 
 
@@ -818,6 +816,7 @@ def save_figure(fig: plt.Figure, name: str, caption: str = "", *, scale: str = S
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     if in_notebook():
+        # IPython only inside a notebook: a plain process never loads it (in_notebook reads sys.modules)
         from IPython.display import Image, display
 
         display(Image(filename=str(path)))
@@ -825,8 +824,6 @@ def save_figure(fig: plt.Figure, name: str, caption: str = "", *, scale: str = S
 
 
 def _wrap(text: str, width: int) -> str:
-    import textwrap
-
     return "\n".join(textwrap.fill(par, width) for par in text.split("\n"))
 
 

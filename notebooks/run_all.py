@@ -16,6 +16,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import nbformat
+from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
+from jupyter_client.manager import KernelManager
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+from tqdm import tqdm
+
 NOTEBOOK_DIR = Path(__file__).resolve().parent
 REPO_ROOT = NOTEBOOK_DIR.parent
 
@@ -37,9 +44,6 @@ def notebooks(only: list[str] | None = None) -> list[Path]:
 
 def _kernel_manager():
     """A KernelManager that starts `sys.executable -m ipykernel_launcher`, whatever kernelspecs exist."""
-    from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
-    from jupyter_client.manager import KernelManager
-
     class _ThisInterpreter(KernelSpecManager):
         def get_kernel_spec(self, kernel_name: str) -> KernelSpec:  # noqa: ARG002 - one kernel only
             return KernelSpec(argv=[sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
@@ -51,10 +55,6 @@ def _kernel_manager():
 
 def execute(path: Path, timeout: int = 600, keep_dir: Path | None = None) -> tuple[bool, str]:
     """Run one notebook; returns (ok, message). The executed copy goes to `keep_dir` if given, else is dropped."""
-    import nbformat
-    from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError
-
     for attempt in range(2):
         nb = nbformat.read(path, as_version=4)
         client = NotebookClient(nb, km=_kernel_manager(), timeout=timeout, startup_timeout=180, allow_errors=False,
@@ -77,8 +77,6 @@ def execute(path: Path, timeout: int = 600, keep_dir: Path | None = None) -> tup
 
 def run(only: list[str] | None = None, keep_dir: Path | None = None, timeout: int = 600) -> dict[str, tuple[bool, str]]:
     """Execute the selected notebooks in order; returns {name: (ok, message)} and writes paper_tables/INDEX.md."""
-    from tqdm import tqdm
-
     os.environ.setdefault("MPLBACKEND", "Agg")
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ.setdefault(var, "1")
@@ -92,10 +90,10 @@ def run(only: list[str] | None = None, keep_dir: Path | None = None, timeout: in
             ok, msg = execute(p, timeout=timeout, keep_dir=keep_dir or Path(tmp))
             results[p.stem] = (ok, msg if not ok else f"ok in {time.time() - t0:.1f}s")
     sys.path.insert(0, str(REPO_ROOT))
-    from . import nbutil
+    from . import nbutil  # here, not at the top: pandas and matplotlib load only when a run needs them
 
     nbutil.write_index()
-    from . import claims  # the README's claims table, from the tables just written
+    from . import claims  # the README's claims table, from the tables just written (it loads pandas too)
 
     try:
         claims.main()

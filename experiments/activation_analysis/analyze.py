@@ -33,6 +33,14 @@ for _k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from sfl.kernels import ffn
+from sfl.kernels.config import KernelConfig
+from sfl.models import SparseLlamaForCausalLM
+
+from ..data_loader import TokenData
+from ..provenance import collect
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MIN_TOKEN_FREQ = 2.0 ** -14
@@ -78,9 +86,6 @@ class ActivityRecorder:
 
 
 def load_model(model_dir: Path, device: torch.device):
-    from sfl import models  # noqa: F401  (registers sparse_llama)
-    from sfl.models import SparseLlamaForCausalLM
-
     cfg_path = model_dir / "config.json"
     if not cfg_path.is_file():
         raise SystemExit(f"--model {model_dir}: no config.json; pass a save_pretrained dir such as "
@@ -99,8 +104,6 @@ def decode_token(tok: Any, token_id: int) -> str:
 @torch.no_grad()  # the inference kernels refuse grad-requiring weights (they have no backward)
 def time_layers(model: torch.nn.Module, xs: list[torch.Tensor], reps: int = 20, warmup: int = 5) -> list[dict[str, Any]]:
     """Per layer: median ms of the dense FFN (three cuBLAS GEMMs) and of kernels.ffn on the same bf16 input."""
-    from sfl.kernels import ffn
-
     out = []
     for mlp, x in zip(model.sparse_mlps(), xs):
         wg = mlp.gate_proj.weight.to(torch.bfloat16).contiguous() if mlp.gated else None
@@ -112,7 +115,6 @@ def time_layers(model: torch.nn.Module, xs: list[torch.Tensor], reps: int = 20, 
         else:
             dense = lambda: F.linear(F.relu(F.linear(x, wu)), wd)  # noqa: E731
             sparse = lambda mode="auto": ffn.sparse_nongated_ffn(x, wu, wd, mode=mode)  # noqa: E731
-        from sfl.kernels.config import KernelConfig
 
         for _ in range(3):   # auto dispatch measures the layer on its first calls
             sparse()
@@ -155,9 +157,6 @@ def replace_rows(path: Path, model_name: str, rows: list[dict[str, Any]]) -> Non
 
 def analyze(model_dir: Path, name: str, out_dir: Path, tokens: int, seq_len: int, batch: int, device: str,
             data_dir: str | None, figure: str | None, timing: bool) -> dict[str, Any]:
-    from ..data_loader import TokenData
-    from ..provenance import collect
-
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        ("cpu" if device == "auto" else device))
     model = load_model(model_dir, dev)
@@ -168,7 +167,6 @@ def analyze(model_dir: Path, name: str, out_dir: Path, tokens: int, seq_len: int
     n_win = min(max(1, tokens // seq_len), data.n_val_windows)
     windows = data.val_windows(n_win)
     try:
-        from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(model_dir if (model_dir / "tokenizer.json").is_file() else ddir / "tokenizer")
     except (OSError, ValueError) as e:
         print(f"note: no tokenizer ({e}); tokens are reported by id", file=sys.stderr)

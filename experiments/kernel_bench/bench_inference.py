@@ -27,10 +27,19 @@ import statistics
 import sys
 import time
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before huggingface_hub loads (through sfl.models)
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from sfl.kernels.config import KernelConfig
+from sfl.kernels.ffn import sparse_gated_ffn, sparse_nongated_ffn, twell_d2t
+from sfl.kernels.twell import ops
+from sfl.models.hot_cold import HOT_CANDIDATES, fastest_count, rotate_ms
+
+from ..provenance import collect
+
 DEV = "cuda"
 BF = torch.bfloat16
 
@@ -48,7 +57,6 @@ def shift_for(p: torch.Tensor, sigma: float = 0.0) -> torch.Tensor:
     normal = torch.distributions.Normal(torch.tensor(0.0, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64))
     if sigma == 0.0:
         return normal.icdf(1.0 - p).float()
-    import numpy as np
 
     nodes, weights = np.polynomial.hermite_e.hermegauss(48)   # E over z ~ N(0,1) of f(z) = sum(w f(nodes)) / sum(w)
     s = torch.exp(sigma * torch.from_numpy(nodes))
@@ -63,16 +71,11 @@ def shift_for(p: torch.Tensor, sigma: float = 0.0) -> torch.Tensor:
 
 def base_config():
     """The run's KernelConfig: the defaults with SFL_KERNEL_* applied, read once (the kernels read no environment)."""
-    from sfl.kernels.config import KernelConfig
-
     return KernelConfig.from_env()
 
 
 def ffn_call(x, w_gate, w_up, w_down, cfg, stats=None):
     """(fn, plan): fn() runs one FFN call through the op with its own plan (w_gate None: non-gated block)."""
-    from sfl.kernels.ffn import sparse_gated_ffn, sparse_nongated_ffn
-    from sfl.kernels.twell import ops
-
     plan = ops.Plan(cfg)
     if w_gate is not None:
         return (lambda: sparse_gated_ffn(x, w_gate, w_up, w_down, plan=plan, stats=stats)), plan
@@ -80,8 +83,6 @@ def ffn_call(x, w_gate, w_up, w_down, cfg, stats=None):
 
 
 def fused_d2t_supported() -> bool:
-    from sfl.kernels.twell import ops
-
     return bool(ops.load().d2t_gemm_supported(torch.cuda.current_device()))
 
 
@@ -196,8 +197,6 @@ def sparse_phases(timer: "Timer", x, wg, wu, wd, slots: int, reps: int) -> dict:
     with the bytes the gathers move: d2t (the fused gate GEMM writing TwELL), up_down (up and down in one kernel, the
     path below KernelConfig.up_list_min_m), up_list and down_slices (the two kernels from it). pairs = stored
     token-neuron entries of the unflagged rows; each moves a W_u and a W_dT row (K * 2 bytes each)."""
-    from sfl.kernels.twell import ops
-
     ext = ops.load()
     M, K = x.shape
     N = wg.shape[0]
@@ -225,8 +224,6 @@ def hot_cold(timer: "Timer", x, wg, wu, wd, cfg, reps: int, dense_fn, ref32) -> 
     rotation with the L2 flushed, medians of 7; 0 unless another is 3% faster), then that call timed against dense
     in rotation. The weights are permuted copies (the same function); errors against the row's dense bf16 output
     and its fp32 sample (the first rows)."""
-    from sfl.models.hot_cold import HOT_CANDIDATES, fastest_count, rotate_ms
-
     rate = (F.linear(x[:8192], wg) > 0).float().mean(0)
     order = torch.argsort(rate, descending=True, stable=True)
     wg_p, wu_p, wd_p = wg[order].contiguous(), wu[order].contiguous(), wd[:, order].contiguous()
@@ -286,10 +283,6 @@ def calibrate(out: str, kind: str = "gated", cfg=None, Ms: list[int] | None = No
     than our dense path; the benchmark compares against HF). kind: gated (K 2048, N 5632 -> KernelConfig.crossover)
     or nongated (K 2048, N 8192 -> KernelConfig.crossover_nongated). Ms / acts replace the default grid (e.g. decode
     sizes at higher activity, where the default grid ends before sparse stops winning)."""
-    from ..provenance import collect
-    from sfl.kernels.ffn import sparse_gated_ffn, sparse_nongated_ffn
-    from sfl.kernels.twell import ops
-
     cfg = cfg or base_config()
     prov = collect({"kernel_config": cfg.to_dict(), "calibration": True})
     timer = Timer()
@@ -386,8 +379,6 @@ def explore(cfg=None) -> int:
     decode_tiles_per_warp (with the fused and row decode paths off, so that path runs). (Compaction v1, the up/down
     grid cap and the unfused decode path left the runtime: the an earlier comparisons that chose against them are in
     results/kernel_bench.)"""
-    from sfl.kernels.ffn import twell_d2t
-
     cfg = cfg or base_config()
     timer = Timer()
     K, N = 2048, 5632
@@ -429,10 +420,6 @@ def explore(cfg=None) -> int:
 def d2t_compare(out: str, cfg=None) -> int:
     """The two d2t variants side by side (fused tensor-core GEMM with the TwELL epilogue vs cuBLAS gate GEMM +
     compaction), the cuBLAS gate GEMM alone, and the whole forced-sparse block with each, against dense; JSONL."""
-    from ..provenance import collect
-    from sfl.kernels.ffn import sparse_gated_ffn, twell_d2t
-    from sfl.kernels.twell import ops
-
     cfg = cfg or base_config()
     prov = collect({"kernel_config": cfg.to_dict(), "mode": "d2t_compare"})
     timer = Timer()
@@ -507,10 +494,6 @@ def overlap_probe(out: str, cfg=None) -> int:
     (one CTA each), so it is capped at `ctas` CTAs and the rest of the SMs are left to the up/down kernels of the
     previous chunk, issued on a second stream. Forced-sparse composition of the same kernels as the op (uniform
     profile, no flagged rows, checked against the op's output), gated, K 2048, N 5632, M 65536; JSONL."""
-    from ..provenance import collect
-    from sfl.kernels.ffn import sparse_gated_ffn
-    from sfl.kernels.twell import ops
-
     cfg = (cfg or base_config()).replace(mode="sparse", slots=32)   # the probe's buffers hold 32 slots
     prov = collect({"kernel_config": cfg.to_dict(), "mode": "overlap_probe"})
     ext = ops.load()
@@ -599,7 +582,6 @@ def main(argv: list[str] | None = None) -> int:
         return calibrate(args.out, args.kind, cfg, args.calib_ms, args.calib_acts)
     if args.overhead:
         return overhead(cfg)
-    from ..provenance import collect
 
     prov = collect({"kernel_config": cfg.to_dict()})
     timer = Timer()
@@ -703,8 +685,6 @@ def main(argv: list[str] | None = None) -> int:
                 # breakdown: cuBLAS gate GEMM alone; d2t fused (default on sm_90: tensor-core GEMM with the TwELL
                 # epilogue) and cuBLAS + compaction; forced sparse with the cuBLAS d2t, whole and chunked by
                 # gate_scratch_mb (compaction v1 and the d2t-alone chunking knob are gone)
-                from sfl.kernels.ffn import twell_d2t
-
                 cublas = cfg.replace(d2t="cublas")
                 row["gate_gemm_ms"] = timer.time(lambda: torch.mm(x, wg.t()), reps)
                 row["d2t_ms"] = timer.time(lambda: twell_d2t(x, wg, cfg.slots, config=cfg), reps)

@@ -23,6 +23,12 @@ import time
 import torch
 import torch.nn.functional as F
 
+from sfl.kernels import reference as ref
+from sfl.kernels.config import KernelConfig
+from sfl.kernels.train import ops
+from sfl.kernels.train_ffn import DispatchState, sparse_gated_ffn_train
+
+from ..provenance import collect
 from .bench_inference import Timer  # same method: CUDA events, L2 flush, median
 
 DEV = "cuda"
@@ -62,8 +68,6 @@ def rel(a, b):
 
 
 def run_config(M, K, N, p, heavy, reps, timer, check_fp32, cfg=None, down_layout="neuron_major"):
-    from sfl.kernels.train_ffn import DispatchState, sparse_gated_ffn_train
-
     x, (wg, wu, wd), gy = make_case(M, K, N, p, heavy, seed=int(p * 1e5) + M + int(heavy * 1e4))
     params = [t.clone().requires_grad_(True) for t in (x, wg, wu, wd)]  # dense: HF's nn.Linear layouts
     # ours: W_d in the model's layout for mlp_impl="cuda" (kernels/layout.py), the same values
@@ -181,9 +185,6 @@ def run_config(M, K, N, p, heavy, reps, timer, check_fp32, cfg=None, down_layout
 def light_rows_case(M, K, N, p, seed=7):
     """make_case's inputs and the op's forward outputs at the ELL width a layer's second call takes (call_width):
     what the per-kernel timings (profile_phases, the lab A/Bs of single kernels) run the backward kernels on."""
-    from sfl.kernels.train import ops
-    from sfl.kernels.train_ffn import DispatchState
-
     x, (wg, wu, wd), gy = make_case(M, K, N, p, 0.0, seed=seed)
     nnz0 = ops.ffn_fwd(x, wg, wu, wd, 128, 128, 1.0 / (M * N), M, M, False, "cuda")[5]
     st = DispatchState()
@@ -194,9 +195,6 @@ def light_rows_case(M, K, N, p, seed=7):
 
 def profile_phases(M, K, N, p, reps, timer):
     """Per-kernel times of the sparse path (CUDA events), with the bytes each must move, for the README."""
-    from sfl.kernels import reference as ref
-    from sfl.kernels.train import ops
-
     ext = ops.load_ext()
     x, (wg, wu, wd), gy, out = light_rows_case(M, K, N, p)
     y, l1, ell_col, ell_a, ell_u, nnz, flag, brow, backup = out[:9]
@@ -282,9 +280,6 @@ def main(argv=None):
                     help="W_d's storage for our op: the model's (mlp_impl='cuda', kernels/layout.py) or nn.Linear's; "
                          "dense autograd always gets nn.Linear's, as HF users have it")
     args = ap.parse_args(argv)
-    from sfl.kernels.config import KernelConfig
-
-    from ..provenance import collect
 
     cfg = KernelConfig.from_env()  # SFL_KERNEL_TRAIN_* overrides, read once (the op reads no environment)
     prov = collect({"kernel_config": cfg.to_dict()})

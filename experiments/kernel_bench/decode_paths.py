@@ -17,14 +17,13 @@ from sfl.experiments.provenance import collect
 from sfl.kernels.config import KernelConfig
 from sfl.kernels.ffn import sparse_gated_ffn
 from sfl.kernels.twell import ops
+from sfl.models.hot_cold import rotate_ms
 
 BF = torch.bfloat16
 
 
 def rotate(timer: Timer, fns: dict, reps: int) -> dict:
     """Medians of fns timed in rotation, the L2 flushed before each call (no warm-up: the callers' own)."""
-    from sfl.models.hot_cold import rotate_ms
-
     return rotate_ms(fns, reps, before=timer.flush_buf.zero_, warmup=False)
 
 

@@ -26,13 +26,23 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+from sfl.kernels import reference
+from sfl.kernels.config import KernelConfig
+from sfl.kernels.loader import load_twell
+from sfl.kernels.train_ffn import DispatchState, sparse_gated_ffn_train
+from sfl.kernels.twell import ops
+
+from ..provenance import collect
+from .bench_inference import Timer, dense_gated, dense_nongated, ffn_call, make_case, make_weights
+from .bench_training import dense_block
+from .bench_training import make_case as make_train_case
 
 DEV, BF = "cuda", torch.bfloat16
 
 
 def _write(out_dir: str, name: str, rows: list[dict], cfg=None) -> None:
-    from ..provenance import collect
-
     prov = collect({"kernel_config": cfg.to_dict()} if cfg is not None else {})
     with open(os.path.join(out_dir, name), "a") as f:
         for r in rows:
@@ -40,9 +50,6 @@ def _write(out_dir: str, name: str, rows: list[dict], cfg=None) -> None:
 
 
 def compact(out_dir: str, seeds: int, max_rows: int) -> None:
-    from sfl.kernels import reference
-    from sfl.kernels.loader import load_twell
-
     ext = load_twell()
     rows_out = []
     t0 = time.time()
@@ -101,8 +108,6 @@ def host_us(fn, n: int = 20) -> float:
 
 
 def kernel_table(fn) -> list[dict]:
-    from torch.profiler import ProfilerActivity, profile
-
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -117,11 +122,6 @@ def kernel_table(fn) -> list[dict]:
 
 
 def gap(out_dir: str, cfg) -> None:
-    from .bench_inference import Timer, dense_gated, ffn_call, make_case, make_weights
-    from .bench_training import dense_block
-    from .bench_training import make_case as make_train_case
-    from sfl.kernels.train_ffn import DispatchState, sparse_gated_ffn_train
-
     timer = Timer()
     K, N = 2048, 5632
     wg32, wu32, wd32 = make_weights(K, N)
@@ -151,7 +151,6 @@ def gap(out_dir: str, cfg) -> None:
                 print(k, json.dumps(rec[k][:8]), flush=True)
             rows.append(rec)
     with torch.no_grad():   # non-gated (N = 8192): HF's linear-relu-linear against our dense path, kernel by kernel
-        from .bench_inference import dense_nongated
 
         wn32 = make_weights(K, 8192, seed=1)
         wdn = wn32[2].to(BF)
@@ -161,7 +160,6 @@ def gap(out_dir: str, cfg) -> None:
             ours_dense, _ = ffn_call(x, None, wun, wdn, cfg.replace(mode="dense"))
             g = torch.mm(x, wun.t())
             relu_torch = lambda: torch.relu(g)  # noqa: E731
-            from sfl.kernels.loader import load_twell
             ext = load_twell()
             e_i, e_l = torch.empty(0, device=DEV, dtype=torch.int32), torch.empty(0, device=DEV)
             st2 = torch.zeros(2, device=DEV, dtype=torch.int64)
@@ -219,9 +217,6 @@ def gap(out_dir: str, cfg) -> None:
 
 
 def sparse(out_dir: str, cfg) -> None:
-    from .bench_inference import Timer, ffn_call, make_case, make_weights
-    from sfl.kernels.twell import ops
-
     ext = ops.load()
     timer = Timer()
     K, N, M, S = 2048, 5632, 65536, 32
@@ -265,7 +260,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=40)
     ap.add_argument("--max-rows", type=int, default=65536)
     a = ap.parse_args(argv)
-    from sfl.kernels.config import KernelConfig
 
     cfg = KernelConfig.from_env()   # SFL_KERNEL_* overrides, read once
     os.makedirs(a.out, exist_ok=True)

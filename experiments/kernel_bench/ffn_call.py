@@ -16,6 +16,12 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+from sfl.kernels.ffn import TwELLGatedMLP
+from sfl.models import SparseLlamaConfig
+from sfl.models.modeling_sparse_llama import SparseLlamaMLP
 
 from ..provenance import collect
 
@@ -31,13 +37,6 @@ def make_weights(K: int, N: int, p: float, seed: int):
 
 
 def sides(K: int, N: int, p: float):
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaMLP
-
-    from sfl.kernels.ffn import TwELLGatedMLP
-    from sfl.models import SparseLlamaConfig
-    from sfl.models.modeling_sparse_llama import SparseLlamaMLP
-
     wg, wu, wd = make_weights(K, N, p, seed=K + N)
     hf = LlamaMLP(LlamaConfig(hidden_size=K, intermediate_size=N, hidden_act="relu", mlp_bias=False))
     ours = SparseLlamaMLP(SparseLlamaConfig(hidden_size=K, intermediate_size=N, mlp_impl="cuda", num_attention_heads=8,

@@ -50,6 +50,14 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from sfl.kernels.config import KernelConfig
+from sfl.kernels.twell import ops
+from sfl.models import SparseLlamaConfig, SparseLlamaForCausalLM
+
+from ..activation_analysis.analyze import time_layers
+from ..data_loader import TokenData
+from ..provenance import collect
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PAPER_SCALES = {8: "0.5B", 18: "1B", 28: "1.5B", 38: "2B"}
 # Mean non-zeros per token per layer at L1 = 2e-5 (paper §4.2 [2]: 39 at 0.5B, 29 at 1.5B, 24 at 2B); the 1B
@@ -67,7 +75,7 @@ class EnergyMeter:
         self.method: str | None = None
         self.handle = None
         try:
-            import pynvml  # provided by the nvidia-ml-py package
+            import pynvml  # optional dependency (the nvidia-ml-py package, on GPU machines)
         except ImportError:
             self.note = "pynvml not importable: pip install nvidia-ml-py"
             return
@@ -132,8 +140,6 @@ def _dense_ffn(mlp, x: torch.Tensor, l1_terms=None) -> torch.Tensor:
 def _sparse_ffn(mlp, x: torch.Tensor, l1_terms=None) -> torch.Tensor:
     """The model's CUDA inference call without its statistics: one op call with the layer's plan (its KernelConfig,
     dispatch history and W_d^T cache)."""
-    from sfl.kernels.twell import ops
-
     ops.ensure_loaded()   # registers the op's CUDA kernels (one dict lookup once loaded)
     wg = mlp.gate_proj.weight if mlp.gated else None
     return ops.ffn(x, wg, mlp.up_proj.weight, mlp.down_proj.weight, mlp.plan)
@@ -142,8 +148,6 @@ def _sparse_ffn(mlp, x: torch.Tensor, l1_terms=None) -> torch.Tensor:
 def use_kernel_config(model, sparse_mode: str, environ: dict[str, str] | None = None):
     """Give every layer a fresh plan from the model's KernelConfig with SFL_KERNEL_* (`environ`, read once by main)
     applied and mode = sparse_mode; returns that config."""
-    from sfl.kernels.config import KernelConfig
-
     cfg = KernelConfig.from_env(model.config.get_kernel_config(), environ=environ or {}).replace(mode=sparse_mode)
     model.set_kernel_config(cfg)
     return cfg
@@ -355,8 +359,6 @@ def layer_times(model, ids: torch.Tensor) -> list[dict[str, Any]]:
     """Per layer on ids' tokens (the paper's per-layer speed contribution, App. D.3): non-zeros per token and the
     median ms of the dense FFN, of the sparse op with auto dispatch and with every call forced through TwELL
     (activation_analysis.time_layers)."""
-    from ..activation_analysis.analyze import time_layers
-
     xs = mlp_inputs(model, ids)
     with torch.inference_mode():  # xs are inference tensors: no autograd on them
         nnz = [float((F.linear(x, (m.gate_proj if m.gated else m.up_proj).weight) > 0).sum(dim=1).float().mean())
@@ -446,8 +448,6 @@ def build_paper_model(n_layers: int, device: torch.device, dtype: torch.dtype, s
     """Random-weight SparseLlama with the paper's shapes; residual dimension 0 carries a per-vocab constant
     (nothing writes to it: row 0 of every o_proj and down_proj is zero), which gives the gates an exact bias
     channel for calibrate_paper_model."""
-    from sfl.models import SparseLlamaConfig, SparseLlamaForCausalLM
-
     torch.manual_seed(seed)
     cfg = SparseLlamaConfig(vocab_size=49152, hidden_size=2048, intermediate_size=5632, num_hidden_layers=n_layers,
                             num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=2048,
@@ -460,8 +460,6 @@ def build_paper_model(n_layers: int, device: torch.device, dtype: torch.dtype, s
 
 def small_paper_like_model(n_layers: int, hidden: int, n: int, heads: int, vocab: int, device: torch.device):
     """Same construction at toy sizes (tests, CPU)."""
-    from sfl.models import SparseLlamaConfig, SparseLlamaForCausalLM
-
     cfg = SparseLlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=n, num_hidden_layers=n_layers,
                             num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=512,
                             tie_word_embeddings=True, gated_mlp=True, mlp_impl="dense")
@@ -567,8 +565,6 @@ def require_cuda() -> torch.device:
 
 def val_ids(n_seq: int, seq_len: int, data_dir: str | None) -> torch.Tensor:
     """[n_seq, seq_len + 1] validation windows."""
-    from ..data_loader import TokenData
-
     ddir = Path(data_dir or os.environ.get("SFL_DATA_DIR") or REPO_ROOT / ".data")
     data = TokenData(ddir / "tokens", seq_len)
     if data.n_val_windows < n_seq:
@@ -585,9 +581,6 @@ def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def run_trained(a: argparse.Namespace) -> list[dict[str, Any]]:
-    from sfl import models  # noqa: F401
-    from sfl.models import SparseLlamaForCausalLM
-
     dev = require_cuda()
     mdir = Path(a.model)
     if not (mdir / "config.json").is_file():
@@ -660,8 +653,6 @@ def _summary(r: dict[str, Any]) -> str:
 
 def measure_all(model, ids: torch.Tensor, a: argparse.Namespace, dev: torch.device, *, name: str,
                 paper_scale: str | None, l1: float | None, extra: dict[str, Any], train: bool = True) -> list[dict]:
-    from ..provenance import collect
-
     meter = EnergyMeter(dev.index if dev.index is not None else torch.cuda.current_device())
     kcfg = use_kernel_config(model, a.sparse_mode, getattr(a, "kernel_env", None))
     act = activity(model, ids[:, :-1])

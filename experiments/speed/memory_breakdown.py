@@ -27,6 +27,7 @@ from typing import Any, Iterator
 import torch
 
 from ..provenance import collect
+from .bench import PAPER_NNZ, build_paper_model, calibrate_paper_model, paper_profile
 from .train_throughput import as_side, ffn_dispatch, ffn_paths
 
 CATEGORIES = ("ffn", "attention", "norm", "embedding", "lm_head+loss", "parameters")
@@ -121,8 +122,6 @@ def measure(model, ids: torch.Tensor, warmup: int = 2) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .bench import build_paper_model, calibrate_paper_model, paper_profile, PAPER_NNZ
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--micro-batch", type=int, default=8)

@@ -26,6 +26,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from sfl.kernels.config import KernelConfig
+from sfl.models.hot_cold import calibrate_hot_neurons_
 
 from ..provenance import collect
 from .bench import build_paper_model, calibrate_paper_model, paper_profile, require_cuda
@@ -33,8 +39,6 @@ from .bench import build_paper_model, calibrate_paper_model, paper_profile, requ
 
 def dense_twin(sparse) -> torch.nn.Module:
     """HF's LlamaForCausalLM (ReLU) with the sparse model's weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     c = sparse.config
     cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
                       num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
@@ -60,9 +64,6 @@ def gpu_seconds(fn: Callable[[], Any], top: int = 0, label: str = "") -> float:
     """Summed device time of the kernels and copies one call runs (CUDA-graph replays included), from the profiler:
     beside the wall time it shows how much of a generate() step is host work that both sides pay. top > 0 also
     prints that many kernels by device time (lab/speed/profile_static.py)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
@@ -162,8 +163,6 @@ def main(argv: list[str] | None = None) -> int:
     hf = dense_twin(ours)
     ours.set_mlp_impl("cuda")
     if a.kernel:
-        from sfl.kernels.config import KernelConfig
-
         env = {f"SFL_KERNEL_{k.upper()}": v for k, v in (kv.split("=", 1) for kv in a.kernel)}
         ours.set_kernel_config(KernelConfig.from_env(ours.config.get_kernel_config(), environ=env))
     parts = set(a.parts.split(","))
@@ -198,7 +197,6 @@ def main(argv: list[str] | None = None) -> int:
             log([{"kind": "generate static cache (transformers compiles)", "error": repr(e)[:2000]}])
             print(f"static-cache generate failed: {e!r}", flush=True)
     if a.hot_cold:  # the same model with hot/cold layers (the same function), against the same dense twin
-        from sfl.models.hot_cold import calibrate_hot_neurons_
 
         hot = calibrate_hot_neurons_(ours, [calib[:4]], calib)
         base["hot_neurons"] = hot

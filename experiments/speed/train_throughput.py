@@ -30,8 +30,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from sfl.kernels.config import KernelConfig
+
 from .. import train as train_mod
 from ..provenance import collect
+from .bench import PAPER_NNZ, PAPER_SCALES, build_paper_model, calibrate_paper_model, paper_profile
 
 SIDES = ("dense L1=0", "dense L1", "sparse")
 EXTRA_SIDES = ("sparse forced",)  # every layer through the sparse op (what auto's thresholds are judged against)
@@ -42,8 +45,6 @@ L1_COEFF = 2e-5  # the paper's recommended L1 (the sparse recipe of its speed ta
 def as_side(model, side: str, l1_coeff: float = L1_COEFF) -> Iterator[float]:
     """The model set up as `side` trains (SIDES, or "sparse forced": every layer through the sparse op, whatever
     its activity and size); yields the side's L1 coefficient."""
-    from sfl.kernels.config import KernelConfig
-
     impl, stats, coeff = {"dense L1=0": ("dense", False, 0.0), "dense L1": ("dense", True, l1_coeff),
                           "sparse": ("cuda", True, l1_coeff), "sparse forced": ("cuda", True, l1_coeff)}[side]
     base = model.config.get_kernel_config()
@@ -282,8 +283,6 @@ def run_shape(model, ids: torch.Tensor, device: torch.device, a: argparse.Namesp
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .bench import PAPER_NNZ, PAPER_SCALES, build_paper_model, calibrate_paper_model, paper_profile
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, nargs="+", default=[8, 18, 28, 38])
     ap.add_argument("--nnz-sweep", type=float, nargs="*", default=None, help="mean non-zeros per token to sweep")
