@@ -44,6 +44,7 @@ from sfl.models.sparsity import dead_fraction, reinit_dead_rows
 from .checkpoint import (CheckpointWriteError, abort_checkpoint, begin_checkpoint, commit_checkpoint, os_error_of,
                          write_state)
 from .config import DEFAULTS, ConfigError
+from .weight_hashes import WeightIntegrityError, verify_weight_hashes, write_weight_hashes
 
 DCP_SUBDIR = "dcp"  # <checkpoint>/dcp/: model + optimizer, written by torch.distributed.checkpoint
 
@@ -384,6 +385,7 @@ def save_checkpoint_dcp(out_dir: Path, step: int, model: torch.nn.Module, opt: t
     d.barrier()
     if d.main:
         try:
+            write_weight_hashes(tmp / DCP_SUBDIR)  # checked by a resume before it loads them
             write_state(tmp, state)
             if write_extra is not None:
                 _write_extra(write_extra, tmp)
@@ -430,7 +432,12 @@ def _dcp_os_error(exc: BaseException) -> OSError | None:
 
 def load_checkpoint_dcp(ckpt_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     """Load a DCP checkpoint's model and optimizer into `model`/`opt` as they are laid out now (any world
-    size, DDP, FSDP2 or one process). Collective when world > 1."""
+    size, DDP, FSDP2 or one process), after checking its shards against the SHA-256 recorded when they were
+    written (checkpoints older than that record have none to check). Collective when world > 1."""
+    try:
+        verify_weight_hashes(Path(ckpt_dir) / DCP_SUBDIR)
+    except WeightIntegrityError as e:
+        raise ConfigError(f"--resume: {e}; or resume from an earlier checkpoint with --resume-from STEP") from None
     msd, osd = get_state_dict(model, opt)  # also creates the optimizer's state tensors to load into
     sd = {"model": msd, "optim": osd}
     with _quiet_single_process():

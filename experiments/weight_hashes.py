@@ -1,7 +1,8 @@
 """SHA-256 of every weight file of a save_pretrained folder, written beside them and checked before loading.
 
 `write_weight_hashes(dir)` records {file: {"sha256", "bytes"}} of each `*.safetensors` / `*.bin` in
-`dir/weights.sha256.json` (experiments/checkpoint.py calls it for every hf/ and final/ copy it writes);
+`dir/weights.sha256.json` (experiments/checkpoint.py calls it for every hf/ and final/ copy it writes, and
+experiments/distributed.py for every checkpoint's dcp/ shards, which a resume checks before loading);
 `verify_weight_hashes(dir)` recomputes them and raises WeightIntegrityError on any difference (a flipped
 bit, a truncated or missing file, a weight file that was not recorded). experiments/evaluate.py calls the
 verifier before it loads a model, so a damaged file is refused instead of scored.
@@ -16,7 +17,9 @@ from pathlib import Path
 from .rundir import tmp_name
 
 HASH_FILE = "weights.sha256.json"
-WEIGHT_SUFFIXES = (".safetensors", ".bin")
+# save_pretrained's weights, and a torch.distributed.checkpoint folder's shards (__<rank>_<i>.distcp) and index
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".distcp")
+WEIGHT_NAMES = (".metadata",)
 _CHUNK = 1 << 22
 
 
@@ -33,8 +36,9 @@ def sha256_file(path: Path) -> str:
 
 
 def weight_files(model_dir: Path) -> list[Path]:
-    """The weight files of a save_pretrained folder (single file or shards), sorted by name."""
-    return sorted(p for p in Path(model_dir).iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+    """The weight files of a save_pretrained or DCP folder (single file or shards), sorted by name."""
+    return sorted(p for p in Path(model_dir).iterdir()
+                  if p.is_file() and (p.name.endswith(WEIGHT_SUFFIXES) or p.name in WEIGHT_NAMES))
 
 
 def write_weight_hashes(model_dir: Path) -> Path:

@@ -158,6 +158,22 @@ def test_nonfinite_checkpoint_refused_at_resume_then_resume_from_an_earlier_one(
     assert comparable(read_log(out)) == comparable(read_log(full))
 
 
+def test_corrupted_checkpoint_shard_refused_at_resume(data_dir, tmp_path) -> None:
+    """A flipped byte in a checkpoint's DCP shard (the weights and AdamW state a resume loads) is caught by the
+    SHA-256 recorded at the save, with what to do; the earlier checkpoint still resumes."""
+    out = tmp_path / "run"
+    train_mod.train(cfg_for(data_dir, out, eval_every=0, max_steps=4))
+    shard = next((out / "checkpoints" / "step_0000004" / "dcp").glob("*.distcp"))
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    shard.write_bytes(bytes(raw))
+    config = _config(tmp_path, data_dir, out, eval_every=0, max_steps=6)
+    with pytest.raises(SystemExit, match=r"^error: --resume: .*distcp does not match the SHA-256 .*--resume-from"):
+        train_mod.main(["--config", str(config), "--resume"])
+    train_mod.main(["--config", str(config), "--resume-from", "step_2"])
+    assert _log_steps(out)[-1] == 6
+
+
 def die_at_step_5(monkeypatch) -> None:
     real = TokenData.train_batch
 
