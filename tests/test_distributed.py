@@ -111,10 +111,10 @@ def runs(tmp_path_factory, data) -> dict[str, Path]:
     init_twell.save_pretrained(root / "init_twell")
 
     out = {k: root / k for k in ("one", "fsdp", "ddp", "resumed", "resumed_one", "fsdp_bf16", "one_twell",
-                                  "fsdp_twell", "fsdp_twell_one")}
+                                  "fsdp_twell", "fsdp_twell_one", "fsdp_twell_group_of_one")}
     out.update(data=data, init=root / "init")
     sets = {k: base_sets(data, root / "init", out[k]) for k in out}
-    for k in ("one_twell", "fsdp_twell", "fsdp_twell_one"):
+    for k in ("one_twell", "fsdp_twell", "fsdp_twell_one", "fsdp_twell_group_of_one"):
         sets[k].update(init_from=str(root / "init_twell"), mlp_impl="reference")
     train_mod.train(load_config(None, as_sets({**sets["one"], **ONE_PROC})))
     torchrun({**sets["fsdp"], **FSDP})
@@ -135,6 +135,8 @@ def runs(tmp_path_factory, data) -> dict[str, Path]:
     (out["fsdp_twell_one"] / "checkpoints" / "latest.json").unlink()
     train_mod.train(load_config(None, as_sets({**sets["fsdp_twell_one"], **ONE_PROC, "parallel": "fsdp"})),
                     resume=True)
+    torchrun({**sets["fsdp_twell_group_of_one"], **ONE_PROC, "parallel": "fsdp", "activation_checkpointing": True},
+             nproc=1)  # FSDP2 over a process group of one (NPROC=1): the 1-GPU point of a scaling measurement
     return out
 
 
@@ -211,11 +213,14 @@ def test_neuron_major_down_proj_shards_resumes_and_saves(runs) -> None:
     from transformers import AutoModelForCausalLM
 
     import sfl.models  # noqa: F401
-    one, fsdp, resumed = (lines(runs[k], "step") for k in ("one_twell", "fsdp_twell", "fsdp_twell_one"))
-    assert [x["step"] for x in fsdp] == [x["step"] for x in resumed] == [1, 2, 3, 4]
-    for a, b in zip(one, fsdp):
+    one, fsdp, resumed, group_of_one = (lines(runs[k], "step") for k in ("one_twell", "fsdp_twell", "fsdp_twell_one",
+                                                                          "fsdp_twell_group_of_one"))
+    for run in (fsdp, resumed, group_of_one):
+        assert [x["step"] for x in run] == [1, 2, 3, 4]
+    for a, b, c in zip(one, fsdp, group_of_one):
         for k in COMPARED:
             assert close(a[k], b[k]), ("fsdp", a["step"], k, a[k], b[k])
+            assert close(a[k], c[k]), ("fsdp over one process", a["step"], k, a[k], c[k])
     for a, b in zip(fsdp[2:], resumed[2:]):
         for k in COMPARED:
             assert close(a[k], b[k]), ("resumed", a["step"], k, a[k], b[k])

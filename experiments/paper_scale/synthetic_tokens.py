@@ -28,9 +28,12 @@ def main() -> None:
     a = ap.parse_args()
     out = a.data_dir / "tokens_synthetic"
     rng = np.random.default_rng(a.seed)
+    def ids(n: int):
+        return rng.integers(0, a.vocab, n, dtype=np.uint16)
+
     meta = {"vocab_size": a.vocab, "eos_id": 0, "dtype": "uint16", "source": "uniform random ids (throughput only)",
-            "train": write_shards(rng.integers(0, a.vocab, a.train_tokens, dtype=np.uint16), out, "train", SHARD_TOKENS),
-            "val": write_shards(rng.integers(0, a.vocab, a.val_tokens, dtype=np.uint16), out, "val", SHARD_TOKENS)}
+            "train": write_shards(ids(a.train_tokens), out, "train", SHARD_TOKENS),
+            "val": write_shards(ids(a.val_tokens), out, "val", SHARD_TOKENS)}
     write_meta(out, meta)
     print(f"{out}: {a.train_tokens} train + {a.val_tokens} val tokens, vocab {a.vocab}")
 
