@@ -1,0 +1,26 @@
+"""experiments/paper_scale's throughput rows, read from a real (tiny, CPU) training log: the median tokens/s of the
+steps after the warm-up, per process, the activity of every step, the config and provenance; a run that did not
+finish gives a row that says so."""
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_run_safety import cfg_for, data_dir, read_log  # noqa: E402,F401
+
+from sfl.experiments import train as train_mod  # noqa: E402
+from sfl.experiments.paper_scale.throughput_rows import row  # noqa: E402
+
+
+def test_throughput_row_from_a_training_log(data_dir, tmp_path) -> None:
+    out = tmp_path / "0p5b_sparse_actrue_mpfalse_n1"
+    train_mod.train(cfg_for(data_dir, out, eval_every=0, l1_coeff=2e-5))
+    steps = [x for x in read_log(out) if x["type"] == "step"]
+    r = row(out, warm=2)
+    assert r["run"] == out.name and r["world_size"] == 1 and r["steps_timed"] == len(steps) - 2 == 4
+    assert r["tokens_per_s_per_gpu"] == statistics.median(x["tokens_per_s"] for x in steps[2:])
+    assert r["nnz_mean_steps"] == [x["nnz_mean"] for x in steps] and r["l1_coeff"] == 2e-5
+    assert r["num_hidden_layers"] == 2 and r["provenance"] and r["kernel_config"]
+    assert "did not finish" in row(tmp_path / "missing", warm=2)["error"]
