@@ -3,7 +3,7 @@
 # a tiny FSDP2 training run with the CUDA op (torchrun, one GPU: a process group of one) that checkpoints, resumes
 # and saves its final model, then the C++ config tests. Everything under $OUT.
 set -uo pipefail
-export SFL_USE_SYSTEM_PYTHON=1 PYTHONUNBUFFERED=1 MAX_JOBS=16 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export SFL_USE_SYSTEM_PYTHON=1 PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 MAX_JOBS=16 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/smoke.txt"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$OUT/smoke.txt"
 python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" | tee -a "$OUT/smoke.txt"
