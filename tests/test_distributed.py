@@ -63,6 +63,13 @@ def torchrun(sets: dict, nproc: int = 2, resume: bool = False) -> None:
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
 
 
+def rewound_copy(run: Path, dest: Path) -> None:
+    """A copy of a finished 4-step run that a resume continues from its step-2 checkpoint (kept beside step 4)."""
+    shutil.copytree(run, dest)
+    shutil.rmtree(dest / "checkpoints" / "step_0000004")
+    (dest / "checkpoints" / "latest.json").unlink()
+
+
 def read_log(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
 
@@ -121,18 +128,14 @@ def runs(tmp_path_factory, data) -> dict[str, Path]:
     torchrun({**sets["ddp"], **DDP})
     # The FSDP run rewound to its step-2 checkpoint (kept beside step 4), resumed on 2 processes and on 1.
     for k in ("resumed", "resumed_one"):
-        shutil.copytree(out["fsdp"], out[k])
-        shutil.rmtree(out[k] / "checkpoints" / "step_0000004")
-        (out[k] / "checkpoints" / "latest.json").unlink()
+        rewound_copy(out["fsdp"], out[k])
     torchrun({**sets["resumed"], **FSDP}, resume=True)
     train_mod.train(load_config(None, as_sets({**sets["resumed_one"], **ONE_PROC, "parallel": "fsdp"})), resume=True)
     torchrun({**sets["fsdp_bf16"], **FSDP, "fsdp_mixed_precision": True, "max_steps": 2, "eval_every": 0,
             "save_final": False})
     train_mod.train(load_config(None, as_sets({**sets["one_twell"], **ONE_PROC})))
     torchrun({**sets["fsdp_twell"], **FSDP})
-    shutil.copytree(out["fsdp_twell"], out["fsdp_twell_one"])
-    shutil.rmtree(out["fsdp_twell_one"] / "checkpoints" / "step_0000004")
-    (out["fsdp_twell_one"] / "checkpoints" / "latest.json").unlink()
+    rewound_copy(out["fsdp_twell"], out["fsdp_twell_one"])
     train_mod.train(load_config(None, as_sets({**sets["fsdp_twell_one"], **ONE_PROC, "parallel": "fsdp"})),
                     resume=True)
     torchrun({**sets["fsdp_twell_group_of_one"], **ONE_PROC, "parallel": "fsdp", "activation_checkpointing": True},
@@ -307,9 +310,7 @@ def test_checkpoint_from_before_dcp_still_resumes(runs, tmp_path) -> None:
     from sfl.experiments.distributed import load_checkpoint_dcp
 
     out = tmp_path / "legacy"
-    shutil.copytree(runs["one"], out)
-    shutil.rmtree(out / "checkpoints" / "step_0000004")
-    (out / "checkpoints" / "latest.json").unlink()
+    rewound_copy(runs["one"], out)
     ck = out / "checkpoints" / "step_0000002"
     state = load_checkpoint(ck)
     cfg = load_config(None, as_sets({**base_sets(runs["data"], runs["init"], out), **ONE_PROC}))
@@ -367,23 +368,21 @@ def gpu_runs(tmp_path_factory, data) -> dict[str, Any]:
     torch.manual_seed(0)
     SparseLlamaForCausalLM(SparseLlamaConfig(**GPU_SHAPE)).save_pretrained(root / "init")
     out: dict[str, Any] = {"nproc": nproc}
+
+    def sets(impl: str, run: Path, **extra: Any) -> dict:
+        return {**base_sets(data, root / "init", run), "device": "cuda", "precision": "bf16", "mlp_impl": impl,
+                "kernel": GPU_FORCED_SPARSE, "global_batch_size": 8, "micro_batch_size": 2,
+                "dead_reinit_lambda": 0.0, "activation_checkpointing": True, **extra}
+
     for impl in ("cuda", "dense"):
-        base = {**base_sets(data, root / "init", root / "x"), "device": "cuda", "precision": "bf16",
-                "mlp_impl": impl, "kernel": GPU_FORCED_SPARSE, "global_batch_size": 8, "micro_batch_size": 2,
-                "dead_reinit_lambda": 0.0, "activation_checkpointing": True}
         for name, nprocs, extra in (("one", None, {}), ("fsdp", nproc, {"parallel": "fsdp"}),
                                     ("ddp", nproc, {"parallel": "ddp"})):
             out[f"{name}_{impl}"] = root / f"{name}_{impl}"
-            gpu_train({**base, **extra, "out_dir": str(out[f"{name}_{impl}"])}, nprocs)
+            gpu_train(sets(impl, out[f"{name}_{impl}"], **extra), nprocs)
     for k, nprocs in (("resumed_cuda", nproc), ("resumed_one_cuda", None)):
         out[k] = root / k
-        shutil.copytree(out["fsdp_cuda"], out[k])
-        shutil.rmtree(out[k] / "checkpoints" / "step_0000004")
-        (out[k] / "checkpoints" / "latest.json").unlink()
-        base = {**base_sets(data, root / "init", out[k]), "device": "cuda", "precision": "bf16", "mlp_impl": "cuda",
-                "kernel": GPU_FORCED_SPARSE,
-                "global_batch_size": 8, "micro_batch_size": 2, "dead_reinit_lambda": 0.0,
-                "activation_checkpointing": True, "parallel": "fsdp"}
+        rewound_copy(out["fsdp_cuda"], out[k])
+        base = sets("cuda", out[k], parallel="fsdp")
         gpu_train(base, nprocs, resume=True)
     return out
 

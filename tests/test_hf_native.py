@@ -17,14 +17,18 @@ sys.path.insert(0, str(REPO))
 from sfl.models import SparseLlamaConfig, SparseLlamaForCausalLM  # noqa: E402
 
 
-def _tiny(tmp: Path) -> Path:
-    cfg = SparseLlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+def _tiny_saved(tmp: Path, intermediate_size: int = 64) -> tuple[SparseLlamaForCausalLM, Path]:
+    cfg = SparseLlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=intermediate_size, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
     torch.manual_seed(0)
     model = SparseLlamaForCausalLM(cfg).eval()
     out = tmp / "ckpt"
     model.save_pretrained(out)
-    return out
+    return model, out
+
+
+def _tiny(tmp: Path) -> Path:
+    return _tiny_saved(tmp)[1]
 
 
 def test_saved_config_has_auto_map_and_code(tmp_path):
@@ -66,12 +70,7 @@ def test_checkpoint_runs_dense_and_reference_without_the_project(tmp_path):
     """A checkpoint's own code (auto_map) loads and runs with only torch and transformers: in a fresh process where
     `sfl` cannot be imported, the dense forward equals the project's, and mlp_impl='reference' runs (the
     reference travels beside the modelling code); 'cuda' says what to install."""
-    cfg = SparseLlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=256, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = SparseLlamaForCausalLM(cfg).eval()
-    out = tmp_path / "ckpt"
-    model.save_pretrained(out)
+    model, out = _tiny_saved(tmp_path, intermediate_size=256)  # a whole TwELL tile, for mlp_impl='reference'
     assert (out / "twell_reference.py").is_file() and (out / "kernel_config.py").is_file()
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():

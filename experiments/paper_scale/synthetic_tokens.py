@@ -4,7 +4,7 @@ reads, only the activity does, and paper_init calibrates that on the same kind o
 
     python -m sfl.experiments.paper_scale.synthetic_tokens DATA_DIR [--train-tokens 40000000] [--vocab 49152]
 
-Writes DATA_DIR/tokens_synthetic/; DATA_DIR/tokenizer must be a prepared tokenizer (it is copied into saved models).
+Writes DATA_DIR/tokens_synthetic/ (--subdir); DATA_DIR/tokenizer must be a prepared tokenizer (it is copied into saved models).
 """
 from __future__ import annotations
 
@@ -25,8 +25,9 @@ def main() -> None:
     ap.add_argument("--val-tokens", type=int, default=2_000_000)
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--subdir", default="tokens_synthetic", help="the folder under DATA_DIR to write")
     a = ap.parse_args()
-    out = a.data_dir / "tokens_synthetic"
+    out = a.data_dir / a.subdir
     rng = np.random.default_rng(a.seed)
     def ids(n: int):
         return rng.integers(0, a.vocab, n, dtype=np.uint16)

@@ -12,7 +12,8 @@ python3 -c "from sfl.kernels.twell.ops import load; load(); from sfl.kernels.tra
   > "$OUT/build.txt" 2>&1; log "build rc=$? in $(( $(date +%s) - t0 )) s"
 python3 -m torch.distributed.run --standalone --nproc_per_node=1 tests/fsdp_eval_check.py > "$OUT/fsdp_eval.txt" 2>&1
 log "fsdp_eval rc=$?: $(grep FSDP_EVAL "$OUT/fsdp_eval.txt")"
-python3 lab/paper_scale/tiny_tokens.py .data
+python3 -m sfl.experiments.paper_scale.synthetic_tokens .data --subdir tokens_tiny --vocab 512 \
+  --train-tokens 200000 --val-tokens 20000
 run() { python3 -m torch.distributed.run --standalone --nproc_per_node=1 -m sfl.experiments.train --set data_dir=.data \
   --set tokens_subdir=tokens_tiny --set out_dir=runs/smoke_fsdp --set device=cuda --set parallel=fsdp --set mlp_impl=cuda \
   --set hidden_size=256 --set intermediate_size=1024 --set num_hidden_layers=2 --set num_attention_heads=4 \
