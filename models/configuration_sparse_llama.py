@@ -6,6 +6,8 @@ names the field instead of surfacing as a shape error deep inside a kernel.
 """
 from __future__ import annotations
 
+from typing import Any
+
 from transformers import LlamaConfig
 
 try:  # the installed project; a checkpoint's copy of this file (transformers' custom code) has a copy beside it
@@ -62,6 +64,11 @@ class SparseLlamaConfig(LlamaConfig):
     kernel_config: dict | None = None
     hot_neurons: list | None = None
     track_sparsity_stats: bool = True
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        if key == "kernel_config" and isinstance(value, KernelConfig):  # kept as a dict: configs are saved as JSON
+            value = value.to_dict()
+        super().__setattr__(key, value)
 
     def __post_init__(self, **kwargs):
         legacy = {new: kwargs.pop(old) for old, new in LEGACY_KERNEL_FIELDS.items() if old in kwargs}

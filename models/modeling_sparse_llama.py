@@ -274,7 +274,13 @@ class SparseLlamaForCausalLM(SparseLlamaPreTrainedModel, LlamaForCausalLM):
 
     @classmethod
     def from_pretrained(cls, *args: Any, **kwargs: Any) -> "SparseLlamaForCausalLM":
+        # transformers' from_pretrained takes a `kernel_config` of its own (hub kernels): ours, a dict or our
+        # KernelConfig, must not reach it, so it is applied once the model is loaded.
+        ours = kwargs.get("kernel_config")
+        ours = kwargs.pop("kernel_config") if isinstance(ours, (dict, KernelConfig)) else None
         model = super().from_pretrained(*args, **kwargs)
+        if ours is not None and isinstance(model, SparseLlamaForCausalLM):
+            model.set_kernel_config(ours)
         # Non-persistent buffers are materialised uninitialised by the loader: start counters at 0.
         if isinstance(model, SparseLlamaForCausalLM):
             model.reset_sparsity_stats()

@@ -95,3 +95,18 @@ def test_checkpoint_runs_dense_and_reference_without_the_project(tmp_path):
     torch.testing.assert_close(torch.tensor(dense), torch.tensor(want), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch.tensor(ref), torch.tensor(want), rtol=2e-2, atol=2e-3)
     assert "pip install" in cuda
+
+
+def test_from_pretrained_takes_our_kernel_config(tmp_path):
+    """Our kernel_config (a dict or KernelConfig) given to from_pretrained, directly or through the Auto class, sets
+    the model's kernels; transformers' own from_pretrained argument of that name (hub kernels) never sees it."""
+    from transformers import AutoModelForCausalLM
+
+    from sfl.models.configuration_sparse_llama import KernelConfig
+
+    path = _tiny(tmp_path)
+    for load in (SparseLlamaForCausalLM.from_pretrained, AutoModelForCausalLM.from_pretrained):
+        for given in ({"mode": "sparse", "slots": 16}, KernelConfig(mode="sparse", slots=16)):
+            model = load(path, kernel_config=given)
+            assert model.config.get_kernel_config() == KernelConfig(mode="sparse", slots=16)
+            assert all(m.kernel_config.slots == 16 for m in model.sparse_mlps())

@@ -431,9 +431,13 @@ def test_explicit_dense_is_plain_torch(ffn, M):
         for w_down in (wd, keep_down_layout(wd.t().contiguous().t())):
             y = run(ffn, x, wg, wu, w_down, gated, mode="dense")
             a = F.relu(F.linear(x, wg if gated else wu))
-            assert torch.equal(y, F.linear(a * F.linear(x, wu) if gated else a, w_down))
+            # bit for bit, NaN where torch gives NaN (make_problem's adversarial rows carry NaN/Inf inputs)
+            torch.testing.assert_close(y, F.linear(a * F.linear(x, wu) if gated else a, w_down), rtol=0, atol=0,
+                                       equal_nan=True)
             op = ops.ffn(x, wg if gated else None, wu, w_down, new_plan(gated, mode="dense"))
-            assert float((op.float() - y.float()).norm() / y.float().norm()) < 1e-2
+            fin = torch.isfinite(y).all(-1)
+            assert float((op[fin].float() - y[fin].float()).norm() / y[fin].float().norm()) < 1e-2
+            assert not bool(torch.isfinite(op[~fin]).all(-1).any())  # a non-finite row stays non-finite
 
 
 def test_row_stats_kernel(ffn):
