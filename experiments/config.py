@@ -81,6 +81,8 @@ _SPEC: dict[str, tuple[Any, str]] = {
     "eval_every": (100, "steps between val evaluations (0 = only at the end)"),
     "eval_batches": (8, "val micro-batches per evaluation (fixed sequential windows)"),
     "ckpt_every": (100, "steps between checkpoints (0 = only at the end)"),
+    "ckpt_last": (True, "checkpoint the last step; false only for runs whose training is thrown away (throughput "
+                        "runs): then the run keeps no checkpoint that ckpt_every does not ask for"),
     "out_dir": ("runs/train", "output dir (relative paths are under the repo root)"),
     "save_final": (True, "save_pretrained the final model to <out_dir>/final"),
     "ckpt_hf": (True, "also save_pretrained each checkpoint's weights into its hf/ dir (from_pretrained opens it)"),
@@ -267,7 +269,7 @@ def _check_numbers(cfg: dict[str, Any]) -> None:
     betas = cfg["betas"]
     if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(_is_num(b) and 0 <= b < 1 for b in betas)):
         raise _bad(cfg, "betas", "must be a list of two numbers in [0, 1), e.g. [0.9, 0.95]")
-    for k in ["tie_word_embeddings", "gated_mlp", "compile", "save_final", "ckpt_hf", "progress", "fsdp_mixed_precision",
+    for k in ["tie_word_embeddings", "gated_mlp", "compile", "save_final", "ckpt_last", "ckpt_hf", "progress", "fsdp_mixed_precision",
               "activation_checkpointing"]:
         if not isinstance(cfg[k], bool):
             raise _bad(cfg, k, "must be true or false")

@@ -57,8 +57,14 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(p).free
 
 
+def planned_checkpoints(cfg: dict) -> int:
+    """How many checkpoints a run from step 0 writes: every ckpt_every steps before the last, then the last one."""
+    every = (cfg["max_steps"] - 1) // cfg["ckpt_every"] if cfg["ckpt_every"] else 0
+    return every + (1 if cfg["ckpt_last"] else 0)
+
+
 def check_disk_space(out_dir: Path, model: torch.nn.Module, n_existing: int, save_final: bool,
-                     ckpt_hf: bool = False) -> None:
+                     ckpt_hf: bool = False, n_planned: int = CKPT_KEEP + 1) -> None:
     """Refuse a run whose next checkpoints and final model do not fit on out_dir's filesystem.
 
     Peak use while saving is the kept checkpoints plus the one being written, plus the final model and its
@@ -66,7 +72,8 @@ def check_disk_space(out_dir: Path, model: torch.nn.Module, n_existing: int, sav
     clearly by the checkpoint writer, with the previous checkpoint intact.
     """
     ckpt = checkpoint_bytes(model) + (final_model_bytes(model) if ckpt_hf else 0)  # + its save_pretrained copy
-    need = ckpt * max(1, CKPT_KEEP + 1 - n_existing) + (2 * final_model_bytes(model) if save_final else 0)
+    need = ckpt * min(n_planned, max(1, CKPT_KEEP + 1 - n_existing)) + (2 * final_model_bytes(model) if save_final
+                                                                         else 0)
     free = free_bytes(out_dir)
     if free < need:
         mib = 2 ** 20

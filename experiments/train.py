@@ -47,7 +47,7 @@ from .distributed import (Dist, accumulation_context, clip_grad_norm, eval_path,
                           global_sparsity_stats, is_sharded, load_model_and_optimizer, local_dead_window, reinit_dead,
                           resolve_grad_accum, restore_trackers, resume_config_view, save_checkpoint_dcp,
                           unsharded_copy, wrap_model)
-from .preflight import check_disk_space, check_kernels  # noqa: E402
+from .preflight import check_disk_space, check_kernels, planned_checkpoints  # noqa: E402
 from .provenance import collect  # noqa: E402
 from .rundir import RunDirError, RunLock, clean_stale_temps, tmp_name  # noqa: E402
 from .runs import read_rows  # noqa: E402
@@ -55,7 +55,7 @@ from sfl.models import SparseLlamaConfig, SparseLlamaForCausalLM  # noqa: E402
 from sfl.models.convert import relufy  # noqa: E402
 
 # Keys that may change between a checkpoint and its resumption without breaking exactness.
-RESUME_MUTABLE = {"max_steps", "log_every", "eval_every", "eval_batches", "ckpt_every", "progress", "device",
+RESUME_MUTABLE = {"max_steps", "log_every", "eval_every", "eval_batches", "ckpt_every", "ckpt_last", "progress", "device",
                   "save_final", "ckpt_hf", "compile", "out_dir", "data_dir", "init_from", "parallel",
                   "activation_checkpointing", "max_nonfinite_skips"}
 
@@ -514,7 +514,7 @@ class _Run:
         model.train()
         self.n_params = sum(p.numel() for p in model.parameters())
         rank0_check(d, lambda: check_disk_space(self.out_dir, model, len(list_checkpoints(self.out_dir)),
-                                                cfg["save_final"], cfg["ckpt_hf"]))
+                                                cfg["save_final"], cfg["ckpt_hf"], planned_checkpoints(cfg)))
         self.fwd_model = wrap_model(model, cfg, d, self.device)  # before the optimizer: FSDP2 replaces parameters
         self.opt = torch.optim.AdamW(param_groups(model, cfg["weight_decay"]), lr=cfg["lr"],
                                      betas=tuple(cfg["betas"]), eps=cfg["eps"])
@@ -676,7 +676,7 @@ class _Run:
     def finish(self, last_saved: int) -> dict[str, Any]:
         """The last checkpoint, the final evaluation, the final model and the log's final line."""
         cfg, d = self.cfg, self.d
-        if last_saved != self.step:
+        if cfg["ckpt_last"] and last_saved != self.step:
             self.save(self.step)  # before the final evaluation: a failure there never loses the training
         val_ce = self.log_eval()
         wall = self.wall_prev + time.time() - self.t_start

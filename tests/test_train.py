@@ -412,5 +412,24 @@ def test_build_model_takes_the_kernel_block(tmp_path, monkeypatch) -> None:
     kc = model.config.get_kernel_config()
     assert (kc.train_width, kc.train_mode) == (96, "sparse") and model.config.kernel_config["train_width"] == 96
     assert all(m.plan.config == kc for m in model.sparse_mlps())
+    model.save_pretrained(tmp_path / "saved")  # init_from a sparse checkpoint takes the block too
+    again = train_mod.build_model({**cfg, "init_from": str(tmp_path / "saved")}, VOCAB, 0, 64)
+    assert again.config.get_kernel_config() == kc and all(m.plan.config == kc for m in again.sparse_mlps())
     with pytest.raises(ConfigError, match=r"kernel=.*KernelConfig\.train_mode"):
         load_config(sets=["kernel={train_mode: fast}"])
+
+
+def test_a_throwaway_run_writes_no_checkpoint(data_dir, tmp_path, monkeypatch) -> None:
+    """ckpt_last=false with ckpt_every=0 (throughput runs): no checkpoint is written and none is asked disk space
+    for; the default checkpoints the last step."""
+    from sfl.experiments import preflight
+
+    asked = []
+    monkeypatch.setattr(preflight, "free_bytes", lambda p: asked.append(p) or 0)  # a full disk
+    with pytest.raises(ConfigError, match="MiB free"):
+        train_mod.train(cfg_for(data_dir, tmp_path / "kept", max_steps=2, ckpt_every=0, save_final=False,
+                                ckpt_hf=False))
+    train_mod.train(cfg_for(data_dir, tmp_path / "thrown", max_steps=2, ckpt_every=0, ckpt_last=False,
+                            save_final=False, ckpt_hf=False))
+    assert list_checkpoints(tmp_path / "thrown") == [] and read_log(tmp_path / "thrown")[-1]["type"] == "final"
+    assert preflight.planned_checkpoints({"max_steps": 10, "ckpt_every": 3, "ckpt_last": True}) == 4

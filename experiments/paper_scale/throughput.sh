@@ -36,7 +36,7 @@ for size in $SIZES; do
       echo "== $out"
       OUT_DIR="$out" NPROC="$NPROC" SIZE="$size" MLP_IMPL="$impl" bash "$HERE/run.sh" \
         "init_from=$init" "l1_coeff=$l1" lr=1.0e-12 min_lr=0.0 warmup_steps=0 "max_steps=$STEPS" \
-        "global_batch_size=$GBS" eval_every=0 ckpt_every=0 save_final=false ckpt_hf=false log_every=1 \
+        "global_batch_size=$GBS" eval_every=0 ckpt_every=0 ckpt_last=false save_final=false ckpt_hf=false log_every=1 \
         "data_dir=$DATA_DIR" "tokens_subdir=$TOKENS_SUBDIR" "activation_checkpointing=$ac" \
         "fsdp_mixed_precision=$mp" progress=false || echo "run failed: $out" >&2
       runs+=("$out")
