@@ -90,8 +90,8 @@ def cache_key(gpu: GpuIdentity, kind: str, K: int, N: int, kernels: str) -> str:
     return slug(f"{gpu.name}_driver-{gpu.driver}_torch-{gpu.torch}_kernels-{kernels}_{kind}-k{K}-n{N}")
 
 
-def record_path(gpu_name: str, record_dir: Path = RECORD_DIR) -> Path:
-    return Path(record_dir) / f"{slug(gpu_name)}.json"
+def record_path(gpu_name: str, record_dir: Path | None = None) -> Path:
+    return Path(record_dir or RECORD_DIR) / f"{slug(gpu_name)}.json"
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ def _entries(path: Path, kind: str) -> list[dict[str, Any]]:
 
 
 def lookup(gpu: GpuIdentity, kind: str, K: int, N: int, *, kernels: str, cache: Path | None,
-           record_dir: Path = RECORD_DIR) -> Found | None:
+           record_dir: Path | None = None) -> Found | None:
     """The table for this GPU, block kind and shape: the user's cache, then the table of record (exact shape, else
     the nearest K * N of that kind); None: the built-in one."""
     if cache is not None:
@@ -141,7 +141,7 @@ _NOTICED: set[str] = set()
 
 
 def resolve(config: KernelConfig, K: int, N: int, gpu: GpuIdentity | None, *, kernels: str | None = None,
-            cache: Path | None = None, record_dir: Path = RECORD_DIR) -> KernelConfig:
+            cache: Path | None = None, record_dir: Path | None = None) -> KernelConfig:
     """`config` with each crossover table left at its built-in value replaced by the table found for this GPU and
     shape (lookup order: module docstring); one notice per table file."""
     if gpu is None:

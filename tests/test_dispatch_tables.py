@@ -135,6 +135,7 @@ def test_a_plan_picks_up_the_cached_table_on_this_gpu(monkeypatch, tmp_path, cap
     from sfl.kernels.twell import ops
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(tables, "RECORD_DIR", tmp_path / "no_records")  # the cache alone, not the repository's tables
     monkeypatch.setattr(tables, "kernels_supported", lambda *a: (True, ""))
     monkeypatch.setattr(tables, "current_gpu", lambda *a: H200)
     monkeypatch.setattr(tables, "_NOTICED", set())

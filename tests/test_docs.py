@@ -3,7 +3,8 @@
 1. No tracked text file points outside the repository or uses tracker/process words; run histories live in
    lab/HISTORY.md only. Recorded logs (their raw output, e.g. absolute paths of the machine that wrote them) are
    left as recorded.
-2. README.md's claims block equals paper_tables/claims.md, which notebooks/claims.py writes.
+2. README.md's claims and paper-scale blocks equal paper_tables/claims.md and paper_scale_readme.md, which
+   notebooks/claims.py writes.
 3. Every lab/ log a document names (`lab/<topic>.tar.xz: MEMBER`, the logs being kept compressed) is there.
 """
 from __future__ import annotations
@@ -81,27 +82,30 @@ def test_no_outside_paths_or_process_words():
                             f"(move history to {HISTORY}, reword the rest):\n" + "\n".join(violations[:60]))
 
 
-def _claims_block(text: str) -> str:
-    from sfl.notebooks.claims import BEGIN, END
-
-    start, end = text.find(BEGIN), text.find(END)
-    if start < 0 or end < start:
-        pytest.fail(f"claims markers missing: {BEGIN} ... {END}")
-    return text[start:end + len(END)] + "\n"
+def _block(text: str, begin: str, end: str) -> str:
+    start, stop = text.find(begin), text.find(end)
+    if start < 0 or stop < start:
+        pytest.fail(f"README.md markers missing: {begin} ... {end}")
+    return text[start:stop + len(end)] + "\n"
 
 
-def test_readme_claims_equal_generated_table():
-    generated = (ROOT / "paper_tables" / "claims.md").read_text()
-    readme = _claims_block((ROOT / "README.md").read_text())
-    assert readme == generated, ("README.md's claims block differs from paper_tables/claims.md: run "
-                                 "`python -m sfl.notebooks.claims` and paste the file between the markers")
+@pytest.mark.parametrize("name", ["claims.md", "paper_scale_readme.md"])
+def test_readme_blocks_equal_generated_tables(name):
+    from sfl.notebooks.claims import BLOCKS
+
+    begin, end, _ = BLOCKS[name]
+    generated = (ROOT / "paper_tables" / name).read_text()
+    assert _block((ROOT / "README.md").read_text(), begin, end) == generated, (
+        f"README.md's block differs from paper_tables/{name}: run `python -m sfl.notebooks.claims` and paste the "
+        "file between the markers")
 
 
-def test_claims_generator_reproduces_committed_table():
-    from sfl.notebooks.claims import render
+@pytest.mark.parametrize("name", ["claims.md", "paper_scale_readme.md"])
+def test_claims_generator_reproduces_committed_tables(name):
+    from sfl.notebooks.claims import BLOCKS
 
-    assert render() == (ROOT / "paper_tables" / "claims.md").read_text(), (
-        "paper_tables/claims.md is stale against paper_tables/*.csv: run `python -m sfl.notebooks.claims`")
+    assert BLOCKS[name][2]() == (ROOT / "paper_tables" / name).read_text(), (
+        f"paper_tables/{name} is stale against paper_tables/*.csv: run `python -m sfl.notebooks.claims`")
 
 
 def _alternatives(path: str) -> list[str]:
