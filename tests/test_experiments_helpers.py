@@ -229,3 +229,21 @@ def test_mlp_inputs_capture_every_layer_in_one_forward() -> None:
         for li, x in enumerate(xs):
             assert torch.equal(x, _mlp_input(model, li, ids, chunk=2))
     assert not any(m._forward_pre_hooks for m in model.sparse_mlps())  # hooks removed
+
+
+def test_calibration_fits_its_sample_and_a_larger_one_carries_over() -> None:
+    """On fresh tokens a calibrated model fires more than on its calibration tokens, less so the larger that sample
+    (why paper_init calibrates on 64 sequences and records a held-out activity)."""
+    vocab, targets = 2000, [4.0, 8.0, 6.0]
+    fresh = torch.randint(0, vocab, (32, 128), generator=torch.Generator().manual_seed(9))
+
+    def excess_on_fresh(n_seqs: int) -> float:
+        torch.manual_seed(0)
+        model = small_paper_like_model(3, 128, 512, 4, vocab, torch.device("cpu"))
+        g = torch.Generator().manual_seed(0)
+        heavy = torch.randperm(vocab, generator=g)[:20]
+        calibrate_paper_model(model, targets, torch.randint(0, vocab, (n_seqs, 128), generator=g), heavy_ids=heavy)
+        return activity(model, fresh)["nnz_mean"] / (sum(targets) / len(targets)) - 1
+
+    small, large = excess_on_fresh(4), excess_on_fresh(64)
+    assert small > 0.03 and abs(large) < small / 2, (small, large)
