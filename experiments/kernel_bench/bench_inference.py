@@ -10,6 +10,8 @@ One JSONL row per configuration (with provenance) goes to --out; a table is prin
 --calib times dense against the forced sparse path over a grid of M and activity (the data behind
 KernelConfig.crossover / crossover_nongated, kernels/config.py) and prints the largest activity at which sparse wins
 per M.
+The other modes, one flag at most (MODES below): --overhead (host cost per call), --explore (variant timings), --d2t
+(the two d2t variants, JSONL), --overlap-probe (chunked d2t beside up/down, JSONL).
 
 Settings: every run uses KernelConfig.from_env() (SFL_KERNEL_<FIELD> overrides, read once at start) as its base
 config, logged with each row (`kernel_config`); variants are that config with fields replaced. Each timed function
@@ -599,8 +601,8 @@ def bench_weights() -> dict:
     """The weights of both block kinds, made once: one W_d per block kind, so the plans' W_d^T caches stay valid
     across cases."""
     wg32, wu, wd = make_problem(K_BENCH, N_BENCH)
-    wun32, _, wdn = make_problem(K_BENCH, N_NONGATED, seed=1)
-    return {"gated": (wg32, wu, wd), "nongated": (wun32, wdn)}
+    wun32, _, wdn32 = make_weights(K_BENCH, N_NONGATED, seed=1)   # the non-gated block's up: make_case shifts it
+    return {"gated": (wg32, wu, wd), "nongated": (wun32, wdn32.to(BF))}
 
 
 def case_block(weights: dict, kind: str, M: int, pattern: str, p: float, heavy: float, i: int):
@@ -643,9 +645,8 @@ def check_case(blk: tuple, dense_fn, cfg: KernelConfig, M: int, stats: torch.Ten
     err = rel_err(y_ours, y_ref)
     sample = slice(0, min(M, 256))   # bf16-vs-fp32 error of dense on a row sample, for scale
     ref32 = dense_fp32(blk, sample)
-    fields = {"nnz_mean": nnz_sum / max(1, tokens),
-              "nnz_max": nnz_max, "p_est": info.get("p"), "overflow_rows": info.get("flagged_rows"),
-              "path": info.get("path"), "rel_err_vs_dense_bf16": err,
+    fields = {"nnz_mean": nnz_sum / max(1, tokens), "nnz_max": nnz_max, "p_est": info.get("p"),
+              "overflow_rows": info.get("flagged_rows"), "path": info.get("path"), "rel_err_vs_dense_bf16": err,
               "rel_err_vs_fp32_sample": rel_err(y_ours[sample], ref32),
               "dense_bf16_err_vs_fp32_sample": rel_err(y_ref[sample], ref32)}
     return fields, {"ours_fn": ours_fn, "plan": plan, "y_ref": y_ref, "ref32": ref32}
@@ -722,7 +723,6 @@ def run_case(i: int, case: tuple, weights: dict, cfg: KernelConfig, timer: Timer
         row.update(time_eager(timer, blk, dense_fn, run, cfg, case))
     row["speedup"] = row["dense_ms"] / row["ours_ms"]
     return row
-
 
 
 def case_line(i: int, n: int, elapsed: float, r: dict) -> str:
