@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -40,11 +39,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..experiments.provenance import collect
 from . import tables
 from .config import TILE_N, crossover_at
 from .device import kernels_supported
 from .loader import KernelUnavailableError
+from .timing import PairTimer, capture_graph
 
 # (block kind, K, N): the paper's models (hidden 2048, gated N 5632; the non-gated block at N 8192) and SmolLM2's
 DEFAULT_SHAPES = (("gated", 2048, 5632), ("gated", 576, 1536), ("nongated", 2048, 8192))
@@ -186,8 +185,7 @@ class CudaMeasure:
         from .twell import ops
 
         self.reps, self.reps_large, self.seed = reps, reps_large, seed
-        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # larger than any L2
-        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        self.timer = PairTimer()
         self.base = KernelConfig()
         self.ops = ops
         self.shape_state: dict[tuple, tuple] = {}
@@ -223,35 +221,6 @@ class CudaMeasure:
         w[:, 0] = -torch.special.ndtri(1.0 - pj.clamp(1e-6, 0.5))
         return x.to(torch.bfloat16), w.to(torch.bfloat16)
 
-    def _graphed(self, fn):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return graph
-
-    def _time_pair(self, fa, fb, reps: int) -> tuple[float, float]:
-        """Medians of fa and fb timed in alternation, each repetition after an L2 flush, after a warm-up."""
-        for _ in range(2):
-            fa()
-            fb()
-        ta, tb = [], []
-        start, end = self.events
-        for _ in range(reps):
-            for fn, out in ((fa, ta), (fb, tb)):
-                self.flush.zero_()
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                out.append(start.elapsed_time(end))
-        return statistics.median(ta), statistics.median(tb)
-
     @torch.no_grad()
     def __call__(self, kind: str, K: int, N: int, M: int, activity: float, profile: str) -> Point:
         from .ffn import sparse_gated_ffn, sparse_nongated_ffn
@@ -269,10 +238,10 @@ class CudaMeasure:
         err = ((y_s - y_d).norm() / y_d.norm().clamp_min(1e-30)).item()
         p = (F.linear(x, w) > 0).sum().item() / (M * N)
         if M <= DECODE_MAX_M:
-            gd, gs = self._graphed(dense), self._graphed(sparse)
-            dm, sm = self._time_pair(gd.replay, gs.replay, self.reps)
+            gd, gs = capture_graph(dense)[0], capture_graph(sparse)[0]
+            dm, sm = self.timer.time_pair(gd.replay, gs.replay, self.reps)
         else:
-            dm, sm = self._time_pair(dense, sparse, self.reps if M < 16384 else self.reps_large)
+            dm, sm = self.timer.time_pair(dense, sparse, self.reps if M < 16384 else self.reps_large)
         return Point(M, profile, activity, p, dm, sm, err)
 
 
@@ -327,9 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [(args.kind, K, N) for K, N in args.shape] if args.shape else list(DEFAULT_SHAPES)
     log_path = args.log or cache / f"calibrate-{tables.slug(gpu.name)}-{time.strftime('%Y%m%dT%H%M%S')}.jsonl"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    prov = collect({"gpu_identity": asdict(gpu), "kernels_source": kernels, "shapes": shapes,
-                    "budget_s": args.budget_s, "profiles": args.profiles, "threshold": THRESHOLD,
-                    "build_s": round(time.monotonic() - t_build, 1)})
+    prov = {**tables.measurement_provenance(), "gpu_identity": asdict(gpu), "kernels_source": kernels,
+            "shapes": shapes, "budget_s": args.budget_s, "profiles": args.profiles, "threshold": THRESHOLD,
+            "build_s": round(time.monotonic() - t_build, 1)}
     with open(log_path, "a") as log:
         def on_point(kind: str, K: int, N: int, q: Point) -> None:
             row = {"event": "point", "kind": kind, "K": K, "N": N, **asdict(q), "speedup": q.speedup,

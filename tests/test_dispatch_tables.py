@@ -181,5 +181,24 @@ def test_command_writes_cache_record_and_log(monkeypatch, tmp_path, capsys):
     points = [r for r in rows if r["event"] == "point"]
     assert points and all(r["provenance"]["gpu_identity"]["name"] == "NVIDIA H200" and r["dense_ms"] > 0
                           and r["sparse_ms"] > 0 for r in points)
+    assert list(points[0]) == ["event", "kind", "K", "N", "M", "profile", "activity", "p", "dense_ms", "sparse_ms",
+                               "rel_err", "speedup", "timing", "provenance"]
+    prov = points[0]["provenance"]
+    assert {"git_commit", "git_dirty", "time_utc", "gpu_identity", "kernels_source", "shapes", "threshold"} <= set(prov)
     assert [r["K"] for r in rows if r["event"] == "table"] == [576, 2048]
     assert "table of record:" in capsys.readouterr().out
+
+
+def test_measurement_provenance_names_the_exported_commit(monkeypatch):
+    """A machine given a copy of the tree names its commit through $SFL_GIT_COMMIT (its .git may be stale); without
+    it, git's HEAD of this checkout (or None outside one)."""
+    monkeypatch.setenv("SFL_GIT_COMMIT", "0123abc")
+    monkeypatch.setenv("SFL_GIT_DIRTY", "0")
+    prov = tables.measurement_provenance()
+    assert (prov["git_commit"], prov["git_dirty"]) == ("0123abc", "0")
+    assert prov["time_utc"].endswith("+00:00") and prov["host"]
+    monkeypatch.delenv("SFL_GIT_COMMIT")
+    head = tables._git("rev-parse", "HEAD")
+    prov = tables.measurement_provenance()
+    assert prov["git_commit"] == head and "git_head_local" not in prov
+    assert prov["git_dirty"] in ((None,) if head is None else (True, False))

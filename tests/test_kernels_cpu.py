@@ -346,6 +346,54 @@ def test_nongated_crossover_is_its_calibration():
     assert decode_table(new, base, kind="nongated") == DEFAULT_CROSSOVER_NONGATED
 
 
+def test_bench_inference_runs_the_mode_its_flag_names(monkeypatch):
+    """bench_inference's command line: each mode flag reaches its function with its arguments, none runs the
+    benchmark, two at once or --calib's settings without --calib are refused."""
+    bi = pytest.importorskip("sfl.experiments.kernel_bench.bench_inference")
+    from sfl.kernels.config import KernelConfig
+
+    calls = []
+    for name in ("bench", "calibrate", "overhead", "explore", "d2t_compare", "overlap_probe"):
+        monkeypatch.setattr(bi, name, lambda *a, name=name: calls.append(
+            (name, tuple(v for v in a if not isinstance(v, KernelConfig)))) or 0)
+    runs = {(): ("bench", ("x.jsonl", False)), ("--quick",): ("bench", ("x.jsonl", True)),
+            ("--calib",): ("calibrate", ("x.jsonl", "gated", None, None)),
+            ("--calib", "--kind", "nongated", "--calib-ms", "1", "64", "--calib-acts", "0.01"):
+                ("calibrate", ("x.jsonl", "nongated", [1, 64], [0.01])),
+            ("--overhead",): ("overhead", ()), ("--explore",): ("explore", ()),
+            ("--d2t",): ("d2t_compare", ("x.jsonl",)), ("--overlap-probe",): ("overlap_probe", ("x.jsonl",))}
+    for flags, want in runs.items():
+        calls.clear()
+        assert bi.main(["--out", "x.jsonl", *flags]) == 0
+        assert calls == [want], flags
+    assert set(bi.MODES) == {"bench", "calib", "overhead", "explore", "d2t", "overlap_probe"}
+    for bad in (["--calib", "--d2t"], ["--calib-ms", "1"], ["--kind", "nongated"], ["--quick", "--explore"]):
+        with pytest.raises(SystemExit):
+            bi.parse_args(bad)
+
+
+def test_bench_inference_cases_and_progress_line():
+    """The benchmark's configurations (full and --quick) and its progress line on a decode (graph) row and a prefill
+    (eager) row."""
+    bi = pytest.importorskip("sfl.experiments.kernel_bench.bench_inference")
+    full, quick = bi.bench_cases(False), bi.bench_cases(True)
+    assert (len(full), len(quick)) == (55, 17) and len(set(full)) == len(full)
+    assert [c for c in full if c[0] == "nongated"] == [("nongated", M, 10, "uniform", p, 0.0)
+                                                       for M in (65536, 16384) for p in (0.005, 0.01, 0.02)]
+    row = {"kind": "gated", "M": 16, "pattern": "paper", "activity": 0.005, "heavy_frac": 0.0, "nnz_mean": 28.25,
+           "nnz_max": 40, "path": "decode", "overflow_rows": 0, "dense_ms": 0.05, "ours_ms": 0.025, "speedup": 2.0,
+           "rel_err_vs_dense_bf16": 1e-3, "ours_sparse_forced_ms": 0.03, "p_est": 0.005}
+    assert bi.case_line(2, 55, 12.3, row) == ("[3/55 12s] gated M=16 paper p=0.005 heavy=0.0 nnz=28.2/40 path=decode "
+                                              "ovf=0 dense=0.050 ours=0.025 x2.00 err=1.00e-03 sparse_forced=0.030 "
+                                              "p_est=0.005")
+    eager = {**row, "M": 65536, "speedup_steady": 1.5, "dense_vs_dense_ratio": 1.0, "phase_ms": {"d2t": 1.0},
+             "gate_gemm_ms": 1.0, "d2t_ms": 1.1, "d2t_cublas_ms": 1.2, "ours_sparse_forced_cublas_d2t_ms": 2.0,
+             "ours_sparse_forced_cublas_d2t_chunk4096_ms": 2.1, "ours_sparse_forced_cublas_d2t_chunk16384_ms": 2.2}
+    line = bi.case_line(0, 1, 0.0, eager)
+    assert " steady x1.50 err=" in line and " AA=1.000 d2t=1.000 gate=1.000" in line
+    assert line.endswith("chunk16384=2.200")
+
+
 @pytest.mark.parametrize("pattern,p", [("uniform", 0.005), ("paper", 0.005), ("paper", 0.01), ("paper", 0.02)])
 def test_benchmark_cases_measure_their_label(monkeypatch, pattern, p):
     """bench_inference's cases: the measured activity of x @ w_gate^T matches the case's label (the paper profile's

@@ -155,35 +155,56 @@ def replace_rows(path: Path, model_name: str, rows: list[dict[str, Any]]) -> Non
     os.replace(tmp, path)
 
 
-def analyze(model_dir: Path, name: str, out_dir: Path, tokens: int, seq_len: int, batch: int, device: str,
-            data_dir: str | None, figure: str | None, timing: bool) -> dict[str, Any]:
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                       ("cpu" if device == "auto" else device))
-    model = load_model(model_dir, dev)
-    cfg = model.config
-    l1 = float(cfg.l1_coeff)
-    ddir = Path(data_dir or os.environ.get("SFL_DATA_DIR") or REPO_ROOT / ".data")
-    data = TokenData(ddir / "tokens", seq_len)
-    n_win = min(max(1, tokens // seq_len), data.n_val_windows)
-    windows = data.val_windows(n_win)
+def pick_device(device: str) -> torch.device:
+    """--device: "auto" is CUDA when there is one, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_tokenizer(model_dir: Path, ddir: Path) -> Any:
+    """The checkpoint's tokenizer, else the prepared data's; None (tokens reported by id) when neither loads."""
+    where = model_dir if (model_dir / "tokenizer.json").is_file() else ddir / "tokenizer"
     try:
-        tok = AutoTokenizer.from_pretrained(model_dir if (model_dir / "tokenizer.json").is_file() else ddir / "tokenizer")
+        return AutoTokenizer.from_pretrained(where)
     except (OSError, ValueError) as e:
         print(f"note: no tokenizer ({e}); tokens are reported by id", file=sys.stderr)
-        tok = None
+        return None
 
-    vocab = int(cfg.vocab_size)
-    n_layers = cfg.num_hidden_layers
-    tok_sum = torch.zeros(vocab, dtype=torch.float64, device=dev)
-    tok_cnt = torch.zeros(vocab, dtype=torch.float64, device=dev)
-    pos_sum = torch.zeros(seq_len, dtype=torch.float64, device=dev)
-    pos_cnt = 0
-    rec = ActivityRecorder(model)
+
+class Activity:
+    """The counts of one pass over the held-out windows: per layer and neuron (the ActivityRecorder), per token id
+    and per position (means over layers of each token's non-zeros)."""
+
+    def __init__(self, model: torch.nn.Module, vocab: int, seq_len: int, dev: torch.device) -> None:
+        self.tok_sum = torch.zeros(vocab, dtype=torch.float64, device=dev)
+        self.tok_cnt = torch.zeros(vocab, dtype=torch.float64, device=dev)
+        self.pos_sum = torch.zeros(seq_len, dtype=torch.float64, device=dev)
+        self.pos_cnt = 0
+        self.rec = ActivityRecorder(model)
+
+    def add(self, x: torch.Tensor, vocab: int) -> None:
+        """One batch's counts, after the model's forward on x [B, T] (the recorder holds its per-layer nnz)."""
+        per_tok = torch.stack([n.reshape(x.shape) for n in self.rec.batch_nnz]).mean(0).double()  # [B, T]
+        ids = x.reshape(-1)
+        self.tok_sum += torch.bincount(ids, weights=per_tok.reshape(-1), minlength=vocab)
+        self.tok_cnt += torch.bincount(ids, minlength=vocab).double()
+        self.pos_sum += per_tok.sum(0)
+        self.pos_cnt += x.shape[0]
+        self.rec.n_tokens += x.numel()
+
+
+def count_activity(model: torch.nn.Module, windows: torch.Tensor, name: str, seq_len: int, batch: int,
+                   dev: torch.device, keep_timing_inputs: bool) -> tuple[Activity, list[torch.Tensor]]:
+    """Forward every window, counting non-zeros; with keep_timing_inputs, the first batch's MLP inputs too (bf16,
+    as the model's autocast forward sees them) for the timing pass."""
+    cfg = model.config
+    vocab, n_layers = int(cfg.vocab_size), cfg.num_hidden_layers
+    act = Activity(model, vocab, seq_len, dev)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
     timing_inputs: list[torch.Tensor] = []
     grab: list[Any] = []
-    if timing and dev.type == "cuda":
-        # Keep the first batch's MLP inputs (bf16, as the model's autocast forward sees them) for the timing pass.
+    if keep_timing_inputs:
         grab = [m.register_forward_hook(lambda mod, inp, out: timing_inputs.append(
             inp[0].reshape(-1, inp[0].shape[-1]).to(torch.bfloat16).contiguous()) if len(timing_inputs) < n_layers
             else None) for m in model.sparse_mlps()]
@@ -194,30 +215,32 @@ def analyze(model_dir: Path, name: str, out_dir: Path, tokens: int, seq_len: int
             for h in grab:
                 h.remove()
             grab = []
-            per_tok = torch.stack([n.reshape(x.shape) for n in rec.batch_nnz]).mean(0).double()  # [B, T]
-            ids = x.reshape(-1)
-            tok_sum += torch.bincount(ids, weights=per_tok.reshape(-1), minlength=vocab)
-            tok_cnt += torch.bincount(ids, minlength=vocab).double()
-            pos_sum += per_tok.sum(0)
-            pos_cnt += x.shape[0]
-            rec.n_tokens += x.numel()
-    rec.remove()
-    n_tok = rec.n_tokens
-    prov = collect()
-    base = {"model": name, "l1_coeff": l1}
+            act.add(x, vocab)
+    act.rec.remove()
+    return act, timing_inputs
 
-    times = [{}] * n_layers
-    timing_note = None
+
+def layer_times(model: torch.nn.Module, timing_inputs: list[torch.Tensor], timing: bool,
+                dev: torch.device) -> tuple[list[dict[str, Any]], str | None]:
+    """Per layer, the FFN times dense vs sparse ({} each when not timed), and why not when asked for but not timed."""
+    times: list[dict[str, Any]] = [{}] * model.config.num_hidden_layers
     if timing and dev.type == "cuda":
         try:
-            times = time_layers(model, timing_inputs)
+            return time_layers(model, timing_inputs), None
         except Exception as e:  # noqa: BLE001 - kernels missing/unsupported: record why, keep the activity data
-            timing_note = f"{type(e).__name__}: {e}"
-    elif timing:
-        timing_note = "no CUDA device: per-layer FFN times need the TwELL kernels on a GPU"
-    fire_frac = (rec.fire.double() / n_tok).cpu()
-    per_layer = []
-    for i in range(n_layers):
+            return times, f"{type(e).__name__}: {e}"
+    if timing:
+        return times, "no CUDA device: per-layer FFN times need the TwELL kernels on a GPU"
+    return times, None
+
+
+def per_layer_rows(act: Activity, fire_frac: torch.Tensor, times: list[dict[str, Any]], timing_note: str | None,
+                   base: dict[str, Any], cfg: Any, seq_len: int, batch: int, figure: str | None,
+                   prov: dict[str, Any]) -> list[dict[str, Any]]:
+    """per_layer.jsonl: each layer's non-zeros per token, dead neurons and FFN times."""
+    rec, n_tok = act.rec, act.rec.n_tokens
+    rows = []
+    for i in range(cfg.num_hidden_layers):
         r = dict(base, layer=i, nnz_mean=float(rec.nnz_sum[i] / n_tok), nnz_max=float(rec.nnz_max[i]),
                  dead_frac=float((fire_frac[i] == 0).double().mean()),
                  dense_ms=times[i].get("dense_ms"), sparse_ms=times[i].get("sparse_ms"),
@@ -230,46 +253,76 @@ def analyze(model_dir: Path, name: str, out_dir: Path, tokens: int, seq_len: int
             r["timing_note"] = timing_note
         if figure:
             r["figure"] = figure
-        per_layer.append(r)
+        rows.append(r)
+    return rows
 
-    cnt = tok_cnt.cpu()
-    mean_by_tok = (tok_sum.cpu() / cnt.clamp(min=1))
+
+def token_rows(act: Activity, tok: Any, base: dict[str, Any], prov: dict[str, Any]) -> list[dict[str, Any]]:
+    """tokens.jsonl: the tokens (at least MIN_TOKEN_FREQ of those counted) with the fewest and the most non-zeros."""
+    n_tok = act.rec.n_tokens
+    cnt = act.tok_cnt.cpu()
+    mean_by_tok = (act.tok_sum.cpu() / cnt.clamp(min=1))
     keep = torch.nonzero(cnt >= MIN_TOKEN_FREQ * n_tok).reshape(-1)
     order = keep[torch.argsort(mean_by_tok[keep])]
     k = min(N_EXTREME_TOKENS, len(order) // 2)
-    token_rows = []
+    rows = []
     for group, ids in (("lowest", order[:k]), ("highest", order[len(order) - k:].flip(0))):
         for t in ids.tolist():
-            token_rows.append(dict(base, token=decode_token(tok, t), token_id=t, count=int(cnt[t]),
-                                   nnz_mean=float(mean_by_tok[t]), group=group, n_tokens=n_tok,
-                                   min_freq=MIN_TOKEN_FREQ, provenance=prov))
+            rows.append(dict(base, token=decode_token(tok, t), token_id=t, count=int(cnt[t]),
+                             nnz_mean=float(mean_by_tok[t]), group=group, n_tokens=n_tok,
+                             min_freq=MIN_TOKEN_FREQ, provenance=prov))
+    return rows
 
-    pos = (pos_sum.cpu() / max(pos_cnt, 1)).tolist()
-    pos_rows = [dict(base, position=p, nnz_mean=v, n=pos_cnt, provenance=prov) for p, v in enumerate(pos)]
 
-    # Firing-frequency histogram: bin 0 = never fired; then 4 log-spaced bins per decade from 1/n_tok to 1.
+def neuron_rows(fire_frac: torch.Tensor, n_tok: int, base: dict[str, Any],
+                prov: dict[str, Any]) -> list[dict[str, Any]]:
+    """neurons.jsonl: per layer, the histogram of the neurons' firing frequencies. Bin 0 = never fired; then 4
+    log-spaced bins per decade from 1/n_tok to 1."""
     lo = math.floor(math.log10(1.0 / n_tok))
     edges = [10 ** (lo + j / 4) for j in range(-4 * lo + 1)]
-    neuron_rows = []
-    for i in range(n_layers):
+    rows = []
+    for i in range(fire_frac.shape[0]):
         f = fire_frac[i]
         counts = [int((f == 0).sum())] + [int(((f > a) & (f <= b)).sum()) for a, b in zip([0.0] + edges[:-1], edges)]
-        neuron_rows.append(dict(base, layer=i, n_tokens=n_tok, dead_frac=float((f == 0).double().mean()),
-                                bin_edges=[0.0] + edges, counts=counts,
-                                quantiles={str(q): float(torch.quantile(f, q)) for q in (0.5, 0.9, 0.99, 1.0)},
-                                provenance=prov))
+        rows.append(dict(base, layer=i, n_tokens=n_tok, dead_frac=float((f == 0).double().mean()),
+                         bin_edges=[0.0] + edges, counts=counts,
+                         quantiles={str(q): float(torch.quantile(f, q)) for q in (0.5, 0.9, 0.99, 1.0)},
+                         provenance=prov))
+    return rows
 
+
+def analyze(model_dir: Path, name: str, out_dir: Path, tokens: int, seq_len: int, batch: int, device: str,
+            data_dir: str | None, figure: str | None, timing: bool) -> dict[str, Any]:
+    """Count the non-zeros of the checkpoint at model_dir over `tokens` held-out tokens, time its layers (GPU), and
+    replace the rows of `name` in out_dir's four logs; returns a one-line summary."""
+    dev = pick_device(device)
+    model = load_model(model_dir, dev)
+    cfg = model.config
+    l1 = float(cfg.l1_coeff)
+    ddir = Path(data_dir or os.environ.get("SFL_DATA_DIR") or REPO_ROOT / ".data")
+    data = TokenData(ddir / "tokens", seq_len)
+    windows = data.val_windows(min(max(1, tokens // seq_len), data.n_val_windows))
+    tok = load_tokenizer(model_dir, ddir)
+    act, timing_inputs = count_activity(model, windows, name, seq_len, batch, dev, timing and dev.type == "cuda")
+    n_tok = act.rec.n_tokens
+    prov = collect()
+    base = {"model": name, "l1_coeff": l1}
+    times, timing_note = layer_times(model, timing_inputs, timing, dev)
+    fire_frac = (act.rec.fire.double() / n_tok).cpu()
+    per_layer = per_layer_rows(act, fire_frac, times, timing_note, base, cfg, seq_len, batch, figure, prov)
+    tokens_out = token_rows(act, tok, base, prov)
+    pos = (act.pos_sum.cpu() / max(act.pos_cnt, 1)).tolist()
+    pos_rows = [dict(base, position=p, nnz_mean=v, n=act.pos_cnt, provenance=prov) for p, v in enumerate(pos)]
     out_dir.mkdir(parents=True, exist_ok=True)
-    for fname, rows in (("per_layer.jsonl", per_layer), ("tokens.jsonl", token_rows), ("position.jsonl", pos_rows),
-                        ("neurons.jsonl", neuron_rows)):
+    for fname, rows in (("per_layer.jsonl", per_layer), ("tokens.jsonl", tokens_out), ("position.jsonl", pos_rows),
+                        ("neurons.jsonl", neuron_rows(fire_frac, n_tok, base, prov))):
         replace_rows(out_dir / fname, name, rows)
-    summary = {"model": name, "l1_coeff": l1, "n_tokens": n_tok,
-               "nnz_mean": sum(r["nnz_mean"] for r in per_layer) / n_layers,
-               "nnz_max": max(r["nnz_max"] for r in per_layer),
-               "lowest": [r["token"] for r in token_rows if r["group"] == "lowest"][:8],
-               "highest": [r["token"] for r in token_rows if r["group"] == "highest"][:8],
-               "timing": timing_note or ("per-layer FFN ms recorded" if times[0] else "off")}
-    return summary
+    return {"model": name, "l1_coeff": l1, "n_tokens": n_tok,
+            "nnz_mean": sum(r["nnz_mean"] for r in per_layer) / cfg.num_hidden_layers,
+            "nnz_max": max(r["nnz_max"] for r in per_layer),
+            "lowest": [r["token"] for r in tokens_out if r["group"] == "lowest"][:8],
+            "highest": [r["token"] for r in tokens_out if r["group"] == "highest"][:8],
+            "timing": timing_note or ("per-layer FFN ms recorded" if times[0] else "off")}
 
 
 def main(argv: list[str] | None = None) -> int:

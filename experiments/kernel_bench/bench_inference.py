@@ -10,6 +10,8 @@ One JSONL row per configuration (with provenance) goes to --out; a table is prin
 --calib times dense against the forced sparse path over a grid of M and activity (the data behind
 KernelConfig.crossover / crossover_nongated, kernels/config.py) and prints the largest activity at which sparse wins
 per M.
+The other modes, one flag at most (MODES below): --overhead (host cost per call), --explore (variant timings), --d2t
+(the two d2t variants, JSONL), --overlap-probe (chunked d2t beside up/down, JSONL).
 
 Settings: every run uses KernelConfig.from_env() (SFL_KERNEL_<FIELD> overrides, read once at start) as its base
 config, logged with each row (`kernel_config`); variants are that config with fields replaced. Each timed function
@@ -35,6 +37,7 @@ import torch.nn.functional as F
 
 from sfl.kernels.config import KernelConfig
 from sfl.kernels.ffn import sparse_gated_ffn, sparse_nongated_ffn, twell_d2t
+from sfl.kernels.timing import capture_graph, l2_flush_buffer
 from sfl.kernels.twell import ops
 from sfl.models.hot_cold import HOT_CANDIDATES, fastest_count, rotate_ms
 
@@ -99,6 +102,30 @@ def make_weights(K: int, N: int, seed: int = 0):
     return wg, wu, wd
 
 
+def make_problem(K: int, N: int, seed: int = 0):
+    """(first weight fp32, up bf16, down bf16): make_case adds each case's shift to the first (gate, or the non-gated
+    block's up projection)."""
+    w1, wu32, wd32 = make_weights(K, N, seed)
+    return w1, wu32.to(BF), wd32.to(BF)
+
+
+def provenance(cfg: KernelConfig, **extra) -> dict:
+    """The provenance header of a mode's rows: where, when and with what code, and the run's KernelConfig."""
+    return collect({"kernel_config": cfg.to_dict(), **extra})
+
+
+def open_log(path: str, mode: str = "a"):
+    """The JSONL log at path (its folder made): "a" adds to earlier runs' rows, "w" replaces them."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    return open(path, mode)
+
+
+def write_row(f, row: dict) -> None:
+    """One JSONL row, flushed (a run stopped midway keeps what it measured)."""
+    f.write(json.dumps(row) + "\n")
+    f.flush()
+
+
 def make_case(wg32, M: int, K: int, N: int, pattern: str, p: float, heavy: float, seed: int):
     """x (feature 0 = constant 1 carrying the per-neuron shift) and the gate weight with that shift."""
     g = torch.Generator(device=DEV).manual_seed(seed)
@@ -130,7 +157,7 @@ def dense_nongated(x, wu, wd):
 
 class Timer:
     def __init__(self):
-        self.flush_buf = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
+        self.flush_buf = l2_flush_buffer(DEV)
 
     def time(self, fn, reps: int, warmup: int = 2) -> float:
         for _ in range(warmup):
@@ -172,15 +199,7 @@ class Timer:
 
 def graphed(fn):
     """Capture fn() into a CUDA graph (warm-up on a side stream first); return replay callable and output."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
+    graph, out = capture_graph(fn)
     return graph.replay, out
 
 
@@ -284,18 +303,16 @@ def calibrate(out: str, kind: str = "gated", cfg=None, Ms: list[int] | None = No
     or nongated (K 2048, N 8192 -> KernelConfig.crossover_nongated). Ms / acts replace the default grid (e.g. decode
     sizes at higher activity, where the default grid ends before sparse stops winning)."""
     cfg = cfg or base_config()
-    prov = collect({"kernel_config": cfg.to_dict(), "calibration": True})
+    prov = provenance(cfg, calibration=True)
     timer = Timer()
     gated = kind == "gated"
     K, N = (2048, 5632) if gated else (2048, 8192)
-    wg32, wu32, wd32 = make_weights(K, N) if gated else make_weights(K, N, seed=1)
-    wu, wd = wu32.to(BF), wd32.to(BF)
+    wg32, wu, wd = make_problem(K, N, seed=0 if gated else 1)
     # one plan per forced mode for the whole grid (forced modes keep no history; one W_d^T copy each)
     plan_d, plan_s = ops.Plan(cfg.replace(mode="dense")), ops.Plan(cfg.replace(mode="sparse"))
     Ms = Ms or [1, 4, 8, 16, 32, 64, 256, 1024, 4096, 8192, 16384, 32768, 65536]
     acts = acts or [0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02]
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    f = open(out, "a")
+    f = open_log(out)
     best: dict[tuple, float] = {}
     rows: list[dict] = []
     t0 = time.time()
@@ -324,8 +341,7 @@ def calibrate(out: str, kind: str = "gated", cfg=None, Ms: list[int] | None = No
                        "pattern": pattern,
                        "activity": p, "p_measured": p_meas, "dense_ms": dm, "sparse_ms": sm, "speedup": dm / sm,
                        "rel_err_vs_dense_bf16": err, "timing": "cuda_graph_replay" if M <= 64 else "eager"}
-                f.write(json.dumps(row) + "\n")
-                f.flush()
+                write_row(f, row)
                 rows.append(row)
                 if sm < dm:
                     best[(M, pattern)] = max(best.get((M, pattern), 0.0), p_meas)
@@ -345,8 +361,7 @@ def overhead(cfg=None) -> int:
     """Host-side cost per call (GPU kept busy so the host never waits) and a profiler table of API calls."""
     cfg = cfg or base_config()
     K, N = 2048, 5632
-    wg32, wu32, wd32 = make_weights(K, N)
-    wu, wd = wu32.to(BF), wd32.to(BF)
+    wg32, wu, wd = make_problem(K, N)
     print(f"[overhead] kernel_config {json.dumps(cfg.to_dict())}")
     for M, p, mode in ((4096, 0.02, "auto"), (4096, 0.001, "sparse"), (65536, 0.0025, "sparse")):
         x, wg = make_case(wg32, M, K, N, "uniform", p, 0.0, seed=7)
@@ -382,8 +397,7 @@ def explore(cfg=None) -> int:
     cfg = cfg or base_config()
     timer = Timer()
     K, N = 2048, 5632
-    wg32, wu32, wd32 = make_weights(K, N)
-    wu, wd = wu32.to(BF), wd32.to(BF)
+    wg32, wu, wd = make_problem(K, N)
     sparse = cfg.replace(mode="sparse")
     print(f"[explore] kernel_config {json.dumps(cfg.to_dict())}", flush=True)
     for pattern, p in (("uniform", 0.005), ("paper", 0.0025), ("paper", 0.005)):
@@ -421,15 +435,14 @@ def d2t_compare(out: str, cfg=None) -> int:
     """The two d2t variants side by side (fused tensor-core GEMM with the TwELL epilogue vs cuBLAS gate GEMM +
     compaction), the cuBLAS gate GEMM alone, and the whole forced-sparse block with each, against dense; JSONL."""
     cfg = cfg or base_config()
-    prov = collect({"kernel_config": cfg.to_dict(), "mode": "d2t_compare"})
+    prov = provenance(cfg, mode="d2t_compare")
     timer = Timer()
     shapes = [(2048, 5632), (576, 1536), (4096, 11008)]
     fused_cfg, cublas_cfg = cfg.replace(d2t="fused"), cfg.replace(d2t="cublas")
     S = cfg.slots
-    with open(out, "w") as f:
+    with open_log(out, "w") as f:
         for K, N in shapes:
-            wg32, wu32, wd32 = make_weights(K, N)
-            wu, wd = wu32.to(BF), wd32.to(BF)
+            wg32, wu, wd = make_problem(K, N)
             # forced-sparse plans per d2t variant, for this shape's weights (each keeps one W_d^T copy)
             plans = {v: ops.Plan(c.replace(mode="sparse")) for v, c in (("fused", fused_cfg), ("cublas", cublas_cfg))}
             for M in (4096, 16384, 65536):
@@ -470,8 +483,7 @@ def d2t_compare(out: str, cfg=None) -> int:
                         row["flag_differ_rows"] = int((a[2] != b[2]).sum().item())
                         row["nnz_mean"] = a[1].sum(1).float().mean().item()
                     row["gate_gemm_tflops"] = 2 * M * K * N / row["gate_gemm_ms"] / 1e9
-                    f.write(json.dumps(row) + "\n")
-                    f.flush()
+                    write_row(f, row)
                     print(f"[d2t] K={K} N={N} M={M} p={p} gate={row['gate_gemm_ms']:.3f} "
                           f"cublas_d2t={row['d2t_cublas_ms']:.3f}"
                           + (f" fused_d2t={row['d2t_fused_ms']:.3f} ({row['d2t_fused_tflops']:.0f} TFLOP/s)"
@@ -495,18 +507,17 @@ def overlap_probe(out: str, cfg=None) -> int:
     previous chunk, issued on a second stream. Forced-sparse composition of the same kernels as the op (uniform
     profile, no flagged rows, checked against the op's output), gated, K 2048, N 5632, M 65536; JSONL."""
     cfg = (cfg or base_config()).replace(mode="sparse", slots=32)   # the probe's buffers hold 32 slots
-    prov = collect({"kernel_config": cfg.to_dict(), "mode": "overlap_probe"})
+    prov = provenance(cfg, mode="overlap_probe")
     ext = ops.load()
     timer = Timer()
     K, N, M = 2048, 5632, 65536
     T, S = N // 256, 32
-    wg32, wu32, wd32 = make_weights(K, N)
-    wu, wd = wu32.to(BF), wd32.to(BF)
+    wg32, wu, wd = make_problem(K, N)
     wdt = wd.t().contiguous()   # neuron-major W_d [N, K], what the down kernel reads (the op caches its own)
     plan = ops.Plan(cfg)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     side = torch.cuda.Stream()
-    with open(out, "w") as f:
+    with open_log(out, "w") as f:
         for p in (0.0025, 0.005, 0.01):
             x, wg = make_case(wg32, M, K, N, "uniform", p, 0.0, seed=7)
             packed = torch.empty(M, T, S, device=DEV, dtype=torch.int32)
@@ -548,8 +559,7 @@ def overlap_probe(out: str, cfg=None) -> int:
                     row = {**prov, "M": M, "K": K, "N": N, "activity": p, "chunks": chunks, "d2t_ctas": ctas,
                            "sms": sms, "probe_ms": ms, "op_sparse_ms": op_ms, "dense_ms": dense_ms,
                            "probe_vs_dense": dense_ms / ms, "same_as_op": same}
-                    f.write(json.dumps(row) + "\n")
-                    f.flush()
+                    write_row(f, row)
                     print(f"[overlap] p={p} chunks={chunks} d2t_ctas={ctas}/{sms} probe={ms:.3f} op={op_ms:.3f} "
                           f"dense={dense_ms:.3f} x{dense_ms / ms:.2f} same={same}", flush=True)
             del x, wg, packed, counts, flag, hval, y
@@ -557,41 +567,16 @@ def overlap_probe(out: str, cfg=None) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="results/kernel_bench/bench.jsonl")
-    ap.add_argument("--quick", action="store_true", help="fewer configurations (smoke run)")
-    ap.add_argument("--calib", action="store_true", help="dense vs forced sparse over an M x activity grid")
-    ap.add_argument("--kind", choices=["gated", "nongated"], default="gated", help="block calibrated by --calib")
-    ap.add_argument("--calib-ms", type=int, nargs="*", help="--calib: M values instead of the default grid")
-    ap.add_argument("--calib-acts", type=float, nargs="*", help="--calib: activities instead of the default grid")
-    ap.add_argument("--overhead", action="store_true", help="host cost per call and a profiler table")
-    ap.add_argument("--explore", action="store_true",
-                    help="variant timings (d2t variant, cuBLAS d2t chunking, decode tiles per warp)")
-    ap.add_argument("--d2t", action="store_true", help="fused vs cuBLAS d2t, and the sparse block with each")
-    ap.add_argument("--overlap-probe", action="store_true", help="chunked d2t beside the previous chunk's up/down")
-    args = ap.parse_args(argv)
-    cfg = base_config()   # SFL_KERNEL_* read here, once
-    if args.d2t:
-        return d2t_compare(args.out, cfg)
-    if args.overlap_probe:
-        return overlap_probe(args.out, cfg)
-    if args.explore:
-        return explore(cfg)
-    if args.calib:
-        return calibrate(args.out, args.kind, cfg, args.calib_ms, args.calib_acts)
-    if args.overhead:
-        return overhead(cfg)
+# ------------------------------------------------------------------------------------------------ the benchmark
+K_BENCH, N_BENCH, N_NONGATED = 2048, 5632, 8192   # the paper's gated block; its non-gated block at N 8192
 
-    prov = collect({"kernel_config": cfg.to_dict()})
-    timer = Timer()
-    K, N = 2048, 5632
-    wg32, wu32, wd32 = make_weights(K, N)
-    wu, wd = wu32.to(BF), wd32.to(BF)
+
+def bench_cases(quick: bool) -> list[tuple[str, int, int, str, float, float]]:
+    """(block kind, M, reps, pattern, activity, heavy-row fraction) of every benchmark configuration."""
     acts = [0.0025, 0.005, 0.01, 0.02, 0.05, 0.10]
     large = [(65536, 15), (16384, 30), (4096, 40)]
     decode = [1, 8, 16, 64]
-    if args.quick:
+    if quick:
         acts, large, decode = [0.005, 0.02, 0.10], [(65536, 5)], [1, 64]
     cases = []
     for M, reps in large:
@@ -603,129 +588,173 @@ def main(argv: list[str] | None = None) -> int:
         cases.append(("gated", M, reps, "paper", 0.01, 0.001))
         cases.append(("gated", M, reps, "paper", 0.02, 0.001))   # above the crossover: where hot/cold may still pay
     for M in decode:
-        for p in ([0.005, 0.02, 0.10] if not args.quick else [0.005, 0.10]):
+        for p in ([0.005, 0.02, 0.10] if not quick else [0.005, 0.10]):
             cases.append(("gated", M, 50, "uniform", p, 0.0))
         cases.append(("gated", M, 50, "paper", 0.005, 0.0))
-    for M in ([65536, 16384] if not args.quick else [65536]):
+    for M in ([65536, 16384] if not quick else [65536]):
         for p in [0.005, 0.01, 0.02]:
             cases.append(("nongated", M, 10, "uniform", p, 0.0))
+    return cases
 
-    wu_ng32 = make_weights(K, 8192, seed=1)
-    wdn = wu_ng32[2].to(BF)   # hoisted: one W_d per block kind, so the plans' W_d^T caches stay valid across cases
-    rows_out = []
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    f = open(args.out, "a")
-    t_start = time.time()
-    for i, (kind, M, reps, pattern, p, heavy) in enumerate(cases):
-        torch.manual_seed(i)
-        stats = torch.zeros(3, device=DEV, dtype=torch.int64)   # the op's device counters: sum, max, tokens
-        if kind == "gated":
-            x, wg = make_case(wg32, M, K, N, pattern, p, heavy, seed=1000 + i)
-            dense_fn = lambda: dense_gated(x, wg, wu, wd)  # noqa: E731
-            blk = (x, wg, wu, wd)
-            NN = N
-        else:
-            x, wun = make_case(wu_ng32[0], M, K, 8192, pattern, p, heavy, seed=2000 + i)
-            dense_fn = lambda: dense_nongated(x, wun, wdn)  # noqa: E731
-            blk = (x, None, wun, wdn)
-            NN = 8192
-        # a fresh layer per case: auto's plan learns this case's activity; forced sparse has its own plan
-        auto_fn, plan = ffn_call(*blk, cfg)
-        stats_fn, _ = ffn_call(*blk, cfg, stats=stats)   # the same calls on another plan, counting non-zeros
-        sparse_fn, _ = ffn_call(*blk, cfg.replace(mode="sparse"))
-        ours_fn = lambda mode="auto": auto_fn() if mode == "auto" else sparse_fn()  # noqa: E731
-        y_ref = dense_fn()
-        for _ in range(3):  # auto dispatch learns this layer's activity (first call: dense + measurement)
-            ours_fn()
-            stats_fn()
-        torch.cuda.synchronize()
-        stats.zero_()
+
+def bench_weights() -> dict:
+    """The weights of both block kinds, made once: one W_d per block kind, so the plans' W_d^T caches stay valid
+    across cases."""
+    wg32, wu, wd = make_problem(K_BENCH, N_BENCH)
+    wun32, _, wdn32 = make_weights(K_BENCH, N_NONGATED, seed=1)   # the non-gated block's up: make_case shifts it
+    return {"gated": (wg32, wu, wd), "nongated": (wun32, wdn32.to(BF))}
+
+
+def case_block(weights: dict, kind: str, M: int, pattern: str, p: float, heavy: float, i: int):
+    """(x, gate or None, up, down) of case i, and HF's dense block on them."""
+    if kind == "gated":
+        wg32, wu, wd = weights["gated"]
+        x, wg = make_case(wg32, M, K_BENCH, N_BENCH, pattern, p, heavy, seed=1000 + i)
+        return (x, wg, wu, wd), lambda: dense_gated(x, wg, wu, wd)
+    wun32, wdn = weights["nongated"]
+    x, wun = make_case(wun32, M, K_BENCH, N_NONGATED, pattern, p, heavy, seed=2000 + i)
+    return (x, None, wun, wdn), lambda: dense_nongated(x, wun, wdn)
+
+
+def dense_fp32(blk: tuple, rows: slice) -> torch.Tensor:
+    """The dense block in fp32 on a row sample: the scale of bf16's own error."""
+    x, wg, wu, wd = blk
+    if wg is None:
+        return dense_nongated(x[rows].float(), wu.float(), wd.float())
+    return dense_gated(x[rows].float(), wg.float(), wu.float(), wd.float())
+
+
+def check_case(blk: tuple, dense_fn, cfg: KernelConfig, M: int, stats: torch.Tensor) -> tuple[dict, dict]:
+    """Auto dispatch warmed up on this case and checked against dense (stats: the op's device counters). (row
+    fields, run state: auto's callable, its plan, the dense output and the fp32 sample)."""
+    # a fresh layer per case: auto's plan learns this case's activity; forced sparse has its own plan
+    auto_fn, plan = ffn_call(*blk, cfg)
+    stats_fn, _ = ffn_call(*blk, cfg, stats=stats)   # the same calls on another plan, counting non-zeros
+    sparse_fn, _ = ffn_call(*blk, cfg.replace(mode="sparse"))
+    ours_fn = lambda mode="auto": auto_fn() if mode == "auto" else sparse_fn()  # noqa: E731
+    y_ref = dense_fn()
+    for _ in range(3):  # auto dispatch learns this layer's activity (first call: dense + measurement)
+        ours_fn()
         stats_fn()
-        y_ours = ours_fn()
-        info = plan.info()   # this call's path, the flagged rows and activity the layer measured (same x)
-        path, flagged, p_est = info.get("path"), info.get("flagged_rows"), info.get("p")
-        nnz_sum, nnz_max, tokens = (int(v) for v in stats.tolist())
-        nnz_mean = nnz_sum / max(1, tokens)
-        err = rel_err(y_ours, y_ref)
-        # bf16-vs-fp32 error of dense on a row sample, for scale
-        sample = slice(0, min(M, 256))
-        if kind == "gated":
-            ref32 = dense_gated(x[sample].float(), wg.float(), wu.float(), wd.float())
-        else:
-            ref32 = dense_nongated(x[sample].float(), wun.float(), wdn.float())
-        err_ours32, err_dense32 = rel_err(y_ours[sample], ref32), rel_err(y_ref[sample], ref32)
-        row = {"provenance": prov, "kind": kind, "M": M, "K": K, "N": NN, "pattern": pattern, "activity": p,
-               "heavy_frac": heavy, "nnz_mean": nnz_mean, "nnz_max": nnz_max, "p_est": p_est,
-               "overflow_rows": flagged, "path": path, "rel_err_vs_dense_bf16": err,
-               "rel_err_vs_fp32_sample": err_ours32, "dense_bf16_err_vs_fp32_sample": err_dense32}
-        if M <= 64:
-            rep_d, _ = graphed(dense_fn)
-            rep_o, y_g = graphed(ours_fn)
-            row["path"] = path = plan.info().get("path")  # the path captured in the graph
-            rep_o()
-            torch.cuda.synchronize()
-            row["graph_rel_err"] = rel_err(y_g, y_ref)
-            row["dense_ms"], row["ours_ms"] = timer.time_pair(rep_d, rep_o, reps)
-            rep_s, y_s = graphed(lambda: ours_fn("sparse"))
-            row["ours_sparse_forced_ms"] = timer.time(rep_s, reps)
-            row["timing"] = "cuda_graph_replay"
-        else:
-            row["dense_ms"], row["ours_ms"] = timer.time_pair(dense_fn, ours_fn, reps)
-            row["dense_ms_steady"], row["ours_ms_steady"] = timer.time_pair(dense_fn, ours_fn, max(3, reps // 3),
-                                                                            calls=8)
-            row["speedup_steady"] = row["dense_ms_steady"] / row["ours_ms_steady"]
-            if kind == "gated" and p == 0.02 and heavy == 0:  # A/A control: dense against itself, same method
-                row["dense_vs_dense_ratio"] = (lambda a, b: a / b)(*timer.time_pair(dense_fn, dense_fn, reps))
-            row["ours_sparse_forced_ms"] = timer.time(lambda: ours_fn("sparse"), reps)
-            if kind == "gated" and p <= 0.01 and fused_d2t_supported():   # per kernel, with the bytes
-                row.update(sparse_phases(timer, x, wg, wu, wd, cfg.slots, reps))
-            if kind == "gated" and pattern == "paper" and M >= 16384:   # skewed rates: the hot/cold split
-                row.update(hot_cold(timer, x, wg, wu, wd, cfg, reps, dense_fn, ref32))
-            if M == 65536 and kind == "gated":
-                # breakdown: cuBLAS gate GEMM alone; d2t fused (default on sm_90: tensor-core GEMM with the TwELL
-                # epilogue) and cuBLAS + compaction; forced sparse with the cuBLAS d2t, whole and chunked by
-                # gate_scratch_mb (compaction v1 and the d2t-alone chunking knob are gone)
-                cublas = cfg.replace(d2t="cublas")
-                row["gate_gemm_ms"] = timer.time(lambda: torch.mm(x, wg.t()), reps)
-                row["d2t_ms"] = timer.time(lambda: twell_d2t(x, wg, cfg.slots, config=cfg), reps)
-                row["d2t_cublas_ms"] = timer.time(lambda: twell_d2t(x, wg, cfg.slots, config=cublas), reps)
-                fn, _ = ffn_call(*blk, cublas.replace(mode="sparse"))
-                row["ours_sparse_forced_cublas_d2t_ms"] = timer.time(fn, reps)
-                for rows in (4096, 16384):
-                    fn, _ = ffn_call(*blk, cublas.replace(mode="sparse", gate_scratch_mb=gate_scratch_mb_for(rows, N)))
-                    row[f"ours_sparse_forced_cublas_d2t_chunk{rows}_ms"] = timer.time(fn, reps)
-            row["timing"] = "eager"
-        row["speedup"] = row["dense_ms"] / row["ours_ms"]
-        rows_out.append(row)
-        f.write(json.dumps(row) + "\n")
-        f.flush()
-        print(f"[{i + 1}/{len(cases)} {time.time() - t_start:.0f}s] {kind} M={M} {pattern} p={p} heavy={heavy} "
-              f"nnz={row['nnz_mean']:.1f}/{row['nnz_max']:.0f} path={path} ovf={flagged} dense={row['dense_ms']:.3f} "
-              f"ours={row['ours_ms']:.3f} x{row['speedup']:.2f}"
-              + (f" steady x{row['speedup_steady']:.2f}" if "speedup_steady" in row else "") + f" err={err:.2e}"
-              + f" sparse_forced={row['ours_sparse_forced_ms']:.3f} p_est={p_est}"
-              + (f" AA={row['dense_vs_dense_ratio']:.3f}" if "dense_vs_dense_ratio" in row else "")
-              + (f" hot{row['hot_neurons_chosen']} x{row['speedup_hot']:.2f}" if "speedup_hot" in row else "")
-              + ("".join(f" {k}={v:.3f}" for k, v in row["phase_ms"].items()) if "phase_ms" in row else "")
-              + (f" gate={row['gate_gemm_ms']:.3f} d2t={row['d2t_ms']:.3f} d2t_cublas={row['d2t_cublas_ms']:.3f}"
-                 f" sparse_forced_cublas_d2t={row['ours_sparse_forced_cublas_d2t_ms']:.3f}"
-                 f" chunk4096={row['ours_sparse_forced_cublas_d2t_chunk4096_ms']:.3f}"
-                 f" chunk16384={row['ours_sparse_forced_cublas_d2t_chunk16384_ms']:.3f}"
-                 if "gate_gemm_ms" in row else ""),
-              flush=True)
-        del x, y_ref, y_ours
-        torch.cuda.empty_cache()
-    f.close()
+    torch.cuda.synchronize()
+    stats.zero_()
+    stats_fn()
+    y_ours = ours_fn()
+    info = plan.info()   # this call's path, the flagged rows and activity the layer measured (same x)
+    nnz_sum, nnz_max, tokens = (int(v) for v in stats.tolist())
+    err = rel_err(y_ours, y_ref)
+    sample = slice(0, min(M, 256))   # bf16-vs-fp32 error of dense on a row sample, for scale
+    ref32 = dense_fp32(blk, sample)
+    fields = {"nnz_mean": nnz_sum / max(1, tokens), "nnz_max": nnz_max, "p_est": info.get("p"),
+              "overflow_rows": info.get("flagged_rows"), "path": info.get("path"), "rel_err_vs_dense_bf16": err,
+              "rel_err_vs_fp32_sample": rel_err(y_ours[sample], ref32),
+              "dense_bf16_err_vs_fp32_sample": rel_err(y_ref[sample], ref32)}
+    return fields, {"ours_fn": ours_fn, "plan": plan, "y_ref": y_ref, "ref32": ref32}
+
+
+def time_graphed(timer: Timer, dense_fn, run: dict, reps: int) -> dict:
+    """Decode sizes: dense, auto and forced sparse as CUDA-graph replays (as decode steps run)."""
+    ours_fn = run["ours_fn"]
+    rep_d, _ = graphed(dense_fn)
+    rep_o, y_g = graphed(ours_fn)
+    out = {"path": run["plan"].info().get("path")}  # the path captured in the graph
+    rep_o()
+    torch.cuda.synchronize()
+    out["graph_rel_err"] = rel_err(y_g, run["y_ref"])
+    out["dense_ms"], out["ours_ms"] = timer.time_pair(rep_d, rep_o, reps)
+    rep_s, _ = graphed(lambda: ours_fn("sparse"))
+    out["ours_sparse_forced_ms"] = timer.time(rep_s, reps)
+    out["timing"] = "cuda_graph_replay"
+    return out
+
+
+def time_eager(timer: Timer, blk: tuple, dense_fn, run: dict, cfg: KernelConfig, case: tuple) -> dict:
+    """Prefill sizes: auto against dense, one call and 8 back to back per repetition, forced sparse, and for some
+    cases the A/A control, the per-kernel phases, hot/cold and the d2t breakdown."""
+    kind, M, reps, pattern, p, heavy = case
+    x, wg, wu, wd = blk
+    ours_fn = run["ours_fn"]
+    out = {}
+    out["dense_ms"], out["ours_ms"] = timer.time_pair(dense_fn, ours_fn, reps)
+    out["dense_ms_steady"], out["ours_ms_steady"] = timer.time_pair(dense_fn, ours_fn, max(3, reps // 3), calls=8)
+    out["speedup_steady"] = out["dense_ms_steady"] / out["ours_ms_steady"]
+    if kind == "gated" and p == 0.02 and heavy == 0:  # A/A control: dense against itself, same method
+        out["dense_vs_dense_ratio"] = (lambda a, b: a / b)(*timer.time_pair(dense_fn, dense_fn, reps))
+    out["ours_sparse_forced_ms"] = timer.time(lambda: ours_fn("sparse"), reps)
+    if kind == "gated" and p <= 0.01 and fused_d2t_supported():   # per kernel, with the bytes
+        out.update(sparse_phases(timer, x, wg, wu, wd, cfg.slots, reps))
+    if kind == "gated" and pattern == "paper" and M >= 16384:   # skewed rates: the hot/cold split
+        out.update(hot_cold(timer, x, wg, wu, wd, cfg, reps, dense_fn, run["ref32"]))
+    if M == 65536 and kind == "gated":
+        out.update(d2t_breakdown(timer, blk, cfg, reps))
+    out["timing"] = "eager"
+    return out
+
+
+def d2t_breakdown(timer: Timer, blk: tuple, cfg: KernelConfig, reps: int) -> dict:
+    """cuBLAS gate GEMM alone; d2t fused (default on sm_90: tensor-core GEMM with the TwELL epilogue) and cuBLAS +
+    compaction; forced sparse with the cuBLAS d2t, whole and chunked by gate_scratch_mb (compaction v1 and the
+    d2t-alone chunking knob are gone)."""
+    x, wg = blk[0], blk[1]
+    cublas = cfg.replace(d2t="cublas")
+    out = {"gate_gemm_ms": timer.time(lambda: torch.mm(x, wg.t()), reps),
+           "d2t_ms": timer.time(lambda: twell_d2t(x, wg, cfg.slots, config=cfg), reps),
+           "d2t_cublas_ms": timer.time(lambda: twell_d2t(x, wg, cfg.slots, config=cublas), reps)}
+    fn, _ = ffn_call(*blk, cublas.replace(mode="sparse"))
+    out["ours_sparse_forced_cublas_d2t_ms"] = timer.time(fn, reps)
+    for rows in (4096, 16384):
+        fn, _ = ffn_call(*blk, cublas.replace(mode="sparse", gate_scratch_mb=gate_scratch_mb_for(rows, wg.shape[0])))
+        out[f"ours_sparse_forced_cublas_d2t_chunk{rows}_ms"] = timer.time(fn, reps)
+    return out
+
+
+def run_case(i: int, case: tuple, weights: dict, cfg: KernelConfig, timer: Timer, prov: dict) -> dict:
+    """Case i's row: checked against dense, then timed (graph replays at decode sizes, eager above)."""
+    kind, M, reps, pattern, p, heavy = case
+    torch.manual_seed(i)
+    stats = torch.zeros(3, device=DEV, dtype=torch.int64)   # the op's device counters: sum, max, tokens
+    blk, dense_fn = case_block(weights, kind, M, pattern, p, heavy, i)
+    fields, run = check_case(blk, dense_fn, cfg, M, stats)
+    row = {"provenance": prov, "kind": kind, "M": M, "K": K_BENCH, "N": N_BENCH if kind == "gated" else N_NONGATED,
+           "pattern": pattern, "activity": p, "heavy_frac": heavy, **fields}
+    if M <= 64:
+        row.update(time_graphed(timer, dense_fn, run, reps))
+    else:
+        row.update(time_eager(timer, blk, dense_fn, run, cfg, case))
+    row["speedup"] = row["dense_ms"] / row["ours_ms"]
+    return row
+
+
+def case_line(i: int, n: int, elapsed: float, r: dict) -> str:
+    """The progress line of one benchmark row."""
+    return (f"[{i + 1}/{n} {elapsed:.0f}s] {r['kind']} M={r['M']} {r['pattern']} p={r['activity']} "
+            f"heavy={r['heavy_frac']} nnz={r['nnz_mean']:.1f}/{r['nnz_max']:.0f} path={r['path']} "
+            f"ovf={r['overflow_rows']} dense={r['dense_ms']:.3f} ours={r['ours_ms']:.3f} x{r['speedup']:.2f}"
+            + (f" steady x{r['speedup_steady']:.2f}" if "speedup_steady" in r else "")
+            + f" err={r['rel_err_vs_dense_bf16']:.2e}"
+            + f" sparse_forced={r['ours_sparse_forced_ms']:.3f} p_est={r['p_est']}"
+            + (f" AA={r['dense_vs_dense_ratio']:.3f}" if "dense_vs_dense_ratio" in r else "")
+            + (f" hot{r['hot_neurons_chosen']} x{r['speedup_hot']:.2f}" if "speedup_hot" in r else "")
+            + ("".join(f" {k}={v:.3f}" for k, v in r["phase_ms"].items()) if "phase_ms" in r else "")
+            + (f" gate={r['gate_gemm_ms']:.3f} d2t={r['d2t_ms']:.3f} d2t_cublas={r['d2t_cublas_ms']:.3f}"
+               f" sparse_forced_cublas_d2t={r['ours_sparse_forced_cublas_d2t_ms']:.3f}"
+               f" chunk4096={r['ours_sparse_forced_cublas_d2t_chunk4096_ms']:.3f}"
+               f" chunk16384={r['ours_sparse_forced_cublas_d2t_chunk16384_ms']:.3f}"
+               if "gate_gemm_ms" in r else ""))
+
+
+def print_tables(rows: list[dict]) -> None:
+    """The benchmark's rows as a markdown table, then the skewed cases again through hot/cold."""
     print("\n| kind | M | pattern | p | heavy | nnz mean/max | path | dense ms | ours ms | speedup | steady (8 calls) "
           "| rel err |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows_out:
+    for r in rows:
         print(f"| {r['kind']} | {r['M']} | {r['pattern']} | {r['activity'] * 100:g}% | {r['heavy_frac'] * 100:g}% | "
               f"{r['nnz_mean']:.1f} / {r['nnz_max']:.0f} | {r['path']} | {r['dense_ms']:.3f} | {r['ours_ms']:.3f} | "
               f"{r['speedup']:.2f}x | " + (f"{r['speedup_steady']:.2f}x" if "speedup_steady" in r else "graph") +
               f" | {r['rel_err_vs_dense_bf16']:.1e} |")
-    hot = [r for r in rows_out if "speedup_hot" in r]
-    if hot:   # the skewed cases again, through hot/cold
+    hot = [r for r in rows if "speedup_hot" in r]
+    if hot:
         print("\n| M | pattern | p | hot neurons | their pairs | dense ms | hot/cold ms | speedup | auto's | "
               "rel err vs fp32 (dense bf16's) |")
         print("|---|---|---|---|---|---|---|---|---|---|")
@@ -734,7 +763,69 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['hot_pair_share'] * 100:.0f}% | {r['hot_dense_ms']:.3f} | {r['ours_hot_ms']:.3f} | "
                   f"{r['speedup_hot']:.2f}x | {r['speedup']:.2f}x | {r['hot_rel_err_vs_fp32_sample']:.1e} "
                   f"({r['dense_bf16_err_vs_fp32_sample']:.1e}) |")
+
+
+def bench(out: str, quick: bool, cfg: KernelConfig) -> int:
+    """HF's dense block against ours (auto dispatch, forced sparse) over the benchmark's cases; one row each."""
+    prov = provenance(cfg)
+    timer = Timer()
+    weights = bench_weights()
+    cases = bench_cases(quick)
+    rows = []
+    t_start = time.time()
+    with open_log(out) as f:
+        for i, case in enumerate(cases):
+            row = run_case(i, case, weights, cfg, timer, prov)
+            rows.append(row)
+            write_row(f, row)
+            print(case_line(i, len(cases), time.time() - t_start, row), flush=True)
+            torch.cuda.empty_cache()
+    print_tables(rows)
     return 0
+
+
+# ------------------------------------------------------------------------------------------------ command line
+# One mode per flag (at most one; none: the benchmark), each a function of the parsed arguments and the run's config.
+MODES = {
+    "bench": lambda a, cfg: bench(a.out, a.quick, cfg),
+    "calib": lambda a, cfg: calibrate(a.out, a.kind, cfg, a.calib_ms, a.calib_acts),
+    "overhead": lambda a, cfg: overhead(cfg),
+    "explore": lambda a, cfg: explore(cfg),
+    "d2t": lambda a, cfg: d2t_compare(a.out, cfg),
+    "overlap_probe": lambda a, cfg: overlap_probe(a.out, cfg),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line: --out, and one mode flag at most (args.mode; "bench" without one)."""
+    ap = argparse.ArgumentParser(prog="python -m sfl.experiments.kernel_bench.bench_inference",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="results/kernel_bench/bench.jsonl", help="JSONL log (modes that write one)")
+    ap.add_argument("--quick", action="store_true", help="fewer configurations (smoke run)")
+    modes = ap.add_mutually_exclusive_group()
+    mode = dict(dest="mode", action="store_const")
+    modes.add_argument("--calib", const="calib", **mode, help="dense vs forced sparse over an M x activity grid")
+    modes.add_argument("--overhead", const="overhead", **mode, help="host cost per call and a profiler table")
+    modes.add_argument("--explore", const="explore", **mode,
+                       help="variant timings (d2t variant, cuBLAS d2t chunking, decode tiles per warp)")
+    modes.add_argument("--d2t", const="d2t", **mode, help="fused vs cuBLAS d2t, and the sparse block with each")
+    modes.add_argument("--overlap-probe", const="overlap_probe", **mode,
+                       help="chunked d2t beside the previous chunk's up/down")
+    ap.add_argument("--kind", choices=["gated", "nongated"], default="gated", help="block calibrated by --calib")
+    ap.add_argument("--calib-ms", type=int, nargs="*", help="--calib: M values instead of the default grid")
+    ap.add_argument("--calib-acts", type=float, nargs="*", help="--calib: activities instead of the default grid")
+    ap.set_defaults(mode="bench")
+    args = ap.parse_args(argv)
+    if args.mode != "calib" and (args.calib_ms or args.calib_acts or args.kind != "gated"):
+        ap.error("--kind, --calib-ms and --calib-acts set up --calib: add --calib, or leave them out")
+    if args.quick and args.mode != "bench":
+        ap.error("--quick shortens the benchmark (no mode flag): leave it out with --" + args.mode.replace("_", "-"))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return MODES[args.mode](args, base_config())   # SFL_KERNEL_* read here, once
 
 
 if __name__ == "__main__":

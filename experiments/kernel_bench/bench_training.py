@@ -67,114 +67,146 @@ def rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def run_config(M, K, N, p, heavy, reps, timer, check_fp32, cfg=None, down_layout="neuron_major"):
-    x, (wg, wu, wd), gy = make_case(M, K, N, p, heavy, seed=int(p * 1e5) + M + int(heavy * 1e4))
-    params = [t.clone().requires_grad_(True) for t in (x, wg, wu, wd)]  # dense: HF's nn.Linear layouts
-    # ours: W_d in the model's layout for mlp_impl="cuda" (kernels/layout.py), the same values
-    wd_ours = params[3] if down_layout == "row_major" else wd.t().contiguous().t().requires_grad_(True)
-    ours_params = params[:3] + [wd_ours]
-    gl1 = torch.tensor(1000.0, device=DEV)  # L1 gradient weight (makes the sign(h) term visible in grads)
+class TrainCase:
+    """One configuration's inputs and the two sides' training steps: dense autograd on HF's nn.Linear layouts, ours
+    through the training op with W_d in the model's layout for mlp_impl="cuda" (kernels/layout.py), the same values."""
 
-    def dense_step(l1=True, count=False):
-        for t in params:
+    def __init__(self, M, K, N, p, heavy, cfg, down_layout):
+        x, (wg, wu, wd), gy = make_case(M, K, N, p, heavy, seed=int(p * 1e5) + M + int(heavy * 1e4))
+        self.params = [t.clone().requires_grad_(True) for t in (x, wg, wu, wd)]
+        wd_ours = self.params[3] if down_layout == "row_major" else wd.t().contiguous().t().requires_grad_(True)
+        self.ours_params = self.params[:3] + [wd_ours]
+        self.gy = gy
+        self.gl1 = torch.tensor(1000.0, device=DEV)  # L1 gradient weight (makes the sign(h) term visible in grads)
+        self.cfg = cfg
+        self.st_auto = DispatchState()
+
+    def dense_step(self, l1=True, count=False):
+        for t in self.params:
             t.grad = None
-        y, l = dense_block(*params, l1=l1, count=count)
-        torch.autograd.backward([y, l] if l1 else [y], [gy, gl1] if l1 else [gy])
+        y, l = dense_block(*self.params, l1=l1, count=count)
+        torch.autograd.backward([y, l] if l1 else [y], [self.gy, self.gl1] if l1 else [self.gy])
 
-    st_auto = DispatchState()
-
-    def ours_step(mode, want_stats=False):
-        for t in ours_params:
+    def ours_step(self, mode, want_stats=False):
+        for t in self.ours_params:
             t.grad = None
-        y, l, stats = sparse_gated_ffn_train(*ours_params, config=cfg, mode=mode,
-                                             state=st_auto if mode == "auto" else None,
+        y, l, stats = sparse_gated_ffn_train(*self.ours_params, config=self.cfg, mode=mode,
+                                             state=self.st_auto if mode == "auto" else None,
                                              want_stats=want_stats)
-        torch.autograd.backward([y, l], [gy, gl1])
+        torch.autograd.backward([y, l], [self.gy, self.gl1])
         return stats
 
-    # --- correctness in the same run
+    def ours_sparse(self):
+        """The forced-sparse forward: (y, l1, stats)."""
+        return sparse_gated_ffn_train(*self.ours_params, config=self.cfg, mode="sparse")
+
+
+GRAD_NAMES = ["y", "l1", "dx", "dw_gate", "dw_up", "dw_down"]
+
+
+def check_errors(case: TrainCase, check_fp32: bool) -> tuple[dict, bool, dict]:
+    """Output, L1 and all gradients of forced sparse against bf16 dense (and fp32 dense when check_fp32), in the
+    same run: (errors, all finite, the op's stats)."""
     def outputs(fn, ps):
         for t in ps:
             t.grad = None
         y, l = fn()
-        torch.autograd.backward([y, l], [gy.to(y.dtype), gl1])
+        torch.autograd.backward([y, l], [case.gy.to(y.dtype), case.gl1])
         return [y.detach().float(), l.detach().float()] + [t.grad.detach().float() for t in ps]
 
-    o_bf = outputs(lambda: dense_block(*params), params)
+    o_bf = outputs(lambda: dense_block(*case.params), case.params)
     st_sp = {}
 
     def sp():
-        y, l, s = sparse_gated_ffn_train(*ours_params, config=cfg, mode="sparse")
+        y, l, s = case.ours_sparse()
         st_sp.update(s)
         return y, l
 
-    o_sp = outputs(sp, ours_params)
-    names = ["y", "l1", "dx", "dw_gate", "dw_up", "dw_down"]
-    err = {"vs_bf16_dense": {n: rel(a, b) for n, a, b in zip(names, o_sp, o_bf)}}
+    o_sp = outputs(sp, case.ours_params)
+    err = {"vs_bf16_dense": {n: rel(a, b) for n, a, b in zip(GRAD_NAMES, o_sp, o_bf)}}
     if check_fp32:
-        p32 = [t.detach().float().requires_grad_(True) for t in params]
-        y32, l32 = dense_block(*p32)
-        torch.autograd.backward([y32, l32], [gy.float(), gl1])
-        o32 = [y32.detach(), l32.detach()] + [t.grad for t in p32]
-        err["ours_vs_fp32"] = {n: rel(a, b) for n, a, b in zip(names, o_sp, o32)}
-        err["bf16_dense_vs_fp32"] = {n: rel(a, b) for n, a, b in zip(names, o_bf, o32)}
-        err["within_2x_bf16"] = all(err["ours_vs_fp32"][n] <= 2 * err["bf16_dense_vs_fp32"][n] + 1e-6 for n in names)
-        del p32, y32, l32, o32
+        err.update(fp32_errors(case, o_sp, o_bf))
     finite = all(bool(torch.isfinite(t).all()) for t in o_sp)
-    del o_bf, o_sp
-    nnz = st_sp["nnz_per_token"].float()
+    return err, finite, st_sp
 
-    # --- memory: kept for backward, peak of one fwd+bwd
-    def mem(fn_fwd):
-        for t in ours_params + params[3:]:
-            t.grad = None
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        y, l = fn_fwd()
-        kept = torch.cuda.memory_allocated() - base - y.numel() * y.element_size() - l.numel() * l.element_size()
-        torch.autograd.backward([y, l], [gy, gl1])
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-        del y, l
-        return kept, peak
 
-    kept_d, peak_d = mem(lambda: dense_block(*params))
-    kept_s, peak_s = mem(lambda: sparse_gated_ffn_train(*ours_params, config=cfg, mode="sparse")[:2])
+def fp32_errors(case: TrainCase, o_sp: list, o_bf: list) -> dict:
+    """Errors of ours and of bf16 dense against fp32 dense, and whether ours stays within twice bf16's."""
+    p32 = [t.detach().float().requires_grad_(True) for t in case.params]
+    y32, l32 = dense_block(*p32)
+    torch.autograd.backward([y32, l32], [case.gy.float(), case.gl1])
+    o32 = [y32.detach(), l32.detach()] + [t.grad for t in p32]
+    err = {"ours_vs_fp32": {n: rel(a, b) for n, a, b in zip(GRAD_NAMES, o_sp, o32)},
+           "bf16_dense_vs_fp32": {n: rel(a, b) for n, a, b in zip(GRAD_NAMES, o_bf, o32)}}
+    err["within_2x_bf16"] = all(err["ours_vs_fp32"][n] <= 2 * err["bf16_dense_vs_fp32"][n] + 1e-6
+                                for n in GRAD_NAMES)
+    return err
 
-    # --- time
-    t_dense = timer.time(dense_step, reps)
-    t_dense_nol1 = timer.time(lambda: dense_step(False), reps)
-    t_sparse = timer.time(lambda: ours_step("sparse"), reps)
+
+def memory(case: TrainCase, fn_fwd) -> tuple[int, int]:
+    """(bytes kept for backward by the block: allocated after forward - before - outputs, peak of one fwd+bwd)."""
+    for t in case.ours_params + case.params[3:]:
+        t.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    y, l = fn_fwd()
+    kept = torch.cuda.memory_allocated() - base - y.numel() * y.element_size() - l.numel() * l.element_size()
+    torch.autograd.backward([y, l], [case.gy, case.gl1])
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del y, l
+    return kept, peak
+
+
+def time_steps(case: TrainCase, timer, reps: int) -> dict:
+    """Medians (ms) of each side alone, one call per repetition, then auto against dense in a steady state."""
+    t = {"dense": timer.time(case.dense_step, reps),
+         "dense_nol1": timer.time(lambda: case.dense_step(False), reps),
+         "sparse": timer.time(lambda: case.ours_step("sparse"), reps)}
     for _ in range(3):  # history for auto
-        ours_step("auto")
+        case.ours_step("auto")
         torch.cuda.synchronize()
-    t_auto = timer.time(lambda: ours_step("auto"), reps)
-    auto_path = st_auto.last_path
-    t_dense_cnt = timer.time(lambda: dense_step(count=True), reps)
-    t_auto_cnt = timer.time(lambda: ours_step("auto", want_stats=True), reps)
+    t["auto"] = timer.time(lambda: case.ours_step("auto"), reps)
+    t["auto_path"] = case.st_auto.last_path
+    t["dense_cnt"] = timer.time(lambda: case.dense_step(count=True), reps)
+    t["auto_cnt"] = timer.time(lambda: case.ours_step("auto", want_stats=True), reps)
     # steady state: 4 back-to-back calls per timed repetition, alternating with the dense side (as layers run in a
     # model, the host ahead of the GPU); the single-call times above also count the host's latency to the first
     # kernel after the flush
-    st_auto_s, st_dense_s = timer.time_pair(lambda: ours_step("auto"), dense_step, reps, calls=4)
-    st_auto_s2, st_nol1_s = timer.time_pair(lambda: ours_step("auto"), lambda: dense_step(False), reps, calls=4)
+    t["st_auto"], t["st_dense"] = timer.time_pair(lambda: case.ours_step("auto"), case.dense_step, reps, calls=4)
+    t["st_auto2"], t["st_nol1"] = timer.time_pair(lambda: case.ours_step("auto"), lambda: case.dense_step(False),
+                                                  reps, calls=4)
 
     def fwd_only():
         with torch.no_grad():
-            sparse_gated_ffn_train(*ours_params, config=cfg, mode="sparse")
-    t_fwd = timer.time(fwd_only, reps)
+            case.ours_sparse()
+    t["fwd"] = timer.time(fwd_only, reps)
+    return t
+
+
+def run_config(M, K, N, p, heavy, reps, timer, check_fp32, cfg=None, down_layout="neuron_major"):
+    """One configuration's row: errors, memory and times of dense autograd and the training op."""
+    case = TrainCase(M, K, N, p, heavy, cfg, down_layout)
+    err, finite, st_sp = check_errors(case, check_fp32)
+    nnz = st_sp["nnz_per_token"].float()
+    kept_d, peak_d = memory(case, lambda: dense_block(*case.params))
+    kept_s, peak_s = memory(case, lambda: case.ours_sparse()[:2])
+    t = time_steps(case, timer, reps)
     return {
         "M": M, "K": K, "N": N, "p": p, "heavy_frac": heavy, "down_layout": {"ours": down_layout, "dense": "row_major"},
         "nnz_mean": nnz.mean().item(), "nnz_max": nnz.max().item(), "backup_rows": int(st_sp["backup_rows"]),
         "ell_width": st_sp["width"],
-        "dense_ms": t_dense, "dense_noL1_ms": t_dense_nol1, "sparse_ms": t_sparse, "auto_ms": t_auto,
-        "auto_path": auto_path, "sparse_fwd_nograd_ms": t_fwd,
-        "speedup_sparse": t_dense / t_sparse, "speedup_auto": t_dense / t_auto,
-        "speedup_auto_vs_dense_noL1": t_dense_nol1 / t_auto,
-        "steady_4calls_ms": {"auto_vs_dense": [st_auto_s, st_dense_s], "auto_vs_dense_noL1": [st_auto_s2, st_nol1_s]},
-        "speedup_auto_steady": st_dense_s / st_auto_s, "speedup_auto_vs_dense_noL1_steady": st_nol1_s / st_auto_s2,
-        "dense_with_counts_ms": t_dense_cnt, "auto_with_stats_ms": t_auto_cnt,
-        "speedup_auto_with_stats_vs_dense_with_counts": t_dense_cnt / t_auto_cnt,
+        "dense_ms": t["dense"], "dense_noL1_ms": t["dense_nol1"], "sparse_ms": t["sparse"], "auto_ms": t["auto"],
+        "auto_path": t["auto_path"], "sparse_fwd_nograd_ms": t["fwd"],
+        "speedup_sparse": t["dense"] / t["sparse"], "speedup_auto": t["dense"] / t["auto"],
+        "speedup_auto_vs_dense_noL1": t["dense_nol1"] / t["auto"],
+        "steady_4calls_ms": {"auto_vs_dense": [t["st_auto"], t["st_dense"]],
+                             "auto_vs_dense_noL1": [t["st_auto2"], t["st_nol1"]]},
+        "speedup_auto_steady": t["st_dense"] / t["st_auto"],
+        "speedup_auto_vs_dense_noL1_steady": t["st_nol1"] / t["st_auto2"],
+        "dense_with_counts_ms": t["dense_cnt"], "auto_with_stats_ms": t["auto_cnt"],
+        "speedup_auto_with_stats_vs_dense_with_counts": t["dense_cnt"] / t["auto_cnt"],
         "kept_bytes_dense": kept_d, "kept_bytes_sparse": kept_s, "kept_ratio": kept_d / max(1, kept_s),
         "op_kept_bytes": st_sp["kept_bytes"],
         "peak_bytes_dense": peak_d, "peak_bytes_sparse": peak_s,

@@ -25,7 +25,6 @@ import os
 import time
 
 import torch
-import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from sfl.kernels import reference
@@ -121,11 +120,15 @@ def kernel_table(fn) -> list[dict]:
     return sorted(out, key=lambda r: -r["device_us"])
 
 
-def gap(out_dir: str, cfg) -> None:
-    timer = Timer()
-    K, N = 2048, 5632
-    wg32, wu32, wd32 = make_weights(K, N)
-    wu, wd = wu32.to(BF), wd32.to(BF)
+def report(rec: dict, tables: tuple[str, ...], top: int) -> None:
+    """A gap row on stdout: its numbers, then the first `top` kernels of each profiler table."""
+    print(json.dumps({k: v for k, v in rec.items() if not k.startswith("kernels")}), flush=True)
+    for k in tables:
+        print(k, json.dumps(rec[k][:top]), flush=True)
+
+
+def inference_gap(timer: Timer, cfg, K: int, N: int, wg32, wu, wd) -> list[dict]:
+    """Gated, 2% activity: HF's dense block against our dense path, auto dispatch and itself, per M."""
     rows = []
     with torch.no_grad():
         for M, reps in ((4096, 40), (16384, 30), (65536, 12)):
@@ -146,12 +149,15 @@ def gap(out_dir: str, cfg) -> None:
             rec["hf_host_us"] = host_us(hf)
             rec["kernels_hf"] = kernel_table(hf)
             rec["kernels_ours_auto"] = kernel_table(ours_auto)
-            print(json.dumps({k: v for k, v in rec.items() if not k.startswith("kernels")}), flush=True)
-            for k in ("kernels_hf", "kernels_ours_auto"):
-                print(k, json.dumps(rec[k][:8]), flush=True)
+            report(rec, ("kernels_hf", "kernels_ours_auto"), 8)
             rows.append(rec)
-    with torch.no_grad():   # non-gated (N = 8192): HF's linear-relu-linear against our dense path, kernel by kernel
+    return rows
 
+
+def nongated_gap(timer: Timer, cfg, K: int) -> list[dict]:
+    """Non-gated (N = 8192), 1% activity: HF's linear-relu-linear against our dense path, kernel by kernel."""
+    rows = []
+    with torch.no_grad():
         wn32 = make_weights(K, 8192, seed=1)
         wdn = wn32[2].to(BF)
         for M, reps in ((16384, 30), (65536, 10)):
@@ -172,11 +178,15 @@ def gap(out_dir: str, cfg) -> None:
                     rec[f"{name}_x{calls}"] = {"hf_ms": a, "ours_ms": b, "ratio": a / b}
             rec["kernels_hf"] = kernel_table(hf)
             rec["kernels_ours"] = kernel_table(ours_dense)
-            print(json.dumps({k: v for k, v in rec.items() if not k.startswith("kernels")}), flush=True)
-            for k in ("kernels_hf", "kernels_ours"):
-                print(k, json.dumps(rec[k][:6]), flush=True)
+            report(rec, ("kernels_hf", "kernels_ours"), 6)
             rows.append(rec)
             del x, g, out
+    return rows
+
+
+def training_gap(timer: Timer, cfg, K: int, N: int) -> list[dict]:
+    """Gated fwd+bwd, 1% activity: dense autograd against the training op forced dense, auto and itself, per M."""
+    rows = []
     for M, reps in ((4096, 30), (16384, 20)):
         x, (wg, wu_, wd_), gy = make_train_case(M, K, N, 0.01, 0.0, seed=7)
         params = [t.clone().requires_grad_(True) for t in (x, wg, wu_, wd_)]
@@ -209,10 +219,20 @@ def gap(out_dir: str, cfg) -> None:
         rec["dense_host_us"] = host_us(dense_step)
         rec["kernels_dense"] = kernel_table(dense_step)
         rec["kernels_ours_auto"] = kernel_table(ours("auto"))
-        print(json.dumps({k: v for k, v in rec.items() if not k.startswith("kernels")}), flush=True)
-        for k in ("kernels_dense", "kernels_ours_auto"):
-            print(k, json.dumps(rec[k][:10]), flush=True)
+        report(rec, ("kernels_dense", "kernels_ours_auto"), 10)
         rows.append(rec)
+    return rows
+
+
+def gap(out_dir: str, cfg) -> None:
+    """Where a dense-dispatched call loses time: inference (gated, then non-gated), then training; one log."""
+    timer = Timer()
+    K, N = 2048, 5632
+    wg32, wu32, wd32 = make_weights(K, N)
+    wu, wd = wu32.to(BF), wd32.to(BF)
+    rows = inference_gap(timer, cfg, K, N, wg32, wu, wd)
+    rows += nongated_gap(timer, cfg, K)
+    rows += training_gap(timer, cfg, K, N)
     _write(out_dir, "dense_gap.jsonl", rows, cfg)
 
 
