@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..experiments.provenance import collect
+from ..experiments.trainer.provenance import collect
 from . import tables
 from .config import TILE_N, crossover_at
 from .device import kernels_supported

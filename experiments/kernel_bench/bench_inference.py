@@ -38,7 +38,7 @@ from sfl.kernels.ffn import sparse_gated_ffn, sparse_nongated_ffn, twell_d2t
 from sfl.kernels.twell import ops
 from sfl.models.hot_cold import HOT_CANDIDATES, fastest_count, rotate_ms
 
-from ..provenance import collect
+from ..trainer.provenance import collect
 
 DEV = "cuda"
 BF = torch.bfloat16
