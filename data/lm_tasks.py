@@ -3,7 +3,7 @@
 lm-eval's `dataset_kwargs.data_files` needs real paths, so the templates carry the placeholder
 @SFL_EVAL_DIR@, replaced here by the eval dir of a prepared data dir (or any dir holding
 <task>.jsonl files in the uniform {"id","question","choices","gold"} form). `write_tasks` is the one writer:
-`python -m sfl.data.prepare` calls it after the eval step (-> <data_dir>/lm_tasks/), experiments/evaluate.py
+`python -m sfl.data.prepare` calls it after the eval step (-> <data_dir>/lm_tasks/), experiments/trainer/evaluate.py
 calls it for its temp include dir, and by hand:
 
     python -m sfl.data.lm_tasks write-tasks --out DIR [--eval-dir DIR | --data-dir DIR] [--tasks all]

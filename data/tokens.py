@@ -14,7 +14,7 @@ from .manifest import atomic_write_text
 
 DTYPE = np.uint16
 # Per-shard checksum recorded in meta.json at preparation and checked where the shard is used
-# (experiments/data_loader.py): SHA-1 of the whole file, the fastest full-file hash hashlib has here
+# (experiments/trainer/data_loader.py): SHA-1 of the whole file, the fastest full-file hash hashlib has here
 # (~1.5 GB/s with the CPU's SHA extensions: 0.03 s for the 36 MB of the offline stream). Integrity, not security.
 CHECKSUM = "sha1"
 _SCAN_CHUNK = 1 << 24  # bytes per read (even: whole uint16 tokens)

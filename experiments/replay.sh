@@ -16,7 +16,7 @@ EXP="${1:-sparsify_smollm2}"
 REQ="${EVAL_REQUESTS:-${SFL_DATA_DIR:-.data}/eval_requests_all.npz}"
 if [ ! -f "$REQ" ]; then
   echo "== exporting the 7 tasks' requests to $REQ"
-  python -m sfl.experiments.evaluate --model "${SFL_DATA_DIR:-.data}/smollm2-135m" --tasks all \
+  python -m sfl.experiments.trainer.evaluate --model "${SFL_DATA_DIR:-.data}/smollm2-135m" --tasks all \
     --export-requests "$REQ" --out "$(mktemp -d)"
 fi
 n=0
@@ -26,11 +26,11 @@ for scores in "$RESULTS_ROOT"/$EXP/*/*.scores.npz; do
   if [ -f "$dir/$name.json" ] && [ "$dir/$name.json" -nt "$scores" ]; then continue; fi
   tmp=$(mktemp -d)
   echo "== $(basename "$dir") $name"
-  python -m sfl.experiments.evaluate --replay "$scores" --requests "$REQ" --out "$tmp"
+  python -m sfl.experiments.trainer.evaluate --replay "$scores" --requests "$REQ" --out "$tmp"
   mv "$tmp/eval.json" "$dir/$name.json"
   rm -rf "$tmp"
   n=$((n + 1))
 done
 echo "replayed $n score files"
-python -m sfl.experiments.runs compare-paths "$RESULTS_ROOT/$EXP"
-python -m sfl.experiments.runs summarize "$RESULTS_ROOT/$EXP" || true
+python -m sfl.experiments.trainer.runs compare-paths "$RESULTS_ROOT/$EXP"
+python -m sfl.experiments.trainer.runs summarize "$RESULTS_ROOT/$EXP" || true

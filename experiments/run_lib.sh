@@ -1,6 +1,6 @@
 # Shared by experiments/*/run.sh (sourced after experiments/env.sh, from the repo root).
 # Scales, output roots, and resumable "train one run" / "evaluate one checkpoint" steps over the ONE
-# training loop (experiments/train.py) and the ONE eval entry point (experiments/evaluate.py).
+# training loop (experiments/trainer/train.py) and the ONE eval entry point (experiments/trainer/evaluate.py).
 #
 #   SCALE=smoke (default)  CPU, tiny, minutes: exercises the whole pipeline (what CI runs).
 #                          Outputs: runs/smoke/<exp>/<run>/ (checkpoints, final model) and the logs under
@@ -50,15 +50,15 @@ sfl_train() {
   for y in "${yamls[@]}"; do
     [ -f "$y" ] || { echo "$exp/$run: no config $y (SCALE=$SCALE is not offered by this experiment)" >&2; exit 2; }
   done
-  if python -m sfl.experiments.runs done "$res"; then
-    echo "[$idx/$total] $exp/$run: finished before, skipped -- $(python -m sfl.experiments.runs describe "$res")"
+  if python -m sfl.experiments.trainer.runs done "$res"; then
+    echo "[$idx/$total] $exp/$run: finished before, skipped -- $(python -m sfl.experiments.trainer.runs describe "$res")"
     return 0
   fi
   mkdir -p "$out" "$res"
-  if ! python -m sfl.experiments.runs done "$out"; then
+  if ! python -m sfl.experiments.trainer.runs done "$out"; then
     local setargs=()
     for s in ${sets[@]+"${sets[@]}"}; do setargs+=(--set "$s"); done
-    python -m sfl.experiments.runs merge "${yamls[@]}" ${setargs[@]+"${setargs[@]}"} --set "out_dir=$out" \
+    python -m sfl.experiments.trainer.runs merge "${yamls[@]}" ${setargs[@]+"${setargs[@]}"} --set "out_dir=$out" \
       -o "$out/config.yaml"
     # what to clean (a log without a checkpoint: a run killed before its first save) is decided by train.py
     # under the run directory's lock, never here: another process may be training in it
@@ -68,7 +68,7 @@ sfl_train() {
       echo "[$idx/$total] $exp/$run: training ($(tr '\n' ' ' < "$out/config.yaml" | grep -oE 'l1_coeff: [^ ]+' || true))"
     fi
     local t0=$SECONDS
-    if ! python -m sfl.experiments.train --config "$out/config.yaml" --resume; then
+    if ! python -m sfl.experiments.trainer.train --config "$out/config.yaml" --resume; then
       echo "[$idx/$total] $exp/$run: FAILED after $((SECONDS - t0)) s (log: $out/train_log.jsonl)" >&2
       SFL_FAILED+=("$exp/$run")
       return 0
@@ -76,11 +76,11 @@ sfl_train() {
   fi
   local keep=()
   [ "$KEEP_CKPT" != 1 ] || keep=(--keep-checkpoints)
-  if ! python -m sfl.experiments.runs finish "$out" "$res" ${keep[@]+"${keep[@]}"}; then
+  if ! python -m sfl.experiments.trainer.runs finish "$out" "$res" ${keep[@]+"${keep[@]}"}; then
     SFL_FAILED+=("$exp/$run")
     return 0
   fi
-  echo "[$idx/$total] $exp/$run: done -- $(python -m sfl.experiments.runs describe "$res")"
+  echo "[$idx/$total] $exp/$run: done -- $(python -m sfl.experiments.trainer.runs describe "$res")"
 }
 
 # sfl_reuse_log SRC_RES DST_RES WHY: a run whose config equals a finished one elsewhere takes that run's log (and its
@@ -94,7 +94,7 @@ sfl_reuse_log() {
 }
 
 # _sfl_evaluate EXP RUN NAME DONE_FILE WHAT [evaluate.py args ...]
-# Runs experiments/evaluate.py on $RUNS_ROOT/EXP/RUN/final into a temp dir and moves each file it wrote to
+# Runs experiments/trainer/evaluate.py on $RUNS_ROOT/EXP/RUN/final into a temp dir and moves each file it wrote to
 # $RESULTS_ROOT/EXP/RUN as NAME.<file> (eval.json -> NAME.json, scores.npz -> NAME.scores.npz). Skipped when
 # DONE_FILE exists there; a failure is recorded in SFL_FAILED and the sweep goes on.
 _sfl_evaluate() {
@@ -113,7 +113,7 @@ _sfl_evaluate() {
   local tmp f
   tmp="$(mktemp -d "${TMPDIR:-/tmp}/sfl_eval.XXXXXX")"
   echo "  $exp/$run $name: $what $*"
-  if python -m sfl.experiments.evaluate --model "$model" --out "$tmp" "$@"; then
+  if python -m sfl.experiments.trainer.evaluate --model "$model" --out "$tmp" "$@"; then
     mkdir -p "$res"
     for f in "$tmp"/*; do f=$(basename "$f"); mv "$tmp/$f" "$res/$name.${f#eval.}"; done
   else
@@ -141,7 +141,7 @@ sfl_score() {
 # sfl_finish EXP: summary.csv over the experiment's runs, then a non-zero exit if anything failed.
 sfl_finish() {
   local exp=$1
-  if [ -d "$RESULTS_ROOT/$exp" ]; then python -m sfl.experiments.runs summarize "$RESULTS_ROOT/$exp" || true; fi
+  if [ -d "$RESULTS_ROOT/$exp" ]; then python -m sfl.experiments.trainer.runs summarize "$RESULTS_ROOT/$exp" || true; fi
   if [ ${#SFL_FAILED[@]} -gt 0 ]; then
     echo "FAILED: ${SFL_FAILED[*]}" >&2
     return 1
@@ -151,7 +151,7 @@ sfl_finish() {
 
 # sfl_train_rerunnable BASE_DIR CONFIG.yaml FRESH [key=value ...]
 # The re-runnable training step of a job run by hand again and again (the quickstart). With CONFIG + the
-# key=values it trains in BASE_DIR, or in BASE_DIR-2, -3, ... (experiments/runs.py pick_run_dir): the first
+# key=values it trains in BASE_DIR, or in BASE_DIR-2, -3, ... (experiments/trainer/runs.py pick_run_dir): the first
 # directory that holds this same run -- finished: reported, not retrained; interrupted: resumed from its newest
 # checkpoint -- or nothing (trained there). A directory holding a run with other settings is left as it is, so
 # a re-run never deletes or overwrites finished work. FRESH=1: always a directory that holds nothing.
@@ -163,13 +163,13 @@ sfl_train_rerunnable() {
   for s in "$@"; do setargs+=(--set "$s"); done
   [ "$fresh" != 1 ] || fresh_arg=(--fresh)
   merged="$(mktemp "${TMPDIR:-/tmp}/sfl_config.XXXXXX")"
-  python -m sfl.experiments.runs merge "$config" ${setargs[@]+"${setargs[@]}"} -o "$merged"
-  pick="$(python -m sfl.experiments.runs pick-dir "$base" "$merged" ${fresh_arg[@]+"${fresh_arg[@]}"})"
+  python -m sfl.experiments.trainer.runs merge "$config" ${setargs[@]+"${setargs[@]}"} -o "$merged"
+  pick="$(python -m sfl.experiments.trainer.runs pick-dir "$base" "$merged" ${fresh_arg[@]+"${fresh_arg[@]}"})"
   SFL_RUN_STATE="${pick%% *}" SFL_RUN_DIR="${pick#* }"
   case "$SFL_RUN_STATE" in
     finished)
       rm -f "$merged"
-      echo "$SFL_RUN_DIR: finished before with these settings, not retrained -- $(python -m sfl.experiments.runs describe "$SFL_RUN_DIR")"
+      echo "$SFL_RUN_DIR: finished before with these settings, not retrained -- $(python -m sfl.experiments.trainer.runs describe "$SFL_RUN_DIR")"
       echo "  (to train it again from scratch, in a new directory: FRESH=1)"
       return 0 ;;
     unfinished)
@@ -182,7 +182,7 @@ sfl_train_rerunnable() {
       [ ! -e "$SFL_RUN_DIR/train_log.jsonl" ] || resume=(--resume) ;;  # a log torn before its header: restart
   esac
   mkdir -p "$SFL_RUN_DIR"
-  python -m sfl.experiments.runs merge "$merged" --set "out_dir=$SFL_RUN_DIR" -o "$SFL_RUN_DIR/config.yaml"
+  python -m sfl.experiments.trainer.runs merge "$merged" --set "out_dir=$SFL_RUN_DIR" -o "$SFL_RUN_DIR/config.yaml"
   rm -f "$merged"
-  python -m sfl.experiments.train --config "$SFL_RUN_DIR/config.yaml" ${resume[@]+"${resume[@]}"}
+  python -m sfl.experiments.trainer.train --config "$SFL_RUN_DIR/config.yaml" ${resume[@]+"${resume[@]}"}
 }

@@ -48,6 +48,6 @@ for stage in "${STAGE_LIST[@]}"; do
 done
 # one summary per experiment once every job is done (each job also wrote one when it finished)
 for exp in l1_sweep ablations/gating ablations/dead_neurons train_equivalence; do
-  [ ! -d "$RESULTS_ROOT/$exp" ] || python -m sfl.experiments.runs summarize "$RESULTS_ROOT/$exp" > /dev/null
+  [ ! -d "$RESULTS_ROOT/$exp" ] || python -m sfl.experiments.trainer.runs summarize "$RESULTS_ROOT/$exp" > /dev/null
 done
 echo "suite done: $RESULTS_ROOT"

@@ -2,7 +2,7 @@
 
 One frozen dataclass carried by the model config (``SparseLlamaConfig.kernel_config``), accepted by the functional
 API (``sparse_gated_ffn(..., config=cfg)``) and written into every benchmark, training and eval log
-(``cfg.to_dict()``). A run's YAML sets it in its ``kernel:`` block (experiments/config.py). Nothing reads the
+(``cfg.to_dict()``). A run's YAML sets it in its ``kernel:`` block (experiments/trainer/config.py). Nothing reads the
 environment but ``KernelConfig.from_env()``, an explicit, read-once override for benchmark sweeps (the
 ``SFL_KERNEL_*`` names below); neither the model nor the trainer calls it.
 

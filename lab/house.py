@@ -49,14 +49,13 @@ def module_name(path: Path) -> str:
 
 
 def room(module: str) -> str:
-    """kernels:<layer> (support: the rest of kernels/), models, data, experiments:trainer (the flat modules of
-    experiments/), experiments:<folder>, notebooks."""
+    """kernels:<layer> (support: the rest of kernels/), models, data, experiments:<folder> (experiments:trainer is
+    the trainer every experiment shares), notebooks."""
     top, _, rest = module.partition(".")
     if top == "kernels":
         return KERNEL_ROOMS.get(module, "kernels:support")
     if top == "experiments" and rest:
-        sub = rest.split(".")[0]
-        return "experiments:trainer" if (ROOT / "experiments" / f"{sub}.py").is_file() else f"experiments:{sub}"
+        return f"experiments:{rest.split('.')[0]}"
     return top
 
 

@@ -49,8 +49,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
-from sfl.experiments.paired_eval import change_with_interval  # noqa: E402
-from sfl.experiments.runs import config_name, mean_ci95  # noqa: E402
+from sfl.experiments.trainer.paired_eval import change_with_interval  # noqa: E402
+from sfl.experiments.trainer.runs import config_name, mean_ci95  # noqa: E402
 
 # One look for every figure: seaborn's theme (white grid, a colour-blind-safe palette), set when a notebook
 # imports these helpers. Notebooks draw with seaborn's plots where they fit, matplotlib where they do not.
@@ -278,7 +278,7 @@ def load_train_log(path: Path | str) -> TrainLog:
     rows = read_jsonl(path)
     headers = [r for r in rows if r.get("type") == "header"]
     if not headers:
-        raise ValueError(f"{path}: no header line ({{'type': 'header', ...}}); was it written by experiments/train.py?")
+        raise ValueError(f"{path}: no header line ({{'type': 'header', ...}}); was it written by experiments/trainer/train.py?")
     steps = pd.DataFrame([r for r in rows if r.get("type") == "step"])
     evals = pd.DataFrame([r for r in rows if r.get("type") == "eval"])
     finals = [r for r in rows if r.get("type") == "final"]
@@ -356,7 +356,7 @@ def find_runs(experiment: str, filename: str = "train_log.jsonl") -> list[Path]:
 
 
 def load_eval(path: Path | str) -> dict[str, Any]:
-    """Parse an eval.json written by experiments/evaluate.py (or the run directory holding it)."""
+    """Parse an eval.json written by experiments/trainer/evaluate.py (or the run directory holding it)."""
     path = Path(path)
     if path.is_dir():
         path = path / "eval.json"
@@ -411,7 +411,7 @@ PAIRED_BOOT = 2000  # bootstrap replicates for the notebooks' intervals (the CLI
 def change_interval(base: dict[str, Any] | None, other: dict[str, Any] | None, key: str = "acc") -> str:
     """Mean-accuracy change other - base (points) with its 95% paired-bootstrap interval over documents, as
     '-0.37 [-1.21, +0.48]', from the eval.json files' per-document scores; 'n/a (no per-document log)' when either
-    file predates them (an interval is never made up for an old log). experiments/paired_eval.py has the method."""
+    file predates them (an interval is never made up for an old log). experiments/trainer/paired_eval.py has the method."""
     return change_with_interval(base, other, metric=key, n_boot=PAIRED_BOOT)
 
 
@@ -515,7 +515,7 @@ PAPER_DEAD_WINDOW_TOKENS = 2**20  # the paper counts a neuron dead over one trai
 
 def dead_window_tokens(log: TrainLog) -> float:
     """The window over which the run counted a neuron dead: the config's dead_window_tokens, else (as
-    experiments/train.py defaults) one step's tokens on one rank = micro_batch_size x seq_len x grad_accum."""
+    experiments/trainer/train.py defaults) one step's tokens on one rank = micro_batch_size x seq_len x grad_accum."""
     v = cfg_get(log.config, "dead_window_tokens")
     if v:
         return float(v)
@@ -555,7 +555,7 @@ def seed_groups(logs: Sequence[TrainLog]) -> dict[str, list[TrainLog]]:
 
 
 def mean_ci(values: Sequence[float]) -> tuple[float, float, int]:
-    """(mean, half-width of the 95% t-interval, n) over the finite values (experiments/runs.py mean_ci95)."""
+    """(mean, half-width of the 95% t-interval, n) over the finite values (experiments/trainer/runs.py mean_ci95)."""
     return mean_ci95(list(values))
 
 

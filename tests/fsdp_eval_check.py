@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from sfl.experiments.distributed import eval_path
+from sfl.experiments.trainer.distributed import eval_path
 from sfl.kernels.config import KernelConfig
 from sfl.kernels.layout import make_down_shardable_
 from sfl.models import SparseLlamaConfig, SparseLlamaForCausalLM

@@ -13,7 +13,7 @@ log="${1:-results/kernel_tests/gpu_suite_${gpu}${SANITIZE:+_$SANITIZE}.txt}"
 mkdir -p "$(dirname "$log")"
 {
   echo "commit ${SFL_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}" \
-       "source_tree_hash $(python -c 'from sfl.experiments.provenance import source_tree_hash as h; print(h())')"
+       "source_tree_hash $(python -c 'from sfl.experiments.trainer.provenance import source_tree_hash as h; print(h())')"
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__)'
 } > "$log"

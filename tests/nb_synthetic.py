@@ -55,7 +55,7 @@ PER_DOC_N = 400  # documents per task where a synthetic eval.json has per-docume
 
 def eval_json(path: Path, accs: list[float], nnz: float, limit: int | None = 50, model: str = "synthetic",
               per_doc: bool = False) -> None:
-    """An eval.json as experiments/evaluate.py writes it; with per_doc, 400 documents per task whose first
+    """An eval.json as experiments/trainer/evaluate.py writes it; with per_doc, 400 documents per task whose first
     acc * 400 are right (so two such files differ only where one model gets more of the same documents right)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     n = PER_DOC_N if per_doc else 50

@@ -15,8 +15,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from sfl.experiments.config import DEFAULTS  # noqa: E402
-from sfl.experiments.paired_eval import main as paired_eval_main  # noqa: E402
+from sfl.experiments.trainer.config import DEFAULTS  # noqa: E402
+from sfl.experiments.trainer.paired_eval import main as paired_eval_main  # noqa: E402
 
 HELP_SECONDS = 10  # ~0.2 s warm; loose for a loaded CI machine (importing torch + transformers first took ~15 s)
 
@@ -24,7 +24,7 @@ HELP_SECONDS = 10  # ~0.2 s warm; loose for a loaded CI machine (importing torch
 def test_train_help_lists_every_config_key_with_its_default_quickly():
     env = dict(os.environ, PYTHONPATH=str(REPO))
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "sfl.experiments.train", "--help"], cwd=REPO, env=env,
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "sfl.experiments.trainer.train", "--help"], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=120)
     elapsed = time.perf_counter() - t0
     assert r.returncode == 0, r.stderr[-2000:]
@@ -38,7 +38,7 @@ def test_train_help_lists_every_config_key_with_its_default_quickly():
 
 
 def test_train_still_parses_its_arguments():
-    from sfl.experiments.config import arg_parser
+    from sfl.experiments.trainer.config import arg_parser
 
     a = arg_parser("x").parse_args(["--config", "c.yaml", "--set", "l1_coeff=1", "--set", "seed=2", "--resume"])
     assert (a.config, a.set, a.resume) == ("c.yaml", ["l1_coeff=1", "seed=2"], True)
@@ -47,7 +47,7 @@ def test_train_still_parses_its_arguments():
 def test_paired_eval_example_has_per_document_scores(capsys):
     """The example in experiments/quickstart/README.md: two committed eval dirs with per-document scores."""
     text = (REPO / "experiments" / "quickstart" / "README.md").read_text()
-    cmd = text.split("python -m sfl.experiments.paired_eval ")[1].split("#")[0].replace("\\\n", " ").split()
+    cmd = text.split("python -m sfl.experiments.trainer.paired_eval ")[1].split("#")[0].replace("\\\n", " ").split()
     assert len(cmd) == 2 and all((REPO / d / "eval.json").is_file() for d in cmd), cmd
     assert paired_eval_main([str(REPO / d) for d in cmd] + ["--n-boot", "200"]) == 0
     assert re.search(r"^mean\s+\d+", capsys.readouterr().out, re.M)

@@ -19,7 +19,7 @@ from sfl.data import prepare as P
 from sfl.data import tokens as T
 from sfl.data.manifest import Manifest
 from sfl.data.sources import is_val
-from sfl.experiments.data_loader import DataError, TokenData
+from sfl.experiments.trainer.data_loader import DataError, TokenData
 from test_data import _fake_upstream, make_tokenizer_dir
 
 WORDS = "sparse dense relu neuron layer token model weight kernel memory the of and to a in".split()

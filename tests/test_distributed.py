@@ -1,4 +1,4 @@
-"""experiments/distributed.py: 2 CPU processes with gloo.
+"""experiments/trainer/distributed.py: 2 CPU processes with gloo.
 
 FSDP2 (fully_shard runs on CPU with gloo in torch 2.13) and DDP against one process on the same global batch:
 same loss, CE, L1, grad norm, non-zeros per token, dead-neuron fraction, re-initialised neurons and val CE.
@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 import torch
 
-from sfl.experiments import train as train_mod
-from sfl.experiments.checkpoint import find_latest, load_checkpoint
-from sfl.experiments.config import ConfigError, load_config
-from sfl.experiments.data_loader import TokenData
-from sfl.experiments.distributed import Dist, resolve_grad_accum, restore_trackers, resume_config_view
+from sfl.experiments.trainer import train as train_mod
+from sfl.experiments.trainer.checkpoint import find_latest, load_checkpoint
+from sfl.experiments.trainer.config import ConfigError, load_config
+from sfl.experiments.trainer.data_loader import TokenData
+from sfl.experiments.trainer.distributed import Dist, resolve_grad_accum, restore_trackers, resume_config_view
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 61
@@ -54,7 +54,7 @@ def as_sets(d: dict) -> list[str]:
 
 def torchrun(sets: dict, nproc: int = 2, resume: bool = False) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "sfl.experiments.train"]
+           "-m", "sfl.experiments.trainer.train"]
     for s in as_sets(sets):
         cmd += ["--set", s]
     cmd += ["--resume"] if resume else []
@@ -307,7 +307,7 @@ def test_dead_counters_restore_onto_other_world_size(monkeypatch) -> None:
 def test_checkpoint_from_before_dcp_still_resumes(runs, tmp_path) -> None:
     """A checkpoint in the earlier format (model and AdamW state inside state.pt, one process, no DCP, config
     without the newer keys) resumes exactly."""
-    from sfl.experiments.distributed import load_checkpoint_dcp
+    from sfl.experiments.trainer.distributed import load_checkpoint_dcp
 
     out = tmp_path / "legacy"
     rewound_copy(runs["one"], out)
@@ -349,7 +349,7 @@ GPU_COMPARED = ["loss", "ce", "l1", "grad_norm", "nnz_mean", "nnz_max", "dead_fr
 def gpu_train(sets: dict, nproc: int | None, resume: bool = False) -> None:
     """One training run on CUDA: under torchrun with nproc processes, or a plain process (nproc None)."""
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
-    cmd = [sys.executable, *launcher, "-m", "sfl.experiments.train"]
+    cmd = [sys.executable, *launcher, "-m", "sfl.experiments.trainer.train"]
     for s in as_sets(sets):
         cmd += ["--set", s]
     cmd += ["--resume"] if resume else []

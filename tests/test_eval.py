@@ -1,4 +1,4 @@
-"""experiments/evaluate.py end to end on a tiny random ReLU Llama and two tiny tasks written to tmp,
+"""experiments/trainer/evaluate.py end to end on a tiny random ReLU Llama and two tiny tasks written to tmp,
 through the same YAML templating path as real runs; plus the non-zero counting with padding."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("lm_eval")
 
 from sfl.data.lm_tasks import TEMPLATE_DIR, parse_tasks, write_tasks  # noqa: E402
-from sfl.experiments.evaluate import NnzRecorder, main, valid_mask_right_padded  # noqa: E402
+from sfl.experiments.trainer.evaluate import NnzRecorder, main, valid_mask_right_padded  # noqa: E402
 
 PIQA = [
     {"id": str(i), "question": q, "choices": c, "gold": g}
@@ -208,8 +208,8 @@ def test_recorder_uses_sparse_mlp_stats_when_present(tmp_path):
 def test_split_eval_matches_direct_lm_eval(tmp_path):
     """export -> score (no lm-eval) -> replay gives exactly the direct lm-eval accuracies, and the scorer's
     loglikelihoods equal HFLM's own on the same requests."""
-    from sfl.experiments.evaluate import load_model
-    from sfl.experiments.loglik import load_requests, load_scores, score_requests
+    from sfl.experiments.trainer.evaluate import load_model
+    from sfl.experiments.trainer.loglik import load_requests, load_scores, score_requests
 
     model_dir = _tiny_model_dir(tmp_path)
     eval_dir = tmp_path / "eval"
@@ -261,7 +261,7 @@ def test_split_eval_matches_direct_lm_eval(tmp_path):
 
 
 def test_requests_file_roundtrip_and_checks(tmp_path):
-    from sfl.experiments.loglik import load_requests, save_requests
+    from sfl.experiments.trainer.loglik import load_requests, save_requests
 
     pairs = [([1, 2, 3], [4]), ([1, 2, 3], [4]), ([5], [6, 7]), ([60000, 1], [2])]
     r = save_requests(tmp_path / "r.npz", pairs, {"tasks": ["x"]})
@@ -344,8 +344,8 @@ def test_evaluate_checks_the_weights_sha256(tmp_path, capsys):
 
     from transformers import AutoModelForCausalLM
 
-    from sfl.experiments.checkpoint import write_pretrained
-    from sfl.experiments.weight_hashes import HASH_FILE, verify_weight_hashes
+    from sfl.experiments.trainer.checkpoint import write_pretrained
+    from sfl.experiments.trainer.weight_hashes import HASH_FILE, verify_weight_hashes
 
     src = _tiny_model_dir(tmp_path)
     saved = tmp_path / "saved"

@@ -1,4 +1,4 @@
-"""experiments/runs.py (config merge, run summaries) and the speed experiment's activity calibration (CPU)."""
+"""experiments/trainer/runs.py (config merge, run summaries) and the speed experiment's activity calibration (CPU)."""
 from __future__ import annotations
 
 import csv
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sfl.experiments.config import ConfigError
-from sfl.experiments.runs import config_name, has_final, mean_ci95, merge_configs, run_summary, summarize
+from sfl.experiments.trainer.config import ConfigError
+from sfl.experiments.trainer.runs import config_name, has_final, mean_ci95, merge_configs, run_summary, summarize
 from sfl.experiments.speed.bench import (CALIB_TOL, activity, block_order, calibrate_paper_model, paired_ratios,
                                      paper_profile, small_paper_like_model)
 
@@ -171,7 +171,7 @@ set -e
 cd {repo}
 SCALE=gpu RUNS_ROOT={tmp_path}/runs RESULTS_ROOT={tmp_path}/res SFL_GIT_COMMIT=x
 . experiments/run_lib.sh
-python() {{  # stand-in for `python -m sfl.experiments.evaluate --model M --out DIR ...`
+python() {{  # stand-in for `python -m sfl.experiments.trainer.evaluate --model M --out DIR ...`
   local out="" score=""
   while [ $# -gt 0 ]; do case "$1" in --out) out=$2; shift ;; --score) score=$2; shift ;; esac; shift; done
   if [ -n "$score" ]; then echo s > "$out/scores.npz"; echo j > "$out/scores.json"; else echo e > "$out/eval.json"; fi

@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_run_safety import REPO, comparable, make_data, read_log  # noqa: E402
 
-from sfl.experiments.checkpoint import find_latest, load_checkpoint  # noqa: E402
+from sfl.experiments.trainer.checkpoint import find_latest, load_checkpoint  # noqa: E402
 
 N_KILLS = 3
 SETS = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "seq_len": 16,
@@ -26,7 +26,7 @@ SETS = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num
 
 
 def _start(data_dir: Path, out: Path) -> subprocess.Popen:
-    args = [sys.executable, "-m", "sfl.experiments.train", "--resume", "--set", f"data_dir={data_dir}",
+    args = [sys.executable, "-m", "sfl.experiments.trainer.train", "--resume", "--set", f"data_dir={data_dir}",
             "--set", f"out_dir={out}"]
     for k, v in SETS.items():
         args += ["--set", f"{k}={v}"]

@@ -29,10 +29,10 @@ def g():
     import lm_eval
     import numpy
 
-    from sfl.experiments import provenance
+    from sfl.experiments.trainer import provenance
 '''
 KNOWN = {"kernels", "kernels.reference", "kernels.config", "kernels.twell", "kernels.twell.ops", "models",
-         "models.modeling_sparse_llama", "experiments", "experiments.provenance"}
+         "models.modeling_sparse_llama", "experiments", "experiments.trainer.provenance"}
 
 
 def test_imports_are_resolved_placed_and_checked_for_a_comment():
@@ -47,7 +47,7 @@ def test_imports_are_resolved_placed_and_checked_for_a_comment():
         ("kernels.twell.ops", True, True, False),
         ("lm_eval", True, True, False),  # the comment above the run of imports covers it...
         ("numpy", True, True, False),
-        ("experiments.provenance", True, False, False),  # ...but not past a blank line
+        ("experiments.trainer.provenance", True, False, False),  # ...but not past a blank line
     }
 
 
@@ -63,3 +63,10 @@ def test_rooms_follow_the_kernel_layers_and_the_experiment_folders():
     assert house.room("kernels.loader") == "kernels:kernel"
     assert house.room("experiments.speed.bench") == "experiments:speed"
     assert house.room("models.convert") == "models"
+    assert house.room("experiments.trainer.train") == "experiments:trainer"
+
+
+def test_experiments_holds_only_the_trainer_and_experiment_folders():
+    """The trainer's modules live in experiments/trainer/; experiments/ itself holds no module but its __init__."""
+    assert [p.name for p in (ROOT / "experiments").glob("*.py")] == ["__init__.py"]
+    assert (ROOT / "experiments" / "trainer" / "train.py").is_file()

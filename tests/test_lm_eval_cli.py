@@ -1,6 +1,6 @@
 """The real lm-eval CLI on one of our checkpoints, as a user runs it: from a directory outside the repo, offline,
 with the task YAMLs written by `python -m sfl.data.lm_tasks write-tasks` and the checkpoint's own modelling code
-(auto_map, trust_remote_code); the scores equal experiments/evaluate.py's on the same data (one YAML writer)."""
+(auto_map, trust_remote_code); the scores equal experiments/trainer/evaluate.py's on the same data (one YAML writer)."""
 from __future__ import annotations
 
 import json
@@ -17,7 +17,7 @@ pytest.importorskip("lm_eval")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from sfl.experiments.evaluate import main as evaluate_main  # noqa: E402
+from sfl.experiments.trainer.evaluate import main as evaluate_main  # noqa: E402
 from sfl.models import SparseLlamaConfig, SparseLlamaForCausalLM  # noqa: E402
 
 PIQA = [
@@ -99,7 +99,7 @@ def test_lm_eval_cli_scores_a_checkpoint_from_another_directory(tmp_path):
     p = piqa["acc,none"]  # lm-eval's closed-form standard error of a mean of LIMIT 0/1 scores
     assert piqa["acc_stderr,none"] == pytest.approx((p * (1 - p) / (LIMIT - 1)) ** 0.5)
 
-    # 3. experiments/evaluate.py (same YAML writer, our model class in-process) scores it the same
+    # 3. experiments/trainer/evaluate.py (same YAML writer, our model class in-process) scores it the same
     assert evaluate_main(["--model", str(ckpt), "--tasks", "piqa", "--limit", str(LIMIT), "--device", "cpu",
                           "--eval-dir", str(eval_dir), "--out", str(tmp_path / "ours")]) == 0
     ours = json.loads((tmp_path / "ours" / "eval.json").read_text())["tasks"]["piqa"]

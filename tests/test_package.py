@@ -64,7 +64,7 @@ def test_no_bare_top_level_imports_left():
 
 
 def test_checkout_imports_sfl_and_bare_names_are_placeholders():
-    r = _run("import sfl.models, sfl.kernels.ffn, sfl.experiments.train, sfl.data, sfl.notebooks.nbutil\n"
+    r = _run("import sfl.models, sfl.kernels.ffn, sfl.experiments.trainer.train, sfl.data, sfl.notebooks.nbutil\n"
              "import kernels, models\n"
              "print(sfl.kernels.ffn.__file__)\n"
              "print(getattr(kernels, '__file__', None), 'sfl.kernels' in kernels.__doc__)\n"
@@ -113,7 +113,7 @@ def _pip_install(args: list[str]) -> None:
 
 _CHECK_INSTALLED = ("import sfl, sfl.models, sfl.kernels.loader as L, sfl.data.lm_tasks as T\n"
                     "from sfl.models import SparseLlamaForCausalLM\n"
-                    "import sfl.experiments.train, sfl.notebooks.run_all\n"
+                    "import sfl.experiments.trainer.train, sfl.notebooks.run_all\n"
                     "srcs = L.TWELL_SOURCES + L.COMMON_HEADERS\n"
                     "print(len(L.COMMON_HEADERS) > 0 and all(p.is_file() for p in srcs), "
                     "len(list(T.TEMPLATE_DIR.glob('sfl_*.yaml'))), L.TWELL_SOURCES[0].parents[1])\n"

@@ -1,4 +1,4 @@
-"""experiments/paired_eval.py: the paired bootstrap over documents on synthetic per-document scores (known
+"""experiments/trainer/paired_eval.py: the paired bootstrap over documents on synthetic per-document scores (known
 change, zero-width interval for identical models, pairing, coverage), and the eval.json reading + CLI."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from sfl.experiments.paired_eval import (MEAN, NO_LOG, NOT_PAIRED, NoPerDocLog, NotPaired, change_with_interval, compare,
+from sfl.experiments.trainer.paired_eval import (MEAN, NO_LOG, NOT_PAIRED, NoPerDocLog, NotPaired, change_with_interval, compare,
                                          compare_seeds, main,
                                          paired_bootstrap)
 
@@ -121,7 +121,7 @@ def test_several_seeds_average_each_document_over_its_configuration(tmp_path):
 def test_a_torn_or_foreign_eval_json_is_named_with_what_to_do(tmp_path, capsys):
     """An eval.json cut short (a writer killed mid-write) or one that is not evaluate.py's: a one-line error naming
     the file and saying to evaluate again, from load_eval and from the CLI (exit 2)."""
-    from sfl.experiments.paired_eval import BadEvalFile, load_eval
+    from sfl.experiments.trainer.paired_eval import BadEvalFile, load_eval
 
     good = tmp_path / "good.json"
     good.write_text(json.dumps(_eval_json({"piqa": "0101"})))
@@ -131,7 +131,7 @@ def test_a_torn_or_foreign_eval_json_is_named_with_what_to_do(tmp_path, capsys):
     foreign = tmp_path / "list.json"
     foreign.write_text("[1, 2]")
     for path in (torn, foreign):
-        with pytest.raises(BadEvalFile, match="sfl.experiments.evaluate"):
+        with pytest.raises(BadEvalFile, match="sfl.experiments.trainer.evaluate"):
             load_eval(path)
     capsys.readouterr()
     assert main([str(torn.parent), str(good)]) == 2

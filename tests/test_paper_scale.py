@@ -10,7 +10,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_run_safety import cfg_for, data_dir, read_log  # noqa: E402,F401
 
-from sfl.experiments import train as train_mod  # noqa: E402
+from sfl.experiments.trainer import train as train_mod  # noqa: E402
 from sfl.experiments.paper_scale.throughput_rows import row  # noqa: E402
 
 

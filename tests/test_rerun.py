@@ -21,12 +21,12 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from sfl.experiments import train as train_mod  # noqa: E402
-from sfl.experiments.checkpoint import HF_SUBDIR, find_latest, list_checkpoints, load_checkpoint  # noqa: E402
-from sfl.experiments.weight_hashes import verify_weight_hashes  # noqa: E402
-from sfl.experiments.config import load_config  # noqa: E402
-from sfl.experiments.data_loader import TokenData  # noqa: E402
-from sfl.experiments.runs import pick_run_dir, run_state  # noqa: E402
+from sfl.experiments.trainer import train as train_mod  # noqa: E402
+from sfl.experiments.trainer.checkpoint import HF_SUBDIR, find_latest, list_checkpoints, load_checkpoint  # noqa: E402
+from sfl.experiments.trainer.weight_hashes import verify_weight_hashes  # noqa: E402
+from sfl.experiments.trainer.config import load_config  # noqa: E402
+from sfl.experiments.trainer.data_loader import TokenData  # noqa: E402
+from sfl.experiments.trainer.runs import pick_run_dir, run_state  # noqa: E402
 from sfl.kernels.config import KernelConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -135,7 +135,7 @@ def test_failed_hf_copy_leaves_no_half_written_checkpoint(data_dir, tmp_path, mo
         real(model, dest, tok)
 
     monkeypatch.setattr(train_mod, "write_pretrained", failing)
-    from sfl.experiments.checkpoint import CheckpointWriteError
+    from sfl.experiments.trainer.checkpoint import CheckpointWriteError
     with pytest.raises(CheckpointWriteError, match="save_pretrained copy failed.*serializing"):
         train_mod.train(cfg_for(data_dir, out))
     assert find_latest(out).name == "step_0000003"
@@ -160,7 +160,7 @@ def test_pick_run_dir_states(data_dir, tmp_path) -> None:
     moved = cfg_for(data_dir.parent / "elsewhere", base, max_steps=3, ckpt_hf=False, progress=True)
     assert pick_run_dir(base, moved) == (base, "finished")
     # a run logged before a config key existed: the key counts as its default (here ckpt_hf's, true)
-    from sfl.experiments.runs import same_run
+    from sfl.experiments.trainer.runs import same_run
     saved = {k: v for k, v in run_state(base)[1].items() if k != "ckpt_hf"}
     assert same_run(saved, {**cfg, "ckpt_hf": True}) and not same_run(saved, cfg)
     other = cfg_for(data_dir, base, max_steps=3, ckpt_hf=False, l1_coeff=0.0)

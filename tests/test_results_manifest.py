@@ -158,9 +158,9 @@ def _clean(dirty: object) -> bool:
 
 def test_clean_logs_of_record_verify_against_their_commit():
     """A log that says it came from a clean tree (git_dirty false) carries the source_tree_hash of its commit's code:
-    `python -m sfl.experiments.provenance verify` recomputes it from git. Logs that say dirty are what they say;
+    `python -m sfl.experiments.trainer.provenance verify` recomputes it from git. Logs that say dirty are what they say;
     commits this clone lacks (a shallow clone) are skipped, not passed."""
-    from sfl.experiments.provenance import log_provenance, verify
+    from sfl.experiments.trainer.provenance import log_provenance, verify
 
     paths = [RESULTS / r["path"] for r in _manifest() if r["path"].endswith((".json", ".jsonl"))]
     claimed_clean = [p for p in paths if (prov := log_provenance(p)) and prov.get("source_tree_hash")
@@ -178,7 +178,7 @@ def test_verify_tells_a_matching_hash_from_a_wrong_one(tmp_path):
     import json
     import subprocess
 
-    from sfl.experiments.provenance import tree_hash_at, verify
+    from sfl.experiments.trainer.provenance import tree_hash_at, verify
 
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     if not head:

@@ -23,11 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_run_safety import (REPO, VOCAB, Killed, _overwrite_in_vocab, cfg_for, comparable, data_dir,  # noqa: E402,F401
                              make_data, read_log)
 
-from sfl.experiments import checkpoint as ckpt_mod  # noqa: E402
-from sfl.experiments import rundir  # noqa: E402
-from sfl.experiments import train as train_mod  # noqa: E402
-from sfl.experiments.checkpoint import find_latest, list_checkpoints, load_checkpoint  # noqa: E402
-from sfl.experiments.data_loader import DataError, TokenData  # noqa: E402
+from sfl.experiments.trainer import checkpoint as ckpt_mod  # noqa: E402
+from sfl.experiments.trainer import rundir  # noqa: E402
+from sfl.experiments.trainer import train as train_mod  # noqa: E402
+from sfl.experiments.trainer.checkpoint import find_latest, list_checkpoints, load_checkpoint  # noqa: E402
+from sfl.experiments.trainer.data_loader import DataError, TokenData  # noqa: E402
 
 
 def _all_finite(ckpt: Path) -> bool:

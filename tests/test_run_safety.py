@@ -18,13 +18,13 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from sfl.experiments import checkpoint as ckpt_mod  # noqa: E402
-from sfl.experiments import preflight  # noqa: E402
-from sfl.experiments import train as train_mod  # noqa: E402
-from sfl.experiments.checkpoint import CheckpointWriteError, find_latest, load_checkpoint, save_checkpoint  # noqa: E402
-from sfl.experiments.config import ConfigError, load_config  # noqa: E402
-from sfl.experiments.data_loader import DataError, TokenData  # noqa: E402
-from sfl.experiments.rundir import RunDirBusy, RunLock  # noqa: E402
+from sfl.experiments.trainer import checkpoint as ckpt_mod  # noqa: E402
+from sfl.experiments.trainer import preflight  # noqa: E402
+from sfl.experiments.trainer import train as train_mod  # noqa: E402
+from sfl.experiments.trainer.checkpoint import CheckpointWriteError, find_latest, load_checkpoint, save_checkpoint  # noqa: E402
+from sfl.experiments.trainer.config import ConfigError, load_config  # noqa: E402
+from sfl.experiments.trainer.data_loader import DataError, TokenData  # noqa: E402
+from sfl.experiments.trainer.rundir import RunDirBusy, RunLock  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 61
@@ -107,7 +107,7 @@ def test_lock_refusal_names_a_holder_caught_before_it_wrote_its_pid(tmp_path) ->
     import fcntl
     import threading
 
-    from sfl.experiments.rundir import LOCK_NAME
+    from sfl.experiments.trainer.rundir import LOCK_NAME
 
     out = tmp_path / "run"
     out.mkdir()
@@ -125,7 +125,7 @@ def test_lock_refusal_names_a_holder_caught_before_it_wrote_its_pid(tmp_path) ->
 
 def test_lock_refuses_second_writer_naming_the_holder(data_dir, tmp_path) -> None:
     out = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from sfl.experiments.rundir import RunLock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from sfl.experiments.trainer.rundir import RunLock; "
                                f"RunLock({str(out)!r}).acquire(); print('locked', flush=True); time.sleep(60)"],
                               cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
@@ -147,7 +147,7 @@ def _cli(data_dir: Path, out: Path, *extra: str) -> list[str]:
             "num_attention_heads": 2, "seq_len": 16, "micro_batch_size": 4, "max_steps": 40, "warmup_steps": 2,
             "ckpt_every": 5, "eval_every": 10, "eval_batches": 1, "device": "cpu", "progress": "false",
             "log_every": 1}
-    args = [sys.executable, "-m", "sfl.experiments.train"]
+    args = [sys.executable, "-m", "sfl.experiments.trainer.train"]
     for k, v in sets.items():
         args += ["--set", f"{k}={v}"]
     return args + list(extra)
@@ -325,7 +325,7 @@ def test_eval_rows_checked_against_manifest(tmp_path) -> None:
     f.write_text("".join(json.dumps(r) + "\n" for r in rows[:10]))  # cut to 10 lines
     with pytest.raises(EvalDataError, match=r"piqa\.jsonl has 10 rows but .*manifest\.json records 40.*--only eval"):
         check_eval_files(ev, ["piqa"])
-    from sfl.experiments.evaluate import main as eval_main
+    from sfl.experiments.trainer.evaluate import main as eval_main
     with pytest.raises(SystemExit, match=r"error: .*piqa\.jsonl has 10 rows"):
         eval_main(["--model", str(tmp_path / "nomodel"), "--tasks", "piqa", "--out", str(tmp_path / "o"),
                    "--eval-dir", str(ev)])

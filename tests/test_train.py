@@ -1,4 +1,4 @@
-"""experiments/train.py: JSONL log schema, exact resume, crash-safe checkpoints, config errors.
+"""experiments/trainer/train.py: JSONL log schema, exact resume, crash-safe checkpoints, config errors.
 CPU fp32, a synthetic token memmap in tmp, a tiny model: every run takes a second or two."""
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from sfl.experiments import train as train_mod  # noqa: E402
-from sfl.experiments.checkpoint import find_latest, list_checkpoints, load_checkpoint  # noqa: E402
-from sfl.experiments.config import ConfigError, l1_coeff_at, load_config, lr_at  # noqa: E402
-from sfl.experiments.data_loader import TokenData  # noqa: E402
+from sfl.experiments.trainer import train as train_mod  # noqa: E402
+from sfl.experiments.trainer.checkpoint import find_latest, list_checkpoints, load_checkpoint  # noqa: E402
+from sfl.experiments.trainer.config import ConfigError, l1_coeff_at, load_config, lr_at  # noqa: E402
+from sfl.experiments.trainer.data_loader import TokenData  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 61
@@ -298,7 +298,7 @@ def test_sigkill_never_corrupts_checkpoint(data_dir, tmp_path) -> None:
     """Kill a real training process at an arbitrary moment; the newest checkpoint still loads and
     the run resumes to completion."""
     out = tmp_path / "run"
-    args = [sys.executable, "-m", "sfl.experiments.train", "--set", f"data_dir={data_dir}", "--set", f"out_dir={out}",
+    args = [sys.executable, "-m", "sfl.experiments.trainer.train", "--set", f"data_dir={data_dir}", "--set", f"out_dir={out}",
             "--set", "hidden_size=32", "--set", "intermediate_size=64", "--set", "num_hidden_layers=2",
             "--set", "num_attention_heads=2", "--set", "seq_len=16", "--set", "micro_batch_size=4",
             "--set", "max_steps=400", "--set", "warmup_steps=2", "--set", "ckpt_every=1", "--set", "eval_every=0",
@@ -390,7 +390,7 @@ def test_unknown_yaml_key_and_cli_exit(tmp_path) -> None:
 def test_provenance_prefers_exported_commit(monkeypatch):
     """On the GPU machine the copied tree may carry a stale .git: an exported SFL_GIT_COMMIT names the commit, and
     the local HEAD (when it differs) is kept beside it."""
-    from sfl.experiments import provenance
+    from sfl.experiments.trainer import provenance
 
     monkeypatch.setattr(provenance, "_git", lambda *a: "a" * 40 if a[0] == "rev-parse" else "")
     monkeypatch.setenv("SFL_GIT_COMMIT", "b" * 40)
@@ -422,7 +422,7 @@ def test_build_model_takes_the_kernel_block(tmp_path, monkeypatch) -> None:
 def test_a_throwaway_run_writes_no_checkpoint(data_dir, tmp_path, monkeypatch) -> None:
     """ckpt_last=false with ckpt_every=0 (throughput runs): no checkpoint is written and none is asked disk space
     for; the default checkpoints the last step."""
-    from sfl.experiments import preflight
+    from sfl.experiments.trainer import preflight
 
     asked = []
     monkeypatch.setattr(preflight, "free_bytes", lambda p: asked.append(p) or 0)  # a full disk

@@ -40,7 +40,7 @@ train_or_reuse() {
   local src="l1_sweep/relu_l1_$l1$sfx"
   local src_res="$RESULTS_ROOT/$src" src_model="$RUNS_ROOT/$src/final"
   local dst_res="$RESULTS_ROOT/ablations/$group/$run" dst_out="$RUNS_ROOT/ablations/$group/$run"
-  if [ $# -eq 0 ] && [ ${#EXTRA_SETS[@]} -eq 0 ] && python -m sfl.experiments.runs done "$src_res"; then
+  if [ $# -eq 0 ] && [ ${#EXTRA_SETS[@]} -eq 0 ] && python -m sfl.experiments.trainer.runs done "$src_res"; then
     sfl_reuse_log "$src_res" "$dst_res" "same config as $src (only l1_coeff and the seed differ from the defaults): log copied by experiments/ablations/run.sh"
     mkdir -p "$dst_out"
     [ ! -f "$src_model/config.json" ] || ln -sfn "$(cd "$src_model" && pwd)" "$dst_out/final"

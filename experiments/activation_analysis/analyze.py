@@ -39,8 +39,8 @@ from sfl.kernels import ffn
 from sfl.kernels.config import KernelConfig
 from sfl.models import SparseLlamaForCausalLM
 
-from ..data_loader import TokenData
-from ..provenance import collect
+from ..trainer.data_loader import TokenData
+from ..trainer.provenance import collect
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MIN_TOKEN_FREQ = 2.0 ** -14
@@ -91,7 +91,7 @@ def load_model(model_dir: Path, device: torch.device):
         raise SystemExit(f"--model {model_dir}: no config.json; pass a save_pretrained dir such as "
                          "runs/gpu/l1_sweep/<run>/final")
     if json.loads(cfg_path.read_text()).get("model_type") != "sparse_llama":
-        raise SystemExit(f"--model {model_dir}: not a sparse_llama checkpoint (train one with experiments/train.py)")
+        raise SystemExit(f"--model {model_dir}: not a sparse_llama checkpoint (train one with experiments/trainer/train.py)")
     model = SparseLlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     model.set_mlp_impl("dense")
     return model

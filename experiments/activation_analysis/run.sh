@@ -21,7 +21,7 @@ OUT="$RESULTS_ROOT/activation_analysis"
 mapfile -t PICKS < <(python - "$RESULTS_ROOT/l1_sweep" "${AA_MODELS:-}" <<'PY'
 import math, sys
 from pathlib import Path
-from sfl.experiments.runs import run_summary
+from sfl.experiments.trainer.runs import run_summary
 base, wanted = Path(sys.argv[1]), sys.argv[2].split()
 # seed 0 only: the other seeds' runs (relu_l1_<L1>_seed<N>) repeat a configuration, they add no figure
 runs = [s for d in sorted(base.glob("relu_l1_*")) if "_seed" not in d.name and (s := run_summary(d)) and s["finished"]] \

@@ -41,7 +41,7 @@ from sfl.kernels.timing import capture_graph, l2_flush_buffer
 from sfl.kernels.twell import ops
 from sfl.models.hot_cold import HOT_CANDIDATES, fastest_count, rotate_ms
 
-from ..provenance import collect
+from ..trainer.provenance import collect
 
 DEV = "cuda"
 BF = torch.bfloat16

@@ -28,7 +28,7 @@ from sfl.kernels.config import KernelConfig
 from sfl.kernels.train import ops
 from sfl.kernels.train_ffn import DispatchState, sparse_gated_ffn_train
 
-from ..provenance import collect
+from ..trainer.provenance import collect
 from .bench_inference import Timer  # same method: CUDA events, L2 flush, median
 
 DEV = "cuda"

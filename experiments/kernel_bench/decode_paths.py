@@ -13,7 +13,7 @@ import time
 import torch
 
 from sfl.experiments.kernel_bench.bench_inference import Timer, graphed, make_case, make_weights, rel_err
-from sfl.experiments.provenance import collect
+from sfl.experiments.trainer.provenance import collect
 from sfl.kernels.config import KernelConfig
 from sfl.kernels.ffn import sparse_gated_ffn
 from sfl.kernels.twell import ops

@@ -33,7 +33,7 @@ from sfl.kernels.loader import load_twell
 from sfl.kernels.train_ffn import DispatchState, sparse_gated_ffn_train
 from sfl.kernels.twell import ops
 
-from ..provenance import collect
+from ..trainer.provenance import collect
 from .bench_inference import Timer, dense_gated, dense_nongated, ffn_call, make_case, make_weights
 from .bench_training import dense_block
 from .bench_training import make_case as make_train_case

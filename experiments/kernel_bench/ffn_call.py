@@ -23,7 +23,7 @@ from sfl.kernels.ffn import TwELLGatedMLP
 from sfl.models import SparseLlamaConfig
 from sfl.models.modeling_sparse_llama import SparseLlamaMLP
 
-from ..provenance import collect
+from ..trainer.provenance import collect
 
 
 def make_weights(K: int, N: int, p: float, seed: int):

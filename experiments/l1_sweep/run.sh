@@ -60,7 +60,7 @@ L1S=(); for p in "${POINT_LIST[@]}"; do [ "$p" = silu ] || L1S+=("$p"); done
 [ ${#L1S[@]} -gt 0 ] && last="$RESULTS_ROOT/$EXP/relu_l1_${L1S[-1]}" || last=/nonexistent
 python - "$last" <<'PY' || true
 import json, sys
-from sfl.experiments.runs import run_summary
+from sfl.experiments.trainer.runs import run_summary
 from pathlib import Path
 s = run_summary(Path(sys.argv[1]))
 if s:

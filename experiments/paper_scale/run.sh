@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # paper_scale: the paper's 0.5B / 1B / 1.5B / 2B training runs on one node of several GPUs -- FSDP2 through
-# torchrun, the one training loop (experiments/train.py), the paper's hyperparameters (paper.yaml).
+# torchrun, the one training loop (experiments/trainer/train.py), the paper's hyperparameters (paper.yaml).
 #   SIZE=0p5b bash experiments/paper_scale/run.sh                    # all visible GPUs, corpus budget, sparse op
 #   SIZE=2b NPROC=8 BUDGET=paper MLP_IMPL=dense bash experiments/paper_scale/run.sh l1_coeff=0
 #   SCALE=smoke bash experiments/paper_scale/run.sh                  # CPU: 2 gloo processes, tiny shape (~1 min)
@@ -37,7 +37,7 @@ OUT="${OUT_DIR:-runs/paper_scale/${SIZE}_${MLP_IMPL}_${BUDGET}_n${NPROC}}"
 sets=(--set "mlp_impl=$MLP_IMPL" --set "out_dir=$OUT")
 for kv in "$@"; do sets+=(--set "$kv"); done
 mkdir -p "$OUT"
-python -m sfl.experiments.runs merge "${configs[@]}" "${sets[@]}" -o "$OUT/config.yaml"
+python -m sfl.experiments.trainer.runs merge "${configs[@]}" "${sets[@]}" -o "$OUT/config.yaml"
 export SFL_GIT_COMMIT="${SFL_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 echo "paper_scale: $NPROC process(es), config $OUT/config.yaml"
-python -m torch.distributed.run --standalone --nproc_per_node="$NPROC" -m sfl.experiments.train --config "$OUT/config.yaml" --resume
+python -m torch.distributed.run --standalone --nproc_per_node="$NPROC" -m sfl.experiments.trainer.train --config "$OUT/config.yaml" --resume

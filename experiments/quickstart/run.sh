@@ -37,7 +37,7 @@ if [ -f "$evaluated/eval.json" ]; then
 else
   tmp="$run/.tmp-eval_limit$limit.$$"  # moved into place when complete (a kill never leaves a partial eval)
   rm -rf "$tmp"
-  python -m sfl.experiments.evaluate --model "$run/final" --tasks all --limit "$limit" --batch-size 16 --out "$tmp"
+  python -m sfl.experiments.trainer.evaluate --model "$run/final" --tasks all --limit "$limit" --batch-size 16 --out "$tmp"
   mv "$tmp" "$evaluated"
 fi
 mine="$run/results"  # this run's logs, in the results layout the notebooks read

@@ -48,7 +48,7 @@ fi
 if [[ " $STEPS " == *" eval "* ]]; then
   if [ "$EVAL_MODE" = split ] && { [ -z "${EVAL_REQUESTS:-}" ] || [ ! -f "$EVAL_REQUESTS" ]; }; then
     echo "EVAL_MODE=split (no lm-eval here) needs EVAL_REQUESTS=<requests.npz>, exported where lm-eval runs:" \
-         "python -m sfl.experiments.evaluate --model <any model dir> --tasks all --export-requests R.npz --out /tmp/x" >&2
+         "python -m sfl.experiments.trainer.evaluate --model <any model dir> --tasks all --export-requests R.npz --out /tmp/x" >&2
     exit 2
   fi
   for seed in "${SEED_LIST[@]}"; do
@@ -68,7 +68,7 @@ if [[ " $STEPS " == *" compare "* ]]; then
   for l1 in "${L1S[@]}"; do
     [ "$l1" != 0 ] || continue
     echo "== L1 $l1 vs dense, mean over seeds ${SEED_LIST[*]} per document"
-    python -m sfl.experiments.paired_eval "$(evals 0)" "$(evals "$l1")" --json "$RESULTS_ROOT/$EXP/paired_l1_$l1.json" \
+    python -m sfl.experiments.trainer.paired_eval "$(evals 0)" "$(evals "$l1")" --json "$RESULTS_ROOT/$EXP/paired_l1_$l1.json" \
       || SFL_FAILED+=("compare:$l1")
   done
 fi

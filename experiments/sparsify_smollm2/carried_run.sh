@@ -37,7 +37,7 @@ t0=$SECONDS
 while [ -n "$(jobs -r)" ] && [ $((SECONDS - t0)) -lt "${BUDGET:-500}" ]; do sleep 5; done
 pkill -TERM -f "experiments/run_parallel.sh $JOBS" && echo "BUDGET reached: jobs stopped (a later call resumes them)"
 pkill -TERM -f "sfl.experiments.(train|evaluate)"; sleep 3
-python3 -m sfl.experiments.runs summarize $RESULTS_ROOT/sparsify_smollm2 > /dev/null
+python3 -m sfl.experiments.trainer.runs summarize $RESULTS_ROOT/sparsify_smollm2 > /dev/null
 for f in "$LOG_DIR"/job_*.log; do echo "== $f"; grep -v "it/s" "$f" | tail -4; done 2>/dev/null | tail -60
 tar -C $RESULTS_ROOT -czf "$OUT/sparsify_results.tgz" .
 tar -C /tmp/sfl_joblogs -czf "$OUT/job_logs.tgz" .

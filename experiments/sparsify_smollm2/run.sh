@@ -12,7 +12,7 @@
 # SPARSE_IMPL=cuda|reference overrides the sparse path. Needs .data/smollm2-135m (python -m sfl.data.prepare).
 # EVAL_MODE=direct runs lm-eval here; EVAL_MODE=split (the default where lm-eval is missing, e.g. the GPU
 # machine) only scores the requests file EVAL_REQUESTS, exported on a machine with lm-eval by
-#   python -m sfl.experiments.evaluate --model .data/smollm2-135m --tasks all --export-requests R.npz --out /tmp/x
+#   python -m sfl.experiments.trainer.evaluate --model .data/smollm2-135m --tasks all --export-requests R.npz --out /tmp/x
 # and experiments/replay.sh then computes the metrics there. RUNS_ROOT / RESULTS_ROOT /
 # KEEP_CKPT: run_lib.sh. STEPS="train eval" (default both) selects the steps. SEEDS="0 1 2" fine-tunes every L1 value
 # once per seed (the seed sets the data order; seed N > 0 in <run>_seed<N>/; summary_seeds.csv: mean and interval).
@@ -61,7 +61,7 @@ case "$EVAL_MODE" in
   split)
     if [ -z "${EVAL_REQUESTS:-}" ] || [ ! -f "$EVAL_REQUESTS" ]; then
       echo "EVAL_MODE=split (no lm-eval here) needs EVAL_REQUESTS=<requests.npz>, exported where lm-eval runs:" >&2
-      echo "  python -m sfl.experiments.evaluate --model .data/smollm2-135m --tasks all [--limit N] --export-requests R.npz --out /tmp/x" >&2
+      echo "  python -m sfl.experiments.trainer.evaluate --model .data/smollm2-135m --tasks all [--limit N] --export-requests R.npz --out /tmp/x" >&2
       exit 2
     fi ;;
   *) echo "EVAL_MODE=$EVAL_MODE: choose auto, direct or split" >&2; exit 2 ;;
@@ -117,5 +117,5 @@ if [[ " $STEPS " == *" eval "* ]]; then
   done
 fi
 # The two paths must agree: print the per-run accuracy difference (the notebook tabulates it too).
-python -m sfl.experiments.runs compare-paths "$RESULTS_ROOT/$EXP" || true
+python -m sfl.experiments.trainer.runs compare-paths "$RESULTS_ROOT/$EXP" || true
 sfl_finish "$EXP"

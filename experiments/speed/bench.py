@@ -24,7 +24,7 @@ What is timed
   sparse/dense ratio of each adjacent block pair go in the row (an ordering bias of a few % was seen otherwise).
 - paper shapes: the gates are calibrated on the timed tokens themselves (calibration_ok: every layer within 10%).
 - training: full steps (forward with the L1 loss, backward, AdamW) on fp32 weights under bf16 autocast, as
-  experiments/train.py runs them; peak memory = torch.cuda.max_memory_allocated over the timed steps. The sparse
+  experiments/trainer/train.py runs them; peak memory = torch.cuda.max_memory_allocated over the timed steps. The sparse
   side trains with --train-impl (default cuda: the training op of kernels/train_ffn.py).
 - energy: NVML total-energy counter difference over the timed loop (nvmlDeviceGetTotalEnergyConsumption), falling
   back to 20 ms power sampling; whole-GPU energy, so keep the GPU otherwise idle.
@@ -55,8 +55,8 @@ from sfl.kernels.twell import ops
 from sfl.models import SparseLlamaConfig, SparseLlamaForCausalLM
 
 from ..activation_analysis.analyze import time_layers
-from ..data_loader import TokenData
-from ..provenance import collect
+from ..trainer.data_loader import TokenData
+from ..trainer.provenance import collect
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PAPER_SCALES = {8: "0.5B", 18: "1B", 28: "1.5B", 38: "2B"}

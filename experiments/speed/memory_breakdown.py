@@ -3,7 +3,7 @@ the same saved layout, so the accounting carries over).
 
     python -m sfl.experiments.speed.memory_breakdown --layers 28 --micro-batch 8 --out lab/speed/memory_breakdown.jsonl
 
-Per side, one step as experiments/train.py runs it (forward with the L1 loss under bf16 autocast, backward):
+Per side, one step as experiments/trainer/train.py runs it (forward with the L1 loss under bf16 autocast, backward):
 - saved bytes by owner: every tensor autograd saves is attributed to the module running when it was saved
   (ffn, attention, norm, embedding; lm_head + loss after the decoder), counted once per storage; parameters
   saved as they are are counted apart (they are held anyway), autocast's weight casts are counted with the module;
@@ -26,7 +26,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..provenance import collect
+from ..trainer.provenance import collect
 from .bench import PAPER_NNZ, build_paper_model, calibrate_paper_model, paper_profile
 from .train_throughput import as_side, ffn_dispatch, ffn_paths
 

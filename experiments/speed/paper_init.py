@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from ..provenance import collect
+from ..trainer.provenance import collect
 from .bench import PAPER_NNZ, activity, build_paper_model, calibrate_paper_model, paper_profile, require_cuda, val_ids
 
 

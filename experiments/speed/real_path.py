@@ -33,7 +33,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from sfl.kernels.config import KernelConfig
 from sfl.models.hot_cold import calibrate_hot_neurons_
 
-from ..provenance import collect
+from ..trainer.provenance import collect
 from .bench import build_paper_model, calibrate_paper_model, paper_profile, require_cuda
 
 

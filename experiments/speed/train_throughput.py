@@ -1,5 +1,5 @@
 """Training tokens/s and peak memory as the paper measures them: the paper's shapes, through
-experiments/train.py's own optimizer step, each side at an equal micro-batch and at its own largest one.
+experiments/trainer/train.py's own optimizer step, each side at an equal micro-batch and at its own largest one.
 
     python -m sfl.experiments.speed.train_throughput --layers 8 28 --out results/speed/train_throughput_h100.jsonl
     python -m sfl.experiments.speed.train_throughput --layers 28 --nnz-sweep 10 20 29 60 120   # Fig. 5 counterpart
@@ -32,8 +32,8 @@ import torch
 
 from sfl.kernels.config import KernelConfig
 
-from .. import train as train_mod
-from ..provenance import collect
+from ..trainer import train as train_mod
+from ..trainer.provenance import collect
 from .bench import PAPER_NNZ, PAPER_SCALES, build_paper_model, calibrate_paper_model, paper_profile
 
 SIDES = ("dense L1=0", "dense L1", "sparse")

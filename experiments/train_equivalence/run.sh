@@ -24,7 +24,7 @@ total=$(( 2 * ${#SEED_LIST[@]} )) i=0
 for seed in "${SEED_LIST[@]}"; do
   i=$((i + 1))
   dense="dense_l1_$L1$(suffix "$seed")" src="$RESULTS_ROOT/l1_sweep/relu_l1_$L1$(suffix "$seed")"
-  if python -m sfl.experiments.runs done "$src" && ! python -m sfl.experiments.runs done "$RESULTS_ROOT/$EXP/$dense"; then
+  if python -m sfl.experiments.trainer.runs done "$src" && ! python -m sfl.experiments.trainer.runs done "$RESULTS_ROOT/$EXP/$dense"; then
     sfl_reuse_log "$src" "$RESULTS_ROOT/$EXP/$dense" \
       "same config as l1_sweep/$(basename "$src"): log copied by experiments/train_equivalence/run.sh"
     echo "[$i/$total] $EXP/$dense: the l1_sweep run of the same config -- reused its log"

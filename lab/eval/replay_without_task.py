@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from sfl.experiments import evaluate, loglik
+from sfl.experiments.trainer import evaluate, loglik
 
 
 def main() -> None:

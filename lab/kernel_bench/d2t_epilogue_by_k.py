@@ -14,7 +14,7 @@ import torch
 
 from sfl.experiments.kernel_bench.bench_inference import DEV, Timer, make_case, make_weights
 from sfl.experiments.kernel_bench.decode_paths import rotate
-from sfl.experiments.provenance import collect
+from sfl.experiments.trainer.provenance import collect
 from sfl.kernels.loader import load_twell
 
 CASES = [(M, 2048, 5632) for M in (4096, 65536)] + [(M, 4096, 11008) for M in (4096, 16384, 65536)] + \

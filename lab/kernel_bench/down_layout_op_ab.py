@@ -14,7 +14,7 @@ import torch
 
 from sfl.experiments.kernel_bench.bench_inference import Timer
 from sfl.experiments.kernel_bench.bench_training import make_case
-from sfl.experiments.provenance import collect
+from sfl.experiments.trainer.provenance import collect
 
 
 def main() -> int:

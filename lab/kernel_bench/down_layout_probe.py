@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from sfl.experiments.kernel_bench.bench_inference import BF, DEV, Timer
-from sfl.experiments.provenance import collect
+from sfl.experiments.trainer.provenance import collect
 
 
 def main() -> int:

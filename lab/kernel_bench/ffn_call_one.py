@@ -12,7 +12,7 @@ import json
 import torch
 
 from sfl.experiments.kernel_bench.ffn_call import sides, time_side
-from sfl.experiments.provenance import collect
+from sfl.experiments.trainer.provenance import collect
 
 
 @torch.no_grad()

@@ -12,7 +12,7 @@ import sys
 import torch
 
 from sfl.experiments.kernel_bench.bench_inference import graphed, make_case, make_weights
-from sfl.experiments.provenance import collect
+from sfl.experiments.trainer.provenance import collect
 from sfl.kernels.config import KernelConfig
 from sfl.kernels.ffn import sparse_gated_ffn
 from sfl.kernels.loader import load_twell

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from sfl.experiments.kernel_bench.bench_inference import BF, DEV, Timer, dense_gated, make_case, make_weights, rel_err
 from sfl.experiments.kernel_bench.decode_paths import rotate
-from sfl.experiments.provenance import collect
+from sfl.experiments.trainer.provenance import collect
 from sfl.kernels.config import KernelConfig
 from sfl.kernels.ffn import sparse_gated_ffn
 from sfl.kernels.twell import ops

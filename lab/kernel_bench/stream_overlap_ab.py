@@ -14,7 +14,7 @@ import torch
 
 from sfl.experiments.kernel_bench.bench_inference import BF, DEV, Timer, make_case, make_weights, twell_buffers
 from sfl.experiments.kernel_bench.decode_paths import rotate
-from sfl.experiments.provenance import collect
+from sfl.experiments.trainer.provenance import collect
 from sfl.kernels.loader import load_twell
 
 CASES = [(65536, "uniform", 0.005, 0.0), (65536, "uniform", 0.01, 0.0), (65536, "paper", 0.005, 0.001),

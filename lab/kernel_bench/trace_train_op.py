@@ -20,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from sfl.experiments.kernel_bench.bench_training import BF, DEV, light_rows_case, make_case
-from sfl.experiments.provenance import collect
+from sfl.experiments.trainer.provenance import collect
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "speed"))

@@ -18,7 +18,7 @@ import torch
 from sfl.experiments.kernel_bench.bench_inference import Timer
 from sfl.experiments.kernel_bench.bench_training import BF, DEV, light_rows_case
 from sfl.experiments.kernel_bench.decode_paths import rotate
-from sfl.experiments.provenance import collect
+from sfl.experiments.trainer.provenance import collect
 
 
 def variants(M, p, K=2048, N=5632):

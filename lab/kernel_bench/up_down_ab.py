@@ -17,7 +17,7 @@ import torch
 
 from sfl.experiments.kernel_bench.bench_inference import BF, DEV, Timer, dense_gated, make_case, make_weights
 from sfl.experiments.kernel_bench.decode_paths import rotate
-from sfl.experiments.provenance import collect
+from sfl.experiments.trainer.provenance import collect
 from sfl.kernels.loader import load_twell
 
 CASES = [(65536, "uniform", 0.0025, 0.0), (65536, "uniform", 0.005, 0.0), (65536, "uniform", 0.01, 0.0),

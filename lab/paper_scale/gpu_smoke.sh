@@ -14,7 +14,7 @@ python3 -m torch.distributed.run --standalone --nproc_per_node=1 tests/fsdp_eval
 log "fsdp_eval rc=$?: $(grep FSDP_EVAL "$OUT/fsdp_eval.txt")"
 python3 -m sfl.experiments.paper_scale.synthetic_tokens .data --subdir tokens_tiny --vocab 512 \
   --train-tokens 200000 --val-tokens 20000
-run() { python3 -m torch.distributed.run --standalone --nproc_per_node=1 -m sfl.experiments.train --set data_dir=.data \
+run() { python3 -m torch.distributed.run --standalone --nproc_per_node=1 -m sfl.experiments.trainer.train --set data_dir=.data \
   --set tokens_subdir=tokens_tiny --set out_dir=runs/smoke_fsdp --set device=cuda --set parallel=fsdp --set mlp_impl=cuda \
   --set hidden_size=256 --set intermediate_size=1024 --set num_hidden_layers=2 --set num_attention_heads=4 \
   --set seq_len=64 --set micro_batch_size=4 --set grad_accum=2 --set max_steps=$1 --set ckpt_every=2 --set eval_every=2 \

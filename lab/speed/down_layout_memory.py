@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from sfl.experiments.provenance import collect
+from sfl.experiments.trainer.provenance import collect
 from sfl.experiments.speed.bench import build_paper_model, calibrate_paper_model, paper_profile, require_cuda
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch._dynamo.utils import counters
 
-from sfl.experiments.provenance import collect
+from sfl.experiments.trainer.provenance import collect
 from sfl.experiments.speed import real_path
 from sfl.kernels.config import KernelConfig
 

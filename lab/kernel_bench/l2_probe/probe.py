@@ -17,7 +17,7 @@ from torch.utils.cpp_extension import load
 
 from sfl.experiments.kernel_bench.bench_inference import BF, DEV, Timer, make_case, make_weights
 from sfl.experiments.kernel_bench.decode_paths import rotate
-from sfl.experiments.provenance import collect
+from sfl.experiments.trainer.provenance import collect
 from sfl.kernels.loader import load_twell
 
 HERE = os.path.dirname(os.path.abspath(__file__))

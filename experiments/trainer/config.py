@@ -16,7 +16,7 @@ import yaml
 
 from sfl.kernels.config import KernelConfig
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # key: (default, description)
 _SPEC: dict[str, tuple[Any, str]] = {
@@ -72,7 +72,7 @@ _SPEC: dict[str, tuple[Any, str]] = {
     "device": ("auto", "auto (cuda if available) | cpu | cuda | cuda:N"),
     "precision": ("auto", "auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32"),
     "compile": (False, "wrap the model in torch.compile"),
-    # --- several processes (torchrun); experiments/distributed.py
+    # --- several processes (torchrun); experiments/trainer/distributed.py
     "parallel": ("ddp", "with WORLD_SIZE > 1: ddp (replicated weights) | fsdp (FSDP2 fully_shard per decoder layer)"),
     "fsdp_mixed_precision": (False, "fsdp: bf16 parameters in forward/backward, fp32 gradient reduction "
                                     "(MixedPrecisionPolicy); master weights and AdamW state stay fp32"),
@@ -100,7 +100,7 @@ def arg_parser(description: str) -> argparse.ArgumentParser:
     shown = {k: yaml.safe_dump(v, default_flow_style=True).removesuffix("\n...\n").strip() for k, (v, _) in _SPEC.items()}
     kw, dw = max(map(len, shown)) + 2, max(map(len, shown.values())) + 2
     keys = "\n".join(f"  {k:<{kw}}{shown[k]:<{dw}}{doc}" for k, (_, doc) in _SPEC.items())
-    p = argparse.ArgumentParser(prog="python -m sfl.experiments.train", description=description,
+    p = argparse.ArgumentParser(prog="python -m sfl.experiments.trainer.train", description=description,
                                 epilog=f"config keys (YAML or --set key=value), with their defaults:\n{keys}",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML config (flat key: value); omitted = defaults")

@@ -2,7 +2,7 @@
 
 A run that cannot finish must fail in its first seconds, not after training: the kernels the
 chosen `mlp_impl` needs on the chosen device, and the disk space its checkpoints and final model take.
-The data checks (shards, checksums, val windows) live with the data (experiments/data_loader.py).
+The data checks (shards, checksums, val windows) live with the data (experiments/trainer/data_loader.py).
 """
 from __future__ import annotations
 

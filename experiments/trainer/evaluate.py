@@ -1,11 +1,11 @@
 """The one downstream-eval entry point (lm-eval 0.4.13 Python API over the repo's task YAMLs).
 
-    python -m sfl.experiments.evaluate --model .data/smollm2-135m --tasks all --limit 20 \
+    python -m sfl.experiments.trainer.evaluate --model .data/smollm2-135m --tasks all --limit 20 \
         --batch-size 16 --device cpu --out runs/eval_smollm2 [--mlp-impl dense|reference|cuda]
 
 Writes <out>/eval.json ({"provenance", "model", "limit", "num_fewshot", "tasks": {task: {"acc", "acc_norm", "n",
 "acc_stderr", "acc_norm_stderr", "version"}} (lm-eval's standard errors), "per_doc": {task: {"acc": "0110...",
-"acc_norm", "docs_sha256"}} (each document's 0/1 score, doc_id = position: what `python -m sfl.experiments.paired_eval`
+"acc_norm", "docs_sha256"}} (each document's 0/1 score, doc_id = position: what `python -m sfl.experiments.trainer.paired_eval`
 compares two checkpoints on), "nnz_per_token_mean", "nnz_per_token_per_layer", ...}) and prints a table.
 `--num-fewshot K` (default 0) and `--log-samples` (lm-eval's full per-document samples, prompts and loglikelihoods
 included, into <out>/samples_<task>.jsonl) go to lm-eval as they are. Mean non-zeros per token
@@ -14,17 +14,17 @@ MLPs, with per-token recording switched on for the run; the CUDA inference path 
 layers' device counters are read, padding included), else from the output of every `mlp.act_fn` (plain HF Llama). lm-eval is imported only inside
 the functions that run it, so this module imports on machines without it.
 
-Split evaluation, for a GPU machine without lm-eval (experiments/loglik.py explains it):
+Split evaluation, for a GPU machine without lm-eval (experiments/trainer/loglik.py explains it):
 
-    python -m sfl.experiments.evaluate --model .data/smollm2-135m --tasks all --export-requests R.npz --out D  # CPU
-    python -m sfl.experiments.evaluate --model RUN/final --score R.npz --out D --device cuda --mlp-impl cuda  # GPU
-    python -m sfl.experiments.evaluate --replay D/scores.npz --requests R.npz --out E                      # CPU
+    python -m sfl.experiments.trainer.evaluate --model .data/smollm2-135m --tasks all --export-requests R.npz --out D  # CPU
+    python -m sfl.experiments.trainer.evaluate --model RUN/final --score R.npz --out D --device cuda --mlp-impl cuda  # GPU
+    python -m sfl.experiments.trainer.evaluate --replay D/scores.npz --requests R.npz --out E                      # CPU
 
 The last step writes the same eval.json as a direct run; lm-eval computes every metric from the GPU's
 loglikelihoods. `--score` needs no lm-eval.
 
 A model it cannot trust is refused with a one-line error: weight files that differ from their weights.sha256.json
-(experiments/weight_hashes.py), an unreadable config or weight file, a tokenizer larger than the embedding,
+(experiments/trainer/weight_hashes.py), an unreadable config or weight file, a tokenizer larger than the embedding,
 mlp_impl cuda off a GPU; and, where the weights are scored (a direct run, `--score`), weights that do not fit
 config.json (missing, unexpected or reshaped tensors; `--allow-partial` evaluates such a model anyway).
 eval.json and scores.* are written to a temp file and renamed into place.

@@ -1,8 +1,8 @@
 """Paired comparison of two checkpoints evaluated on the same requests: bootstrap over documents.
 
-    python -m sfl.experiments.paired_eval BASE OTHER [--metric acc|acc_norm] [--n-boot 10000] [--seed 0] [--json F]
+    python -m sfl.experiments.trainer.paired_eval BASE OTHER [--metric acc|acc_norm] [--n-boot 10000] [--seed 0] [--json F]
 
-BASE and OTHER are eval dirs (holding eval.json) or eval*.json files written by experiments/evaluate.py, which
+BASE and OTHER are eval dirs (holding eval.json) or eval*.json files written by experiments/trainer/evaluate.py, which
 stores each document's 0/1 score under "per_doc"; either may list several, comma-separated (the seeds of one
 configuration): each document's score is then the mean over them. The change is OTHER - BASE. Each bootstrap replicate draws the
 document indices of every task with replacement, the same indices for both models, and recomputes each task's
@@ -117,15 +117,15 @@ def load_eval(path: str | Path) -> dict[str, Any]:
         p = p / "eval.json"
     if not p.is_file():
         raise FileNotFoundError(f"{p}: no eval.json; pass an eval dir or eval*.json written by "
-                                "`python -m sfl.experiments.evaluate`")
+                                "`python -m sfl.experiments.trainer.evaluate`")
     try:
         ev = json.loads(p.read_text())
     except (ValueError, UnicodeDecodeError) as e:
         raise BadEvalFile(f"{p} is not valid JSON ({e}); it is torn or not an eval.json: run "
-                          "`python -m sfl.experiments.evaluate` again for it") from None
+                          "`python -m sfl.experiments.trainer.evaluate` again for it") from None
     if not isinstance(ev, dict) or not isinstance(ev.get("tasks"), dict):
         raise BadEvalFile(f"{p} holds no \"tasks\" object, so it is not an eval.json written by "
-                          "`python -m sfl.experiments.evaluate`; pass the right file or evaluate again")
+                          "`python -m sfl.experiments.trainer.evaluate`; pass the right file or evaluate again")
     ev["_path"] = str(p)
     return ev
 
@@ -203,7 +203,7 @@ def format_table(res: Mapping[str, PairedDelta], level: float = 0.95) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sfl.experiments.paired_eval", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m sfl.experiments.trainer.paired_eval", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("base", help="eval dir(s) or eval*.json of the reference (e.g. the dense twin); comma-separated "
                                  "for several seeds")

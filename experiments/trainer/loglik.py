@@ -98,7 +98,7 @@ def load_requests(path: str | Path) -> Requests:
         meta = json.loads(z["meta"].tobytes().decode())
         if meta.get("format") != FORMAT_VERSION:
             raise ValueError(f"{path}: requests format {meta.get('format')}, this code reads {FORMAT_VERSION}; "
-                             f"export it again with `python -m sfl.experiments.evaluate --export-requests`")
+                             f"export it again with `python -m sfl.experiments.trainer.evaluate --export-requests`")
         r = Requests(z["tokens"].astype(np.int64), z["offsets"].astype(np.int64), z["cont_len"].astype(np.int64),
                      meta)
     if _digest(r.tokens, r.offsets, r.cont_len) != meta["digest"]:

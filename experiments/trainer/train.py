@@ -1,12 +1,12 @@
 """The one training entry point: SparseLlama (ReLU FFN + L1) language-model training.
 
-    python -m sfl.experiments.train --config path.yaml [--set key=value ...] [--resume | --resume-from step_N]
-    torchrun --nproc_per_node=N -m sfl.experiments.train --config path.yaml   # DDP, or FSDP2 with parallel: fsdp
+    python -m sfl.experiments.trainer.train --config path.yaml [--set key=value ...] [--resume | --resume-from step_N]
+    torchrun --nproc_per_node=N -m sfl.experiments.trainer.train --config path.yaml   # DDP, or FSDP2 with parallel: fsdp
 
-Config keys: `--help` lists them with their defaults (experiments/config.py; experiments/README.md "train.py config").
+Config keys: `--help` lists them with their defaults (experiments/trainer/config.py; experiments/README.md "train.py config").
 Writes <out_dir>/train_log.jsonl (schema: experiments/README.md), crash-safe
 checkpoints under <out_dir>/checkpoints (exact resume with --resume; each with a save_pretrained copy in hf/)
-and <out_dir>/final (save_pretrained, loadable by experiments/evaluate.py after `import sfl.models`).
+and <out_dir>/final (save_pretrained, loadable by experiments/trainer/evaluate.py after `import sfl.models`).
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ from .checkpoint import (HF_SUBDIR, RunWriteError, atomic_write_text, ckpt_root,
                          find_latest, list_checkpoints, load_checkpoint, os_error_of, remove_dir, write_failure,
                          write_pretrained)
 from .data_loader import DataError, TokenData  # noqa: E402
-# several processes (torchrun): wrapping, cross-rank statistics, DCP checkpoints -- see experiments/distributed.py
+# several processes (torchrun): wrapping, cross-rank statistics, DCP checkpoints -- see experiments/trainer/distributed.py
 from .distributed import (Dist, accumulation_context, clip_grad_norm, eval_path, gather_trackers,  # noqa: E402
                           global_sparsity_stats, is_sharded, load_model_and_optimizer, local_dead_window, reinit_dead,
                           resolve_grad_accum, restore_trackers, resume_config_view, save_checkpoint_dcp,

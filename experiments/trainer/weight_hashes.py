@@ -1,10 +1,10 @@
 """SHA-256 of every weight file of a save_pretrained folder, written beside them and checked before loading.
 
 `write_weight_hashes(dir)` records {file: {"sha256", "bytes"}} of each `*.safetensors` / `*.bin` in
-`dir/weights.sha256.json` (experiments/checkpoint.py calls it for every hf/ and final/ copy it writes, and
-experiments/distributed.py for every checkpoint's dcp/ shards, which a resume checks before loading);
+`dir/weights.sha256.json` (experiments/trainer/checkpoint.py calls it for every hf/ and final/ copy it writes, and
+experiments/trainer/distributed.py for every checkpoint's dcp/ shards, which a resume checks before loading);
 `verify_weight_hashes(dir)` recomputes them and raises WeightIntegrityError on any difference (a flipped
-bit, a truncated or missing file, a weight file that was not recorded). experiments/evaluate.py calls the
+bit, a truncated or missing file, a weight file that was not recorded). experiments/trainer/evaluate.py calls the
 verifier before it loads a model, so a damaged file is refused instead of scored.
 """
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Crash-safe training checkpoints: <out_dir>/checkpoints/step_XXXXXXX/{state.pt, dcp/, hf/, COMPLETE}.
 
 state.pt holds step, scheduler, RNG, counters and config; dcp/ the model and optimizer, written by every rank
-through torch.distributed.checkpoint (experiments/distributed.py); hf/ (config key ckpt_hf) a save_pretrained
+through torch.distributed.checkpoint (experiments/trainer/distributed.py); hf/ (config key ckpt_hf) a save_pretrained
 copy of the same weights that `AutoModelForCausalLM.from_pretrained(dir / "hf", trust_remote_code=True)` opens.
 
 A checkpoint is written into a hidden temp dir owned by this process (`.tmp-step_XXXXXXX.<pid>`), every
 file fsynced, the COMPLETE marker written last, then the dir is renamed into place (os.replace is atomic on
 POSIX) and latest.json is swapped atomically. A kill at any moment leaves either the old set or the new one;
-stray temp dirs are ignored by `find_latest` and removed at the next start-up (experiments/rundir.py, under
+stray temp dirs are ignored by `find_latest` and removed at the next start-up (experiments/trainer/rundir.py, under
 the run directory's lock). The newest two are kept. A write that fails (a full disk above all) removes its
 temp dir and raises CheckpointWriteError saying so; the previous checkpoint is untouched. A checkpoint
 leaves rotation by a rename to a temp name before its removal, so a kill mid-removal leaves a temp entry
@@ -181,7 +181,7 @@ def _save_state(path: Path, state: dict[str, Any]) -> None:
 
 def begin_checkpoint(out_dir: str | Path, step: int) -> Path:
     """This process's fresh hidden temp dir for checkpoint `step` (`.tmp-step_XXXXXXX.<pid>`; other processes'
-    temp entries are left alone: stale ones are removed at start-up, experiments/rundir.py)."""
+    temp entries are left alone: stale ones are removed at start-up, experiments/trainer/rundir.py)."""
     root = ckpt_root(out_dir)
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / tmp_name(f"step_{step:07d}")
@@ -302,7 +302,7 @@ def _write_error(e: OSError, final: Path, out_dir: str | Path) -> CheckpointWrit
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", model: bool = True) -> dict[str, Any]:
     """state.pt of a checkpoint dir; with model=True also "model": the full model state dict, read in this
-    process from the checkpoint's DCP shards (dcp/, written by experiments/distributed.py) when it has them."""
+    process from the checkpoint's DCP shards (dcp/, written by experiments/trainer/distributed.py) when it has them."""
     # weights_only=False: the state holds numpy / python RNG states (our own files only).
     state = torch.load(Path(path) / "state.pt", map_location=map_location, weights_only=False)
     if model and "model" not in state and (Path(path) / "dcp").is_dir():

@@ -1,7 +1,7 @@
 """Several processes, one training loop: torchrun ranks, DDP / FSDP2 wrapping, cross-rank sparsity statistics,
 distributed checkpoints (torch.distributed.checkpoint, "DCP") and the consolidated final model.
 
-Everything here reduces to the plain single-process operation when WORLD_SIZE is 1, so experiments/train.py runs
+Everything here reduces to the plain single-process operation when WORLD_SIZE is 1, so experiments/trainer/train.py runs
 the same loop in one process, under DDP (`parallel: ddp`, replicated weights: small models) and under FSDP2
 (`parallel: fsdp`, `torch.distributed.fsdp.fully_shard` per decoder layer + the root: paper-scale models).
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _git(*args: str) -> str | None:
@@ -37,7 +37,7 @@ def source_tree_hash(root: Path = REPO_ROOT) -> str:
     """sha256 over the code that produced a number (sfl/, kernels/, models/, experiments/, data/ sources).
 
     The GPU machine gets a copy of the working tree without .git: this hash still ties a log to the
-    exact code; `python -m sfl.experiments.provenance verify LOG...` checks a log's hash against its commit.
+    exact code; `python -m sfl.experiments.trainer.provenance verify LOG...` checks a log's hash against its commit.
     """
     digest = hashlib.sha256()
     for top in _CODE_DIRS:
@@ -114,7 +114,7 @@ def verify(paths: list[Path]) -> list[tuple[Path, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sfl.experiments.provenance",
+    ap = argparse.ArgumentParser(prog="python -m sfl.experiments.trainer.provenance",
                                  description="verify LOG...: does each log's source_tree_hash equal its commit's?")
     ap.add_argument("cmd", choices=["verify"])
     ap.add_argument("paths", nargs="+", type=Path)

@@ -1,15 +1,15 @@
 """Small helpers for the experiment run scripts (experiments/*/run.sh); no training code lives here.
 
-    python -m sfl.experiments.runs merge BASE.yaml [OVERRIDE.yaml ...] [--set key=value ...] -o OUT.yaml
-    python -m sfl.experiments.runs done RESULT_DIR [--file train_log.jsonl]   # exit 0 iff a 'final' line exists
-    python -m sfl.experiments.runs describe RUN_DIR                           # one-line summary of a finished run
-    python -m sfl.experiments.runs summarize EXP_RESULTS_DIR                  # summary.csv (+ printed table);
+    python -m sfl.experiments.trainer.runs merge BASE.yaml [OVERRIDE.yaml ...] [--set key=value ...] -o OUT.yaml
+    python -m sfl.experiments.trainer.runs done RESULT_DIR [--file train_log.jsonl]   # exit 0 iff a 'final' line exists
+    python -m sfl.experiments.trainer.runs describe RUN_DIR                           # one-line summary of a finished run
+    python -m sfl.experiments.trainer.runs summarize EXP_RESULTS_DIR                  # summary.csv (+ printed table);
                                                       # summary_seeds.csv where a configuration ran with several seeds
-    python -m sfl.experiments.runs pick-dir BASE_DIR CONFIG.yaml [--fresh]    # "new|unfinished|finished <dir>"
-    python -m sfl.experiments.runs finish RUN_DIR RESULT_DIR [--keep-checkpoints]  # under the run's lock: copy the
+    python -m sfl.experiments.trainer.runs pick-dir BASE_DIR CONFIG.yaml [--fresh]    # "new|unfinished|finished <dir>"
+    python -m sfl.experiments.trainer.runs finish RUN_DIR RESULT_DIR [--keep-checkpoints]  # under the run's lock: copy the
                                                       # log to RESULT_DIR, then remove the checkpoints
 
-Configs are flat YAML mappings (experiments/config.py); `merge` applies later files and --set on top of
+Configs are flat YAML mappings (experiments/trainer/config.py); `merge` applies later files and --set on top of
 earlier ones and validates every key against train.py's accepted set, so a typo fails before training starts.
 Imports no torch, so each call costs a fraction of a second.
 """
@@ -35,7 +35,7 @@ _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 def merge_configs(paths: list[str], sets: list[str]) -> dict[str, Any]:
-    """Flat merge of YAML files then key=value overrides; keys checked against experiments.config."""
+    """Flat merge of YAML files then key=value overrides; keys checked against experiments.trainer.config."""
     cfg: dict[str, Any] = {}
     for p in paths:
         loaded = read_yaml(p) or {}
@@ -181,7 +181,7 @@ def run_state(run_dir: Path) -> tuple[str, dict[str, Any] | None]:
 
 
 def same_run(saved: dict[str, Any] | None, cfg: dict[str, Any]) -> bool:
-    """True when a run logged with config `saved` is the run that `cfg` (resolved, experiments.config) asks for:
+    """True when a run logged with config `saved` is the run that `cfg` (resolved, experiments.trainer.config) asks for:
     equal in every key but SAME_RUN_IGNORES (grad_accum too when global_batch_size sets it). A key the saved
     config lacks (added to train.py after that run) counts as its default."""
     if saved is None:
