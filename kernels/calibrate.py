@@ -43,6 +43,7 @@ from . import tables
 from .config import TILE_N, crossover_at
 from .device import kernels_supported
 from .loader import KernelUnavailableError
+from .provenance import measurement_provenance
 from .timing import PairTimer, capture_graph
 
 # (block kind, K, N): the paper's models (hidden 2048, gated N 5632; the non-gated block at N 8192) and SmolLM2's
@@ -296,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [(args.kind, K, N) for K, N in args.shape] if args.shape else list(DEFAULT_SHAPES)
     log_path = args.log or cache / f"calibrate-{tables.slug(gpu.name)}-{time.strftime('%Y%m%dT%H%M%S')}.jsonl"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    prov = {**tables.measurement_provenance(), "gpu_identity": asdict(gpu), "kernels_source": kernels,
+    prov = {**measurement_provenance(), "gpu_identity": asdict(gpu), "kernels_source": kernels,
             "shapes": shapes, "budget_s": args.budget_s, "profiles": args.profiles, "threshold": THRESHOLD,
             "build_s": round(time.monotonic() - t_build, 1)}
     with open(log_path, "a") as log:

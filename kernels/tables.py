@@ -13,14 +13,11 @@ says so once per table file (one line on stderr). GPUs without the kernels (kern
 """
 from __future__ import annotations
 
-import datetime
 import functools
 import json
 import math
 import os
 import re
-import socket
-import subprocess
 import sys
 import warnings
 from dataclasses import asdict, dataclass
@@ -74,33 +71,6 @@ def current_gpu(index: int | None = None) -> GpuIdentity | None:
     index = torch.cuda.current_device() if index is None else index
     return GpuIdentity(torch.cuda.get_device_name(index), tuple(torch.cuda.get_device_capability(index)),
                        driver_version(), torch.__version__, torch.version.cuda)
-
-
-def _git(*args: str) -> str | None:
-    """git's answer in the checkout holding these sources, or None (no git, not a checkout, an error)."""
-    try:
-        out = subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True, text=True,
-                             timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
-def measurement_provenance() -> dict[str, Any]:
-    """Where and when a table was measured, besides its GpuIdentity and kernel sources: the commit ($SFL_GIT_COMMIT
-    when exported, as on a machine that got a copy of the tree without a usable .git, else git's HEAD), whether the
-    tree was dirty ($SFL_GIT_DIRTY with an exported commit; None when unknown), the host and the UTC time."""
-    exported = os.environ.get("SFL_GIT_COMMIT")
-    local = _git("rev-parse", "HEAD")
-    if exported:
-        dirty: Any = os.environ.get("SFL_GIT_DIRTY")
-    else:
-        status = _git("status", "--porcelain", "--untracked-files=no")
-        dirty = bool(status) if status is not None else None
-    return {"git_commit": exported or local, "git_dirty": dirty,
-            **({"git_head_local": local} if local and exported and local != exported else {}),
-            "host": socket.gethostname(),
-            "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
 @functools.lru_cache(maxsize=1)

@@ -11,6 +11,7 @@ import sfl.kernels.calibrate as cal
 import sfl.kernels.device as device
 import sfl.kernels.tables as tables
 from sfl.kernels.config import DEFAULT_CROSSOVER, DEFAULT_CROSSOVER_NONGATED, KernelConfig, crossover_at
+from sfl.kernels.provenance import git, measurement_provenance
 
 H200 = tables.GpuIdentity("NVIDIA H200", (9, 0), "570.86.15", "2.9.1+cu128", "12.8")
 
@@ -184,7 +185,8 @@ def test_command_writes_cache_record_and_log(monkeypatch, tmp_path, capsys):
     assert list(points[0]) == ["event", "kind", "K", "N", "M", "profile", "activity", "p", "dense_ms", "sparse_ms",
                                "rel_err", "speedup", "timing", "provenance"]
     prov = points[0]["provenance"]
-    assert {"git_commit", "git_dirty", "time_utc", "gpu_identity", "kernels_source", "shapes", "threshold"} <= set(prov)
+    assert {"git_commit", "git_dirty", "source_tree_hash", "time_utc", "gpu_identity", "kernels_source", "shapes",
+            "threshold"} <= set(prov)
     assert [r["K"] for r in rows if r["event"] == "table"] == [576, 2048]
     assert "table of record:" in capsys.readouterr().out
 
@@ -194,11 +196,11 @@ def test_measurement_provenance_names_the_exported_commit(monkeypatch):
     it, git's HEAD of this checkout (or None outside one)."""
     monkeypatch.setenv("SFL_GIT_COMMIT", "0123abc")
     monkeypatch.setenv("SFL_GIT_DIRTY", "0")
-    prov = tables.measurement_provenance()
+    prov = measurement_provenance()
     assert (prov["git_commit"], prov["git_dirty"]) == ("0123abc", "0")
     assert prov["time_utc"].endswith("+00:00") and prov["host"]
     monkeypatch.delenv("SFL_GIT_COMMIT")
-    head = tables._git("rev-parse", "HEAD")
-    prov = tables.measurement_provenance()
+    head = git("rev-parse", "HEAD")
+    prov = measurement_provenance()
     assert prov["git_commit"] == head and "git_head_local" not in prov
     assert prov["git_dirty"] in ((None,) if head is None else (True, False))

@@ -391,8 +391,9 @@ def test_provenance_prefers_exported_commit(monkeypatch):
     """On the GPU machine the copied tree may carry a stale .git: an exported SFL_GIT_COMMIT names the commit, and
     the local HEAD (when it differs) is kept beside it."""
     from sfl.experiments.trainer import provenance
+    from sfl.kernels import provenance as measured
 
-    monkeypatch.setattr(provenance, "_git", lambda *a: "a" * 40 if a[0] == "rev-parse" else "")
+    monkeypatch.setattr(measured, "git", lambda *a: "a" * 40 if a[0] == "rev-parse" else "")
     monkeypatch.setenv("SFL_GIT_COMMIT", "b" * 40)
     monkeypatch.setenv("SFL_GIT_DIRTY", "false")
     info = provenance.collect()

@@ -2,13 +2,9 @@
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import hashlib
 import io
 import json
-import os
 import platform
-import socket
 import subprocess
 import sys
 import tarfile
@@ -18,39 +14,14 @@ from typing import Any
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def _git(*args: str) -> str | None:
-    try:
-        out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
-_CODE_DIRS = ("sfl", "kernels", "models", "experiments", "data")
-_CODE_SUFFIXES = {".py", ".cu", ".cpp", ".h", ".cuh", ".sh", ".yaml"}
-
-
-def source_tree_hash(root: Path = REPO_ROOT) -> str:
-    """sha256 over the code that produced a number (sfl/, kernels/, models/, experiments/, data/ sources).
-
-    The GPU machine gets a copy of the working tree without .git: this hash still ties a log to the
-    exact code; `python -m sfl.experiments.trainer.provenance verify LOG...` checks a log's hash against its commit.
-    """
-    digest = hashlib.sha256()
-    for top in _CODE_DIRS:
-        for path in sorted((root / top).rglob("*")):
-            if path.suffix in _CODE_SUFFIXES and path.is_file() and "__pycache__" not in path.parts:
-                digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()[:16]
+# the commit, the tree hash, host and time: one implementation, which the kernels' calibration records too
+from sfl.kernels.provenance import CODE_DIRS, REPO_ROOT, git, measurement_provenance, source_tree_hash
 
 
 def tree_hash_at(commit: str) -> str | None:
     """source_tree_hash of a commit's tree (git archive into a temp dir), or None when git does not know it."""
-    top = _git("ls-tree", "--name-only", commit)  # archive only the code dirs that exist at that commit
-    dirs = [d for d in _CODE_DIRS if top and d in top.split("\n")]
+    top = git("ls-tree", "--name-only", commit)  # archive only the code dirs that exist at that commit
+    dirs = [d for d in CODE_DIRS if top and d in top.split("\n")]
     if not dirs:
         return None
     try:
@@ -133,31 +104,15 @@ def collect(extra: dict[str, Any] | None = None) -> dict[str, Any]:
     $SFL_GIT_COMMIT (and $SFL_GIT_DIRTY) names the commit then (run scripts export it), and a differing local
     HEAD is kept as git_head_local.
     """
-    # An exported SFL_GIT_COMMIT wins: the GPU machine's copy can hold a stale .git (the checkout's base commit,
-    # with the local commits as uncommitted changes), so rev-parse there names the wrong commit.
-    local = _git("rev-parse", "HEAD")
-    commit = os.environ.get("SFL_GIT_COMMIT") or local or None
-    if commit in ("unknown", "HEAD\nunknown"):
-        commit = None
-    if os.environ.get("SFL_GIT_COMMIT"):
-        dirty: Any = os.environ.get("SFL_GIT_DIRTY")
-    else:
-        status = _git("status", "--porcelain", "--untracked-files=no")
-        dirty = bool(status) if status is not None else None
     info: dict[str, Any] = {
-        "git_commit": commit,
-        "git_dirty": dirty,
-        "source_tree_hash": source_tree_hash(),
-        **({"git_head_local": local} if local and local != commit else {}),
-        "host": socket.gethostname(),
-        "time_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        **measurement_provenance(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "gpu_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
     }
-    try:  # optional here: the kernels' calibration records provenance where only torch is installed
+    try:  # optional: a machine may run the kernel benchmarks without transformers
         import transformers
 
         info["transformers"] = transformers.__version__
