@@ -72,12 +72,12 @@ def check_disk_space(out_dir: Path, model: torch.nn.Module, n_existing: int, sav
     clearly by the checkpoint writer, with the previous checkpoint intact.
     """
     ckpt = checkpoint_bytes(model) + (final_model_bytes(model) if ckpt_hf else 0)  # + its save_pretrained copy
-    need = ckpt * min(n_planned, max(1, CKPT_KEEP + 1 - n_existing)) + (2 * final_model_bytes(model) if save_final
-                                                                         else 0)
+    n_ckpt = min(n_planned, max(1, CKPT_KEEP + 1 - n_existing))  # at most CKPT_KEEP kept + 1 being written
+    need = ckpt * n_ckpt + (2 * final_model_bytes(model) if save_final else 0)
     free = free_bytes(out_dir)
     if free < need:
         mib = 2 ** 20
         raise ConfigError(f"out_dir={str(out_dir)!r}: {free / mib:.0f} MiB free on its filesystem, but this run "
-                          f"needs about {need / mib:.0f} MiB for its checkpoints ({ckpt / mib:.0f} MiB each, "
-                          f"{CKPT_KEEP} kept + 1 being written) and final model; free space or choose another "
+                          f"needs about {need / mib:.0f} MiB for {n_ckpt} checkpoint(s) of {ckpt / mib:.0f} MiB "
+                          f"at once{' and its final model' if save_final else ''}; free space or choose another "
                           "out_dir")
