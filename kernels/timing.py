@@ -1,12 +1,17 @@
 """Timing kernels on the GPU as the dispatch calibration does: CUDA events around each call after an L2 flush,
 a warm-up, medians of two callables timed in alternation (a clock or thermal drift hits both alike), and CUDA-graph
-capture for the decode sizes, which models replay from graphs."""
+capture for the decode sizes, which models replay from graphs; and a model's FFN layers timed one by one on their
+own inputs (the paper's per-layer speed contribution)."""
 from __future__ import annotations
 
 import statistics
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
+
+from .config import KernelConfig
+from .ffn import plan_for, sparse_gated_ffn, sparse_nongated_ffn
 
 FLUSH_BYTES = 256 << 20  # larger than any GPU's L2: writing it evicts the previous call's data
 
@@ -57,3 +62,44 @@ class PairTimer:
                 end.synchronize()
                 out.append(start.elapsed_time(end))
         return statistics.median(ta), statistics.median(tb)
+
+
+@torch.no_grad()  # the inference kernels refuse grad-requiring weights (they have no backward)
+def time_layers(mlps: list[torch.nn.Module], xs: list[torch.Tensor], reps: int = 20, warmup: int = 5
+                ) -> list[dict[str, Any]]:
+    """Per FFN layer (a model's sparse_mlps()) on its own bf16 input: median ms of the dense FFN (three cuBLAS
+    GEMMs), of kernels.ffn with auto dispatch (the path it took, its flagged-row share) and forced sparse."""
+    out = []
+    for mlp, x in zip(mlps, xs):
+        wg = mlp.gate_proj.weight.to(torch.bfloat16).contiguous() if mlp.gated else None
+        wu = mlp.up_proj.weight.to(torch.bfloat16).contiguous()
+        wd = mlp.down_proj.weight.to(torch.bfloat16).contiguous()
+        if wg is not None:
+            dense = lambda: F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd)  # noqa: E731
+            sparse = lambda mode="auto": sparse_gated_ffn(x, wg, wu, wd, mode=mode)  # noqa: E731
+        else:
+            dense = lambda: F.linear(F.relu(F.linear(x, wu)), wd)  # noqa: E731
+            sparse = lambda mode="auto": sparse_nongated_ffn(x, wu, wd, mode=mode)  # noqa: E731
+
+        for _ in range(3):   # auto dispatch measures the layer on its first calls
+            sparse()
+        torch.cuda.synchronize()
+        err = (sparse().float() - dense().float()).abs().max().item()
+        # sparse_ms: what a model gets (auto dispatch, path recorded); sparse_forced_ms: the TwELL kernels alone
+        info = plan_for(wg if wg is not None else wu, KernelConfig(), wg is not None).info()  # sparse()'s plan
+        row = {"max_abs_diff_vs_dense": err, "path": info.get("path"), "flagged_rows_frac": info.get("f")}
+        forced = lambda: sparse("sparse")  # noqa: E731
+        for name, fn in (("dense_ms", dense), ("sparse_ms", sparse), ("sparse_forced_ms", forced)):
+            for _ in range(warmup):
+                fn()
+            times = []
+            for _ in range(reps):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                fn()
+                e.record()
+                torch.cuda.synchronize()
+                times.append(s.elapsed_time(e))
+            row[name] = sorted(times)[len(times) // 2]
+        out.append(row)
+    return out

@@ -35,8 +35,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from sfl.kernels import ffn
-from sfl.kernels.config import KernelConfig
+from sfl.kernels.timing import time_layers
 from sfl.models import SparseLlamaForCausalLM
 
 from ..trainer.data_loader import TokenData
@@ -99,45 +98,6 @@ def load_model(model_dir: Path, device: torch.device):
 
 def decode_token(tok: Any, token_id: int) -> str:
     return tok.decode([token_id]) if tok is not None else str(token_id)
-
-
-@torch.no_grad()  # the inference kernels refuse grad-requiring weights (they have no backward)
-def time_layers(model: torch.nn.Module, xs: list[torch.Tensor], reps: int = 20, warmup: int = 5) -> list[dict[str, Any]]:
-    """Per layer: median ms of the dense FFN (three cuBLAS GEMMs) and of kernels.ffn on the same bf16 input."""
-    out = []
-    for mlp, x in zip(model.sparse_mlps(), xs):
-        wg = mlp.gate_proj.weight.to(torch.bfloat16).contiguous() if mlp.gated else None
-        wu = mlp.up_proj.weight.to(torch.bfloat16).contiguous()
-        wd = mlp.down_proj.weight.to(torch.bfloat16).contiguous()
-        if wg is not None:
-            dense = lambda: F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd)  # noqa: E731
-            sparse = lambda mode="auto": ffn.sparse_gated_ffn(x, wg, wu, wd, mode=mode)  # noqa: E731
-        else:
-            dense = lambda: F.linear(F.relu(F.linear(x, wu)), wd)  # noqa: E731
-            sparse = lambda mode="auto": ffn.sparse_nongated_ffn(x, wu, wd, mode=mode)  # noqa: E731
-
-        for _ in range(3):   # auto dispatch measures the layer on its first calls
-            sparse()
-        torch.cuda.synchronize()
-        err = (sparse().float() - dense().float()).abs().max().item()
-        # sparse_ms: what a model gets (auto dispatch, path recorded); sparse_forced_ms: the TwELL kernels alone
-        info = ffn.plan_for(wg if wg is not None else wu, KernelConfig(), wg is not None).info()  # sparse()'s plan
-        row = {"max_abs_diff_vs_dense": err, "path": info.get("path"), "flagged_rows_frac": info.get("f")}
-        forced = lambda: sparse("sparse")  # noqa: E731
-        for name, fn in (("dense_ms", dense), ("sparse_ms", sparse), ("sparse_forced_ms", forced)):
-            for _ in range(warmup):
-                fn()
-            times = []
-            for _ in range(reps):
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                fn()
-                e.record()
-                torch.cuda.synchronize()
-                times.append(s.elapsed_time(e))
-            row[name] = sorted(times)[len(times) // 2]
-        out.append(row)
-    return out
 
 
 def replace_rows(path: Path, model_name: str, rows: list[dict[str, Any]]) -> None:
@@ -226,7 +186,7 @@ def layer_times(model: torch.nn.Module, timing_inputs: list[torch.Tensor], timin
     times: list[dict[str, Any]] = [{}] * model.config.num_hidden_layers
     if timing and dev.type == "cuda":
         try:
-            return time_layers(model, timing_inputs), None
+            return time_layers(model.sparse_mlps(), timing_inputs), None
         except Exception as e:  # noqa: BLE001 - kernels missing/unsupported: record why, keep the activity data
             return times, f"{type(e).__name__}: {e}"
     if timing:

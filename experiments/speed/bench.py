@@ -51,10 +51,10 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from sfl.kernels.config import KernelConfig
+from sfl.kernels.timing import time_layers
 from sfl.kernels.twell import ops
 from sfl.models import SparseLlamaConfig, SparseLlamaForCausalLM
 
-from ..activation_analysis.analyze import time_layers
 from ..trainer.data_loader import TokenData
 from ..trainer.provenance import collect
 
@@ -358,12 +358,12 @@ def mlp_inputs(model, ids: torch.Tensor) -> list[torch.Tensor]:
 def layer_times(model, ids: torch.Tensor) -> list[dict[str, Any]]:
     """Per layer on ids' tokens (the paper's per-layer speed contribution, App. D.3): non-zeros per token and the
     median ms of the dense FFN, of the sparse op with auto dispatch and with every call forced through TwELL
-    (activation_analysis.time_layers)."""
+    (kernels.timing.time_layers)."""
     xs = mlp_inputs(model, ids)
     with torch.inference_mode():  # xs are inference tensors: no autograd on them
         nnz = [float((F.linear(x, (m.gate_proj if m.gated else m.up_proj).weight) > 0).sum(dim=1).float().mean())
                for m, x in zip(model.sparse_mlps(), xs)]
-        rows = time_layers(model, xs)
+        rows = time_layers(model.sparse_mlps(), xs)
     return [{"layer": i, "nnz_mean": n, "tokens": int(x.shape[0]), **r} for i, (n, x, r) in enumerate(zip(nnz, xs, rows))]
 
 
