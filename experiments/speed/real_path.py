@@ -13,7 +13,9 @@ What is timed (CUDA events or a synchronised wall clock, after warm-up; sides al
   position) at batch 1, 4, 16 x 2048 tokens;
 - generate: `generate()` of 64 new tokens after a 128-token prompt, greedy, at batch 1, 8, 32; eager (dynamic
   cache) and with the static cache, which transformers compiles by itself (its supported way), on both sides; each
-  side's GPU time of one more call (hf_gpu_s, ours_gpu_s: the profiler's kernel time) beside its wall time.
+  side's GPU time of one more call (hf_gpu_s, ours_gpu_s: the profiler's kernel time) beside its wall time;
+- graph: the same greedy decoding through decode_loop.py, the prompt eagerly and every further token one CUDA graph
+  replay, which shows what the model itself gives once generate()'s host work per token is gone.
 Every row records the measured sparsity, the effective KernelConfig and provenance.
 """
 from __future__ import annotations
@@ -35,6 +37,7 @@ from sfl.models.hot_cold import calibrate_hot_neurons_
 
 from ..trainer.provenance import collect
 from .bench import build_paper_model, calibrate_paper_model, paper_profile, require_cuda
+from .decode_loop import StaticGreedyDecoder
 
 
 def dense_twin(sparse) -> torch.nn.Module:
@@ -131,6 +134,24 @@ def generate_rows(hf, ours, vocab: int, batches: list[int], prompt: int, new: in
     return rows
 
 
+def graph_rows(hf, ours, vocab: int, batches: list[int], prompt: int, new: int, blocks: int) -> list[dict]:
+    """The same greedy decoding as generate_rows, through decode_loop.StaticGreedyDecoder: the prompt eagerly, then
+    every token one CUDA graph replay (no transformers loop), each side with its own decoder and static cache."""
+    rows = []
+    g = torch.Generator(device="cpu").manual_seed(2)
+    for b in batches:
+        ids = torch.randint(1, vocab, (b, prompt), generator=g).to(ours.device)
+        decoders = {k: StaticGreedyDecoder(m, b, prompt + new, graph=True) for k, m in (("hf", hf), ("ours", ours))}
+        sides = {k: (lambda d=d: d(ids, new)) for k, d in decoders.items()}
+        same = torch.equal(sides["hf"](), sides["ours"]())  # also captures each side's graph
+        t = interleaved(sides, blocks, reps=1, warmup=2)
+        rows.append(row("decode loop, one CUDA graph per token", t, b * new, batch=b, prompt_len=prompt,
+                        new_tokens=new, greedy_tokens_equal=same))
+        print(f"{'decode loop (CUDA graph per token)':46s} batch {b:2d}: {rows[-1]['speedup']:.3f}x "
+              f"(tokens equal: {same})", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=28)
@@ -140,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--parts", default="prefill,eager,static", help="comma list of prefill, eager, static")
+    ap.add_argument("--parts", default="prefill,eager,static,graph",
+                    help="comma list of prefill, eager, static, graph (decode_loop.py: one CUDA graph per token)")
     ap.add_argument("--no-stats", action="store_true", help="our model without its device statistics "
                     "(config.track_sparsity_stats=False)")
     ap.add_argument("--heavy-frac", type=float, default=0.01)
@@ -196,6 +218,12 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # recorded, not hidden: the static-cache path is a target of its own
             log([{"kind": "generate static cache (transformers compiles)", "error": repr(e)[:2000]}])
             print(f"static-cache generate failed: {e!r}", flush=True)
+    if "graph" in parts:
+        try:
+            log(graph_rows(hf, ours, vocab, a.generate_batches, 128, 64, a.blocks))
+        except Exception as e:  # recorded, not hidden, like the static-cache part
+            log([{"kind": "decode loop, one CUDA graph per token", "error": repr(e)[:2000]}])
+            print(f"graph decode loop failed: {e!r}", flush=True)
     if a.hot_cold:  # the same model with hot/cold layers (the same function), against the same dense twin
 
         hot = calibrate_hot_neurons_(ours, [calib[:4]], calib)
