@@ -17,7 +17,7 @@ mkdir -p "$(dirname "$log")"
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__)'
 } > "$log"
-files=(tests/test_twell_cuda.py tests/test_train_ffn_cuda.py tests/test_model_cuda.py tests/test_kernels_cpu.py
+files=(tests/test_twell_cuda.py tests/test_train_ffn_cuda.py tests/test_model_cuda.py tests/test_decode_loop.py tests/test_kernels_cpu.py
        tests/test_reference_format.py tests/test_run_safety.py)
 set +e
 if [ -n "${SANITIZE:-}" ]; then
