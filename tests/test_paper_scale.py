@@ -3,6 +3,7 @@ steps after the warm-up, per process, the activity of every step, the config and
 finish gives a row that says so."""
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_run_safety import cfg_for, data_dir, read_log  # noqa: E402,F401
 
 from sfl.experiments.trainer import train as train_mod  # noqa: E402
-from sfl.experiments.paper_scale.throughput_rows import row  # noqa: E402
+from sfl.experiments.paper_scale.throughput_rows import init_activity, row  # noqa: E402
 
 
 def test_throughput_row_from_a_training_log(data_dir, tmp_path) -> None:
@@ -24,3 +25,14 @@ def test_throughput_row_from_a_training_log(data_dir, tmp_path) -> None:
     assert r["nnz_mean_steps"] == [x["nnz_mean"] for x in steps] and r["l1_coeff"] == 2e-5
     assert r["num_hidden_layers"] == 2 and r["provenance"] and r["kernel_config"]
     assert "did not finish" in row(tmp_path / "missing", warm=2)["error"]
+    assert "init_target_nnz_mean" not in r  # a scratch init: no paper_init.json
+
+
+def test_throughput_row_carries_the_init_activity(tmp_path) -> None:
+    init = tmp_path / "init"
+    init.mkdir()
+    (init / "paper_init.json").write_text(json.dumps({"target_nnz_mean": 29.0, "achieved_nnz_mean": 29.0,
+                                                      "held_out_nnz_mean": 30.1, "calibration_seqs": 64}))
+    assert init_activity(str(init)) == {"init_target_nnz_mean": 29.0, "init_calibration_nnz_mean": 29.0,
+                                        "init_held_out_nnz_mean": 30.1, "init_calibration_seqs": 64}
+    assert init_activity(None) == {} and init_activity(str(tmp_path)) == {}

@@ -31,7 +31,18 @@ def row(run: Path, warm: int) -> dict:
             "nnz_mean_steps": [x["nnz_mean"] for x in steps], "nnz_max_steps": [x["nnz_max"] for x in steps],
             "loss_steps": [x["loss"] for x in steps], "lr": cfg["lr"], "init_from": cfg["init_from"],
             "tokens_subdir": cfg["tokens_subdir"], "kernel_config": header.get("kernel_config"),
-            "provenance": header["provenance"]}
+            **init_activity(cfg["init_from"]), "provenance": header["provenance"]}
+
+
+def init_activity(init_from: str | None) -> dict:
+    """The starting checkpoint's activity as paper_init measured it (calibration tokens, and held-out ones where it
+    recorded them), beside which the run's own measured activity is read; empty for another init."""
+    info = Path(init_from) / "paper_init.json" if init_from else None
+    if info is None or not info.is_file():
+        return {}
+    d = json.loads(info.read_text())
+    return {"init_target_nnz_mean": d["target_nnz_mean"], "init_calibration_nnz_mean": d["achieved_nnz_mean"],
+            "init_held_out_nnz_mean": d.get("held_out_nnz_mean"), "init_calibration_seqs": d["calibration_seqs"]}
 
 
 def main() -> None:
