@@ -123,6 +123,7 @@ def make_synthetic_results(root: Path | str) -> Path:
            [dict(model="paper-shape 1.5B", paper_scale="1.5B", mode="layer_times", nnz_mean=22.5, layer_times=per_layer,
                  provenance=PROV)])
     _synthetic_training_speed(root / "speed" / "training")
+    _synthetic_paper_scale(root / "paper_scale")
     # kernel bench: inference rows in experiments/kernel_bench's format (kind, heavy_frac, rel_err_vs_dense_bf16),
     # training rows in the notebooks/README.md format (mode, gated, pattern "heavy")
     rows = []
@@ -205,6 +206,19 @@ def _synthetic_training_speed(d: Path) -> None:
              "saved_activation_bytes": ffn + 3 * 2 ** 30, "peak_over_start_bytes": ffn + 6 * 2 ** 30, **flat}
             for side, path, ffn in (("dense L1=0", "dense", 10 * 2 ** 30), ("sparse forced", "sparse", 5 * 2 ** 30))]
     _jsonl(d / "memory_breakdown_synthetic.jsonl", rows)
+
+
+def _synthetic_paper_scale(d: Path) -> None:
+    """experiments/paper_scale/throughput_rows.py rows: 1.5B on one GPU, every arm twice (REPEATS=2); sparse is
+    1.10x and 1.12x its repeat's dense run."""
+    rows = []
+    for rep, dense_tps in ((1, 24000.0), (2, 24200.0)):
+        for arm, f, mem in (("dense_l1_0", 1.0, 40.0), ("dense_l1", 0.96, 40.0), ("sparse", 1.10 + 0.02 * (rep - 1), 38.0)):
+            rows.append({"run": f"1p5b_{arm}_actrue_mpfalse_n1_r{rep}", "num_hidden_layers": 28, "world_size": 1,
+                         "activation_checkpointing": True, "fsdp_mixed_precision": False,
+                         "tokens_per_s_per_gpu": dense_tps * f, "peak_mem_gib_per_gpu": mem,
+                         "nnz_mean_steps": [30.0, 32.0], "provenance": PROV})
+    _jsonl(d / "throughput_synthetic.jsonl", rows)
 
 
 def write_manifest(root: Path) -> None:
