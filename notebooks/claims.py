@@ -10,7 +10,6 @@ Paper scale section's table (paper_tables/paper_scale_readme.md, between the PAP
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pandas as pd
 

@@ -8,7 +8,6 @@ import json
 import pytest
 
 import sfl.kernels.calibrate as cal
-import sfl.kernels.device as device
 import sfl.kernels.tables as tables
 from sfl.kernels.config import DEFAULT_CROSSOVER, DEFAULT_CROSSOVER_NONGATED, KernelConfig, crossover_at
 from sfl.kernels.provenance import git, measurement_provenance

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from transformers import StaticCache
 
+from sfl.kernels.timing import capture_graph
+
 
 class StaticGreedyDecoder:
     """Greedy decoding of `batch` sequences of up to `max_len` tokens with a static KV cache; with graph=True each
@@ -37,24 +39,11 @@ class StaticGreedyDecoder:
                             use_cache=True).logits
         return logits[:, -1].argmax(-1)
 
-    def _capture(self) -> None:
-        """Warm-up on a side stream (capture needs the lazy set-up done), then capture one step. The warm-up writes
-        the current token's keys and values at the current position, which the first replay writes again."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._step()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.next_token = self._step()
-
     def _decode_one(self) -> torch.Tensor:
         if not self.use_graph:
             return self._step()
-        if self.graph is None:
-            self._capture()
+        if self.graph is None:  # the warm-up writes this token's keys and values, which the first replay writes again
+            self.graph, self.next_token = capture_graph(self._step)
         self.graph.replay()
         return self.next_token.clone()  # the buffer is overwritten by the next replay
 

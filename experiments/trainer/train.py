@@ -20,7 +20,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from .config import ConfigError, arg_parser, l1_coeff_at, load_config, lr_at
 

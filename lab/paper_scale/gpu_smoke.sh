@@ -3,13 +3,11 @@
 # a tiny FSDP2 training run with the CUDA op (torchrun, one GPU: a process group of one) that checkpoints, resumes
 # and saves its final model, then the C++ config tests. Everything under $OUT.
 set -uo pipefail
-export SFL_USE_SYSTEM_PYTHON=1 PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 MAX_JOBS=16 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. lab/gpu_env.sh  # the device machine's python, NVLink multicast off, build()
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/smoke.txt"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$OUT/smoke.txt"
 python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" | tee -a "$OUT/smoke.txt"
-t0=$(date +%s)
-python3 -c "from sfl.kernels.twell.ops import load; load(); from sfl.kernels.train.ops import load_ext; load_ext()" \
-  > "$OUT/build.txt" 2>&1; log "build rc=$? in $(( $(date +%s) - t0 )) s"
+build | tee -a "$OUT/smoke.txt"
 python3 -m torch.distributed.run --standalone --nproc_per_node=1 tests/fsdp_eval_check.py > "$OUT/fsdp_eval.txt" 2>&1
 log "fsdp_eval rc=$?: $(grep FSDP_EVAL "$OUT/fsdp_eval.txt")"
 python3 -m sfl.experiments.paper_scale.synthetic_tokens .data --subdir tokens_tiny --vocab 512 \

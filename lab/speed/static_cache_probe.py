@@ -2,7 +2,6 @@
 process, then the test's order in one process: python lab/speed/static_cache_probe.py [CASE...]"""
 import subprocess
 import sys
-import traceback
 
 import torch
 
