@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import sfl.kernels.ffn as ffn
+from sfl.kernels import tables
 from sfl.kernels.loader import KernelUnavailableError, load_twell, source_hash
 
 
@@ -290,7 +291,8 @@ def test_plan_for_is_per_storage_and_config():
     assert ffn.plan_for(torch.randn(256, 64), cfg, True) is not p
     assert ffn.plan_for(w, cfg.replace(slots=16), True) is not p
     assert ffn.plan_for(w, cfg, False) is not p
-    assert p.config is cfg
+    # the config as given, with its crossover table resolved for this GPU and shape (unchanged without the kernels)
+    assert p.config == tables.for_current_gpu(cfg, 64, 256)
 
 
 def test_fake_impls_shapes():

@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             base = {"model": f"paper-shape {PAPER_SCALES.get(n_layers, f'{n_layers} layers')}",
                     "num_hidden_layers": n_layers, "target_nnz_mean": nnz,
                     "calibration_nnz_mean": sum(achieved) / len(achieved), "seq_len": a.seq_len,
-                    "l1_coeff_sparse": L1_COEFF, "nnz_sweep": bool(a.nnz_sweep), "lr": a.lr,
+                    "l1_coeff_sparse": L1_COEFF, "nnz_sweep": bool(a.nnz_sweep), "lr": a.lr, "seed": a.seed,
                     "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
                     "kernel_config": model.config.get_kernel_config().to_dict(),
                     "timed": "train.optimizer_step: forward (+L1) and backward under bf16 autocast, clip, AdamW",
