@@ -269,13 +269,14 @@ def run_shape(model, ids: torch.Tensor, device: torch.device, a: argparse.Namesp
         if not a.no_search:
             if ckpt and device.type == "cuda":  # never search by failing here (see largest_by_peak)
                 cap = torch.cuda.get_device_properties(device).total_memory
-                searched = {s: largest_by_peak(lambda n, s=s: tr.peak(s, n), a.micro_batch, a.max_micro_batch, cap)
-                            for s in a.sides}
+                searched = {s: largest_by_peak(lambda n, s=s: tr.peak(s, n), a.micro_batch, a.max_micro_batch, cap,
+                                               margin=a.ckpt_margin) for s in a.sides}
             else:
                 searched = {s: largest_fitting(lambda n, s=s: tr.fits(s, n), a.micro_batch, a.max_micro_batch)
                             for s in a.sides}
             largest, res = time_largest(tr, searched, a.blocks, a.steps)
-            how = "peak extrapolated to 90% of memory" if ckpt and device.type == "cuda" else "searched"
+            how = (f"peak extrapolated to {100 * a.ckpt_margin:.0f}% of memory" if ckpt and device.type == "cuda"
+                   else "searched")
             yield side_rows(tr, largest, res, a.seq_len,
                             {**b, "micro_batch_policy": f"largest that fits ({how}, up to {a.max_micro_batch})",
                              "micro_batch_searched": searched})
@@ -290,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--max-micro-batch", type=int, default=64)
     ap.add_argument("--no-search", action="store_true", help="equal micro-batch only")
+    ap.add_argument("--ckpt-margin", type=float, default=0.9,
+                    help="with checkpointing, the share of GPU memory the extrapolated peak may reach (a step that "
+                         "runs out of memory there leaves memory behind, so the search must not fail)")
     ap.add_argument("--activation-checkpointing", type=int, nargs="+", default=[0, 1], choices=[0, 1])
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--blocks", type=int, default=4)
