@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from sfl.experiments.speed import decode_loop
 from sfl.experiments.speed.decode_loop import StaticGreedyDecoder
 from sfl.kernels.config import KernelConfig
 from sfl.models import SparseLlamaConfig, SparseLlamaForCausalLM
@@ -35,6 +36,39 @@ def test_eager_loop_gives_generates_tokens(cls, cfg) -> None:
         StaticGreedyDecoder(model, batch=3, max_len=32, graph=True)
 
 
+class _ReplayedCall:
+    """A stand-in for a CUDA graph on the CPU: replay() runs the step again into the output buffer."""
+
+    def __init__(self, fn, out: torch.Tensor) -> None:
+        self.fn, self.out = fn, out
+
+    def replay(self) -> None:
+        self.out.copy_(self.fn())
+
+
+def _capture_like_cuda(fn):
+    """What kernels.timing.capture_graph does to the model's state: two warm-up steps run, the captured one does
+    not (its kernels only run at replay)."""
+    for _ in range(2):
+        out = fn()
+    buffer = torch.empty_like(out)
+    return _ReplayedCall(fn, buffer), buffer
+
+
+def test_capture_warm_up_leaves_the_cache_as_it_was(monkeypatch) -> None:
+    """transformers' StaticCache writes at its own running length: the capture's warm-up steps must not shift it.
+    With max_len exactly prompt + new tokens, a shifted cache writes past its end."""
+    monkeypatch.setattr(decode_loop, "capture_graph", _capture_like_cuda)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SHAPE, hidden_act="relu")).eval()
+    prompt = torch.randint(1, 256, (2, 10))
+    decoder = StaticGreedyDecoder(model, batch=2, max_len=22, graph=False)
+    decoder.use_graph = True  # the graphed loop's order of calls, with the CPU stand-in for the graph
+    want = greedy(model, prompt, 12)
+    assert torch.equal(decoder(prompt, 12), want) and isinstance(decoder.graph, _ReplayedCall)
+    assert torch.equal(decoder(prompt, 12), want)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", ["sparse", "auto"])
 def test_graphed_loop_on_gpu(mode: str) -> None:
@@ -45,6 +79,8 @@ def test_graphed_loop_on_gpu(mode: str) -> None:
     graphed = StaticGreedyDecoder(dense, batch=4, max_len=40, graph=True)
     eager = StaticGreedyDecoder(dense, batch=4, max_len=40, graph=False)
     assert torch.equal(graphed(prompt, 20), eager(prompt, 20)) and graphed.graph is not None
+    for g_layer, e_layer in zip(graphed.cache.layers, eager.cache.layers):  # every key where the eager loop put it
+        assert torch.equal(g_layer.keys, e_layer.keys)
     ours.set_mlp_impl("cuda")
     ours.set_kernel_config(KernelConfig(mode=mode))
     seqs = [StaticGreedyDecoder(ours, batch=4, max_len=40, graph=True)(prompt, 20) for _ in range(2)]
