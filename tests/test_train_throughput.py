@@ -77,18 +77,21 @@ def test_time_largest_steps_a_side_down_when_it_does_not_fit_beside_the_others()
     assert all(len(r["block_s"]) == 2 for r in res.values()) and ("dense L1", 7) in seen
 
 
-@pytest.mark.parametrize("fixed,per_sample,fits_up_to,expect", [
-    (10, 2, 100, 17),   # 0.9 * 50 = 45 = 10 + 2 n -> n = 17
-    (10, 2, 3, 3),      # 2 * start = 8 already fails: start
-    (10, 2, 2, 3),      # start itself fails: start - 1 (timing steps down from there if needed)
-    (10, 0, 100, 8),    # no measured growth: nothing to extrapolate, 2 * start
+@pytest.mark.parametrize("capacity,transient,fixed,per_sample,fits_up_to,expect,measured", [
+    (50, 0, 10, 2, 100, 17, [4, 8]),            # 0.9 * 50 = 45 = 10 + 2 n -> n = 17; 16 is predicted not to fit
+    (50, 0, 10, 2, 6, 4, [4, 8]),               # 2 * start fails: start
+    (50, 0, 10, 2, 2, 3, [4]),                  # start itself fails: start - 1 (timing steps down from there)
+    (50, 0, 10, 0, 100, 64, [4, 8, 16, 32, 64]),  # no growth: doubled up to the limit, every size measured
+    # a constant transient (the optimizer step's) sets the peak up to n = 10; 0.9 * 150 = 135 = 3 n -> n = 45
+    (150, 30, 0, 3, 100, 45, [4, 8, 16, 32]),
 ])
-def test_largest_by_peak_extrapolates_without_failing(fixed, per_sample, fits_up_to, expect):
+def test_largest_by_peak_extrapolates_without_failing(capacity, transient, fixed, per_sample, fits_up_to, expect,
+                                                      measured):
     calls = []
 
     def peak(n):
         calls.append(n)
-        return fixed + per_sample * n if n <= fits_up_to else None
+        return max(transient, fixed + per_sample * n) if n <= fits_up_to else None
 
-    assert largest_by_peak(peak, 4, 64, capacity=50) == expect
-    assert calls in ([4, 8], [4])  # two measurements at most, no probing past them
+    assert largest_by_peak(peak, 4, 64, capacity=capacity) == expect
+    assert calls == measured  # never a size predicted not to fit

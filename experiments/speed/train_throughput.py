@@ -107,22 +107,26 @@ def largest_fitting(fits: Callable[[int], bool], start: int, limit: int) -> int:
 
 def largest_by_peak(peak: Callable[[int], int | None], start: int, limit: int, capacity: int,
                     margin: float = 0.9) -> int:
-    """The largest n in [start, limit] whose peak memory, extrapolated from peaks measured at start and 2 * start
-    (activations grow linearly with the micro-batch), stays under margin * capacity; start - 1 if start does not fit,
-    start if 2 * start does not. peak(n) runs micro-batch n and returns its peak bytes, None when out of memory.
-    For activation checkpointing, where a step that runs out of memory inside the sparse op's backward leaves memory
-    behind (see Trainer.release), so the search must not rely on failing."""
-    p1 = peak(start)
-    if p1 is None:
+    """The largest n in [start, limit] whose peak memory stays under margin * capacity, extrapolated linearly from
+    the peaks measured at the last two of start, 2 start, 4 start, ... For activation checkpointing, where a step
+    that runs out of memory inside the sparse op's backward leaves memory behind (see Trainer.release), so the search
+    must not rely on failing. peak(n) runs micro-batch n and returns its peak bytes, None when out of memory.
+    At small micro-batches the optimizer step's transient, not the activations, sets the peak, so two small sizes
+    understate the growth per sample: the search doubles while the next size is predicted to fit by the larger of
+    the last growth per sample and peak / n (which overstates it: safe), and extrapolates from the last pair."""
+    budget = margin * capacity
+    n, p = start, peak(start)
+    if p is None:
         return max(0, start - 1)
-    n2 = min(2 * start, limit)
-    p2 = peak(n2) if n2 > start else None
-    if p2 is None:
-        return start
-    per_sample = (p2 - p1) / (n2 - start)
-    if per_sample <= 0:
-        return n2
-    return max(n2, min(limit, start + int((margin * capacity - p1) / per_sample)))
+    slope = None
+    while (n2 := min(2 * n, limit)) > n and p + max(slope or 0, p / n) * (n2 - n) <= budget:
+        p2 = peak(n2)
+        if p2 is None:
+            return n
+        slope, n, p = max(0.0, (p2 - p) / (n2 - n)), n2, p2
+    if not slope:  # no measured growth (or no second size): nothing to extrapolate
+        return n
+    return max(n, min(limit, n + int((budget - p) / slope)))
 
 
 class Trainer:
