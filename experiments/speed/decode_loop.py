@@ -39,11 +39,19 @@ class StaticGreedyDecoder:
                             use_cache=True).logits
         return logits[:, -1].argmax(-1)
 
+    def _capture(self) -> None:
+        """Capture the decode step on the empty cache, then empty it again: transformers' StaticCache writes each
+        update at its own running length (a device counter), not at cache_position, so the capture's warm-up steps
+        advance it; the emptied cache restarts it at 0 in place, where the captured graph reads it."""
+        self.cache.reset()
+        self.token.zero_()
+        self.position.zero_()
+        self.graph, self.next_token = capture_graph(self._step)
+        self.cache.reset()
+
     def _decode_one(self) -> torch.Tensor:
         if not self.use_graph:
             return self._step()
-        if self.graph is None:  # the warm-up writes this token's keys and values, which the first replay writes again
-            self.graph, self.next_token = capture_graph(self._step)
         self.graph.replay()
         return self.next_token.clone()  # the buffer is overwritten by the next replay
 
@@ -53,6 +61,8 @@ class StaticGreedyDecoder:
         if b != self.batch or p + new_tokens > self.max_len:
             raise ValueError(f"prompt {tuple(prompt.shape)} + {new_tokens} new tokens does not fit this decoder "
                              f"(batch {self.batch}, max_len {self.max_len}); make one for that shape")
+        if self.use_graph and self.graph is None:
+            self._capture()
         self.cache.reset()
         positions = torch.arange(p, device=prompt.device)
         logits = self.model(input_ids=prompt, past_key_values=self.cache, cache_position=positions,

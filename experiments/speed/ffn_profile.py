@@ -3,7 +3,7 @@ shape (bench.py's construction, default 1.5B at 16 x 2048 tokens), on its own in
 timed dense (three cuBLAS GEMMs) and through the sparse op (auto dispatch, as the model calls it), with the op's
 device time split by kernel into phases and its host time measured apart. GPU only.
 
-    python -m sfl.experiments.speed.ffn_profile --out results/speed/ffn_profile_h200.jsonl
+    python -m sfl.experiments.speed.ffn_profile --out runs/speed/ffn_profile.jsonl
 
 One row per layer: the layer's activity (mean, 99th percentile and max non-zeros per token; the share of rows with
 a tile over the ELL width, which take the exact dense backup), the path and d2t variant the plan chose, median ms
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heavy-frac", type=float, default=0.01)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=Path("results/speed/ffn_profile.jsonl"))
+    ap.add_argument("--out", type=Path, default=Path("runs/speed/ffn_profile.jsonl"))
     a = ap.parse_args(argv)
     dev = require_cuda()
     model = build_paper_model(a.layers, dev, torch.bfloat16, seed=a.seed)
