@@ -1,10 +1,12 @@
-"""The one JIT loader for our CUDA extensions (torch.utils.cpp_extension.load + ninja).
+"""The one JIT loader for our CUDA extensions (torch.utils.cpp_extension.load + ninja): the inference kernels
+("twell": kernels/twell/, the TwELL ops) and the training kernels ("train": kernels/train/), `load(name)`.
 
 - arch is taken from the device (sm_90 -> "9.0a" so Hopper-only instructions are allowed);
 - builds are cached in $SFL_KERNEL_BUILD_DIR or ~/.cache/sfl_kernels/<name>-<hash>, the hash covering the
   sources, the arch and the torch version, so an edited kernel never loads a stale library;
-- $TWELL_PREBUILT may name an already built .so (e.g. carried to a fresh GPU machine); it is used only if it
-  was built from the same sources (its source_hash() matches), otherwise we rebuild with a warning;
+- $SFL_PREBUILT may list already built libraries (os.pathsep-separated .so paths, e.g. carried to a fresh GPU
+  machine); an extension takes the one named after it (sfl_twell_*, sfl_train_*) only if it was built from the
+  same sources (its source_hash() matches), otherwise it rebuilds with a warning;
 - without CUDA / nvcc the error says what is missing and names the pure-PyTorch path (kernels.reference);
 - on a GPU that is not sm_90 nothing is built: the error gives kernels.device's reason (the entry points take the
   dense path there before they reach the loader).
@@ -18,22 +20,42 @@ import os
 import shutil
 import threading
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 import torch
-from torch.utils.cpp_extension import load
+from torch.utils import cpp_extension
 
 from .device import kernels_supported
 
 _HERE = Path(__file__).resolve().parent
+_COMMON_SOURCES = [_HERE / "common" / "backup_rows.cu", _HERE / "common" / "slices.cu"]
 TWELL_SOURCES = [_HERE / "twell" / "binding.cpp", _HERE / "twell" / "runtime.cpp", _HERE / "twell" / "twell_kernels.cu",
-                 _HERE / "twell" / "d2t_gemm.cu", _HERE / "common" / "backup_rows.cu", _HERE / "common" / "slices.cu"]
+                 _HERE / "twell" / "d2t_gemm.cu", *_COMMON_SOURCES]
+TRAIN_SOURCES = [_HERE / "train" / "binding.cpp", _HERE / "train" / "train_kernels.cu", *_COMMON_SOURCES]
 _LOCK = threading.Lock()
 _CACHE: dict[str, ModuleType] = {}
 
 REFERENCE_HINT = ("the pure-PyTorch path sfl.kernels.reference (gated_ffn_twell / nongated_ffn_twell) "
                   "or mlp_impl='reference'/'dense' works on any device")
+
+
+@dataclass(frozen=True)
+class Extension:
+    """One CUDA extension: its sources (one binding.cpp, then plain-CUDA .cu files), what an error calls it, and what
+    to use instead when it cannot be built."""
+
+    sources: tuple[Path, ...]
+    what: str
+    hint: str
+
+
+EXTENSIONS = {
+    "twell": Extension(tuple(TWELL_SOURCES), "the TwELL extension", REFERENCE_HINT),
+    "train": Extension(tuple(TRAIN_SOURCES), "the sparse training extension",
+                       "use backend='torch' or mode='dense'; " + REFERENCE_HINT),
+}
 
 
 class KernelUnavailableError(RuntimeError):
@@ -129,7 +151,7 @@ def _build(name: str, sources: list[Path], arch: str, define: str, what: str, hi
     os.environ["TORCH_CUDA_ARCH_LIST"] = arch
     os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 4))
     try:
-        return load(name=name, sources=[str(p) for p in sources], extra_cflags=["-O3", f"-D{define}"],
+        return cpp_extension.load(name=name, sources=[str(p) for p in sources], extra_cflags=["-O3", f"-D{define}"],
                     extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo"], extra_include_paths=extra_inc,
                     build_directory=str(build_dir), verbose=verbose)
     except Exception as e:  # compiler missing/broken: say so, never exit
@@ -141,36 +163,61 @@ def _build(name: str, sources: list[Path], arch: str, define: str, what: str, hi
             os.environ["TORCH_CUDA_ARCH_LIST"] = old_arch
 
 
-def load_twell(verbose: bool = False) -> ModuleType:
-    """Build (once per source version) and return the TwELL extension module."""
-    mod = _CACHE.get("twell")
-    if mod is not None:  # every call after the first: no lock (the fused dense path asks on each call)
+def prebuilt_for(name: str, listed: str | None) -> str | None:
+    """The library $SFL_PREBUILT (`listed`) names for extension `name`: the path whose file is called sfl_<name>_*."""
+    for path in filter(None, (listed or "").split(os.pathsep)):
+        if Path(path).name.startswith(f"sfl_{name}_"):
+            return path
+    return None
+
+
+def _try_prebuilt(path: str, src_hash: str) -> ModuleType | None:
+    """The prebuilt library at `path` if it was built from these sources, else None (with a warning: rebuilt)."""
+    if not os.path.isfile(path):
+        raise KernelUnavailableError(f"SFL_PREBUILT names {path}, which does not exist; fix or unset it to JIT-build")
+    try:
+        mod = _load_prebuilt(path, Path(path).stem.split(".")[0])
+    except ImportError as e:  # built for another python/torch
+        warnings.warn(f"prebuilt {path} cannot be imported ({e}); rebuilding", stacklevel=3)
+        return None
+    if mod.source_hash() != src_hash:
+        warnings.warn(f"prebuilt {path} was built from other sources ({mod.source_hash()} != {src_hash}); rebuilding",
+                      stacklevel=3)
+        return None
+    return mod
+
+
+def load(name: str, verbose: bool = False) -> ModuleType:
+    """Build (once per source version, arch and torch version; cached on disk) and return extension `name`
+    ("twell" or "train"). Without a CUDA GPU that runs the kernels a KernelUnavailableError says why and what to use."""
+    mod = _CACHE.get(name)
+    if mod is not None:  # every call after the first: no lock (host time on each op call)
         return mod
+    ext = EXTENSIONS[name]
     with _LOCK:
-        if "twell" in _CACHE:
-            return _CACHE["twell"]
+        if name in _CACHE:
+            return _CACHE[name]
         if not torch.cuda.is_available():
-            raise KernelUnavailableError(
-                "the TwELL CUDA kernels need a CUDA GPU (torch.cuda.is_available() is False); " + REFERENCE_HINT)
-        require_supported_gpu(REFERENCE_HINT)
-        src_hash = source_hash()
+            raise KernelUnavailableError(f"{ext.what} needs a CUDA GPU (torch.cuda.is_available() is False); "
+                                         + ext.hint)
+        require_supported_gpu(ext.hint)
+        src_hash = source_hash(list(ext.sources))
         arch = _arch_for_device()
-        tag = hashlib.sha1(f"{src_hash}-{arch}-{torch.__version__}".encode()).hexdigest()[:10]
-        name = f"sfl_twell_{tag}"
-        pre = os.environ.get("TWELL_PREBUILT")
-        if pre:
-            if not os.path.isfile(pre):
-                raise KernelUnavailableError(f"TWELL_PREBUILT={pre} does not exist; unset it to JIT-build")
-            try:
-                mod = _load_prebuilt(pre, Path(pre).stem.split(".")[0])
-                if mod.source_hash() == src_hash:
-                    _CACHE["twell"] = mod
-                    return mod
-                warnings.warn(f"TWELL_PREBUILT={pre} was built from other sources "
-                              f"({mod.source_hash()} != {src_hash}); rebuilding", stacklevel=2)
-            except ImportError as e:  # built for another python/torch
-                warnings.warn(f"TWELL_PREBUILT={pre} cannot be imported ({e}); rebuilding", stacklevel=2)
-        mod = build_extension(name, TWELL_SOURCES, arch, define=f"TWELL_SRC_HASH={src_hash}",
-                              what="the TwELL extension", hint=REFERENCE_HINT, verbose=verbose)
-        _CACHE["twell"] = mod
+        pre = prebuilt_for(name, os.environ.get("SFL_PREBUILT"))
+        mod = _try_prebuilt(pre, src_hash) if pre else None
+        if mod is None:
+            tag = hashlib.sha1(f"{src_hash}-{arch}-{torch.__version__}".encode()).hexdigest()[:10]
+            mod = build_extension(f"sfl_{name}_{tag}", list(ext.sources), arch, define=f"SFL_SRC_HASH={src_hash}",
+                                  what=ext.what, hint=ext.hint, verbose=verbose)
+        _CACHE[name] = mod
         return mod
+
+
+def load_twell(verbose: bool = False) -> ModuleType:
+    """The TwELL (inference) extension: load("twell")."""
+    return load("twell", verbose)
+
+
+def load_train(verbose: bool = False) -> ModuleType:
+    """The training extension: load("train")."""
+    return load("train", verbose)

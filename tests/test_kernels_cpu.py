@@ -1,12 +1,14 @@
 """CPU tests of the Python side of the TwELL kernels: input validation, error messages, fake impls."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import sfl.kernels.ffn as ffn
 from sfl.kernels import tables
-from sfl.kernels.loader import KernelUnavailableError, load_twell, source_hash
+from sfl.kernels.loader import EXTENSIONS, KernelUnavailableError, load_train, load_twell, prebuilt_for, source_hash
 
 
 def _w(K=576, N=1536, dtype=torch.bfloat16, device="cpu"):
@@ -50,8 +52,21 @@ def test_explicit_dense_is_three_linears_and_no_op(monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 def test_loader_without_gpu_says_what_to_do():
-    with pytest.raises(KernelUnavailableError, match="CUDA GPU"):
+    with pytest.raises(KernelUnavailableError, match="CUDA GPU.*sfl.kernels.reference"):
         load_twell()
+    with pytest.raises(KernelUnavailableError, match="CUDA GPU.*backend='torch' or mode='dense'"):
+        load_train()
+
+
+def test_one_loader_picks_each_extensions_prebuilt_library():
+    listed = os.pathsep.join(["/a/sfl_train_1f.so", "/b/sfl_twell_9c.cpython-312.so", "/c/other.so"])
+    assert prebuilt_for("twell", listed) == "/b/sfl_twell_9c.cpython-312.so"
+    assert prebuilt_for("train", listed) == "/a/sfl_train_1f.so"
+    assert prebuilt_for("twell", "/c/other.so") is None and prebuilt_for("train", None) is None
+    # both extensions build from their own sources plus the shared ones, hashed apart
+    twell, train = (EXTENSIONS[n].sources for n in ("twell", "train"))
+    assert twell[0].parent.name == "twell" and train[0].parent.name == "train" and set(twell) & set(train)
+    assert source_hash(list(twell)) != source_hash(list(train))
 
 
 def test_source_hash_is_stable_and_covers_sources(tmp_path):

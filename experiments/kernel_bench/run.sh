@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU benchmark of the TwELL kernels vs dense (see README.md). Usage:
 #   bash experiments/kernel_bench/run.sh [--quick]      # writes results/kernel_bench/bench_<time>.jsonl
-# Env: TWELL_PREBUILT=<.so> to skip the JIT build; SFL_KERNEL_<FIELD> (KernelConfig fields, kernels/config.py, e.g.
+# Env: SFL_PREBUILT=<sfl_twell_*.so>[:<sfl_train_*.so>] to skip the JIT build; SFL_KERNEL_<FIELD> (KernelConfig fields, kernels/config.py, e.g.
 # SFL_KERNEL_CROSSOVER=... or SFL_KERNEL_SLOTS=16) to sweep: read once by the benchmark, logged as kernel_config.
 set -euo pipefail
 cd "$(dirname "$0")/../.."

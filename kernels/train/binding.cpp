@@ -56,6 +56,7 @@ cudaError_t sfltrain_csr_by_neuron_launch(const int32_t* ell_col, int W, const i
                                           int64_t* perm, cudaStream_t stream);
 }
 
+// the loader passes -DSFL_SRC_HASH=<hex> (no quotes: shell/ninja quoting differs); stringified here
 #define SFL_STR2(x) #x
 #define SFL_STR(x) SFL_STR2(x)
 #ifndef SFL_SRC_HASH

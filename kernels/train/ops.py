@@ -34,50 +34,17 @@ and colptr (the reference's sort where the kernel's shared memory does not fit).
 from __future__ import annotations
 
 import functools
-import hashlib
-import threading
-from pathlib import Path
-from types import ModuleType
 
 import torch
 from torch import Tensor
 
 from .. import reference as ref
 from ..device import kernels_supported
-from ..loader import (REFERENCE_HINT, KernelUnavailableError, _arch_for_device, build_extension, require_supported_gpu,
-                      source_hash)
+from ..loader import load_train
 from ..reference import Hybrid, _acc_dtype
 
-_HERE = Path(__file__).resolve().parent
-SOURCES = [_HERE / "binding.cpp", _HERE / "train_kernels.cu", _HERE.parent / "common" / "backup_rows.cu",
-           _HERE.parent / "common" / "slices.cu"]
-_LOCK = threading.Lock()
-_EXT: dict[str, ModuleType] = {}
-
-
 # ----------------------------------------------------------------------------------------------- loader
-def load_ext(verbose: bool = False) -> ModuleType:
-    """Build (once per source version, cached on disk) and return the training-kernel extension."""
-    ext = _EXT.get("ext")
-    if ext is not None:  # every call after the first: no import machinery, no lock (host time on each op call)
-        return ext
-    hint = "use backend='torch' or mode='dense'"
-
-    with _LOCK:
-        if "ext" in _EXT:
-            return _EXT["ext"]
-        if not torch.cuda.is_available():
-            raise KernelUnavailableError("the sparse training kernels need a CUDA GPU; use backend='torch' or "
-                                         "mode='dense'; " + REFERENCE_HINT)
-        require_supported_gpu(hint)
-        src_hash = source_hash(SOURCES)
-        arch = _arch_for_device()
-        tag = hashlib.sha1(f"{src_hash}-{arch}-{torch.__version__}".encode()).hexdigest()[:10]
-        name = f"sfl_train_{tag}"
-        mod = build_extension(name, SOURCES, arch, define=f"SFL_SRC_HASH={src_hash}",
-                              what="the sparse training extension", hint=hint, verbose=verbose)
-        _EXT["ext"] = mod
-        return mod
+load_ext = load_train  # the training extension, through the one loader (kernels/loader.py)
 
 
 def cuda_backend_supported(x: Tensor, w_up: Tensor) -> str | None:

@@ -9,11 +9,11 @@
 #include "launchers.h"
 #include "../common/slices.h"
 
-// the loader passes -DTWELL_SRC_HASH=<hex> (no quotes: shell/ninja quoting differs); stringified here
-#define TWELL_STR2(x) #x
-#define TWELL_STR(x) TWELL_STR2(x)
-#ifndef TWELL_SRC_HASH
-#define TWELL_SRC_HASH unknown
+// the loader passes -DSFL_SRC_HASH=<hex> (no quotes: shell/ninja quoting differs); stringified here
+#define SFL_STR2(x) #x
+#define SFL_STR(x) SFL_STR2(x)
+#ifndef SFL_SRC_HASH
+#define SFL_SRC_HASH unknown
 #endif
 
 namespace {
@@ -311,7 +311,7 @@ void d2t_gemm(const at::Tensor& x, const at::Tensor& w, at::Tensor packed, at::T
 
 bool d2t_gemm_supported(int64_t device) { return twell_d2t_gemm_supported((int)device) != 0; }
 
-std::string source_hash() { return TWELL_STR(TWELL_SRC_HASH); }
+std::string source_hash() { return SFL_STR(SFL_SRC_HASH); }
 
 }  // namespace
 
