@@ -15,6 +15,7 @@
 #       step (memory_breakdown.py); ~25 min on one H100. Rows in $RESULTS_ROOT/speed/training/.
 #   (d) SPEED_PARTS=layers: per-layer FFN times (dense vs forced sparse) at the 1.5B and 1B shapes, the paper's
 #       per-layer speed contribution (Figs. 6, 10); ~2 min.
+#   (e) SPEED_PARTS=profile: each 1.5B FFN layer's time by phase at the paper's profile (ffn_profile.py); ~1 min.
 # Env: SPEED_PARTS="paper trained" (default; "training", "layers" on request); REPEATS=N paper-shape runs with seeds
 # 0..N-1 (default 1; the rows of record have 3); PAPER_LAYERS="8 18 28 38"; SPARSE_MODE=auto|sparse;
 # RESULTS_ROOT (rows appended to $RESULTS_ROOT/speed/{paper_shapes,trained}.jsonl; the notebook keeps the latest
@@ -51,6 +52,10 @@ for part in "${PARTS[@]}"; do
       python -m sfl.experiments.speed.bench paper --layers 28 --nnz-sweep 911 --layer-times \
         --out "$OUT/layer_times.jsonl" || SFL_FAILED+=(layer_times)
       ;;
+    profile)
+      echo "== the FFN at the paper's profile, layer by layer and phase by phase (1.5B shape, 16 x 2048 tokens)"
+      python -m sfl.experiments.speed.ffn_profile --out "$OUT/ffn_profile.jsonl" || SFL_FAILED+=(ffn_profile)
+      ;;
     trained)
       mapfile -t finals < <(ls -d "$RUNS_ROOT"/l1_sweep/*/final "$RUNS_ROOT"/ablations/*/*/final \
                                   "$RUNS_ROOT"/sparsify_smollm2/*/final 2>/dev/null || true)
@@ -83,7 +88,7 @@ for part in "${PARTS[@]}"; do
           --out "$OUT/training/train_nnz_sweep.jsonl" || SFL_FAILED+=("train_nnz_sweep_$mb")
       done
       ;;
-    *) echo "unknown part '$part' in SPEED_PARTS (paper, trained, training, layers)" >&2; exit 2 ;;
+    *) echo "unknown part '$part' in SPEED_PARTS (paper, trained, training, layers, profile)" >&2; exit 2 ;;
   esac
 done
 if [ ${#SFL_FAILED[@]} -gt 0 ]; then echo "FAILED: ${SFL_FAILED[*]}" >&2; exit 1; fi
