@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from sfl.kernels.config import KernelConfig
+from sfl.kernels.device import dense_ffn
 from sfl.kernels.timing import time_layers
 from sfl.kernels.twell import ops
 from sfl.models import SparseLlamaConfig, SparseLlamaForCausalLM
@@ -131,10 +132,8 @@ class EnergyMeter:
 
 # ------------------------------------------------------------------------------------------------ FFN swaps
 def _dense_ffn(mlp, x: torch.Tensor, l1_terms=None) -> torch.Tensor:
-    if mlp.gated:
-        return F.linear(F.relu(F.linear(x, mlp.gate_proj.weight)) * F.linear(x, mlp.up_proj.weight),
-                        mlp.down_proj.weight)
-    return F.linear(F.relu(F.linear(x, mlp.up_proj.weight)), mlp.down_proj.weight)
+    """HF LlamaMLP's three GEMMs (kernels.device.dense_ffn, the op's own dense fallback) without statistics."""
+    return dense_ffn(x, mlp.gate_proj.weight if mlp.gated else None, mlp.up_proj.weight, mlp.down_proj.weight)
 
 
 def _sparse_ffn(mlp, x: torch.Tensor, l1_terms=None) -> torch.Tensor:
