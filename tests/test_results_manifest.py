@@ -152,6 +152,35 @@ def test_used_by_names_real_outputs_and_every_output_has_a_log():
     assert not orphans, f"tables/figures that no MANIFEST.csv row names in used_by (which logs feed them?): {orphans}"
 
 
+def _heading_anchors(markdown: str) -> set[str]:
+    """The anchors a Markdown file's headings get (GitHub's slugs: lower case, punctuation dropped, spaces -> -)."""
+    return {re.sub(r"[^a-z0-9 _-]", "", m.group(1).strip().lower()).replace(" ", "-")
+            for m in re.finditer(r"^#+ (.+)$", markdown, re.MULTILINE)}
+
+
+def test_used_by_readme_anchors_are_sections_that_cite_the_log():
+    """A row whose used_by names README.md#section points at a heading the README has, and that section cites the
+    log (its path or a folder above it under results/)."""
+    readme = (REPO / "README.md").read_text()
+    anchors = _heading_anchors(readme)
+    sections = dict(zip(re.findall(r"^## (.+)$", readme, re.MULTILINE), re.split(r"^## .+$", readme, flags=re.MULTILINE)[1:]))
+    text_of = {re.sub(r"[^a-z0-9 _-]", "", h.strip().lower()).replace(" ", "-"): t for h, t in sections.items()}
+    bad = []
+    for r in _manifest():
+        parts = r["path"].split("/")
+        cited = [f"results/{r['path']}"] + [f"results/{'/'.join(parts[:k])}/" for k in range(1, len(parts))]
+        for item in r["used_by"].split(";"):
+            m = re.match(r"\s*README\.md#([\w-]+)", item)
+            if m and (m.group(1) not in anchors or not any(c in text_of[m.group(1)] for c in cited)):
+                bad.append(f"{r['path']}: {item.strip()}")
+    assert not bad, "used_by names README sections that do not exist or do not cite the log:\n" + "\n".join(bad)
+
+
+def test_heading_anchors_follow_github():
+    assert _heading_anchors("## Speed where users run it\n### Kernels (vs. official)\n") == {
+        "speed-where-users-run-it", "kernels-vs-official"}
+
+
 def _clean(dirty: object) -> bool:
     return dirty is False or str(dirty).strip().lower() in ("0", "false")
 
