@@ -93,8 +93,8 @@ def claims_rows() -> list[tuple[str, str, str, str, str]]:
          "same sign, wide interval", "results/speed/paper_repeats_h100.jsonl"),
         ("Training speed-up, 1.5B", f"{pct(big['paper tok/s (%)'])} (each side's largest micro-batch)",
          f"{_change(big['ours tok/s (%)'])} largest micro-batch, {_change(equal['ours tok/s (%)'])} equal, no "
-         f"activation checkpointing; {_change(ckpt['ours tok/s (%)'])} equal with checkpointing (H200, 3 runs each, "
-         "95% intervals)", "reproduced without checkpointing", training_log),
+         f"activation checkpointing; {_change(ckpt['ours tok/s (%)'])} equal with checkpointing (H200, 95% intervals "
+         "over n runs)", "reproduced without checkpointing", training_log),
         ("Peak training memory, 1.5B", f"{pct(big['paper peak mem (%)'])} (each side's largest micro-batch)",
          f"{_change(equal['ours peak mem (%)'])} at equal micro-batch; {_change(big['ours peak mem (%)'])} at each "
          "side's largest (both fill the GPU)", "reproduced at equal micro-batch", training_log),
@@ -114,10 +114,13 @@ def claims_rows() -> list[tuple[str, str, str, str, str]]:
 
 
 def _change(cell: str) -> str:
-    """A table's '6.8 ± 3.6 (n=3)' (or '12.4' for one run) as '+6.8% ± 3.6'; '± 0.0' (equal runs) dropped."""
+    """A table's '6.8 ± 3.6 (n=3)' as '+6.8% ± 3.6 (n=3)', '12.4' (one run) as '+12.4%', '—' as 'not measured';
+    a half-width of 0.0 (equal runs) is dropped."""
+    if not isinstance(cell, str) or cell.strip() in ("", "—"):
+        return "not measured"
     value, _, spread = cell.partition(" ± ")
-    half = spread.split(" ")[0] if spread else ""
-    return f"{float(value):+.1f}%" + (f" ± {half}" if half and float(half) > 0 else "")
+    half, _, n = spread.partition(" ")
+    return f"{float(value):+.1f}%" + (f" ± {half}" if half and float(half) > 0 else "") + (f" {n}" if n else "")
 
 
 def _verdict(case: str) -> str:

@@ -167,13 +167,30 @@ def test_used_by_readme_anchors_are_sections_that_cite_the_log():
     text_of = {re.sub(r"[^a-z0-9 _-]", "", h.strip().lower()).replace(" ", "-"): t for h, t in sections.items()}
     bad = []
     for r in _manifest():
-        parts = r["path"].split("/")
-        cited = [f"results/{r['path']}"] + [f"results/{'/'.join(parts[:k])}/" for k in range(1, len(parts))]
+        if not any(re.match(r"\s*README\.md#", item) for item in r["used_by"].split(";")):
+            continue
+        cites = _cites(r["path"])
         for item in r["used_by"].split(";"):
             m = re.match(r"\s*README\.md#([\w-]+)", item)
-            if m and (m.group(1) not in anchors or not any(c in text_of[m.group(1)] for c in cited)):
+            if m and (m.group(1) not in anchors or not cites.search(text_of[m.group(1)])):
                 bad.append(f"{r['path']}: {item.strip()}")
     assert not bad, "used_by names README sections that do not exist or do not cite the log:\n" + "\n".join(bad)
+
+
+def _cites(path: str) -> re.Pattern:
+    """A citation of results/<path>, or of a folder above it standing alone (results/speed/ cites nothing below it
+    when it is only the start of a longer path)."""
+    parts = path.split("/")
+    folders = [re.escape(f"results/{'/'.join(parts[:k])}/") + r"(?![\w.*{-])" for k in range(1, len(parts))]
+    stem = re.escape(f"results/{path.rsplit('.', 1)[0]}") + r"\.\*"  # results/x/log.* names log.jsonl and log.txt
+    return re.compile("|".join([re.escape(f"results/{path}"), stem] + folders))
+
+
+def test_citation_of_a_folder_stands_alone():
+    c = _cites("speed/training/x.jsonl")
+    assert c.search("see `results/speed/training/x.jsonl`") and c.search("logs in results/speed/training/ (all)")
+    assert not c.search("results/speed/training/other.jsonl") and not c.search("results/speed/ffn.jsonl")
+    assert c.search("`results/speed/training/x.*`")
 
 
 def test_heading_anchors_follow_github():

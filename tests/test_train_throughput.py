@@ -78,12 +78,16 @@ def test_time_largest_steps_a_side_down_when_it_does_not_fit_beside_the_others()
 
 
 @pytest.mark.parametrize("capacity,transient,fixed,per_sample,fits_up_to,expect,measured", [
-    (50, 0, 10, 2, 100, 17, [4, 8]),            # 0.9 * 50 = 45 = 10 + 2 n -> n = 17; 16 is predicted not to fit
+    # 0.9 * 50 = 45 = 10 + 2 n at n = 17; from 8 (peak 26) at the bound 26 / 8 per sample: 13
+    (50, 0, 10, 2, 100, 13, [4, 8]),
     (50, 0, 10, 2, 6, 4, [4, 8]),               # 2 * start fails: start
     (50, 0, 10, 2, 2, 3, [4]),                  # start itself fails: start - 1 (timing steps down from there)
     (50, 0, 10, 0, 100, 64, [4, 8, 16, 32, 64]),  # no growth: doubled up to the limit, every size measured
     # a constant transient (the optimizer step's) sets the peak up to n = 10; 0.9 * 150 = 135 = 3 n -> n = 45
     (150, 30, 0, 3, 100, 45, [4, 8, 16, 32]),
+    # the transient (60) ends between the last two sizes, so their slope (1.16) understates 2.3: the bound keeps
+    # the answer (54, peak 129) under 135 where that slope alone gave 64 (peak 152, out of memory)
+    (150, 60, 5, 2.3, 63, 54, [4, 8, 16, 32]),
 ])
 def test_largest_by_peak_extrapolates_without_failing(capacity, transient, fixed, per_sample, fits_up_to, expect,
                                                       measured):

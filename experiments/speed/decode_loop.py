@@ -7,7 +7,9 @@ transformers' generate() loop is gone.
 
 The prompt runs eagerly (prefill) into a transformers StaticCache; every later token is one replay of a graph
 holding the model's forward of one token per sequence and the argmax, reading its token and position from two
-device buffers that the loop updates in place. Any model whose forward takes `past_key_values` and `cache_position`
+device buffers that the loop updates in place. The position goes in as `position_ids` (rotary embedding and mask);
+the cache itself writes each step at its own running length, which the prefill leaves at the prompt's length, so
+the two agree. Any model whose forward takes `past_key_values` and `cache_position`
 works: HF's LlamaForCausalLM and SparseLlamaForCausalLM alike (our decode kernels are capturable). Sequences are
 decoded in lockstep without padding or stopping at EOS, as a throughput loop does. real_path.py's `graph` part times
 it on both sides.
@@ -35,8 +37,8 @@ class StaticGreedyDecoder:
         self.next_token: torch.Tensor | None = None  # the graph's output buffer
 
     def _step(self) -> torch.Tensor:
-        logits = self.model(input_ids=self.token, past_key_values=self.cache, cache_position=self.position,
-                            use_cache=True).logits
+        logits = self.model(input_ids=self.token, past_key_values=self.cache, position_ids=self.position.view(1, 1),
+                            cache_position=self.position, use_cache=True).logits
         return logits[:, -1].argmax(-1)
 
     def _capture(self) -> None:
@@ -65,8 +67,8 @@ class StaticGreedyDecoder:
             self._capture()
         self.cache.reset()
         positions = torch.arange(p, device=prompt.device)
-        logits = self.model(input_ids=prompt, past_key_values=self.cache, cache_position=positions,
-                            use_cache=True).logits
+        logits = self.model(input_ids=prompt, past_key_values=self.cache, position_ids=positions[None],
+                            cache_position=positions, use_cache=True).logits
         tokens = [logits[:, -1].argmax(-1)]
         for i in range(new_tokens - 1):
             self.token.copy_(tokens[-1][:, None])

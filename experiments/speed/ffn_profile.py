@@ -8,8 +8,10 @@ device time split by kernel into phases and its host time measured apart. GPU on
 One row per layer: the layer's activity (mean, 99th percentile and max non-zeros per token; the share of rows with
 a tile over the ELL width, which take the exact dense backup), the path and d2t variant the plan chose, median ms
 dense and sparse, the op's device ms per phase (PHASES: the kernels named in kernels/twell/*.cu; cuBLAS GEMMs,
-which are the gate GEMM when d2t is "cublas" and the backup rows' GEMMs otherwise, stand apart), the host ms to
-issue one call, and the idle gap between the op's kernels (event time minus device time). A last row sums the layers.
+which are the gate GEMM when d2t is "cublas", the backup rows' GEMMs on the sparse path and all three GEMMs on the
+dense path, stand apart), the host ms to issue one call, and gap_ms: one timed call's event time minus the profiled
+device time of a warm call (launch lead, idle time between kernels and the L2 flush's cold start). A last row sums
+the layers.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 from tqdm.auto import tqdm
 
-from sfl.kernels.config import KernelConfig, TILE_N
+from sfl.kernels.config import KernelConfig
 from sfl.kernels.ffn import plan_for, sparse_gated_ffn
 from sfl.kernels.timing import PairTimer
 
@@ -37,7 +39,8 @@ PHASES = (("d2t_gemm", "d2t: gate GEMM + TwELL epilogue"), ("compact", "d2t: com
           ("decode_", "decode kernels"), ("gated_up", "up + down gathers"), ("up_down", "up + down gathers"),
           ("down_kernel", "up + down gathers"), ("slices", "up + down gathers"), ("finalize", "up + down gathers"),
           ("gather_rows", "backup rows: gather/scatter"), ("scatter_rows", "backup rows: gather/scatter"),
-          ("dense_rows", "backup rows: CUDA-core rows"), ("stats", "statistics"),
+          ("dense_rows", "backup rows: CUDA-core rows"), ("relu_mul", "dense path: ReLU x up + counts"),
+          ("stats", "statistics"),
           ("gemm", "cuBLAS GEMM"), ("nvjet", "cuBLAS GEMM"), ("xmma", "cuBLAS GEMM"), ("cutlass", "cuBLAS GEMM"))
 
 
@@ -46,13 +49,13 @@ def phase_of(kernel_name: str) -> str:
     return next((phase for frag, phase in PHASES if frag in name), "other (memset, copies, elementwise)")
 
 
-def layer_activity(x: torch.Tensor, w_gate: torch.Tensor, slots: int) -> dict[str, float]:
-    """Non-zeros per token of relu(x W_g^T) and the share of rows with a tile of TILE_N neurons over `slots`."""
+def layer_activity(x: torch.Tensor, w_gate: torch.Tensor, tile_n: int, slots: int) -> dict[str, float]:
+    """Non-zeros per token of relu(x W_g^T) and the share of rows with a tile of tile_n neurons over `slots`."""
     counts, over = [], []
     for i in range(0, x.shape[0], 8192):
         active = F.linear(x[i:i + 8192], w_gate) > 0
         counts.append(active.sum(dim=1).float())
-        over.append((active.view(active.shape[0], -1, TILE_N).sum(dim=2) > slots).any(dim=1))
+        over.append((active.view(active.shape[0], -1, tile_n).sum(dim=2) > slots).any(dim=1))
     c = torch.cat(counts)
     return {"nnz_mean": float(c.mean()), "nnz_p99": float(c.quantile(0.99)), "nnz_max": float(c.max()),
             "rows_over_ell_width_frac": float(torch.cat(over).float().mean())}
@@ -95,7 +98,7 @@ def profile_layer(mlp, x: torch.Tensor, cfg: KernelConfig, timer: PairTimer, rep
     dense_ms, sparse_ms = timer.time_pair(dense, sparse, reps)
     info = plan_for(wg, cfg, True).info()
     prof = device_ms_by_phase(sparse, calls=10)
-    return {**layer_activity(x, wg, cfg.slots), "tokens": int(x.shape[0]), "dense_ms": dense_ms,
+    return {**layer_activity(x, wg, cfg.tile_n, cfg.slots), "tokens": int(x.shape[0]), "dense_ms": dense_ms,
             "sparse_ms": sparse_ms, "speedup": dense_ms / sparse_ms, "path": info.get("path"), "d2t": info.get("d2t"),
             "plan_flagged_rows_frac": info.get("f"), "backup_cap": info.get("backup_cap"), **prof,
             "host_ms": host_ms(sparse), "gap_ms": sparse_ms - prof["device_ms"]}

@@ -112,8 +112,9 @@ def largest_by_peak(peak: Callable[[int], int | None], start: int, limit: int, c
     that runs out of memory inside the sparse op's backward leaves memory behind (see Trainer.release), so the search
     must not rely on failing. peak(n) runs micro-batch n and returns its peak bytes, None when out of memory.
     At small micro-batches the optimizer step's transient, not the activations, sets the peak, so two small sizes
-    understate the growth per sample: the search doubles while the next size is predicted to fit by the larger of
-    the last growth per sample and peak / n (which overstates it: safe), and extrapolates from the last pair."""
+    understate the growth per sample. Every prediction (the next doubling, then the answer) therefore grows the last
+    measured peak by the larger of the last growth per sample and peak / n, which bounds the true growth from above
+    wherever the peak is linear with a non-negative intercept: safe, at the cost of a few samples."""
     budget = margin * capacity
     n, p = start, peak(start)
     if p is None:
@@ -124,9 +125,9 @@ def largest_by_peak(peak: Callable[[int], int | None], start: int, limit: int, c
         if p2 is None:
             return n
         slope, n, p = max(0.0, (p2 - p) / (n2 - n)), n2, p2
-    if not slope:  # no measured growth (or no second size): nothing to extrapolate
+    if slope is None:  # no second size measured: nothing to extrapolate
         return n
-    return max(n, min(limit, n + int((budget - p) / slope)))
+    return max(n, min(limit, n + int((budget - p) / max(slope, p / n))))
 
 
 class Trainer:
