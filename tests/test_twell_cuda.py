@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from sfl.kernels.timing import capture_graph
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 DEV = "cuda"
@@ -104,20 +106,12 @@ def run(ffn, x, wg, wu, wd, gated: bool = True, plan=None, stats=None, **cfg):
 
 
 def captured(fn):
-    """(graph, output) of fn() captured after the warm-up torch.cuda.graph asks for: two eager calls (the plan's
-    history), then one on a side stream."""
+    """(graph, output) of fn() captured by kernels.timing.capture_graph after two eager calls, each synchronised, so
+    the plan's history holds their measurements."""
     for _ in range(2):
         fn()
         torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
+    return capture_graph(fn)
 
 
 def check_stats(stats: torch.Tensor, h: torch.Tensor) -> None:
