@@ -8,9 +8,9 @@ import statistics
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 from .config import KernelConfig
+from .device import dense_ffn
 from .ffn import plan_for, sparse_gated_ffn, sparse_nongated_ffn
 
 FLUSH_BYTES = 256 << 20  # larger than any GPU's L2: writing it evicts the previous call's data
@@ -74,11 +74,10 @@ def time_layers(mlps: list[torch.nn.Module], xs: list[torch.Tensor], reps: int =
         wg = mlp.gate_proj.weight.to(torch.bfloat16).contiguous() if mlp.gated else None
         wu = mlp.up_proj.weight.to(torch.bfloat16).contiguous()
         wd = mlp.down_proj.weight.to(torch.bfloat16).contiguous()
+        dense = lambda: dense_ffn(x, wg, wu, wd)  # noqa: E731
         if wg is not None:
-            dense = lambda: F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd)  # noqa: E731
             sparse = lambda mode="auto": sparse_gated_ffn(x, wg, wu, wd, mode=mode)  # noqa: E731
         else:
-            dense = lambda: F.linear(F.relu(F.linear(x, wu)), wd)  # noqa: E731
             sparse = lambda mode="auto": sparse_nongated_ffn(x, wu, wd, mode=mode)  # noqa: E731
 
         for _ in range(3):   # auto dispatch measures the layer on its first calls

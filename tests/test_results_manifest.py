@@ -152,10 +152,14 @@ def test_used_by_names_real_outputs_and_every_output_has_a_log():
     assert not orphans, f"tables/figures that no MANIFEST.csv row names in used_by (which logs feed them?): {orphans}"
 
 
+def _slug(heading: str) -> str:
+    """The anchor GitHub gives a Markdown heading: lower case, punctuation dropped, spaces -> -."""
+    return re.sub(r"[^a-z0-9 _-]", "", heading.strip().lower()).replace(" ", "-")
+
+
 def _heading_anchors(markdown: str) -> set[str]:
-    """The anchors a Markdown file's headings get (GitHub's slugs: lower case, punctuation dropped, spaces -> -)."""
-    return {re.sub(r"[^a-z0-9 _-]", "", m.group(1).strip().lower()).replace(" ", "-")
-            for m in re.finditer(r"^#+ (.+)$", markdown, re.MULTILINE)}
+    """The anchors of a Markdown file's headings."""
+    return {_slug(m.group(1)) for m in re.finditer(r"^#+ (.+)$", markdown, re.MULTILINE)}
 
 
 def test_used_by_readme_anchors_are_sections_that_cite_the_log():
@@ -164,11 +168,9 @@ def test_used_by_readme_anchors_are_sections_that_cite_the_log():
     readme = (REPO / "README.md").read_text()
     anchors = _heading_anchors(readme)
     sections = dict(zip(re.findall(r"^## (.+)$", readme, re.MULTILINE), re.split(r"^## .+$", readme, flags=re.MULTILINE)[1:]))
-    text_of = {re.sub(r"[^a-z0-9 _-]", "", h.strip().lower()).replace(" ", "-"): t for h, t in sections.items()}
+    text_of = {_slug(h): t for h, t in sections.items()}
     bad = []
     for r in _manifest():
-        if not any(re.match(r"\s*README\.md#", item) for item in r["used_by"].split(";")):
-            continue
         cites = _cites(r["path"])
         for item in r["used_by"].split(";"):
             m = re.match(r"\s*README\.md#([\w-]+)", item)

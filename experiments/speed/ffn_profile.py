@@ -28,6 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 from tqdm.auto import tqdm
 
 from sfl.kernels.config import KernelConfig
+from sfl.kernels.device import dense_ffn
 from sfl.kernels.ffn import plan_for, sparse_gated_ffn
 from sfl.kernels.timing import PairTimer
 
@@ -91,7 +92,7 @@ def host_ms(fn, calls: int = 20) -> float:
 @torch.inference_mode()
 def profile_layer(mlp, x: torch.Tensor, cfg: KernelConfig, timer: PairTimer, reps: int) -> dict[str, Any]:
     wg, wu, wd = (m.weight.to(torch.bfloat16).contiguous() for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
-    dense = lambda: F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd)  # noqa: E731
+    dense = lambda: dense_ffn(x, wg, wu, wd)  # noqa: E731
     sparse = lambda: sparse_gated_ffn(x, wg, wu, wd, config=cfg)  # noqa: E731
     for _ in range(3):  # auto dispatch measures the layer on its first calls
         sparse()
