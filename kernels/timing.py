@@ -37,30 +37,44 @@ def capture_graph(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
 
 
 class PairTimer:
-    """Medians of two callables timed in alternation, one call per repetition between one reused pair of CUDA
-    events, each repetition after an L2 flush, after a warm-up of both."""
+    """Medians of CUDA-event times between one reused pair of events, each repetition after an L2 flush, after a
+    warm-up: one callable (time) or two timed in alternation (time_pair: a clock or thermal drift hits both alike;
+    timing all of A, then all of B, biased B by up to several % at large M)."""
 
     def __init__(self) -> None:
         self.flush = l2_flush_buffer()
         self.events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
 
-    def time_pair(self, fa: Callable[[], Any], fb: Callable[[], Any], reps: int,
-                  warmup: int = 2) -> tuple[float, float]:
-        """(median ms of fa, median ms of fb) over `reps` repetitions."""
+    def _once(self, fn: Callable[[], Any], calls: int) -> float:
+        """ms per call of `calls` back-to-back calls after an L2 flush."""
+        start, end = self.events
+        self.flush.zero_()
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / calls
+
+    def time(self, fn: Callable[[], Any], reps: int, warmup: int = 2) -> float:
+        """Median ms of fn over `reps` repetitions."""
+        for _ in range(warmup):
+            fn()
+        return statistics.median(self._once(fn, 1) for _ in range(reps))
+
+    def time_pair(self, fa: Callable[[], Any], fb: Callable[[], Any], reps: int, warmup: int = 2,
+                  calls: int = 1) -> tuple[float, float]:
+        """(median ms of fa, median ms of fb) over `reps` repetitions. calls > 1: that many back-to-back calls per
+        repetition (per-call time): the steady state of a model, where the host runs ahead of the GPU; calls = 1
+        also counts the host latency before the first kernel (the GPU is idle after the flush)."""
         for _ in range(warmup):
             fa()
             fb()
         ta: list[float] = []
         tb: list[float] = []
-        start, end = self.events
         for _ in range(reps):
-            for fn, out in ((fa, ta), (fb, tb)):
-                self.flush.zero_()
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                out.append(start.elapsed_time(end))
+            ta.append(self._once(fa, calls))
+            tb.append(self._once(fb, calls))
         return statistics.median(ta), statistics.median(tb)
 
 

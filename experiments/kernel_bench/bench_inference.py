@@ -25,7 +25,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 
@@ -37,7 +36,7 @@ import torch.nn.functional as F
 
 from sfl.kernels.config import KernelConfig
 from sfl.kernels.ffn import sparse_gated_ffn, sparse_nongated_ffn, twell_d2t
-from sfl.kernels.timing import capture_graph, l2_flush_buffer
+from sfl.kernels.timing import PairTimer, capture_graph
 from sfl.kernels.twell import ops
 from sfl.models.hot_cold import HOT_CANDIDATES, fastest_count, rotate_ms
 
@@ -155,46 +154,7 @@ def dense_nongated(x, wu, wd):
     return F.linear(F.relu(F.linear(x, wu)), wd)
 
 
-class Timer:
-    def __init__(self):
-        self.flush_buf = l2_flush_buffer(DEV)
-
-    def time(self, fn, reps: int, warmup: int = 2) -> float:
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(reps):
-            self.flush_buf.zero_()
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
-        return statistics.median(times)
-
-
-    def time_pair(self, fa, fb, reps: int, warmup: int = 2, calls: int = 1) -> tuple[float, float]:
-        """Median times of fa and fb, timed in alternation (ABAB...) so that clock/thermal drift during the
-        run hits both equally (timing all of A, then all of B, biased B by up to several % at large M).
-        calls > 1: that many back-to-back calls per timed repetition (per-call time reported): the steady state
-        of a model, where the host runs ahead of the GPU; calls = 1 also counts the host latency before the
-        first kernel (the GPU is idle after the L2 flush)."""
-        for _ in range(warmup):
-            fa()
-            fb()
-        ta, tb = [], []
-        for _ in range(reps):
-            for fn, out in ((fa, ta), (fb, tb)):
-                self.flush_buf.zero_()
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                for _ in range(calls):
-                    fn()
-                e.record()
-                e.synchronize()
-                out.append(s.elapsed_time(e) / calls)
-        return statistics.median(ta), statistics.median(tb)
+Timer = PairTimer  # one timing method for every benchmark here: CUDA events, L2 flush, medians (kernels/timing.py)
 
 
 def graphed(fn):
@@ -248,7 +208,7 @@ def hot_cold(timer: "Timer", x, wg, wu, wd, cfg, reps: int, dense_fn, ref32) -> 
     wg_p, wu_p, wd_p = wg[order].contiguous(), wu[order].contiguous(), wd[:, order].contiguous()
     fns = {h: ffn_call(x, wg_p, wu_p, wd_p, cfg.replace(mode="sparse", hot_neurons=h))[0]
            for h in HOT_CANDIDATES if h < wg.shape[0]}
-    ms = rotate_ms(fns, 7, before=timer.flush_buf.zero_)   # after a first call each: the plans' copies, measurements
+    ms = rotate_ms(fns, 7, before=timer.flush.zero_)   # after a first call each: the plans' copies, measurements
     best = fastest_count(ms)
     dense_ms, hot_ms = timer.time_pair(dense_fn, fns[best], reps)
     y = fns[best]()

@@ -24,7 +24,7 @@ BF = torch.bfloat16
 
 def rotate(timer: Timer, fns: dict, reps: int) -> dict:
     """Medians of fns timed in rotation, the L2 flushed before each call (no warm-up: the callers' own)."""
-    return rotate_ms(fns, reps, before=timer.flush_buf.zero_, warmup=False)
+    return rotate_ms(fns, reps, before=timer.flush.zero_, warmup=False)
 
 
 def main(out: str, slices_sweep: bool = False) -> int:
