@@ -1,7 +1,7 @@
-"""Does the L2 flush's kind change decode-size timings? decode_paths flushes with flush_buf.zero_() (256 MB of
+"""Does the L2 flush's kind change decode-size timings? decode_paths flushes with the timer's flush.zero_() (256 MB of
 writes: L2 left full of dirty lines, whose write-back every following read pays) -- a model's layer finds L2 full
 of mostly clean lines (weights, KV cache). Times the gate GEMMs and the decode paths after a write flush and after
-a read flush (flush_buf.amax(): 256 MB read, L2 left clean), rotation, medians of 30, CUDA-graph replays.
+a read flush (the buffer's amax(): 256 MB read, L2 left clean), rotation, medians of 30, CUDA-graph replays.
 
     python lab/kernel_bench/flush_modes.py OUT.jsonl
 """

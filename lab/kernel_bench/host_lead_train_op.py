@@ -32,7 +32,7 @@ def main() -> int:
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
-            timer.flush_buf.zero_()
+            timer.flush.zero_()
             torch.cuda.synchronize()
             ours()
             torch.cuda.synchronize()

@@ -100,7 +100,7 @@ def single_calls(M: int, p: float, reps: int) -> dict:
     for name, fn in (("ours", ours), ("dense_noL1", dense)):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
-                timer.flush_buf.zero_()
+                timer.flush.zero_()
                 torch.cuda.synchronize()
                 fn()
                 torch.cuda.synchronize()
