@@ -33,16 +33,19 @@ _PLANS: OrderedDict[tuple, ops.Plan] = OrderedDict()
 _PLANS_MAX = 4096
 
 
-def plan_for(w: Tensor, config: KernelConfig, gated: bool) -> ops.Plan:
-    """The functional API's plan for a layer, keyed by its gate weight's storage (non-gated: the up weight) and the
-    config: callers pass fresh .detach() views, which share the storage. A weight allocated where a freed one lived
-    has a new storage object, so it never inherits another layer's measurements."""
-    key = (w.untyped_storage()._cdata, w.storage_offset(), tuple(w.shape), gated, config)
+def plan_for(w: Tensor, config: KernelConfig, gated: bool, mode: str | None = None) -> ops.Plan:
+    """The functional API's plan for a layer, keyed by its gate weight's storage (non-gated: the up weight), the
+    config and the mode that overrides it: callers pass fresh .detach() views, which share the storage. A weight
+    allocated where a freed one lived has a new storage object, so it never inherits another layer's measurements.
+    The mode is its own key part, so that a forced call builds its config once, not per call (a replace costs tens
+    of microseconds of host time, most of a decode-size call)."""
+    key = (w.untyped_storage()._cdata, w.storage_offset(), tuple(w.shape), gated, config, mode)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= _PLANS_MAX:
             _PLANS.popitem(last=False)
-        plan = _PLANS[key] = ops.Plan(config, shape=(w.shape[1], w.shape[0]))
+        cfg = config if mode is None or mode == config.mode else config.replace(mode=mode)
+        plan = _PLANS[key] = ops.Plan(cfg, shape=(w.shape[1], w.shape[0]))
     return plan
 
 
@@ -56,18 +59,16 @@ def _inference_only(*ts: Tensor | None) -> None:
 
 def _call(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, config: KernelConfig | None,
           mode: str | None, plan: ops.Plan | None, stats: Tensor | None) -> Tensor:
-    _inference_only(x, w_gate, w_up, w_down)
     if plan is None and stats is None and (mode or (config or _DEFAULT).mode) == "dense":
-        # an explicit dense request costs the dense path only: no plan, no dispatch, no op call
+        # an explicit dense request costs the dense path only: no plan, no dispatch, no op call (and, being plain
+        # torch ops, it is differentiable)
         return dense_ffn(x, w_gate, w_up, w_down)
+    _inference_only(x, w_gate, w_up, w_down)
     if x.device.type != "cuda":
         raise KernelUnavailableError(f"x is on {x.device}: the TwELL kernels run on CUDA tensors only; move the "
                                      f"inputs with .cuda(), or use {REFERENCE_HINT}")
     if plan is None:
-        cfg = config or _DEFAULT
-        if mode is not None and mode != cfg.mode:
-            cfg = cfg.replace(mode=mode)
-        plan = plan_for(w_gate if w_gate is not None else w_up, cfg, w_gate is not None)
+        plan = plan_for(w_gate if w_gate is not None else w_up, config or _DEFAULT, w_gate is not None, mode)
     return ops.ffn(x, w_gate, w_up, w_down, plan, stats)  # on a GPU without the kernels: the dense path, warned
 
 

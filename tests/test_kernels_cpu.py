@@ -138,6 +138,9 @@ def test_inference_entry_refuses_autograd_inputs() -> None:
     with torch.no_grad(), pytest.raises(Exception) as e:
         ffn.sparse_gated_ffn(x, *w)
     assert "inference-only" not in str(e.value)
+    # an explicit dense request is plain torch: differentiable, on any device
+    ffn.sparse_gated_ffn(x, *w, mode="dense").float().sum().backward()
+    assert w[0].grad is not None and w[0].grad.shape == (N, K)
 
 
 
@@ -306,6 +309,9 @@ def test_plan_for_is_per_storage_and_config():
     assert ffn.plan_for(torch.randn(256, 64), cfg, True) is not p
     assert ffn.plan_for(w, cfg.replace(slots=16), True) is not p
     assert ffn.plan_for(w, cfg, False) is not p
+    # a forced mode is a key of its own, its config built once
+    forced = ffn.plan_for(w, cfg, True, "sparse")
+    assert forced is ffn.plan_for(w, cfg, True, "sparse") and forced is not p and forced.config.mode == "sparse"
     # the config as given, with its crossover table resolved for this GPU and shape (unchanged without the kernels)
     assert p.config == tables.for_current_gpu(cfg, 64, 256)
 

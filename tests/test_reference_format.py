@@ -223,6 +223,27 @@ def test_hybrid_inconsistent_backup_rows_refused():
 # ----------------------------------------------------------------------------------------
 # FFN through the formats == dense FFN
 # ----------------------------------------------------------------------------------------
+def _bf16_gemm_leaks_nan() -> bool:
+    """True where the CPU bf16 GEMM (oneDNN) smears a NaN into the row before it. Seen with torch 2.11
+    (oneDNN 3.10): with an inner dim > 32 and not a multiple of 32 and >= 17 rows, output row r-1 reads
+    past its end into row r, so a NaN/Inf in row r of the input makes output row r-1 NaN too."""
+    a = torch.zeros(64, 48, dtype=torch.bfloat16)
+    a[5, 0] = float("nan")
+    return int(torch.nn.functional.linear(a, torch.ones(8, 48, dtype=torch.bfloat16)).isnan().any(dim=1).sum()) != 1
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _sound_bf16_gemm():
+    """The NaN checks below compare against the dense FFN (F.linear), which must itself keep NaN in its row;
+    the format paths' dense rows use F.linear too. Where oneDNN's bf16 GEMM does not, use the other CPU GEMMs."""
+    was = torch.backends.mkldnn.enabled
+    if _bf16_gemm_leaks_nan():
+        torch.backends.mkldnn.enabled = False
+        assert not _bf16_gemm_leaks_nan()
+    yield
+    torch.backends.mkldnn.enabled = was
+
+
 def _ffn_problem(g: torch.Generator, m: int, k: int, n: int, dtype: torch.dtype, patterns: set[str]):
     """x [m, k] and weights where feature 0 of x is a per-row 'bias' input, so each row's
     activity is controlled: normal rows ~2% active, heavy rows ~25%, dense rows ~all."""
@@ -299,6 +320,21 @@ def test_ffn_through_format_matches_dense(fmt, gated, dtype, method, m, k, tile_
         err_dense = (y_dense[ok].double() - truth[ok]).abs().max() if ok.any() else 0.0
         scale = truth[ok].abs().max() if ok.any() else 0.0
         assert err_fmt <= 2 * err_dense + 1e-3 * scale + 1e-6, f"{err_fmt} vs dense {err_dense}"
+
+
+@pytest.mark.parametrize("method", ["csr", "gather"])
+@pytest.mark.parametrize("gated", [False, True])
+def test_ffn_nan_row_stays_in_its_row(gated, method):
+    """The hypothesis example that failed on torch 2.11 (twell, bf16, m=33, k=24, n=48, NaN in x row 4): the
+    dense FFN made row 3 NaN as well (its bf16 GEMM, see _bf16_gemm_leaks_nan). Exactly the NaN row is NaN,
+    in the format paths and in the dense path."""
+    g = torch.Generator().manual_seed(0)
+    x, wg, wu, wd = _ffn_problem(g, 33, 24, 48, torch.bfloat16, {"nan"})
+    want = x.isnan().any(dim=1, keepdim=True).expand(33, 24)
+    assert int(want[:, 0].sum()) == 1
+    assert torch.equal(_dense(gated, x, wg, wu, wd).isnan(), want)
+    for fmt in ("twell", "hybrid"):
+        assert torch.equal(_run(fmt, gated, x, wg, wu, wd, 16, 16, 1, method).isnan(), want), fmt
 
 
 @pytest.mark.parametrize("fmt", ["twell", "hybrid"])

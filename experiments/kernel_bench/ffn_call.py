@@ -50,7 +50,7 @@ def sides(K: int, N: int, p: float):
     return out
 
 
-def time_side(m, x: torch.Tensor, reps: int) -> dict:
+def time_side(m, x: torch.Tensor, reps: int, busy_cycles: int = int(2e9)) -> dict:
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for _ in range(5):
         m(x)
@@ -69,7 +69,7 @@ def time_side(m, x: torch.Tensor, reps: int) -> dict:
     b.record()
     torch.cuda.synchronize()
     steady = a.elapsed_time(b) / reps
-    torch.cuda._sleep(int(2e9))  # the GPU stays busy: the loop below measures host (enqueue) time only
+    torch.cuda._sleep(busy_cycles)  # the GPU stays busy: the loop below measures host (enqueue) time only
     t0 = time.perf_counter()
     for _ in range(reps):
         m(x)

@@ -6,12 +6,13 @@ plain F.linear calls (the dense math a caller would write), single calls and ste
 A forced path should cost no more than that path does under auto dispatch (auto's row names the path it took), and
 explicit dense no more than the three F.linear calls. Each row: one shape, activity and M; per side the median of
 single calls (a sync before each), the steady-state time of back-to-back calls and the host time per call
-(ffn_call.time_side), and the ratios against F.linear and against auto.
+(ffn_call.time_side), each the median over interleaved rounds, and the ratios against F.linear and against auto.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 from typing import Callable
 
@@ -26,6 +27,7 @@ from .ffn_call import make_weights, time_side
 
 MS = (1, 16, 64, 256, 1024, 4096, 16384, 65536)
 SHAPES = ((2048, 5632, 0.005), (576, 1536, 0.01))
+BUSY_CYCLES = int(2e8)  # ~0.1 s of GPU sleep under each side's host-time loop: longer than the loop's enqueueing
 
 
 def sides(wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
@@ -36,14 +38,21 @@ def sides(wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor) -> dict[str, Cal
             "forced sparse": lambda x: sparse_gated_ffn(x, wg, wu, wd, config=cfg, mode="sparse")}
 
 
-def measure(K: int, N: int, p: float, M: int, reps: int) -> dict:
+def measure(K: int, N: int, p: float, M: int, reps: int, rounds: int) -> dict:
+    """One row: every side timed once per round, the sides' order rotated each round (drift in clocks or host load
+    falls on all sides alike), and per side the median over rounds of each of its times."""
     wg, wu, wd = make_weights(K, N, p, seed=K + N)
     x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
     x[:, 0] = 1  # the gate's bias channel (make_weights)
-    r: dict = {"K": K, "N": N, "activity_target": p, "M": M,
+    r: dict = {"K": K, "N": N, "activity_target": p, "M": M, "rounds": rounds,
                "measured_activity": float((F.linear(x, wg) > 0).float().mean())}
-    for name, side in sides(wg, wu, wd).items():
-        r[name] = time_side(side, x, reps)
+    named = list(sides(wg, wu, wd).items())
+    samples: dict[str, list[dict]] = {name: [] for name, _ in named}
+    for i in range(rounds):
+        for name, side in named[i % len(named):] + named[:i % len(named)]:
+            samples[name].append(time_side(side, x, reps, busy_cycles=BUSY_CYCLES))
+    for name, got in samples.items():
+        r[name] = {k: statistics.median(s[k] for s in got) for k in got[0]}
     r["auto_path"] = plan_for(wg, KernelConfig(), True).info().get("path")
     lin, auto = r["three F.linear"], r["auto"]
     forced_same = r["forced sparse" if r["auto_path"] in ("sparse", "sparse-syncfree") else "forced dense"]
@@ -58,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("runs/kernel_bench/forced_modes.jsonl"))
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=3, help="times each side is measured, interleaved")
     ap.add_argument("--ms", type=int, nargs="+", default=list(MS))
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -66,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     for K, N, p in SHAPES:
         for M in a.ms:
-            r = measure(K, N, p, M, a.reps)
+            r = measure(K, N, p, M, a.reps, a.rounds)
             with a.out.open("a") as f:  # a row per case: a run cut short keeps what it measured
                 f.write(json.dumps({**r, **prov}) + "\n")
             print(f"K {K} N {N} p {p} M {M:6d}: forced dense / F.linear single "
