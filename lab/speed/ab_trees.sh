@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Trial (lab): the training op of several source trees side by side in one device call, so that one machine's host
-# and GPU time them all: each tree's host time per half (host_time_train_op.py --halves-only) and its training bench
-# rows at one M, in rounds that alternate the trees. Trees: this checkout (".") and branch snapshots, made here with
+# and GPU time them all: each tree's training step against dense with its kernels (profile_op_step.py) in two rounds
+# that alternate the trees, and once its host time per half (host_time_train_op.py --halves-only) and its training
+# bench rows at one M. Trees: this checkout (".") and branch snapshots, made here with
 #   for b in train-capture one-engine engine-direct; do mkdir -p .carry/$b && git archive $b | tar -x -C .carry/$b &&
 #     git rev-parse $b > .carry/$b/COMMIT; done
 # (only kernels/ experiments/ tests/ sfl/ data/ models/ notebooks/ pyproject.toml are needed) and carried (carry
@@ -23,17 +24,20 @@ done
 wait
 trees=("$@")
 reversed=(); for ((i = ${#trees[@]} - 1; i >= 0; i--)); do reversed+=("${trees[i]}"); done
-for round in 1 2; do
+for round in 1 2; do   # round 1: host time, the op's step profile, bench rows; round 2 (reversed): the profile again
   if [ "$round" = 1 ]; then order=("${trees[@]}"); else order=("${reversed[@]}"); fi
   for t in "${order[@]}"; do
     n=$(name "$t")
     (cd "$t" && export SFL_KERNEL_BUILD_DIR="$PWD/.torch_extensions" PYTHONPATH="$PWD" \
         SFL_GIT_COMMIT="$(commit_of .)" &&
-      timeout 60 python3 "$root/lab/speed/host_time_train_op.py" --m "$m" --mode sparse --reps 20 --halves-only \
-        > "$work/host_${n}_r$round.txt" 2>&1
-      timeout 120 python3 -m sfl.experiments.kernel_bench.bench_training --out "$work/training_${n}_r$round.jsonl" \
-        --ms "$m" > "$work/training_${n}_r$round.txt" 2>&1)
-    echo "[$n round $round] $(grep -h 'host us' "$work/host_${n}_r$round.txt")"
+      timeout 60 python3 "$root/lab/speed/profile_op_step.py" --m "$m" > "$work/profile_${n}_r$round.txt" 2>&1
+      if [ "$round" = 1 ]; then
+        timeout 60 python3 "$root/lab/speed/host_time_train_op.py" --m "$m" --mode sparse --reps 20 --halves-only \
+          > "$work/host_${n}_r$round.txt" 2>&1
+        timeout 120 python3 -m sfl.experiments.kernel_bench.bench_training --out "$work/training_${n}_r$round.jsonl" \
+          --ms "$m" > "$work/training_${n}_r$round.txt" 2>&1
+      fi)
+    echo "[$n round $round] $(grep -h 'speedup' "$work/profile_${n}_r$round.txt" | tr '\n' ' ')"
   done
 done
 tar -C "$out" -cf "$out/ab_trees.tar" ab && rm -rf "$work"
