@@ -59,8 +59,8 @@ class DispatchState:
         self._host: Tensor | None = None
 
     def _poll(self) -> None:
-        if self._pending is None:
-            return
+        if self._pending is None or _capturing():
+            return  # while a CUDA graph is captured no event is queried: the decisions of the last eager call stand
         ev, rows, n, (i_light, i_heavy, i_widest) = self._pending
         if ev is not None and not ev.query():
             return  # not finished yet: keep the previous decision (no host sync)
@@ -119,6 +119,10 @@ class DispatchState:
         return min(m, -(-cap // 32) * 32)
 
     def _busy(self) -> bool:
+        """True while a measurement is in flight, and while a CUDA graph is captured: a captured call records nothing
+        (its replays would write the pinned buffer at times no event tells)."""
+        if _capturing():
+            return True
         self._poll()
         return self._pending is not None
 
@@ -154,6 +158,10 @@ class DispatchState:
         return "sparse"
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _state_for(key: Tensor) -> DispatchState:
     """Default per-layer state: stored on the caller's w_up tensor (a Parameter lives as long as its layer)."""
     st = getattr(key, "_sfl_train_state", None)
@@ -175,7 +183,7 @@ class _SparseFFN(torch.autograd.Function):
         out = fwd(x, w_gate, w_up, w_down, width, measure_width, scale, chunk_rows, backup_cap, want_last, backend)
         y, l1, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup, host, last = out
         ctx.save_for_backward(x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup, host)
-        ctx.scale, ctx.dw_nb, ctx.backend = scale, dw_nb, backend
+        ctx.scale, ctx.dw_nb, ctx.backup_cap, ctx.backend = scale, dw_nb, backup_cap, backend
         ctx.mark_non_differentiable(ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup, host, last)
         ctx.set_materialize_grads(False)
         return out
@@ -189,7 +197,7 @@ class _SparseFFN(torch.autograd.Function):
             gl1 = torch.zeros((), device=x.device, dtype=torch.float32)
         bwd = _ops.ffn_bwd if torch.compiler.is_compiling() else _ops._ffn_bwd_impl
         dx, dwg, dwu, dwd = bwd(gy, gl1, x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup,
-                                host, ctx.scale, ctx.dw_nb, ctx.backend)
+                                host, ctx.scale, ctx.dw_nb, ctx.backup_cap, ctx.backend)
         return dx, (dwg if w_gate is not None else None), dwu, dwd, None, None, None, None, None, None, None, None
 
 

@@ -512,9 +512,10 @@ std::tuple<at::Tensor, at::Tensor> csr_by_neuron(const at::Tensor& ell_col, cons
 // machine, against 0.7 ms for dense autograd's (lab/speed/host_time_train_op.py).
 //
 // ffn_fwd_gate: the gate GEMM in chunks of rows into one reused scratch, each compacted to ELL; the device summary
-// and its pinned copy `host`, queued. Returns ell_col, ell_a, nnz, flag, summary, host.
+// and (host_copy) its pinned copy `host`, queued. Returns ell_col, ell_a, nnz, flag, summary, host (empty without
+// host_copy).
 std::vector<at::Tensor> ffn_fwd_gate(const at::Tensor& first, const at::Tensor& x, int64_t width, int64_t measure_width,
-                                     int64_t chunk_rows) {
+                                     int64_t chunk_rows, bool host_copy) {
   req(x, "x", at::kBFloat16, 2);
   req(first, "w_first", at::kBFloat16, 2);
   TORCH_CHECK(width >= 1 && measure_width >= width, "ffn_fwd_gate: need 1 <= width <= measure_width");
@@ -537,6 +538,8 @@ std::vector<at::Tensor> ffn_fwd_gate(const at::Tensor& first, const at::Tensor& 
               summary, measure_width);
     }
   }
+  if (!host_copy)  // a captured call: its replays would write a pinned buffer that no event tells the host about
+    return {ell_col, ell_a, nnz, flag, summary, at::empty({0}, at::TensorOptions().dtype(at::kLong))};
   at::Tensor host = at::empty({4}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
   host.copy_(summary, /*non_blocking=*/true);
   return {ell_col, ell_a, nnz, flag, summary, host};
@@ -591,31 +594,40 @@ std::vector<at::Tensor> ffn_fwd_rows(const c10::optional<at::Tensor>& w_gate, co
 }
 
 // ffn_bwd: the op's backward on the "cuda" backend in one call (kernels/train/ops.py, _ffn_bwd_impl, and
-// kernels/train/README.md, Backward). R: the forward's backup-row count (its pinned summary, the caller waited for the
-// event); perm / colptr: the CSR by neuron when the caller computed it (the kernel needs more shared memory than
-// it takes), else undefined and computed here; nb: dw's K-slice width, resolved. Returns dx, dW_g (empty when
+// kernels/train/README.md, Backward), with no host read: every shape is known from the arguments, so a training step
+// can be captured in a CUDA graph. backup_cap: the forward's cuBLAS block of flagged rows (the first backup_cap of
+// them, as in the forward); rows past it by dense_rows_bwd on CUDA cores (their count stays on the device).
+// entries: a bound on the light entries (the forward's summary, when the caller has it on the host), or -1 for their
+// capacity M x W; perm / colptr: the CSR by neuron when the caller computed it (the kernel needs more shared memory
+// than it takes), else undefined and computed here; nb: dw's K-slice width, resolved. Returns dx, dW_g (empty when
 // non-gated), dW_u, dW_d in nn.Linear layout.
 std::vector<at::Tensor> ffn_bwd(const at::Tensor& dy_in, const at::Tensor& gl1, const at::Tensor& x,
                                 const c10::optional<at::Tensor>& w_gate, const at::Tensor& w_up,
                                 const at::Tensor& w_down, const at::Tensor& ell_col, const at::Tensor& ell_a,
-                                const at::Tensor& ell_u, const at::Tensor& nnz, const at::Tensor& flag, int64_t R,
-                                int64_t entries, double scale, int64_t nb, const c10::optional<at::Tensor>& perm_in,
-                                const c10::optional<at::Tensor>& colptr_in) {
+                                const at::Tensor& ell_u, const at::Tensor& nnz, const at::Tensor& flag,
+                                int64_t backup_cap, int64_t entries, double scale, int64_t nb, int64_t sms,
+                                const c10::optional<at::Tensor>& perm_in, const c10::optional<at::Tensor>& colptr_in) {
   const bool gated = w_gate.has_value() && w_gate->defined();
   const at::Tensor& first = gated ? *w_gate : w_up;
   req(x, "x", at::kBFloat16, 2);
+  req(flag, "flag", at::kInt, 1);
   const int64_t M = x.size(0), K = x.size(1), N = w_up.size(0), W = ell_col.size(1);
   const c10::cuda::CUDAGuard guard(x.device());
   const auto f32o = x.options().dtype(at::kFloat);
   const at::Tensor dy = dy_in.to(x.scalar_type()).contiguous();
   const at::Tensor c = (gl1.reshape({1}).to(at::kFloat) * scale).contiguous();  // dL/d|h|, read on the device
   at::Tensor dx = at::empty({M, K}, x.options());
-  // the dense backup rows first, dense autograd's ops (reference.dense_rows_backward, op for op); their activations
-  // are recomputed from x; their weight-gradient contributions become the dw kernel's addends
+  // the flagged rows, ascending (-1 after the last), and their count, on the device
+  const at::Tensor rows = at::nonzero_static(flag, M, -1).squeeze(1);
+  const at::Tensor count = flag.ne(0).sum(at::kLong).reshape({1});
+  const int64_t cap = std::min(M, std::max<int64_t>(0, backup_cap));
+  // the first cap flagged rows: dense autograd's ops (reference.dense_rows_backward, op for op) on a gathered block
+  // (unused rows zero: they add nothing), activations recomputed from x; their weight-gradient contributions become
+  // the dw kernel's addends
   c10::optional<at::Tensor> add_g, add_u, add_d;
-  if (R > 0) {
-    const at::Tensor rows = at::nonzero_static(flag, R).squeeze(1);
-    const at::Tensor xb = x.index_select(0, rows), dyb = dy.index_select(0, rows);
+  if (cap > 0) {
+    const at::Tensor idx = rows.narrow(0, 0, cap);
+    const at::Tensor xb = gather_rows(x, idx), dyb = gather_rows(dy, idx);
     const at::Tensor ab = at::relu(at::linear(xb, first));
     const at::Tensor u = gated ? at::linear(xb, w_up) : at::Tensor();
     const at::Tensor h = gated ? ab * u : ab;
@@ -632,7 +644,10 @@ std::vector<at::Tensor> ffn_bwd(const at::Tensor& dy_in, const at::Tensor& gl1, 
       add_u = at::matmul(dg.t(), xb);
     }
     add_d = at::matmul(h.t(), dyb);
-    dx.index_copy_(0, rows, dxb);
+    dxb = dxb.contiguous();
+    check(sfl_scatter_rows_launch(dxb.data_ptr(), nullptr, nullptr, idx.data_ptr<int64_t>(), (int)cap, (int)K,
+                                  (int)N, dx.data_ptr(), nullptr, nullptr, stream()),
+          "scatter_rows");
   }
   const at::Tensor wdt = down_t(w_down);
   at::Tensor perm, colptr;
@@ -647,8 +662,8 @@ std::vector<at::Tensor> ffn_bwd(const at::Tensor& dy_in, const at::Tensor& gl1, 
   // neuron-major over dy, one L2-sized K slice at a time: dW_dT, and the light entries' dh = dy_r . W_dT[j] in
   // partial sums per 256 columns (the dy slices dW_dT reads anyway; W_dT[j]'s slice read once per neuron)
   // one column per light entry: `entries`, the forward's summary count of the non-zeros of finite rows up to the
-  // configured width, bounds them (every light row is such a row); M * W if it is larger
-  at::Tensor part = at::empty({(K / 8 + 31) / 32, std::min(M * W, std::max<int64_t>(entries, 0))}, f32o);
+  // configured width, bounds them (every light row is such a row); M * W if it is larger or unknown (-1)
+  at::Tensor part = at::empty({(K / 8 + 31) / 32, entries < 0 ? M * W : std::min(M * W, entries)}, f32o);
   dwd_dh(nb, dy, wdt, perm, colptr, ell_a, ell_u, add_d, dwdt, part);
   at::Tensor cg = at::empty({M, W}, f32o), cu = at::empty({gated ? M : 0, gated ? W : 0}, f32o);
   dh_coef(gated, part, K, perm, colptr, ell_a, ell_u, c, cg, cu);
@@ -657,6 +672,13 @@ std::vector<at::Tensor> ffn_bwd(const at::Tensor& dy_in, const at::Tensor& gl1, 
   dx_slices(gated, first, w_up, ell_col, nnz, flag, cg, cu, dx, kBwdSlicesRows);
   dw(gated, nb, x, dy, perm, colptr, ell_a, ell_u, cg, cu, add_g, add_u, c10::nullopt, gated ? dwg : dwu, dwu, dwdt,
      0, 1);
+  if (cap < M)  // the flagged rows past the block: dx written, their dW added; no CTA works unless the count exceeds cap
+    check(sfl_dense_rows_bwd_launch(gated, x.data_ptr(), dy.data_ptr(), first.data_ptr(), w_up.data_ptr(),
+                                    wdt.data_ptr(), (int)M, (int)K, (int)N, rows.data_ptr<int64_t>(),
+                                    count.data_ptr<int64_t>(), (int)cap, c.data_ptr<float>(), dx.data_ptr(),
+                                    (gated ? dwg : dwu).data_ptr(), gated ? dwu.data_ptr() : nullptr, dwdt.data_ptr(),
+                                    (int)std::min(M - cap, 2 * std::max<int64_t>(1, sms)), stream()),
+          "dense_rows_bwd");
   return {dx, dwg, dwu, neuron_major(w_down) ? dwdt.t() : transpose(dwdt)};  // dW_d [K, N] in w_down's strides
 }
 

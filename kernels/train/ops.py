@@ -5,7 +5,7 @@ Ops (namespace ``sfl_train``):
 - ``ffn_fwd(x, w_gate?, w_up, w_down, width, measure_width, scale, chunk_rows, backup_cap, want_last, backend)
       -> (y, l1, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup, host, last)``
 - ``ffn_bwd(dy, gl1, x, w_gate?, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup, host, scale,
-            dw_nb, backend) -> (dx, dw_gate, dw_up, dw_down)``  (dw_gate is empty for the non-gated block)
+            dw_nb, backup_cap, backend) -> (dx, dw_gate, dw_up, dw_down)``  (dw_gate is empty for the non-gated block)
 
 What the forward keeps for the backward is the Hybrid form of a = relu(gate) (FORMAT.md): ELL rows of `width`
 slots (the caller picks it, kernels/train_ffn.py from the layer's history), plus ell_u = x . W_u[j] (fp32, gated
@@ -13,11 +13,11 @@ only) for every stored entry. A row is a backup row (`flag`) when nnz > width (H
 pre-activation has a non-finite value (so NaN/Inf propagate as in dense). Backup rows have no capacity: however
 many, all are computed exactly with dense math. Nothing is ever dropped.
 
-No host synchronisation on the "cuda" backend: every output shape is known before the call. The first `backup_cap`
-backup rows (the caller's estimate) take dense cuBLAS math on a gathered block, any beyond it an exact dense kernel
-on CUDA cores (dense_rows_fwd); the backup count reaches the host through pinned memory for the backward, which
-recomputes those rows' activations from x (the forward keeps no [R, N] tensor; "cuda" returns backup_rows and backup
-empty). `last` (want_last): per neuron the last row where it fired, the model's dead-neuron tracker, computed inside.
+No host synchronisation on the "cuda" backend: every output shape is known before the call, forward and backward, so
+a training step can be captured in a CUDA graph. The first `backup_cap` backup rows (the caller's estimate) take dense
+cuBLAS math on a gathered block, any beyond it exact dense kernels on CUDA cores (dense_rows_fwd, dense_rows_bwd);
+the backward recomputes those rows' activations from x (the forward keeps no [R, N] tensor; "cuda" returns
+backup_rows and backup empty) and takes the same block size. `last` (want_last): per neuron the last row where it fired, the model's dead-neuron tracker, computed inside.
 `host`: int64 [4] on the CPU (pinned on "cuda", final once count_event(host) has completed): the backup-row count,
 then against `measure_width` (the configured width, >= width) the widest light row, the light rows' non-zeros and
 the other rows: the dispatch's measurement, with no reduction of its own.
@@ -110,20 +110,24 @@ def count_event(host: Tensor) -> "torch.cuda.Event | None":
     return _COUNT_READY.get(host.data_ptr())
 
 
-# The backward needs the forward's backup-row count R on the host. The forward copies it to pinned memory and records
-# an event; the backward, which runs much later, waits on that event (complete by then: no stall) instead of a
-# stream synchronisation, which would drain everything queued before it. Keyed by the pinned buffer's address (a
-# freed buffer's key is overwritten when the allocator hands the address out again).
+# The backward sizes its partial sums by the forward's count of light entries when that count is on the host. The
+# forward copies its summary to pinned memory and records an event; the backward, which runs much later, waits on
+# that event (complete by then: no stall) instead of a stream synchronisation, which would drain everything queued
+# before it. Keyed by the pinned buffer's address (a freed buffer's key is overwritten when the allocator hands the
+# address out again). While a CUDA graph is captured nothing is read: the backward takes the capacity, M x W.
 _COUNT_READY: dict[int, torch.cuda.Event] = {}
 
 
-def _backup_count(host: Tensor) -> int:
+def _light_entries(host: Tensor) -> int:
+    """The forward's bound on the light entries (its summary), or -1 (the capacity) while capturing."""
     ev = _COUNT_READY.pop(host.data_ptr(), None)  # is_pinned() only when no event is known: it costs host time
+    if torch.cuda.is_current_stream_capturing():
+        return -1
     if ev is not None:
         ev.synchronize()
     elif host.is_pinned():  # no event known for this buffer: wait for everything queued (exact, slower)
         torch.cuda.current_stream().synchronize()
-    return int(host[0])
+    return int(host[2])
 
 
 @functools.lru_cache(maxsize=None)
@@ -145,11 +149,14 @@ def _ffn_fwd_impl(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor
     if backend != "cuda":
         return _ffn_fwd_torch(x, w_gate, w_up, w_down, width, measure_width, scale, want_last)
     ext = load_ext()
+    capturing = torch.cuda.is_current_stream_capturing()  # a captured forward's summary is read by no one
     ell_col, ell_a, nnz, flag, summary, host = ext.ffn_fwd_gate(w_up if w_gate is None else w_gate, x, width,
-                                                                max(width, measure_width), max(1, int(chunk_rows)))
-    ready = torch.cuda.Event()
-    ready.record()
-    _COUNT_READY[host.data_ptr()] = ready
+                                                                max(width, measure_width), max(1, int(chunk_rows)),
+                                                                not capturing)
+    if not capturing:
+        ready = torch.cuda.Event()
+        ready.record()
+        _COUNT_READY[host.data_ptr()] = ready
     y, l1, ell_u, backup_rows, backup, last = ext.ffn_fwd_rows(w_gate, x, w_up, w_down, ell_col, ell_a, nnz, flag,
                                                               summary, scale, int(backup_cap), want_last,
                                                               _sm_count(x.device))
@@ -193,7 +200,7 @@ def dw_chunks(rows: int) -> int:
 
 def _ffn_bwd_impl(dy: Tensor, gl1: Tensor, x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor,
                   ell_col: Tensor, ell_a: Tensor, ell_u: Tensor, nnz: Tensor, flag: Tensor, backup_rows: Tensor,
-                  backup: Tensor, host: Tensor, scale: float, dw_nb: int, backend: str):
+                  backup: Tensor, host: Tensor, scale: float, dw_nb: int, backup_cap: int, backend: str):
     gated = w_gate is not None
     M, K = x.shape
     N = w_up.shape[0]
@@ -202,37 +209,39 @@ def _ffn_bwd_impl(dy: Tensor, gl1: Tensor, x: Tensor, w_gate: Tensor | None, w_u
         dx, dwg, dwu, dwd = ref.train_ffn_backward(dy, gl1, x, w_gate, w_up, w_down, ref.TrainSaved(hy, ell_u),
                                                    scale)
         return dx, (dwg if gated else x.new_empty(0, K)), dwu, dwd
-    # "cuda": one call into the extension (binding.cpp, ffn_bwd): the backup rows by dense autograd's ops
-    # (reference.dense_rows_backward's, their activations recomputed from x: no [R, N] tensor was kept), the CSR by
-    # neuron, dwd_dh (dW_dT and the light entries' dh dot products, over dy slices), dh_coef (their coefficients),
-    # dx (dx_slices), dw's part 0 (dW_g, dW_u; the weight-gradient addends included) and the W_d gradient's
-    # transpose. R comes from the forward's pinned summary (its event is complete
-    # by now: no stall).
+    # "cuda": one call into the extension (binding.cpp, ffn_bwd) that reads nothing on the host: the first backup_cap
+    # flagged rows (the forward's block) by dense autograd's ops (reference.dense_rows_backward's, their activations
+    # recomputed from x: no [R, N] tensor was kept), any past them by dense_rows_bwd on CUDA cores, the CSR by neuron,
+    # dwd_dh (dW_dT and the light entries' dh dot products, over dy slices), dh_coef (their coefficients), dx
+    # (dx_slices), dw's part 0 (dW_g, dW_u; the weight-gradient addends included) and the W_d gradient's transpose
     ext = load_ext()
-    R = _backup_count(host)
-    entries = int(host[2])  # the summary's non-zeros of finite rows up to the configured width: >= the light entries
+    entries = _light_entries(host)
     perm = colptr = None
     if not ext.csr_supported(N, ell_col.shape[1]):  # the counting sort's shared memory does not fit: torch's sort
-        rows = torch.nonzero_static(flag, size=R).squeeze(1)
-        perm, colptr = ref.csr_by_neuron(saved_hybrid(ell_col, ell_a, nnz, rows, x.new_empty(R, N), N))
-    dx, dwg, dwu, dwd = ext.ffn_bwd(dy, gl1, x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag, R, entries,
-                                    scale, int(dw_nb) or dw_chunks(M), perm, colptr)
+        if torch.cuda.is_current_stream_capturing():
+            raise ValueError(f"a captured backward needs the CSR kernel, which does not fit N={N} at ELL width "
+                             f"{ell_col.shape[1]}: lower KernelConfig.train_width, or run this step eagerly")
+        rows = torch.nonzero(flag).squeeze(1)
+        perm, colptr = ref.csr_by_neuron(saved_hybrid(ell_col, ell_a, nnz, rows, x.new_empty(rows.numel(), N), N))
+    dx, dwg, dwu, dwd = ext.ffn_bwd(dy, gl1, x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag,
+                                    int(backup_cap), entries, scale, int(dw_nb) or dw_chunks(M), _sm_count(x.device),
+                                    perm, colptr)
     return dx, dwg, dwu, dwd
 
 
 @torch.library.custom_op("sfl_train::ffn_bwd", mutates_args=())
 def ffn_bwd(dy: Tensor, gl1: Tensor, x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor,
             ell_col: Tensor, ell_a: Tensor, ell_u: Tensor, nnz: Tensor, flag: Tensor, backup_rows: Tensor,
-            backup: Tensor, host: Tensor, scale: float, dw_nb: int, backend: str
+            backup: Tensor, host: Tensor, scale: float, dw_nb: int, backup_cap: int, backend: str
             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx, dw_gate [N, K] (empty if non-gated), dw_up [N, K], dw_down [K, N]): nn.Linear layouts."""
     return _ffn_bwd_impl(dy, gl1, x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup,
-                         host, scale, dw_nb, backend)
+                         host, scale, dw_nb, backup_cap, backend)
 
 
 @ffn_bwd.register_fake
 def _(dy, gl1, x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup, host, scale, dw_nb,
-      backend):
+      backup_cap, backend):
     M, K = x.shape
     N = w_up.shape[0]
     return (x.new_empty(M, K), x.new_empty(N if w_gate is not None else 0, K), x.new_empty(N, K),
