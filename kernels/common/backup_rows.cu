@@ -190,7 +190,7 @@ __device__ __forceinline__ BwdScalars bwd_scalars(float g_dot, float u_dot, floa
   const float a = g > 0.f || isnan(g) ? g : 0.f;
   const float u = GATED ? __bfloat162float(__float2bfloat16_rn(u_dot)) : 0.f;
   const float h = GATED ? __bfloat162float(__float2bfloat16_rn(a * u)) : a;
-  const float sg = isnan(h) ? h : (h > 0.f ? 1.f : (h < 0.f ? -1.f : 0.f));
+  const float sg = (h > 0.f ? 1.f : 0.f) - (h < 0.f ? 1.f : 0.f);  // torch's sgn: (0 < h) - (h < 0), 0 at NaN
   const float cb = __bfloat162float(__float2bfloat16_rn(c));
   const float dh = __bfloat162float(__float2bfloat16_rn(
       __bfloat162float(__float2bfloat16_rn(d_dot)) + __bfloat162float(__float2bfloat16_rn(cb * sg))));
