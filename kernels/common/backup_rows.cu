@@ -176,8 +176,9 @@ __global__ void __launch_bounds__(256, 1) dense_rows_fwd_kernel(
 //   dg = a <= 0 ? 0 : da, du = bf16(dh a).
 // dense_rows_bwd_dx writes dx[row] = dg W_first + du W_u (fp32 sums, one bf16 rounding; the reference rounds the two
 // GEMMs apart); dense_rows_bwd_dw adds the rows' dW_first[j] += dg x, dW_u[j] += du x, dW_dT[j] += h dy to the
-// weight gradients already written (one more bf16 rounding). Cost: the whole of W_first, W_u and W_dT per overflow
-// row (dx) and every overflow row's x and dy per neuron (dW): the capacity-overflow path, not the common one.
+// weight gradients already written (one more bf16 rounding). Every neuron of every such row is computed, so NaN and
+// Inf propagate as in dense autograd's GEMMs (0 x Inf = NaN included). Cost: W_first, W_u and W_dT read twice per
+// overflow row (dx) and every overflow row's x and dy per neuron (dW): the capacity-overflow path, not the common one.
 struct BwdScalars {
   float h, dg, du;
 };
@@ -201,9 +202,9 @@ __device__ __forceinline__ BwdScalars bwd_scalars(float g_dot, float u_dot, floa
 }
 
 // dx of one row, one CTA of 256 threads: x and dy in shared memory, every warp walks neurons j = warp, warp + 8, ...
-// and adds dg W_first[j] + du W_u[j] into fp32 registers; the 8 warps' partial rows are added in a fixed order
-// (deterministic). A neuron with a = 0 has dg = du = 0 when dh is finite, so it is skipped unless the row (x or dy)
-// has a non-finite value; such a row's dx is NaN in every entry, as the dense GEMMs give it.
+// and adds dg W_first[j] + du W_u[j] into fp32 registers, for every neuron (an inactive one adds 0 x W, which is NaN
+// where W holds Inf or NaN, as in the dense GEMMs); the 8 warps' partial rows are added in a fixed order
+// (deterministic).
 template <int NI, bool GATED>
 __device__ __forceinline__ void dense_row_bwd_dx(long long row, const __nv_bfloat16* __restrict__ x,
                                                  const __nv_bfloat16* __restrict__ dy,
@@ -213,28 +214,17 @@ __device__ __forceinline__ void dense_row_bwd_dx(long long row, const __nv_bfloa
                                                  __nv_bfloat16* __restrict__ dx, float* part, uint4* xs, uint4* dys) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int K8 = K >> 3;
-  bool bad = false;
   for (int i = threadIdx.x; i < K8; i += blockDim.x) {
-    const uint4 v = __ldg(reinterpret_cast<const uint4*>(x + row * K) + i);
-    const uint4 d = __ldg(reinterpret_cast<const uint4*>(dy + row * K) + i);
-    xs[i] = v;
-    dys[i] = d;
-    for (const uint32_t w : {v.x, v.y, v.z, v.w, d.x, d.y, d.z, d.w})
-      bad |= (w & 0x7f80u) == 0x7f80u || (w & 0x7f800000u) == 0x7f800000u;
+    xs[i] = __ldg(reinterpret_cast<const uint4*>(x + row * K) + i);
+    dys[i] = __ldg(reinterpret_cast<const uint4*>(dy + row * K) + i);
   }
-  const bool nan_row = __syncthreads_or(bad);  // the barrier always (xs, dys are read by every warp)
-  if (nan_row) {
-    for (int k = threadIdx.x; k < K; k += blockDim.x) dx[row * K + k] = __float2bfloat16_rn(__int_as_float(0x7fc00000));
-    __syncthreads();  // xs, dys are reused by the next row
-    return;
-  }
+  __syncthreads();  // xs, dys are read by every warp
   float acc[NI * 8];
 #pragma unroll
   for (int i = 0; i < NI * 8; ++i) acc[i] = 0.f;
 #pragma unroll 1
   for (int j = warp; j < N; j += 8) {
     const float g_dot = row_dot_shared<NI>(xs, wf + (long long)j * K, K);
-    if (!relu_active((uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(g_dot)))) continue;  // warp-uniform
     const float u_dot = GATED ? row_dot_shared<NI>(xs, wu + (long long)j * K, K) : 0.f;
     const float d_dot = row_dot_shared<NI>(dys, wdt + (long long)j * K, K);
     const BwdScalars s = bwd_scalars<GATED>(g_dot, u_dot, d_dot, c);
