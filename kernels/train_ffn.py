@@ -55,14 +55,14 @@ class DispatchState:
         self.widest_light: int | None = None  # the widest row with nnz <= width (sparse calls only)
         self.last_kept_bytes: int | None = None   # bytes the sparse path's last forward saved for backward
         self.last_backup_rows: Tensor | int | None = None  # rows its last forward kept dense (device count on cuda)
-        self._pending: tuple[Any, int, int, tuple[int, int, int]] | None = None  # (event, rows, n_cols, layout)
+        self._pending: tuple[Any, int, int, tuple[int, int, int]] | None = None  # (ready, rows, n_cols, layout)
         self._host: Tensor | None = None
 
     def _poll(self) -> None:
         if self._pending is None or _capturing():
             return  # while a CUDA graph is captured no event is queried: the decisions of the last eager call stand
-        ev, rows, n, (i_light, i_heavy, i_widest) = self._pending
-        if ev is not None and not ev.query():
+        ready, rows, n, (i_light, i_heavy, i_widest) = self._pending
+        if ready is not None and not ready():
             return  # not finished yet: keep the previous decision (no host sync)
         vals = self._host.tolist()
         light_nnz, heavy = vals[i_light], vals[i_heavy]
@@ -91,7 +91,7 @@ class DispatchState:
         if rows == 0 or self._busy():
             return
         self._host = host
-        self._pending = (_ops.count_event(host), rows, n_cols, (2, 3, 1))
+        self._pending = (lambda: _ops.summary_ready(host), rows, n_cols, (2, 3, 1))
 
     def record_pair(self, stats: Tensor, rows: int, n_cols: int) -> None:
         """The same from a device int64 [2] = (nnz of light rows, heavy rows) already reduced (fused dense path)."""
@@ -138,7 +138,7 @@ class DispatchState:
         self._host.copy_(dev, non_blocking=True)
         ev = torch.cuda.Event()
         ev.record()
-        self._pending = (ev, rows, n_cols, layout)
+        self._pending = (ev.query, rows, n_cols, layout)
 
     def choose(self, cfg: KernelConfig, m: int) -> str:
         self._poll()
@@ -172,15 +172,15 @@ def _state_for(key: Tensor) -> DispatchState:
 
 
 class _SparseFFN(torch.autograd.Function):
-    """The training op under autograd. In eager mode it calls the ops' implementations directly: the custom ops'
-    Python dispatch costs tens of microseconds per call, host time a step at a small micro-batch waits for; under
-    torch.compile it calls the custom ops, which it traces."""
+    """The training op under autograd: kernels/train/ops.py's ffn_fwd and ffn_bwd, the registered C++ ops on the
+    "cuda" backend (one dispatcher call per half, traced by torch.compile through their fakes), the reference on
+    "torch"."""
 
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, width, measure_width, scale, chunk_rows, backup_cap, want_last, dw_nb,
                 backend):
-        fwd = _ops.ffn_fwd if torch.compiler.is_compiling() else _ops._ffn_fwd_impl
-        out = fwd(x, w_gate, w_up, w_down, width, measure_width, scale, chunk_rows, backup_cap, want_last, backend)
+        out = _ops.ffn_fwd(x, w_gate, w_up, w_down, width, measure_width, scale, chunk_rows, backup_cap, want_last,
+                           backend)
         y, l1, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup, host, last = out
         ctx.save_for_backward(x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup, host)
         ctx.scale, ctx.dw_nb, ctx.backup_cap, ctx.backend = scale, dw_nb, backup_cap, backend
@@ -195,9 +195,8 @@ class _SparseFFN(torch.autograd.Function):
             gy = torch.zeros_like(x)
         if gl1 is None:
             gl1 = torch.zeros((), device=x.device, dtype=torch.float32)
-        bwd = _ops.ffn_bwd if torch.compiler.is_compiling() else _ops._ffn_bwd_impl
-        dx, dwg, dwu, dwd = bwd(gy, gl1, x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup,
-                                host, ctx.scale, ctx.dw_nb, ctx.backup_cap, ctx.backend)
+        dx, dwg, dwu, dwd = _ops.ffn_bwd(gy, gl1, x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag,
+                                         backup_rows, backup, host, ctx.scale, ctx.dw_nb, ctx.backup_cap, ctx.backend)
         return dx, (dwg if w_gate is not None else None), dwu, dwd, None, None, None, None, None, None, None, None
 
 

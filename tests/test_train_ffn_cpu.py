@@ -277,13 +277,13 @@ def test_fake_impls_shapes():
         x = torch.empty(10, 64, dtype=torch.bfloat16, device="cuda" if False else "cpu")
         wg = torch.empty(256, 64, dtype=torch.bfloat16)
         wd = torch.empty(64, 256, dtype=torch.bfloat16)
-        out = torch.ops.sfl_train.ffn_fwd(x, wg, wg, wd, 72, 128, 1.0, 4096, 16, True, "cuda")
+        out = torch.ops.sfl_train.ffn_fwd(x, wg, wg, wd, 72, 128, 1.0, 4096, 16, True)
         # cuda: static shapes (no data-dependent size: no host sync to trace around)
         assert out[0].shape == (10, 64) and out[2].shape == (10, 72) and out[4].shape == (10, 72)
         assert out[7].shape == (0,) and out[8].shape == (0, 256) and out[9].shape == (4,) and out[10].shape == (256,)
-        g = torch.ops.sfl_train.ffn_bwd(out[0], out[1], x, wg, wg, wd, *out[2:10], 1.0, 4, 0, "cuda")
+        g = torch.ops.sfl_train.ffn_bwd(out[0], out[1], x, wg, wg, wd, *out[2:7], out[9], 1.0, 4, 0)
         assert g[0].shape == (10, 64) and g[1].shape == (256, 64) and g[3].shape == (64, 256)  # dW_d as w_down
-        out2 = torch.ops.sfl_train.ffn_fwd(x, None, wg, wd, 128, 128, 1.0, 4096, 0, False, "cuda")
+        out2 = torch.ops.sfl_train.ffn_fwd(x, None, wg, wd, 128, 128, 1.0, 4096, 0, False)
         assert out2[2].shape == (10, 128) and out2[4].numel() == 0 and out2[10].numel() == 0
 
 

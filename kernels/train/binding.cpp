@@ -3,9 +3,13 @@
 // into a Python exception.
 // The algorithm (chunking, backup rows, transposes, dispatch) lives in kernels/train/ops.py.
 #include <torch/extension.h>
+#include <torch/library.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
+
+#include <mutex>
+#include <unordered_map>
 
 #include "../common/backup_rows.h"
 #include "../common/slices.h"
@@ -512,8 +516,8 @@ std::tuple<at::Tensor, at::Tensor> csr_by_neuron(const at::Tensor& ell_col, cons
 // machine, against 0.7 ms for dense autograd's (lab/speed/host_time_train_op.py).
 //
 // ffn_fwd_gate: the gate GEMM in chunks of rows into one reused scratch, each compacted to ELL; the device summary
-// and (host_copy) its pinned copy `host`, queued. Returns ell_col, ell_a, nnz, flag, summary, host (empty without
-// host_copy).
+// and (host_copy) its pinned copy `host`, queued. Returns ell_col, ell_a, nnz, flag, summary, host (zeros in plain
+// CPU memory without host_copy).
 std::vector<at::Tensor> ffn_fwd_gate(const at::Tensor& first, const at::Tensor& x, int64_t width, int64_t measure_width,
                                      int64_t chunk_rows, bool host_copy) {
   req(x, "x", at::kBFloat16, 2);
@@ -539,7 +543,7 @@ std::vector<at::Tensor> ffn_fwd_gate(const at::Tensor& first, const at::Tensor& 
     }
   }
   if (!host_copy)  // a captured call: its replays would write a pinned buffer that no event tells the host about
-    return {ell_col, ell_a, nnz, flag, summary, at::empty({0}, at::TensorOptions().dtype(at::kLong))};
+    return {ell_col, ell_a, nnz, flag, summary, at::zeros({4}, at::TensorOptions().dtype(at::kLong))};
   at::Tensor host = at::empty({4}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
   host.copy_(summary, /*non_blocking=*/true);
   return {ell_col, ell_a, nnz, flag, summary, host};
@@ -682,9 +686,131 @@ std::vector<at::Tensor> ffn_bwd(const at::Tensor& dy_in, const at::Tensor& gl1, 
   return {dx, dwg, dwu, neuron_major(w_down) ? dwdt.t() : transpose(dwdt)};  // dW_d [K, N] in w_down's strides
 }
 
+// ---- the registered ops sfl_train::ffn_fwd / ffn_bwd (schemas and fakes in kernels/train/ops.py): the "cuda"
+// backend of the training op, one dispatcher call per half, no Python in between.
+
+bool capturing() {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  check(cudaStreamIsCapturing(stream(), &st), "capture status");
+  return st != cudaStreamCaptureStatusNone;
+}
+
+int64_t sm_count(const at::Tensor& t) {
+  int n = 0;
+  check(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, t.get_device()), "device attribute");
+  return n;
+}
+
+// The forward's pinned summary is final once the event recorded right after its copy has completed. The backward (and
+// the dispatch, summary_ready) look the event up by the buffer's address; an address handed out again replaces it.
+std::mutex g_ready_mu;
+std::unordered_map<const void*, cudaEvent_t> g_ready;
+
+void record_ready(const at::Tensor& host) {
+  cudaEvent_t ev;
+  check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "event create");
+  check(cudaEventRecord(ev, stream()), "event record");
+  std::lock_guard<std::mutex> lock(g_ready_mu);
+  auto it = g_ready.find(host.data_ptr());
+  if (it != g_ready.end()) {
+    cudaEventDestroy(it->second);
+    it->second = ev;
+  } else {
+    g_ready.emplace(host.data_ptr(), ev);
+  }
+}
+
+// True once the summary in `host` is final (no event known: final, or read by a backward that waited for it).
+bool summary_ready(const at::Tensor& host) {
+  std::lock_guard<std::mutex> lock(g_ready_mu);
+  auto it = g_ready.find(host.data_ptr());
+  if (it == g_ready.end()) return true;
+  const cudaError_t e = cudaEventQuery(it->second);
+  if (e == cudaErrorNotReady) return false;
+  check(e, "event query");
+  return true;
+}
+
+// The light-entry bound of the forward's summary (waiting for its event, complete by the time a backward runs), or
+// -1 (their capacity) while capturing, when nothing may be read on the host.
+int64_t light_entries(const at::Tensor& host) {
+  cudaEvent_t ev = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(g_ready_mu);
+    auto it = g_ready.find(host.data_ptr());
+    if (it != g_ready.end()) {
+      ev = it->second;
+      g_ready.erase(it);
+    }
+  }
+  if (capturing()) {
+    if (ev != nullptr) cudaEventDestroy(ev);
+    return -1;
+  }
+  if (ev != nullptr) {
+    check(cudaEventSynchronize(ev), "event synchronize");
+    cudaEventDestroy(ev);
+  } else if (host.is_pinned()) {  // no event known for this buffer: wait for everything queued (exact, slower)
+    check(cudaStreamSynchronize(stream()), "stream synchronize");
+  }
+  return host.data_ptr<int64_t>()[2];
+}
+
+// reference.csr_by_neuron in ATen ops (a stable sort), where the counting sort's shared memory does not fit.
+std::tuple<at::Tensor, at::Tensor> csr_by_neuron_sorted(const at::Tensor& ell_col, const at::Tensor& nnz,
+                                                        const at::Tensor& flag, int64_t N) {
+  const at::Tensor slot = at::arange(ell_col.size(1), ell_col.options()).unsqueeze(0);
+  const at::Tensor valid = slot.lt(nnz.unsqueeze(1)).logical_and(flag.eq(0).unsqueeze(1));
+  const at::Tensor keys = at::where(valid, ell_col, at::full({}, N, ell_col.options())).flatten();
+  const auto sorted = at::sort(keys, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+  const at::Tensor colptr = at::searchsorted(std::get<0>(sorted), at::arange(N + 1, keys.options()));
+  return {std::get<1>(sorted), colptr};
+}
+
+using FwdOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                          at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+FwdOut ffn_fwd_op(const at::Tensor& x, const c10::optional<at::Tensor>& w_gate, const at::Tensor& w_up,
+                  const at::Tensor& w_down, int64_t width, int64_t measure_width, double scale, int64_t chunk_rows,
+                  int64_t backup_cap, bool want_last) {
+  const bool gated = w_gate.has_value() && w_gate->defined();
+  const bool capture = capturing();  // a captured forward's summary is read by no one: no copy, no event
+  auto gate = ffn_fwd_gate(gated ? *w_gate : w_up, x, width, std::max(width, measure_width),
+                           std::max<int64_t>(1, chunk_rows), !capture);
+  if (!capture) record_ready(gate[5]);
+  auto rows = ffn_fwd_rows(w_gate, x, w_up, w_down, gate[0], gate[1], gate[2], gate[3], gate[4], scale, backup_cap,
+                           want_last, sm_count(x));
+  // y, l1, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup (empty: the backward recomputes them), host, last
+  return {rows[0], rows[1], gate[0], gate[1], rows[2], gate[2], gate[3], rows[3], rows[4], gate[5], rows[5]};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_bwd_op(
+    const at::Tensor& dy, const at::Tensor& gl1, const at::Tensor& x, const c10::optional<at::Tensor>& w_gate,
+    const at::Tensor& w_up, const at::Tensor& w_down, const at::Tensor& ell_col, const at::Tensor& ell_a,
+    const at::Tensor& ell_u, const at::Tensor& nnz, const at::Tensor& flag, const at::Tensor& host, double scale,
+    int64_t dw_nb, int64_t backup_cap) {
+  TORCH_CHECK(dw_nb >= 1, "ffn_bwd: dw_nb must be resolved (ops.dw_chunks)");
+  const int64_t N = w_up.size(0);
+  const int64_t entries = light_entries(host);
+  c10::optional<at::Tensor> perm, colptr;
+  if (!csr_supported(N, ell_col.size(1))) {  // the counting sort's shared memory does not fit: a stable sort
+    auto pc = csr_by_neuron_sorted(ell_col, nnz, flag, N);
+    perm = std::get<0>(pc);
+    colptr = std::get<1>(pc);
+  }
+  auto g = ffn_bwd(dy, gl1, x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag, backup_cap, entries, scale,
+                   dw_nb, sm_count(x), perm, colptr);
+  return {g[0], g[1], g[2], g[3]};
+}
+
 std::string source_hash() { return SFL_STR(SFL_SRC_HASH); }
 
 }  // namespace
+
+TORCH_LIBRARY_IMPL(sfl_train, CUDA, m) {
+  m.impl("ffn_fwd", &ffn_fwd_op);
+  m.impl("ffn_bwd", &ffn_bwd_op);
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compact", &compact, "bf16 gate pre-activation rows -> ReLU -> ELL (ell_col, ell_a, nnz, flag)",
@@ -738,5 +864,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("csr_supported", &csr_supported, "whether csr_by_neuron takes N neurons at ELL width W");
   m.def("csr_by_neuron", &csr_by_neuron, "light ELL entries sorted by neuron (perm, colptr), deterministic order");
   m.def("count", &count, "per-row active count of a bf16 matrix (a != 0)");
+  m.def("summary_ready", &summary_ready, "whether the training forward's pinned summary is final (its event completed)");
   m.def("source_hash", &source_hash, "hash of the sources this library was built from");
 }
