@@ -1,7 +1,8 @@
 // Torch-facing glue for the sparse training kernels: checks tensors, takes raw pointers and the CURRENT torch
 // stream, calls the extern "C" launchers in train_kernels.cu (and common/backup_rows.cu), and turns any CUDA error
 // into a Python exception.
-// The algorithm (chunking, backup rows, transposes, dispatch) lives in kernels/train/ops.py.
+// The op (sfl_train::ffn_fwd / ffn_bwd, registered at the end) runs its steps here; its dispatch lives in
+// kernels/train_ffn.py.
 #include <torch/extension.h>
 #include <torch/library.h>
 #include <c10/cuda/CUDAStream.h>
@@ -597,7 +598,7 @@ std::vector<at::Tensor> ffn_fwd_rows(const c10::optional<at::Tensor>& w_gate, co
   return {y, l1, ell_u, at::empty({0}, i64o), at::empty({0, N}, opt), last};
 }
 
-// ffn_bwd: the op's backward on the "cuda" backend in one call (kernels/train/ops.py, _ffn_bwd_impl, and
+// ffn_bwd: the op's backward on the "cuda" backend in one call (kernels/train/ops.py, ffn_bwd, and
 // kernels/train/README.md, Backward), with no host read: every shape is known from the arguments, so a training step
 // can be captured in a CUDA graph. backup_cap: the forward's cuBLAS block of flagged rows (the first backup_cap of
 // them, as in the forward); rows past it by dense_rows_bwd on CUDA cores (their count stays on the device).
@@ -773,6 +774,7 @@ using FwdOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Te
 FwdOut ffn_fwd_op(const at::Tensor& x, const c10::optional<at::Tensor>& w_gate, const at::Tensor& w_up,
                   const at::Tensor& w_down, int64_t width, int64_t measure_width, double scale, int64_t chunk_rows,
                   int64_t backup_cap, bool want_last) {
+  const c10::cuda::CUDAGuard guard(x.device());  // the event and the capture status on x's stream
   const bool gated = w_gate.has_value() && w_gate->defined();
   const bool capture = capturing();  // a captured forward's summary is read by no one: no copy, no event
   auto gate = ffn_fwd_gate(gated ? *w_gate : w_up, x, width, std::max(width, measure_width),
@@ -790,6 +792,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_bwd_op(
     const at::Tensor& ell_u, const at::Tensor& nnz, const at::Tensor& flag, const at::Tensor& host, double scale,
     int64_t dw_nb, int64_t backup_cap) {
   TORCH_CHECK(dw_nb >= 1, "ffn_bwd: dw_nb must be resolved (ops.dw_chunks)");
+  const c10::cuda::CUDAGuard guard(x.device());
   const int64_t N = w_up.size(0);
   const int64_t entries = light_entries(host);
   c10::optional<at::Tensor> perm, colptr;
