@@ -510,7 +510,7 @@ std::tuple<at::Tensor, at::Tensor> csr_by_neuron(const at::Tensor& ell_col, cons
   return {perm, colptr};
 }
 
-// The op's forward on the "cuda" backend in two calls (kernels/train/ops.py, _ffn_fwd_impl, says what the steps are
+// The op's forward on the "cuda" backend in two calls (kernels/train/ops.py, ffn_fwd, says what the steps are
 // for; kernels/train/README.md, Forward), between which the caller records the event after which `host` is final
 // (the backward waits for it: recorded at the end of the forward instead, the backward's first launches waited
 // for the whole forward). As ~30 torch calls from Python the forward took 1.6 ms of host time per call on the H100
@@ -847,7 +847,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "bwd_rows with one block per light row (the same results)");
   m.def("ffn_fwd_gate", &ffn_fwd_gate, "the training op's forward, first call: gate GEMM, ELL, the summary's copy");
   m.def("ffn_fwd_rows", &ffn_fwd_rows, "the training op's forward, second call: the light rows, the backup rows, L1");
-  m.def("ffn_bwd", &ffn_bwd, "the training op's backward in one call (ops._ffn_bwd_impl's cuda backend)");
+  m.def("ffn_bwd", &ffn_bwd, "the training op's backward in one call (sfl_train::ffn_bwd runs it)");
   m.def("dx_slices", &dx_slices, "dx of the light rows from bwd_block's coefficients, slice-major (bwd_block with an empty dx first)",
         py::arg("gated"), py::arg("wg"), py::arg("wu"), py::arg("ell_col"), py::arg("nnz"), py::arg("flag"),
         py::arg("cg"), py::arg("cu"), py::arg("dx"), py::arg("rows") = 0);
