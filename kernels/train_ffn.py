@@ -159,7 +159,8 @@ class DispatchState:
 
 
 def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    """Whether a CUDA graph is being captured on the current stream (never before CUDA is initialised)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def _state_for(key: Tensor) -> DispatchState:
