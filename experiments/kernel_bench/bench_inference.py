@@ -154,9 +154,6 @@ def dense_nongated(x, wu, wd):
     return F.linear(F.relu(F.linear(x, wu)), wd)
 
 
-Timer = PairTimer  # one timing method for every benchmark here: CUDA events, L2 flush, medians (kernels/timing.py)
-
-
 def graphed(fn):
     """Capture fn() into a CUDA graph (warm-up on a side stream first); return replay callable and output."""
     graph, out = capture_graph(fn)
@@ -171,7 +168,7 @@ def twell_buffers(M: int, T: int, S: int) -> tuple[torch.Tensor, ...]:
             torch.empty(M, T * S, **i32), torch.empty(M, T * S, device=DEV, dtype=torch.float32), torch.empty(M, **i32))
 
 
-def sparse_phases(timer: "Timer", x, wg, wu, wd, slots: int, reps: int) -> dict:
+def sparse_phases(timer: PairTimer, x, wg, wu, wd, slots: int, reps: int) -> dict:
     """The gated sparse path's large-M steps timed one by one on this case's TwELL (each after an L2 flush, medians),
     with the bytes the gathers move: d2t (the fused gate GEMM writing TwELL), up_down (up and down in one kernel, the
     path below KernelConfig.up_list_min_m), up_list and down_slices (the two kernels from it). pairs = stored
@@ -197,7 +194,7 @@ def sparse_phases(timer: "Timer", x, wg, wu, wd, slots: int, reps: int) -> dict:
             "gate_tflops_d2t": 2 * M * K * N / ms["d2t"] / 1e9}
 
 
-def hot_cold(timer: "Timer", x, wg, wu, wd, cfg, reps: int, dense_fn, ref32) -> dict:
+def hot_cold(timer: PairTimer, x, wg, wu, wd, cfg, reps: int, dense_fn, ref32) -> dict:
     """The case through hot/cold (KernelConfig.hot_neurons): neurons ordered by their rate on the first 8192 rows,
     the hot count chosen as models.hot_cold.choose_hot_neurons does (each candidate in forced sparse mode; here in
     rotation with the L2 flushed, medians of 7; 0 unless another is 3% faster), then that call timed against dense
@@ -264,7 +261,7 @@ def calibrate(out: str, kind: str = "gated", cfg=None, Ms: list[int] | None = No
     sizes at higher activity, where the default grid ends before sparse stops winning)."""
     cfg = cfg or base_config()
     prov = provenance(cfg, calibration=True)
-    timer = Timer()
+    timer = PairTimer()
     gated = kind == "gated"
     K, N = (2048, 5632) if gated else (2048, 8192)
     wg32, wu, wd = make_problem(K, N, seed=0 if gated else 1)
@@ -355,7 +352,7 @@ def explore(cfg=None) -> int:
     grid cap and the unfused decode path left the runtime: the an earlier comparisons that chose against them are in
     results/kernel_bench.)"""
     cfg = cfg or base_config()
-    timer = Timer()
+    timer = PairTimer()
     K, N = 2048, 5632
     wg32, wu, wd = make_problem(K, N)
     sparse = cfg.replace(mode="sparse")
@@ -396,7 +393,7 @@ def d2t_compare(out: str, cfg=None) -> int:
     compaction), the cuBLAS gate GEMM alone, and the whole forced-sparse block with each, against dense; JSONL."""
     cfg = cfg or base_config()
     prov = provenance(cfg, mode="d2t_compare")
-    timer = Timer()
+    timer = PairTimer()
     shapes = [(2048, 5632), (576, 1536), (4096, 11008)]
     fused_cfg, cublas_cfg = cfg.replace(d2t="fused"), cfg.replace(d2t="cublas")
     S = cfg.slots
@@ -469,7 +466,7 @@ def overlap_probe(out: str, cfg=None) -> int:
     cfg = (cfg or base_config()).replace(mode="sparse", slots=32)   # the probe's buffers hold 32 slots
     prov = provenance(cfg, mode="overlap_probe")
     ext = ops.load()
-    timer = Timer()
+    timer = PairTimer()
     K, N, M = 2048, 5632, 65536
     T, S = N // 256, 32
     wg32, wu, wd = make_problem(K, N)
@@ -612,7 +609,7 @@ def check_case(blk: tuple, dense_fn, cfg: KernelConfig, M: int, stats: torch.Ten
     return fields, {"ours_fn": ours_fn, "plan": plan, "y_ref": y_ref, "ref32": ref32}
 
 
-def time_graphed(timer: Timer, dense_fn, run: dict, reps: int) -> dict:
+def time_graphed(timer: PairTimer, dense_fn, run: dict, reps: int) -> dict:
     """Decode sizes: dense, auto and forced sparse as CUDA-graph replays (as decode steps run)."""
     ours_fn = run["ours_fn"]
     rep_d, _ = graphed(dense_fn)
@@ -628,7 +625,7 @@ def time_graphed(timer: Timer, dense_fn, run: dict, reps: int) -> dict:
     return out
 
 
-def time_eager(timer: Timer, blk: tuple, dense_fn, run: dict, cfg: KernelConfig, case: tuple) -> dict:
+def time_eager(timer: PairTimer, blk: tuple, dense_fn, run: dict, cfg: KernelConfig, case: tuple) -> dict:
     """Prefill sizes: auto against dense, one call and 8 back to back per repetition, forced sparse, and for some
     cases the A/A control, the per-kernel phases, hot/cold and the d2t breakdown."""
     kind, M, reps, pattern, p, heavy = case
@@ -651,7 +648,7 @@ def time_eager(timer: Timer, blk: tuple, dense_fn, run: dict, cfg: KernelConfig,
     return out
 
 
-def d2t_breakdown(timer: Timer, blk: tuple, cfg: KernelConfig, reps: int) -> dict:
+def d2t_breakdown(timer: PairTimer, blk: tuple, cfg: KernelConfig, reps: int) -> dict:
     """cuBLAS gate GEMM alone; d2t fused (default on sm_90: tensor-core GEMM with the TwELL epilogue) and cuBLAS +
     compaction; forced sparse with the cuBLAS d2t, whole and chunked by gate_scratch_mb (compaction v1 and the
     d2t-alone chunking knob are gone)."""
@@ -668,7 +665,7 @@ def d2t_breakdown(timer: Timer, blk: tuple, cfg: KernelConfig, reps: int) -> dic
     return out
 
 
-def run_case(i: int, case: tuple, weights: dict, cfg: KernelConfig, timer: Timer, prov: dict) -> dict:
+def run_case(i: int, case: tuple, weights: dict, cfg: KernelConfig, timer: PairTimer, prov: dict) -> dict:
     """Case i's row: checked against dense, then timed (graph replays at decode sizes, eager above)."""
     kind, M, reps, pattern, p, heavy = case
     torch.manual_seed(i)
@@ -728,7 +725,7 @@ def print_tables(rows: list[dict]) -> None:
 def bench(out: str, quick: bool, cfg: KernelConfig) -> int:
     """HF's dense block against ours (auto dispatch, forced sparse) over the benchmark's cases; one row each."""
     prov = provenance(cfg)
-    timer = Timer()
+    timer = PairTimer()
     weights = bench_weights()
     cases = bench_cases(quick)
     rows = []

@@ -26,10 +26,10 @@ import torch.nn.functional as F
 from sfl.kernels import reference as ref
 from sfl.kernels.config import KernelConfig
 from sfl.kernels.train import ops
+from sfl.kernels.timing import PairTimer
 from sfl.kernels.train_ffn import DispatchState, sparse_gated_ffn_train
 
 from ..trainer.provenance import collect
-from .bench_inference import Timer  # same method: CUDA events, L2 flush, median
 
 DEV = "cuda"
 BF = torch.bfloat16
@@ -320,7 +320,7 @@ def main(argv=None):
     cases = [(0.005, 0.0), (0.01, 0.0), (0.02, 0.0), (0.05, 0.0), (0.005, 0.01), (0.01, 0.01)]
     if args.quick:
         Ms, cases = [16384], [(0.005, 0.0), (0.01, 0.0), (0.05, 0.0), (0.005, 0.01)]
-    timer = Timer()
+    timer = PairTimer()
     rows = []
     with open(args.out, "a") as f:
         for p in (0.005, 0.01):

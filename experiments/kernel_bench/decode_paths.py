@@ -12,17 +12,18 @@ import time
 
 import torch
 
-from sfl.experiments.kernel_bench.bench_inference import Timer, graphed, make_case, make_weights, rel_err
+from sfl.experiments.kernel_bench.bench_inference import graphed, make_case, make_weights, rel_err
 from sfl.experiments.trainer.provenance import collect
 from sfl.kernels.config import KernelConfig
 from sfl.kernels.ffn import sparse_gated_ffn
+from sfl.kernels.timing import PairTimer
 from sfl.kernels.twell import ops
 from sfl.models.hot_cold import rotate_ms
 
 BF = torch.bfloat16
 
 
-def rotate(timer: Timer, fns: dict, reps: int) -> dict:
+def rotate(timer: PairTimer, fns: dict, reps: int) -> dict:
     """Medians of fns timed in rotation, the L2 flushed before each call (no warm-up: the callers' own)."""
     return rotate_ms(fns, reps, before=timer.flush.zero_, warmup=False)
 
@@ -43,7 +44,7 @@ def main(out: str, slices_sweep: bool = False) -> int:
                 "twell": base.replace(fused_decode_max_m=0, rows_decode_max_m=0)}
     plans = {k: ops.Plan(c) for k, c in cfgs.items()}
     prov = collect({"kernel_config": base.to_dict(), "benchmark": "decode_paths"})
-    timer = Timer()
+    timer = PairTimer()
     f = open(out, "w")
     t0 = time.time()
     for M in (1, 2, 4, 8, 16, 32, 64):

@@ -30,11 +30,12 @@ from torch.profiler import ProfilerActivity, profile
 from sfl.kernels import reference
 from sfl.kernels.config import KernelConfig
 from sfl.kernels.loader import load_twell
+from sfl.kernels.timing import PairTimer
 from sfl.kernels.train_ffn import DispatchState, sparse_gated_ffn_train
 from sfl.kernels.twell import ops
 
 from ..trainer.provenance import collect
-from .bench_inference import Timer, dense_gated, dense_nongated, ffn_call, make_case, make_weights
+from .bench_inference import dense_gated, dense_nongated, ffn_call, make_case, make_weights
 from .bench_training import dense_block
 from .bench_training import make_case as make_train_case
 
@@ -127,7 +128,7 @@ def report(rec: dict, tables: tuple[str, ...], top: int) -> None:
         print(k, json.dumps(rec[k][:top]), flush=True)
 
 
-def inference_gap(timer: Timer, cfg, K: int, N: int, wg32, wu, wd) -> list[dict]:
+def inference_gap(timer: PairTimer, cfg, K: int, N: int, wg32, wu, wd) -> list[dict]:
     """Gated, 2% activity: HF's dense block against our dense path, auto dispatch and itself, per M."""
     rows = []
     with torch.no_grad():
@@ -154,7 +155,7 @@ def inference_gap(timer: Timer, cfg, K: int, N: int, wg32, wu, wd) -> list[dict]
     return rows
 
 
-def nongated_gap(timer: Timer, cfg, K: int) -> list[dict]:
+def nongated_gap(timer: PairTimer, cfg, K: int) -> list[dict]:
     """Non-gated (N = 8192), 1% activity: HF's linear-relu-linear against our dense path, kernel by kernel."""
     rows = []
     with torch.no_grad():
@@ -184,7 +185,7 @@ def nongated_gap(timer: Timer, cfg, K: int) -> list[dict]:
     return rows
 
 
-def training_gap(timer: Timer, cfg, K: int, N: int) -> list[dict]:
+def training_gap(timer: PairTimer, cfg, K: int, N: int) -> list[dict]:
     """Gated fwd+bwd, 1% activity: dense autograd against the training op forced dense, auto and itself, per M."""
     rows = []
     for M, reps in ((4096, 30), (16384, 20)):
@@ -226,7 +227,7 @@ def training_gap(timer: Timer, cfg, K: int, N: int) -> list[dict]:
 
 def gap(out_dir: str, cfg) -> None:
     """Where a dense-dispatched call loses time: inference (gated, then non-gated), then training; one log."""
-    timer = Timer()
+    timer = PairTimer()
     K, N = 2048, 5632
     wg32, wu32, wd32 = make_weights(K, N)
     wu, wd = wu32.to(BF), wd32.to(BF)
@@ -238,7 +239,7 @@ def gap(out_dir: str, cfg) -> None:
 
 def sparse(out_dir: str, cfg) -> None:
     ext = ops.load()
-    timer = Timer()
+    timer = PairTimer()
     K, N, M, S = 2048, 5632, 65536, 32
     T = N // 256
     wg32, wu32, wd32 = make_weights(K, N)

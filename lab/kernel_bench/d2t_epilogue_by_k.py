@@ -12,7 +12,8 @@ import json
 
 import torch
 
-from sfl.experiments.kernel_bench.bench_inference import DEV, Timer, make_case, make_weights
+from sfl.experiments.kernel_bench.bench_inference import DEV, make_case, make_weights
+from sfl.kernels.timing import PairTimer as Timer
 from sfl.experiments.kernel_bench.decode_paths import rotate
 from sfl.experiments.trainer.provenance import collect
 from sfl.kernels.loader import load_twell

@@ -12,7 +12,8 @@ import statistics
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from sfl.experiments.kernel_bench.bench_inference import BF, Timer, dense_gated, make_case, make_weights
+from sfl.experiments.kernel_bench.bench_inference import BF, dense_gated, make_case, make_weights
+from sfl.kernels.timing import PairTimer as Timer
 from sfl.kernels.config import KernelConfig
 from sfl.kernels.twell import ops
 

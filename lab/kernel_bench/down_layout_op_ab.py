@@ -12,7 +12,7 @@ import json
 
 import torch
 
-from sfl.experiments.kernel_bench.bench_inference import Timer
+from sfl.kernels.timing import PairTimer as Timer
 from sfl.experiments.kernel_bench.bench_training import make_case
 from sfl.experiments.trainer.provenance import collect
 

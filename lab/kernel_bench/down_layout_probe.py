@@ -18,7 +18,8 @@ import json
 import torch
 import torch.nn.functional as F
 
-from sfl.experiments.kernel_bench.bench_inference import BF, DEV, Timer
+from sfl.experiments.kernel_bench.bench_inference import BF, DEV
+from sfl.kernels.timing import PairTimer as Timer
 from sfl.experiments.trainer.provenance import collect
 
 

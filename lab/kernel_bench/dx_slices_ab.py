@@ -12,7 +12,7 @@ import json
 
 import torch
 
-from sfl.experiments.kernel_bench.bench_inference import Timer
+from sfl.kernels.timing import PairTimer as Timer
 from sfl.experiments.kernel_bench.bench_training import BF, DEV, light_rows_case
 from sfl.experiments.kernel_bench.decode_paths import rotate
 from sfl.experiments.trainer.provenance import collect

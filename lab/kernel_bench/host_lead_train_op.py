@@ -23,7 +23,7 @@ def main() -> int:
     ap.add_argument("--p", type=float, default=0.01)
     ap.add_argument("--m", type=int, default=16384)
     args = ap.parse_args()
-    from sfl.experiments.kernel_bench.bench_inference import Timer
+    from sfl.kernels.timing import PairTimer as Timer
 
     ours, _, st = op_steps(args.m, args.p)
     for _ in range(6):

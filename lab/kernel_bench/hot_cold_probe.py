@@ -17,7 +17,8 @@ import json
 import torch
 import torch.nn.functional as F
 
-from sfl.experiments.kernel_bench.bench_inference import BF, DEV, Timer, dense_gated, make_case, make_weights, rel_err
+from sfl.experiments.kernel_bench.bench_inference import BF, DEV, dense_gated, make_case, make_weights, rel_err
+from sfl.kernels.timing import PairTimer as Timer
 from sfl.experiments.kernel_bench.decode_paths import rotate
 from sfl.experiments.trainer.provenance import collect
 from sfl.kernels.config import KernelConfig

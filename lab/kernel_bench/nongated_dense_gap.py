@@ -10,9 +10,10 @@ import json
 
 import torch
 
-from sfl.experiments.kernel_bench.bench_inference import (BF, DEV, Timer, base_config, dense_nongated, ffn_call,
+from sfl.experiments.kernel_bench.bench_inference import (BF, DEV, base_config, dense_nongated, ffn_call,
                                                           make_case, make_weights)
 from sfl.experiments.kernel_bench.diagnose import kernel_table
+from sfl.kernels.timing import PairTimer as Timer
 
 
 def main() -> int:

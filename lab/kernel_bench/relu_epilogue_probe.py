@@ -13,7 +13,8 @@ import json
 import torch
 import torch.nn.functional as F
 
-from sfl.experiments.kernel_bench.bench_inference import BF, Timer, make_case, make_weights, rel_err
+from sfl.experiments.kernel_bench.bench_inference import BF, make_case, make_weights, rel_err
+from sfl.kernels.timing import PairTimer as Timer
 from sfl.experiments.kernel_bench.diagnose import kernel_table
 
 

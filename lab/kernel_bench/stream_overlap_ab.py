@@ -12,7 +12,8 @@ import json
 
 import torch
 
-from sfl.experiments.kernel_bench.bench_inference import BF, DEV, Timer, make_case, make_weights, twell_buffers
+from sfl.experiments.kernel_bench.bench_inference import BF, DEV, make_case, make_weights, twell_buffers
+from sfl.kernels.timing import PairTimer as Timer
 from sfl.experiments.kernel_bench.decode_paths import rotate
 from sfl.experiments.trainer.provenance import collect
 from sfl.kernels.loader import load_twell

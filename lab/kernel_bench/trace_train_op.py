@@ -87,7 +87,7 @@ def single_calls(M: int, p: float, reps: int) -> dict:
     """bench_training's regime (one call after an L2 flush and a sync) against the steady state (4 calls back to
     back per timed repetition), ours (auto) and dense without the L1 term alternating; then a profiled single call
     of each: the GPU's idle gaps inside it (host time it waited for), by the kernels around them."""
-    from sfl.experiments.kernel_bench.bench_inference import Timer
+    from sfl.kernels.timing import PairTimer as Timer
 
     ours, dense, st = op_steps(M, p)
     for _ in range(6):

@@ -15,7 +15,8 @@ import json
 
 import torch
 
-from sfl.experiments.kernel_bench.bench_inference import BF, DEV, Timer, dense_gated, make_case, make_weights
+from sfl.experiments.kernel_bench.bench_inference import BF, DEV, dense_gated, make_case, make_weights
+from sfl.kernels.timing import PairTimer as Timer
 from sfl.experiments.kernel_bench.decode_paths import rotate
 from sfl.experiments.trainer.provenance import collect
 from sfl.kernels.loader import load_twell
