@@ -26,7 +26,7 @@ from torch import Tensor
 from ..config import KernelConfig, TILE_N
 from .. import tables
 from ..device import dense_ffn, dense_fallback, kernels_supported
-from ..loader import load_twell
+from ..loader import load_twell, loaded
 
 _lib = torch.library.Library("sfl_twell", "DEF")
 _lib.define("ffn(Tensor x, Tensor? w_gate, Tensor w_up, Tensor w_down, Tensor(a!)? stats, int plan, str config) "
@@ -35,25 +35,22 @@ _lib.define("d2t(Tensor x, Tensor w_gate, int slots, str config) -> (Tensor, Ten
 
 # The fields the C++ op reads (runtime.cpp: parse_config): every KernelConfig field but the training op's.
 OP_FIELDS = tuple(f for f in KernelConfig().to_dict() if not f.startswith("train_"))
-_STATE = {"ext": None}
 
 
 def load():
     """Build (once per source version, cached on disk) and load the extension: registers the CUDA kernels."""
-    if _STATE["ext"] is None:
-        _STATE["ext"] = load_twell()
-    return _STATE["ext"]
+    return load_twell()
 
 
 def ensure_loaded() -> None:
     """Load the extension unless it is loaded (cheap: one dict lookup; a constant to a compiled model)."""
-    if _STATE["ext"] is None:
-        load()
+    if loaded("twell") is None:
+        load_twell()
 
 
 def _load_if_cuda() -> None:
-    if _STATE["ext"] is None and kernels_supported()[0]:
-        load()
+    if loaded("twell") is None and kernels_supported()[0]:
+        load_twell()
 
 
 @torch.library.register_fake("sfl_twell::ffn")
@@ -88,8 +85,9 @@ _IDS = itertools.count(1)
 
 
 def _free(plan_id: int) -> None:
-    if _STATE["ext"] is not None:
-        _STATE["ext"].plan_free(plan_id)
+    ext = loaded("twell")
+    if ext is not None:
+        ext.plan_free(plan_id)
 
 
 @dataclass(eq=False)
@@ -118,12 +116,12 @@ class Plan:
         reached the host: a call's own once a later call has run after it completed), backup_cap (the last sparse
         call's dense backup block, rows), timings. Empty before the first call (and on a GPU without the kernels,
         where no call reaches them)."""
-        ext = _STATE["ext"]
+        ext = loaded("twell")
         return {} if ext is None else dict(ext.plan_info(self.id))
 
     def reset(self) -> None:
         """Forget the measured activity and timings (the next auto call starts as a first call)."""
-        ext = _STATE["ext"]
+        ext = loaded("twell")
         if ext is not None:  # not loaded: no call has made the C++ plan yet, there is nothing to forget
             ext.plan_reset(self.id)
 
