@@ -26,16 +26,17 @@ from .bench_training import dense_block, make_case
 K, N = 2048, 5632
 
 
-def make_step(leaves: list[torch.Tensor], gy: torch.Tensor, path: str, st: DispatchState,
-              cfg: KernelConfig) -> Callable[[], torch.Tensor]:
-    """One training step on `leaves` (x and the weights, grads set afresh): the loss sum(y * gy) + l1."""
+def make_step(leaves: list[torch.Tensor], gy: torch.Tensor, path: str, st: DispatchState, cfg: KernelConfig,
+              seen: dict) -> Callable[[], torch.Tensor]:
+    """One training step on `leaves` (x and the weights, grads set afresh): the loss sum(y * gy) + l1; our op's
+    stats go to seen["stats"]."""
     def step() -> torch.Tensor:
         for t in leaves:
             t.grad = None
         if path == "hf_dense":
             y, l1 = dense_block(*leaves, l1=True)
         else:
-            y, l1, _ = sparse_gated_ffn_train(*leaves, mode=path, state=st, config=cfg)
+            y, l1, seen["stats"] = sparse_gated_ffn_train(*leaves, mode=path, state=st, config=cfg)
         ((y.float() * gy).sum() + l1).backward()
         return y
     return step
@@ -49,8 +50,8 @@ def run(M: int, p: float, path: str, reps: int, timer: PairTimer, cfg: KernelCon
     x, (wg, wu, wd), gy = make_case(M, K, N, p, 0.0, seed=M)
     down = wd if path == "hf_dense" else wd.t().contiguous().t()   # our op takes W_d neuron-major, as models keep it
     leaves = [t.clone().requires_grad_(True) for t in (x, wg, wu, down)]
-    st = DispatchState()
-    step = make_step(leaves, gy, path, st, cfg)
+    st, seen = DispatchState(), {}
+    step = make_step(leaves, gy, path, st, cfg, seen)
     for _ in range(3):   # the dispatch history settles (the ELL width and backup block the capture keeps)
         step()
     graph, y_graph = capture_graph(step)
@@ -63,7 +64,7 @@ def run(M: int, p: float, path: str, reps: int, timer: PairTimer, cfg: KernelCon
     eager_ms, replay_ms = timer.time_pair(step, graph.replay, reps)
     return {"kind": "captured_step", "M": M, "K": K, "N": N, "p": p, "path": path, "eager_ms": eager_ms,
             "replay_ms": replay_ms, "replay_speedup": eager_ms / replay_ms, "replay_equals_eager": exact,
-            "sparse_width": st.call_width(cfg.train_width, cfg.train_shrink) if path == "sparse" else None}
+            "sparse_width": seen["stats"]["width"] if path == "sparse" else None}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -702,8 +702,9 @@ int64_t sm_count(const at::Tensor& t) {
   return n;
 }
 
-// The forward's pinned summary is final once the event recorded right after its copy has completed. The backward (and
-// the dispatch, summary_ready) look the event up by the buffer's address; an address handed out again replaces it.
+// The forward's pinned summary is final once the event recorded right after its copy has completed. The backward
+// looks the event up by the buffer's address; an address handed out again replaces it. (The dispatch, on the
+// layer's plan in kernels/twell/runtime.cpp, records its own event after the op.)
 std::mutex g_ready_mu;
 std::unordered_map<const void*, cudaEvent_t> g_ready;
 
@@ -719,17 +720,6 @@ void record_ready(const at::Tensor& host) {
   } else {
     g_ready.emplace(host.data_ptr(), ev);
   }
-}
-
-// True once the summary in `host` is final (no event known: final, or read by a backward that waited for it).
-bool summary_ready(const at::Tensor& host) {
-  std::lock_guard<std::mutex> lock(g_ready_mu);
-  auto it = g_ready.find(host.data_ptr());
-  if (it == g_ready.end()) return true;
-  const cudaError_t e = cudaEventQuery(it->second);
-  if (e == cudaErrorNotReady) return false;
-  check(e, "event query");
-  return true;
 }
 
 // The light-entry bound of the forward's summary (waiting for its event, complete by the time a backward runs), or
@@ -867,6 +857,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("csr_supported", &csr_supported, "whether csr_by_neuron takes N neurons at ELL width W");
   m.def("csr_by_neuron", &csr_by_neuron, "light ELL entries sorted by neuron (perm, colptr), deterministic order");
   m.def("count", &count, "per-row active count of a bf16 matrix (a != 0)");
-  m.def("summary_ready", &summary_ready, "whether the training forward's pinned summary is final (its event completed)");
   m.def("source_hash", &source_hash, "hash of the sources this library was built from");
 }

@@ -21,9 +21,9 @@ cuBLAS math on a gathered block, any beyond it exact dense kernels on CUDA cores
 the backward recomputes those rows' activations from x (the forward keeps no [R, N] tensor; "cuda" returns
 backup_rows and backup empty) and takes the same block size. `last` (want_last): per neuron the last row where it
 fired, the model's dead-neuron tracker, computed inside.
-`host`: int64 [4] on the CPU (pinned on "cuda", final once summary_ready(host)): the backup-row count,
-then against `measure_width` (the configured width, >= width) the widest light row, the light rows' non-zeros and
-the other rows: the dispatch's measurement, with no reduction of its own.
+`host`: int64 [4] on the CPU (on "cuda" pinned, final once the work queued before the op returned is done): the
+backup-row count, then against `measure_width` (the configured width, >= width) the widest light row, the light
+rows' non-zeros and the other rows: the dispatch's measurement, with no reduction of its own.
 
 Backends: "cuda" = the kernels of train_kernels.cu (bf16, CUDA) + cuBLAS for the gate GEMM and backup rows, each
 half one op (binding.cpp: ffn_fwd_op runs ffn_fwd_gate + ffn_fwd_rows, ffn_bwd_op runs ffn_bwd; from Python the
@@ -115,12 +115,6 @@ def host_summary(nnz: Tensor, flag: Tensor, width: int, measure_width: int) -> T
                          int((~light).sum())], dtype=torch.int64)
 
 
-def summary_ready(host: Tensor) -> bool:
-    """Whether the forward's summary `host` holds its values: the event recorded after its pinned copy
-    (binding.cpp) has completed, or the torch backend's plain CPU summary."""
-    return not host.is_pinned() or load_ext().summary_ready(host)
-
-
 @torch.compiler.disable
 def _ffn_fwd_torch_eager(*args):
     return _ffn_fwd_torch(*args)
@@ -207,4 +201,4 @@ def _(dy, gl1, x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag, host, 
             x.new_empty(K, N))
 
 
-__all__ = ["ffn_fwd", "ffn_bwd", "load_ext", "cuda_backend_supported", "saved_hybrid", "summary_ready"]
+__all__ = ["ffn_fwd", "ffn_bwd", "load_ext", "cuda_backend_supported", "saved_hybrid"]

@@ -319,6 +319,11 @@ namespace sfl_runtime {  // runtime.cpp
 void plan_free(int64_t id);
 void plan_reset(int64_t id);
 py::dict plan_info(int64_t id);
+std::tuple<bool, int64_t, int64_t> train_decide(int64_t id, const std::string& spec, bool gated, int64_t mode,
+                                                int64_t M, int64_t width, bool in_backward);
+void train_measure(int64_t id, const std::string& spec, bool gated, const at::Tensor& stats, int64_t rows, int64_t n,
+                   int64_t light_at, int64_t flagged_at, int64_t widest_at);
+void plan_poll(int64_t id);
 }  // namespace sfl_runtime
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -341,5 +346,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("plan_free", &sfl_runtime::plan_free, "release a layer's plan (its module is gone)");
   m.def("plan_reset", &sfl_runtime::plan_reset, "forget a layer's measured activity and timings");
   m.def("plan_info", &sfl_runtime::plan_info, "a layer's dispatch state and last call (tests, benchmark logs)");
+  m.def("plan_poll", &sfl_runtime::plan_poll, "take in a plan's measurement if it has landed (never waits)");
+  m.def("train_decide", &sfl_runtime::train_decide,
+        "the training op's next call on a plan: (sparse, ELL width, backup block rows)");
+  m.def("train_measure", &sfl_runtime::train_measure,
+        "a training call's measurement (device stats, or the op's pinned summary) into its plan's history");
   m.def("source_hash", &source_hash, "hash of the sources this library was built from");
 }

@@ -33,8 +33,12 @@ _lib.define("ffn(Tensor x, Tensor? w_gate, Tensor w_up, Tensor w_down, Tensor(a!
             "-> Tensor")
 _lib.define("d2t(Tensor x, Tensor w_gate, int slots, str config) -> (Tensor, Tensor, Tensor)")
 
-# The fields the C++ op reads (runtime.cpp: parse_config): every KernelConfig field but the training op's.
-OP_FIELDS = tuple(f for f in KernelConfig().to_dict() if not f.startswith("train_"))
+# The training fields a plan reads (runtime.cpp: train_decide, the training op's dispatch on the same plans); the
+# training op's other fields (width, chunk rows, dW blocks, ...) are its arguments (kernels/train_ffn.py).
+TRAIN_PLAN_FIELDS = ("train_dense_above", "train_dense_above_large", "train_backup_dense_above", "train_large_m",
+                     "train_sparse_min_m", "train_shrink")
+# The fields the C++ plan reads (runtime.cpp: parse_config): the inference op's, and the training dispatch's.
+OP_FIELDS = tuple(f for f in KernelConfig().to_dict() if not f.startswith("train_") or f in TRAIN_PLAN_FIELDS)
 
 
 def load():
@@ -136,4 +140,4 @@ def ffn(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, plan: Pl
     return torch.ops.sfl_twell.ffn(x, w_gate, w_up, w_down, stats, plan.id, plan.spec)
 
 
-__all__ = ["Plan", "plan_spec", "OP_FIELDS", "ffn", "load", "ensure_loaded"]
+__all__ = ["Plan", "plan_spec", "OP_FIELDS", "TRAIN_PLAN_FIELDS", "ffn", "load", "ensure_loaded"]
