@@ -1063,19 +1063,19 @@ std::tuple<bool, int64_t, int64_t> train_decide(int64_t id, const std::string& s
 // stream order; light_at, flagged_at, widest_at (-1: none): where its values are.
 void train_measure(int64_t id, const std::string& spec, bool gated, const at::Tensor& stats, int64_t rows, int64_t n,
                    int64_t light_at, int64_t flagged_at, int64_t widest_at) {
-  TORCH_CHECK(stats.scalar_type() == at::kLong && stats.dim() == 1 && stats.is_contiguous() &&
-                  stats.numel() <= kMeasureMax && std::max({light_at, flagged_at, widest_at}) < stats.numel() &&
-                  light_at >= 0 && flagged_at >= 0,
-              "train_measure: stats must be a contiguous int64 vector of at most ", std::to_string(kMeasureMax),
-              " values holding the given positions");
-  TORCH_CHECK(stats.is_cuda() || stats.is_pinned(), "train_measure: stats must be on the GPU or in pinned memory");
   if (rows <= 0) return;
   Plan& P = plan_for(id, spec, gated);
   // a pinned summary was filled on the plan's device (the op's x), or, on a first call, the current one
   const int dev = stats.is_cuda() ? stats.get_device() : P.device >= 0 ? P.device : (int)c10::cuda::current_device();
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
   const cudaStream_t stream = current_stream();
-  if (capturing(stream)) return;
+  if (capturing(stream)) return;  // (the op's summary is then a placeholder: it copies nothing while capturing)
+  TORCH_CHECK(stats.scalar_type() == at::kLong && stats.dim() == 1 && stats.is_contiguous() &&
+                  stats.numel() <= kMeasureMax && std::max({light_at, flagged_at, widest_at}) < stats.numel() &&
+                  light_at >= 0 && flagged_at >= 0,
+              "train_measure: stats must be a contiguous int64 vector of at most ", std::to_string(kMeasureMax),
+              " values holding the given positions");
+  TORCH_CHECK(stats.is_cuda() || stats.is_pinned(), "train_measure: stats must be on the GPU or in pinned memory");
   P.ensure_device(dev, stream);
   P.poll();
   if (P.pending) return;  // one measurement in flight per layer
