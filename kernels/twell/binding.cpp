@@ -264,7 +264,7 @@ void decode_fused(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& w
   req(nnz, "nnz", at::kInt, 1);
   req(flag, "flag", at::kInt, 1);
   const int64_t M = x.size(0), K = x.size(1), N = wg.size(0);
-  TORCH_CHECK(M <= 8, "decode_fused: at most 8 rows, got ", M);
+  TORCH_CHECK(M <= 8, "decode_fused: at most 8 rows, got ", std::to_string(M));
   TORCH_CHECK(wg.size(1) == K && wdt.size(0) == N && wdt.size(1) == K, "decode_fused: weight shape mismatch");
   TORCH_CHECK(yacc.size(0) == M && yacc.size(1) == K && nnz.size(0) == M && flag.size(0) == M,
               "decode_fused: output shape mismatch");
@@ -295,7 +295,8 @@ void d2t_gemm(const at::Tensor& x, const at::Tensor& w, at::Tensor packed, at::T
   req(flag, "flag", at::kInt, 1);
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(w.size(1) == K, "d2t_gemm: w_gate must be [N, K] with K = x.size(1)");
-  TORCH_CHECK(K % 64 == 0 && N % 256 == 0, "d2t_gemm: needs K % 64 == 0 and N % 256 == 0, got K=", K, " N=", N);
+  TORCH_CHECK(K % 64 == 0 && N % 256 == 0, "d2t_gemm: needs K % 64 == 0 and N % 256 == 0, got K=", std::to_string(K),
+              " N=", std::to_string(N));
   TORCH_CHECK(packed.size(0) == M && packed.size(1) * 256 == N && counts.size(0) == M && counts.size(1) * 256 == N &&
                   flag.size(0) == M,
               "d2t_gemm: packed/counts/flag shape mismatch");
