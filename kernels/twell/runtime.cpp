@@ -974,26 +974,9 @@ TORCH_LIBRARY_IMPL(sfl_twell, CUDA, m) {
 // ---- plan inspection and lifetime (pybind; binding.cpp exposes them)
 namespace sfl_runtime {
 
-// Plans freed while this thread captures a CUDA graph wait here: destroying one frees its pinned slot, and
-// cudaFreeHost synchronises, which would invalidate the capture. Python's cyclic GC frees handles at any time, for
-// instance while inductor records a compiled step of another model.
-auto& g_retired = *new std::vector<std::unique_ptr<Plan>>();
-
 void plan_free(int64_t id) {
   std::lock_guard<std::mutex> lock(g_mutex);
-  const auto it = g_plans.find(id);
-  if (it != g_plans.end()) {
-    g_retired.push_back(std::move(it->second));
-    g_plans.erase(it);
-  }
-  // (called from a Python finalizer, maybe at exit: an error here means "not now", never an exception)
-  try {
-    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream().stream(), &st) == cudaSuccess &&
-        st == cudaStreamCaptureStatusNone)
-      g_retired.clear();
-  } catch (const std::exception&) {
-  }
+  g_plans.erase(id);
 }
 
 void plan_reset(int64_t id) {
