@@ -40,11 +40,13 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from . import tables
-from .config import TILE_N, crossover_at
+from .config import TILE_N, KernelConfig, crossover_at
 from .device import kernels_supported
+from .ffn import sparse_gated_ffn, sparse_nongated_ffn
 from .loader import KernelUnavailableError
 from .provenance import measurement_provenance
 from .timing import PairTimer, capture_graph
+from .twell import ops
 
 # (block kind, K, N): the paper's models (hidden 2048, gated N 5632; the non-gated block at N 8192) and SmolLM2's
 DEFAULT_SHAPES = (("gated", 2048, 5632), ("gated", 576, 1536), ("nongated", 2048, 8192))
@@ -182,9 +184,6 @@ class CudaMeasure:
     """Times our dense path against the forced sparse path through the op, on synthetic cases of a set activity."""
 
     def __init__(self, reps: int = 20, reps_large: int = 10, seed: int = 0) -> None:
-        from .config import KernelConfig
-        from .twell import ops
-
         self.reps, self.reps_large, self.seed = reps, reps_large, seed
         self.timer = PairTimer()
         self.base = KernelConfig()
@@ -224,8 +223,6 @@ class CudaMeasure:
 
     @torch.no_grad()
     def __call__(self, kind: str, K: int, N: int, M: int, activity: float, profile: str) -> Point:
-        from .ffn import sparse_gated_ffn, sparse_nongated_ffn
-
         w1, wu, wd, (plan_d, plan_s) = self._weights(kind, K, N)
         x, w = self._case(w1, M, activity, profile, seed=self.seed + M * 1000 + int(activity * 1e5))
 
@@ -285,8 +282,6 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     try:
-        from .twell import ops
-
         t_build = time.monotonic()
         ops.load()   # the JIT build (first run only) is not part of the budget
     except KernelUnavailableError as e:

@@ -298,6 +298,31 @@ def test_plan_spec_has_every_field_the_op_reads():
     assert ops.Plan(cfg).id != plan.id
 
 
+def test_plan_freed_while_capturing_waits(monkeypatch):
+    """A plan whose handle dies while the current stream captures a CUDA graph is released only at the next free
+    outside a capture (destroying it frees pinned memory, which would invalidate the capture); then every waiting
+    plan goes."""
+    from sfl.kernels.twell import ops
+
+    freed: list[int] = []
+
+    class Ext:
+        def plan_free(self, plan_id: int) -> None:
+            freed.append(plan_id)
+
+    capturing = [True]
+    ext = Ext()
+    monkeypatch.setattr(ops, "loaded", lambda name: ext)
+    monkeypatch.setattr(ops, "_RETIRED", [])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    ops._free(7)
+    ops._free(8)
+    assert freed == []
+    capturing[0] = False
+    ops._free(9)
+    assert sorted(freed) == [7, 8, 9] and ops._RETIRED == []
+
+
 def test_plan_for_is_per_storage_and_config():
     """Views of one weight share the functional API's plan (its dispatch history); another weight, another config
     or the other block kind get their own."""

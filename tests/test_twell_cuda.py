@@ -1418,3 +1418,37 @@ def test_nonfinite_sparse_mode_as_specified(ffn, gated, where, value, M):
     if where == "x":   # the poisoned rows (1 and M - 1) are flagged, and (gated) dense is non-finite in every entry there
         assert flagged[1] and flagged[M - 1] and int(flagged.sum()) == len({1, M - 1})
         assert not gated or not bool(torch.isfinite(ref[flagged]).any())
+
+
+def test_plan_freed_while_capturing_leaves_the_capture_intact(ffn):
+    """A layer's plan whose handle dies while a CUDA graph is being captured (Python's cyclic GC runs at any time, for
+    instance while inductor records another model's compiled step) is destroyed only after the capture: destroying it
+    frees its pinned slot, and cudaFreeHost would invalidate the capture. The graph records and replays."""
+    import gc
+
+    from sfl.kernels.config import KernelConfig
+    from sfl.kernels.twell import ops
+
+    x, wg, wu, wd = make_problem(64, 128, 512, 0.05, seed=3, adversarial=False)
+    plan = ops.Plan(KernelConfig())
+    ffn.sparse_gated_ffn(x, wg, wu, wd, plan=plan)   # the C++ plan, its pinned slot and event
+    torch.cuda.synchronize()
+    a = torch.randn(1000, device=DEV)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        b = a * 2
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        b = a * 2
+        del plan
+        gc.collect()
+    a.copy_(torch.arange(1000, device=DEV, dtype=torch.float32))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(b, a * 2)
+    later = ops.Plan(KernelConfig())   # a free outside any capture destroys the waiting plan too
+    ffn.sparse_gated_ffn(x, wg, wu, wd, plan=later)
+    del later
+    torch.cuda.synchronize()

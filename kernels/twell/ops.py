@@ -88,10 +88,25 @@ def plan_spec(cfg: KernelConfig) -> str:
 _IDS = itertools.count(1)
 
 
+_RETIRED: list[int] = []   # plans whose handle died while the current stream captured a CUDA graph
+
+
 def _free(plan_id: int) -> None:
+    """Release a plan whose handle is gone, unless the current stream is capturing a CUDA graph: destroying a plan
+    frees its pinned slot, and cudaFreeHost synchronises, which would invalidate the capture. Python's cyclic GC frees
+    handles at any time, for instance while inductor records another model's compiled step; such a plan waits for the
+    next free outside a capture."""
     ext = loaded("twell")
-    if ext is not None:
-        ext.plan_free(plan_id)
+    if ext is None:
+        return
+    _RETIRED.append(plan_id)
+    try:
+        if torch.cuda.is_current_stream_capturing():
+            return
+    except RuntimeError:  # CUDA already shut down (a finalizer at exit): nothing is captured any more
+        pass
+    while _RETIRED:
+        ext.plan_free(_RETIRED.pop())
 
 
 @dataclass(eq=False)
