@@ -78,6 +78,7 @@ class SparseLlamaMLP(nn.Module):
         self.register_buffer("nnz_stats", torch.zeros(3, dtype=torch.int64), persistent=False)
         self.last_nnz_per_token: torch.Tensor | None = None
         self.record_per_token = False
+        self._train_state = None  # mlp_impl="cuda" training: the layer's measured-activity history
         self._cast_cache = None   # mlp_impl="cuda" inference: the weights cast to the autocast dtype
         self.refresh_plan()
 
@@ -89,9 +90,6 @@ class SparseLlamaMLP(nn.Module):
         self.kernel_config = self.config.get_kernel_config(self.layer_idx)
         shape = (self.hidden_size, self.intermediate_size)
         self.plan = Plan(self.kernel_config, shape=shape) if Plan is not None else None
-        # mlp_impl="cuda" training: the layer's DispatchState (kernels/train_ffn.py), a handle on its training plan,
-        # made on its next training call: a new plan starts a new history there too
-        self._train_state = None
 
     def layout_down_proj(self) -> None:
         """down_proj.weight neuron-major for the TwELL paths (mlp_impl "cuda" and its "reference"), which read W_d by
