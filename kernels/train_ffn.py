@@ -358,8 +358,8 @@ def _run(x, w_gate, w_up, w_down, l1_reduction, mode, state, width, backend, wan
             kept = sum(t.numel() * t.element_size() for t in (ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup))
             # backup rows: a device count on "cuda" (reading it here would be a host sync), an int on "torch"
             n_backup = flag.sum() if backend == "cuda" else int(backup_rows.numel())
-            stats = {"path": "sparse", "nnz_per_token": nnz, "backup_rows": n_backup, "width": w_call,
-                     "kept_bytes": int(kept), "backend": backend}
+            stats = {"path": "sparse", "nnz_per_token": nnz, "backup_rows": n_backup,
+                     "width": int(ell_col.shape[1]), "kept_bytes": int(kept), "backend": backend}
             st.last_kept_bytes, st.last_backup_rows = stats["kept_bytes"], n_backup
             if want_last_active:
                 stats["last_active_row"] = last

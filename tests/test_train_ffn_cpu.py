@@ -116,11 +116,15 @@ def test_saved_hybrid_format_and_transpose():
     from sfl.kernels import reference as ref
 
     hy = ref.d2h(a, 10)
+    W = ell_col.shape[1]   # the narrowest ELL holding every light row (at most the width, 10)
+    assert W == (max(1, int(nnz[flag == 0].max())) if (flag == 0).any() else 1) and W <= 10
+    assert ell_a.shape[1] == ell_u.shape[1] == W
     saved = ops.saved_hybrid(ell_col, ell_a, nnz, brow, backup, 64)
     assert torch.equal(saved.backup_mask(), flag.bool())
     valid = saved.valid_mask()
-    assert torch.equal(torch.where(valid, ell_col, -1)[flag == 0], torch.where(valid, hy.ell_col, -1)[flag == 0])
-    assert torch.equal(torch.where(valid, ell_a, 0.0)[flag == 0], torch.where(valid, hy.ell_val, 0.0)[flag == 0])
+    assert torch.equal(torch.where(valid, ell_col, -1)[flag == 0],
+                       torch.where(valid, hy.ell_col[:, :W], -1)[flag == 0])
+    assert torch.equal(torch.where(valid, ell_a, 0.0)[flag == 0], torch.where(valid, hy.ell_val[:, :W], 0.0)[flag == 0])
     u = F.linear(x, wu)
     assert torch.allclose(ell_u[valid], torch.gather(u, 1, ell_col.clamp(min=0).long())[valid])
     # CSR by neuron: every light entry exactly once, grouped by neuron, rows ascending
@@ -138,14 +142,23 @@ def test_saved_hybrid_format_and_transpose():
 
 def test_torch_backend_keeps_no_history():
     """The torch backend (the exact fallback) keeps no dispatch history (that is the CUDA plan's, tested on the GPU):
-    sparse calls take the configured width, exact at any width, and auto runs dense."""
+    a sparse call keeps the narrowest ELL that holds its light rows (at most the width), exact at any width, with
+    exact gradients; auto runs dense."""
     x, wg, wu, wd = problem(20, 16, 64, 1.5, 5)
     yd, _, _ = dense_ref(x, wg, wu, wd, "mean")
     st = DispatchState()
     for width in (128, 128, 8):
-        y, _, s = sparse_gated_ffn_train(x, wg, wu, wd, mode="sparse", backend="torch", state=st, width=width)
-        assert s["width"] == width and st.plan is None
+        ins = [t.clone().requires_grad_(True) for t in (x, wg, wu, wd)]
+        y, l1, s = sparse_gated_ffn_train(*ins, mode="sparse", backend="torch", state=st, width=width)
+        light = s["nnz_per_token"][s["nnz_per_token"] <= width]
+        assert s["width"] == (max(1, int(light.max())) if light.numel() else 1) and st.plan is None
         assert torch.allclose(y.double(), yd.double(), atol=1e-10)
+        (y.sum() + l1).backward()
+        ref_ins = [t.clone().requires_grad_(True) for t in (x, wg, wu, wd)]
+        yr, l1r, _ = dense_ref(*ref_ins, "mean")
+        (yr.sum() + l1r).backward()
+        for a, b in zip(ins, ref_ins):
+            assert torch.allclose(a.grad, b.grad, atol=1e-10)
     assert s["backup_rows"] > 0   # width 8: rows above it are exact backup rows
     _, _, s = sparse_gated_ffn_train(x, wg, wu, wd, backend="torch", state=st)
     assert s["path"] == "dense" and st.activity is None
@@ -183,7 +196,7 @@ def test_settings_come_from_the_kernel_config_not_the_environment(monkeypatch):
     monkeypatch.setenv("SFL_KERNEL_TRAIN_WIDTH", "4")
     x, wg, wu, wd = problem(9, 16, 32, -1.0, 2)   # most neurons active: every row is heavy at W=4, none at W=128
     _, _, st = sparse_gated_ffn_train(x, wg, wu, wd, mode="sparse", backend="torch", config=cfg)
-    assert st["path"] == "sparse" and st["backup_rows"] == 9 and st["width"] == 4   # config width, no shrink
+    assert st["path"] == "sparse" and st["backup_rows"] == 9 and st["width"] <= 4   # the config's width
     _, _, st = sparse_gated_ffn_train(x, wg, wu, wd, mode="sparse", backend="torch")
     assert st["path"] == "sparse" and st["backup_rows"] == 0   # the env width (4) was not read
     assert KernelConfig.from_env(environ={"SFL_KERNEL_TRAIN_MODE": "sparse"}).train_mode == "sparse"

@@ -96,13 +96,19 @@ def _last_active_reference(hy: Hybrid, dev: torch.device) -> Tensor:
 def _ffn_fwd_torch(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, width: int, measure_width: int,
                    scale: float, want_last: bool):
     """The torch backend: the reference forward, its state unpacked into the op's tensors (chunk_rows, backup_cap
-    unused: the backup rows are exact here, computed on the host's knowledge)."""
+    unused: the backup rows are exact here, computed on the host's knowledge). The ELL kept for the backward is the
+    narrowest that holds every light row of this call (the host knows their counts here; the "cuda" backend takes
+    its width from the layer's history instead)."""
     y, l1, saved = ref.train_ffn_forward(x, w_gate, w_up, w_down, width, scale)
     hy = saved.hy
     flag = hy.backup_mask().to(torch.int32)
     host = host_summary(hy.nnz, flag, width, measure_width)
     last = _last_active_reference(hy, x.device) if want_last else torch.empty(0, dtype=torch.int64, device=x.device)
-    return y, l1, hy.ell_col, hy.ell_val, saved.ell_u, hy.nnz, flag, hy.backup_rows, hy.backup, host, last
+    light = hy.nnz[flag == 0]
+    fit = max(1, int(light.max())) if light.numel() else 1
+    ell_col, ell_val, ell_u = (t[:, :fit].contiguous() if t.dim() == 2 and t.shape[1] == width else t
+                               for t in (hy.ell_col, hy.ell_val, saved.ell_u))
+    return y, l1, ell_col, ell_val, ell_u, hy.nnz, flag, hy.backup_rows, hy.backup, host, last
 
 
 def host_summary(nnz: Tensor, flag: Tensor, width: int, measure_width: int) -> Tensor:
