@@ -838,6 +838,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ffn_fwd_gate", &ffn_fwd_gate, "the training op's forward, first call: gate GEMM, ELL, the summary's copy");
   m.def("ffn_fwd_rows", &ffn_fwd_rows, "the training op's forward, second call: the light rows, the backup rows, L1");
   m.def("ffn_bwd", &ffn_bwd, "the training op's backward in one call (sfl_train::ffn_bwd runs it)");
+  m.def("ffn_fwd_op", &ffn_fwd_op, "sfl_train::ffn_fwd's CUDA implementation, called directly (eager)");
+  m.def("ffn_bwd_op", &ffn_bwd_op, "sfl_train::ffn_bwd's CUDA implementation, called directly (eager)");
   m.def("dx_slices", &dx_slices, "dx of the light rows from bwd_block's coefficients, slice-major (bwd_block with an empty dx first)",
         py::arg("gated"), py::arg("wg"), py::arg("wu"), py::arg("ell_col"), py::arg("nnz"), py::arg("flag"),
         py::arg("cg"), py::arg("cu"), py::arg("dx"), py::arg("rows") = 0);

@@ -141,10 +141,12 @@ def ffn_fwd(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, widt
     "torch": the reference (eager under torch.compile: its backup rows are data-dependent)."""
     if backend != "cuda":
         return _ffn_fwd_torch_eager(x, w_gate, w_up, w_down, width, measure_width, scale, want_last)
-    if not torch.compiler.is_compiling():  # a trace loads it through the fake (below)
-        load_ext()
-    return torch.ops.sfl_train.ffn_fwd(x, w_gate, w_up, w_down, int(width), int(measure_width), float(scale),
-                                       max(1, int(chunk_rows)), int(backup_cap), bool(want_last))
+    args = (x, w_gate, w_up, w_down, int(width), int(measure_width), float(scale), max(1, int(chunk_rows)),
+            int(backup_cap), bool(want_last))
+    if torch.compiler.is_compiling():  # traced through the fake (below), which loads the extension
+        return torch.ops.sfl_train.ffn_fwd(*args)
+    # eager: the op's C++ function itself, without the dispatcher's argument parsing and boxed autograd fallback
+    return load_ext().ffn_fwd_op(*args)
 
 
 @torch.library.register_fake("sfl_train::ffn_fwd")
@@ -195,8 +197,11 @@ def ffn_bwd(dy: Tensor, gl1: Tensor, x: Tensor, w_gate: Tensor | None, w_up: Ten
     included) and the W_d gradient's transpose."""
     if backend != "cuda":
         return _ffn_bwd_torch(dy, gl1, x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, backup_rows, backup, scale)
-    return torch.ops.sfl_train.ffn_bwd(dy, gl1, x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag, host,
-                                       float(scale), int(dw_nb) or dw_chunks(x.shape[0]), int(backup_cap))
+    args = (dy, gl1, x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag, host, float(scale),
+            int(dw_nb) or dw_chunks(x.shape[0]), int(backup_cap))
+    if torch.compiler.is_compiling():
+        return torch.ops.sfl_train.ffn_bwd(*args)
+    return load_ext().ffn_bwd_op(*args)   # eager: the op's C++ function itself, as for the forward
 
 
 @torch.library.register_fake("sfl_train::ffn_bwd")
