@@ -2,11 +2,11 @@
 # Trial (lab): the training op of several source trees side by side in one device call, so that one machine's host
 # and GPU time them all: each tree's host time per half (host_time_train_op.py --halves-only) and its training bench
 # rows at one M, in rounds that alternate the trees. Trees: this checkout (".") and branch snapshots, made here with
-#   for b in train-capture one-engine; do mkdir -p .carry/$b && git archive $b | tar -x -C .carry/$b &&
+#   for b in train-capture one-engine engine-direct; do mkdir -p .carry/$b && git archive $b | tar -x -C .carry/$b &&
 #     git rev-parse $b > .carry/$b/COMMIT; done
 # (only kernels/ experiments/ tests/ sfl/ data/ models/ notebooks/ pyproject.toml are needed) and carried (carry
 # [".carry"]). On the device machine:
-#   . lab/gpu_env.sh; bash lab/speed/ab_trees.sh $OUT 8192 . .carry/train-capture .carry/one-engine
+#   . lab/gpu_env.sh; bash lab/speed/ab_trees.sh $OUT 8192 . .carry/train-capture .carry/one-engine .carry/engine-direct
 # Writes one tar, $OUT/ab_trees.tar (the device tool returns at most 8 files), with a log per tree and round; the
 # second round takes the trees in the reverse order. A tree's logs name the commit in its COMMIT file, else
 # $SFL_GIT_COMMIT.
