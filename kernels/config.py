@@ -83,8 +83,9 @@ class KernelConfig:
             and computed exactly by the dense backup.
     Inference (kernels.ffn, mlp_impl="cuda" without grad):
         mode: "auto" (per-layer measured dispatch between the TwELL path and our dense path), "sparse", "dense".
-        backup_rows: rows of the dense backup's cuBLAS block per sparse call above decode_max_m. -1: from the
-            layer's last measurement (1.25 x its flagged rows + 32; none if it saw none; M / 16 before one).
+        backup_rows: rows of the dense backup's cuBLAS block per sparse call above decode_max_m, and per sparse
+            training call (the same plan rule for both ops). -1: from the layer's last measurement (1.25 x its
+            flagged rows + 32; none if it saw none; M / 16 before one).
             Flagged rows past the block are still exact, on CUDA cores (slower); no host sync either way.
         decode_max_m: M at or below this takes the decode paths (S = 256, lossless). Larger values cost
             M * N * 8 bytes of TwELL buffers above rows_decode_max_m.

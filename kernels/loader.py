@@ -213,6 +213,11 @@ def load(name: str, verbose: bool = False) -> ModuleType:
         return mod
 
 
+def loaded(name: str) -> ModuleType | None:
+    """Extension `name` if it is loaded, else None (nothing is built: one dict lookup)."""
+    return _CACHE.get(name)
+
+
 def load_twell(verbose: bool = False) -> ModuleType:
     """The TwELL (inference) extension: load("twell")."""
     return load("twell", verbose)

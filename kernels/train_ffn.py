@@ -17,11 +17,12 @@
 Autocast: under torch.autocast("cuda", dtype=bf16) the inputs are cast (differentiably) to the autocast dtype,
 as F.linear would do, so fp32 master weights receive fp32 gradients.
 
-Dispatch (mode="auto"): a per-layer DispatchState remembers the activity measured in the previous calls
-(sync-free: device stats copied to pinned host memory and read once their event has completed) and picks the
-sparse path only where it was measured faster: activity <= config.train_dense_above and backup-row fraction <=
-config.train_backup_dense_above (a KernelConfig, kernels/config.py). The first call of a layer goes dense (and
-measures). Settings: kernels/train/README.md. On a CUDA GPU that is not sm_90 (kernels/device.py) every call takes the
+Dispatch (mode="auto"): a per-layer DispatchState is a handle on a plan of the inference op's engine (the C++ plan
+of kernels/twell/runtime.cpp), which keeps the activity measured in the previous calls (sync-free: read from pinned
+host memory once their event has completed) and picks the sparse path only where it was measured faster: activity
+<= config.train_dense_above and backup-row fraction <= config.train_backup_dense_above (a KernelConfig,
+kernels/config.py); it also sets the sparse call's ELL width and backup block. The first call of a layer goes dense
+(and measures). Settings: kernels/train/README.md. On a CUDA GPU that is not sm_90 (kernels/device.py) every call takes the
 dense path, whatever mode says, with one warning (backend="cuda" is refused there, naming the reason).
 """
 from __future__ import annotations
@@ -38,6 +39,7 @@ from .layout import is_neuron_major, keep_down_layout
 from .loader import KernelUnavailableError, load_twell
 from .reference import _acc_dtype, check_ffn_layouts, in_backward
 from .train import ops as _ops
+from .twell import ops as twell_ops
 
 _DEFAULT_CONFIG = KernelConfig()
 
@@ -45,113 +47,72 @@ _L1_REDUCTIONS = ("mean", "sum")
 
 
 class DispatchState:
-    """Per-layer activity history for mode='auto' (keep one per FFN module; cheap, no tensors of size M)."""
+    """A layer's handle on its dispatch plan, the C++ plan that serves the inference op too (kernels/twell/runtime.cpp:
+    train_decide, train_measure): the measured history and the decisions live there, one engine for both ops. Keep
+    one per FFN module. The plan is made on the layer's first call on the "cuda" backend, for that call's config (a
+    new config starts a new history); the "torch" backend and GPUs without the kernels keep no history."""
 
     def __init__(self) -> None:
-        self.activity: float | None = None     # mean active fraction of a, last completed measurement
-        self.backup_frac: float | None = None  # fraction of rows with nnz > width
-        self.last_path: str | None = None
-        self.last_forward_path: str | None = None
-        self.widest_light: int | None = None  # the widest row with nnz <= width (sparse calls only)
+        self.plan: twell_ops.Plan | None = None
+        self.gated: bool | None = None
+        self.last_path: str | None = None       # what the layer's last call ran, for logs and tests
+        self.last_forward_path: str | None = None   # the same for its last call outside backward
         self.last_kept_bytes: int | None = None   # bytes the sparse path's last forward saved for backward
         self.last_backup_rows: Tensor | int | None = None  # rows its last forward kept dense (device count on cuda)
-        self._pending: tuple[Any, int, int, tuple[int, int, int]] | None = None  # (event, rows, n_cols, layout)
-        self._host: Tensor | None = None
 
-    def _poll(self) -> None:
-        if self._pending is None:
-            return
-        ev, rows, n, (i_light, i_heavy, i_widest) = self._pending
-        if ev is not None and not ev.query():
-            return  # not finished yet: keep the previous decision (no host sync)
-        vals = self._host.tolist()
-        light_nnz, heavy = vals[i_light], vals[i_heavy]
-        light_rows = rows - heavy
-        if i_widest >= 0 and light_rows > 0:
-            self.widest_light = vals[i_widest]
-        if rows > 0:
-            # activity of the rows the sparse kernels would take; heavy rows are priced by backup_frac
-            self.activity = light_nnz / (max(1, light_rows) * n)
-            self.backup_frac = heavy / rows
-        self._pending = None
+    def decide(self, cfg: KernelConfig, gated: bool, mode: str, m: int, width: int) -> tuple[bool, int, int]:
+        """(sparse, ELL width, backup block rows) of the layer's next call on the "cuda" backend, from the history
+        (runtime.cpp: train_decide; never waits for the GPU)."""
+        plan = self.plan
+        if plan is None or self.gated != gated or (plan.config is not cfg and plan.config != cfg):
+            plan = self.plan = twell_ops.Plan(cfg)
+            self.gated = gated
+        return load_twell().train_decide(plan.id, plan.spec, gated, _MODES[mode], m, width, in_backward())
+
+    def measure(self, stats: Tensor, rows: int, n_cols: int, light_at: int = 0, flagged_at: int = 1,
+                widest_at: int = -1) -> None:
+        """A call's measurement into the plan (int64 stats on the device, or the sparse op's pinned summary): taken
+        unless one is in flight, or a CUDA graph is being captured (runtime.cpp: train_measure). No plan (no call on
+        the "cuda" backend yet): nothing is kept."""
+        if self.plan is not None and rows > 0:
+            load_twell().train_measure(self.plan.id, self.plan.spec, self.gated, stats, rows, n_cols, light_at,
+                                       flagged_at, widest_at)
 
     def record(self, nnz: Tensor, n_cols: int, width: int) -> None:
-        """Queue an async device->host copy of (nnz of light rows, heavy rows) for a later decision, from per-row
-        counts. Never blocks: no host->device tensors, one reused pinned buffer, skipped while a copy is in flight."""
-        if nnz.numel() == 0 or self._busy():
+        """The measurement from per-row counts (the dense path without its fused kernel): light rows' non-zeros,
+        heavy rows, the widest light row."""
+        if self.plan is None or nnz.numel() == 0 or not nnz.is_cuda:
             return
         light = nnz <= width
         light_nnz = torch.where(light, nnz, 0)
-        self._queue(torch.stack([light_nnz.sum(dtype=torch.int64), (~light).sum(dtype=torch.int64),
-                                 light_nnz.max().to(torch.int64)]), nnz.numel(), n_cols, (0, 1, 2))
+        self.measure(torch.stack([light_nnz.sum(dtype=torch.int64), (~light).sum(dtype=torch.int64),
+                                  light_nnz.max().to(torch.int64)]), nnz.numel(), n_cols, 0, 1, 2)
 
-    def record_summary(self, host: Tensor, rows: int, n_cols: int) -> None:
-        """The same from the sparse op's own summary (ops.host_summary's layout), already on its way to pinned memory:
-        no reduction and no copy of ours."""
-        if rows == 0 or self._busy():
-            return
-        self._host = host
-        self._pending = (_ops.count_event(host), rows, n_cols, (2, 3, 1))
+    def info(self) -> dict[str, Any]:
+        """The plan's state (twell_ops.Plan.info) with every measurement that has landed: p (activity of the light
+        rows), f (heavy-row fraction), widest_light, measurements, ...; empty before the first "cuda" call."""
+        if self.plan is None:
+            return {}
+        load_twell().plan_poll(self.plan.id)
+        return self.plan.info()
 
-    def record_pair(self, stats: Tensor, rows: int, n_cols: int) -> None:
-        """The same from a device int64 [2] = (nnz of light rows, heavy rows) already reduced (fused dense path)."""
-        if rows == 0 or self._busy():
-            return
-        self._queue(stats, rows, n_cols, (0, 1, -1))
+    @property
+    def activity(self) -> float | None:
+        """Mean active fraction of the light rows in the last measurement that reached the host."""
+        return self.info().get("p")
 
-    def call_width(self, width: int, shrink: bool) -> int:
-        """The ELL width of the next sparse call: with shrink, the widest light row measured so far plus a quarter,
-        rounded up to 8 (rows above it are exact backup rows; the next measurement adapts), else `width`. Known on
-        the host without a sync: the measurement of an earlier call."""
-        self._poll()
-        if not shrink or self.widest_light is None:
-            return width
-        return min(width, max(8, -(-(self.widest_light * 5 // 4 + 1) // 8) * 8))
+    @property
+    def backup_frac(self) -> float | None:
+        """Fraction of heavy rows (nnz above the width, or non-finite) in that measurement."""
+        info = self.info()
+        return None if info.get("p") is None else info["f"]
 
-    def backup_capacity(self, m: int) -> int:
-        """Rows of the next sparse call's dense cuBLAS backup block: the measured backup fraction plus a quarter and
-        32 rows (M/16 before any measurement), none where the last measurement saw no backup row (the block's ~10
-        launches would be host time for nothing). Rows beyond it are still exact (a slower CUDA-core kernel)."""
-        frac = self.backup_frac
-        if frac == 0:
-            return 0
-        cap = m // 16 if frac is None else int(frac * m * 1.25) + 32
-        return min(m, -(-cap // 32) * 32)
+    @property
+    def widest_light(self) -> int | None:
+        return self.info().get("widest_light")
 
-    def _busy(self) -> bool:
-        self._poll()
-        return self._pending is not None
 
-    def _queue(self, dev: Tensor, rows: int, n_cols: int, layout: tuple[int, int, int]) -> None:
-        """Copy the int64 stats `dev` to (pinned) host memory without a sync; _poll reads them once landed. layout:
-        the positions of (light non-zeros, heavy rows, widest light row or -1)."""
-        if not dev.is_cuda:
-            self._host = dev
-            self._pending = (None, rows, n_cols, layout)
-            return
-        if self._host is None or self._host.numel() != dev.numel() or not self._host.is_pinned():
-            self._host = torch.empty(dev.numel(), dtype=torch.int64, pin_memory=True)
-        self._host.copy_(dev, non_blocking=True)
-        ev = torch.cuda.Event()
-        ev.record()
-        self._pending = (ev, rows, n_cols, layout)
-
-    def choose(self, cfg: KernelConfig, m: int) -> str:
-        self._poll()
-        if in_backward() and self.last_forward_path is not None:
-            # activation-checkpoint recompute: take the path of this layer's last forward, so the recomputed
-            # saved tensors have the metadata the checkpoint recorded
-            return self.last_forward_path
-        if m < cfg.train_sparse_min_m:
-            return "dense"  # measured: fixed costs (host syncs, small launches) lose below this size
-        if self.activity is None:
-            return "dense"  # nothing measured yet: the dense path measures
-        # measured: from 16384 rows sparse won at 1% activity (with 1% heavy rows too); at 8192 rows it lost there
-        # with heavy rows (kernels/train/README.md, train_dense_above_large)
-        limit = cfg.train_dense_above_large if m >= cfg.train_large_m else cfg.train_dense_above
-        if self.activity > limit or (self.backup_frac or 0.0) > cfg.train_backup_dense_above:
-            return "dense"
-        return "sparse"
+_MODES = {"auto": 0, "sparse": 1, "dense": 2}   # runtime.cpp's Mode
 
 
 def _state_for(key: Tensor) -> DispatchState:
@@ -164,18 +125,18 @@ def _state_for(key: Tensor) -> DispatchState:
 
 
 class _SparseFFN(torch.autograd.Function):
-    """The training op under autograd. In eager mode it calls the ops' implementations directly: the custom ops'
-    Python dispatch costs tens of microseconds per call, host time a step at a small micro-batch waits for; under
-    torch.compile it calls the custom ops, which it traces."""
+    """The training op under autograd: kernels/train/ops.py's ffn_fwd and ffn_bwd, the registered C++ ops on the
+    "cuda" backend (one dispatcher call per half, traced by torch.compile through their fakes), the reference on
+    "torch"."""
 
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, width, measure_width, scale, chunk_rows, backup_cap, want_last, dw_nb,
                 backend):
-        fwd = _ops.ffn_fwd if torch.compiler.is_compiling() else _ops._ffn_fwd_impl
-        out = fwd(x, w_gate, w_up, w_down, width, measure_width, scale, chunk_rows, backup_cap, want_last, backend)
+        out = _ops.ffn_fwd(x, w_gate, w_up, w_down, width, measure_width, scale, chunk_rows, backup_cap, want_last,
+                           backend)
         y, l1, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup, host, last = out
         ctx.save_for_backward(x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup, host)
-        ctx.scale, ctx.dw_nb, ctx.backend = scale, dw_nb, backend
+        ctx.scale, ctx.dw_nb, ctx.backup_cap, ctx.backend = scale, dw_nb, backup_cap, backend
         ctx.mark_non_differentiable(ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup, host, last)
         ctx.set_materialize_grads(False)
         return out
@@ -187,9 +148,8 @@ class _SparseFFN(torch.autograd.Function):
             gy = torch.zeros_like(x)
         if gl1 is None:
             gl1 = torch.zeros((), device=x.device, dtype=torch.float32)
-        bwd = _ops.ffn_bwd if torch.compiler.is_compiling() else _ops._ffn_bwd_impl
-        dx, dwg, dwu, dwd = bwd(gy, gl1, x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup,
-                                host, ctx.scale, ctx.dw_nb, ctx.backend)
+        dx, dwg, dwu, dwd = _ops.ffn_bwd(gy, gl1, x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag,
+                                         backup_rows, backup, host, ctx.scale, ctx.dw_nb, ctx.backup_cap, ctx.backend)
         return dx, (dwg if w_gate is not None else None), dwu, dwd, None, None, None, None, None, None, None, None
 
 
@@ -292,7 +252,7 @@ def _dense(x2, w_gate, w_up, w_down, scale, want_last_active, want_stats, st, cf
         ws = [w.contiguous() if w is not None else None for w in (w_gate, w_up)]
         y, l1, nnz, dstats, last = _FusedDenseFFN.apply(x2.contiguous(), ws[0], ws[1], keep_down_layout(w_down),
                                                         scale, cfg.train_width, want_stats, want_last_active)
-        st.record_pair(dstats, M, N)
+        st.measure(dstats, M, N)
         stats = {"path": "dense", "nnz_per_token": nnz if want_stats else None, "backup_rows": None,
                  "width": None, "kept_bytes": None}
         if want_last_active:
@@ -375,10 +335,11 @@ def _run(x, w_gate, w_up, w_down, l1_reduction, mode, state, width, backend, wan
                              "(slow, exact) or mode='dense'")
         elif backend not in ("cuda", "torch"):
             raise ValueError(f"backend must be 'cuda', 'torch' or None, got {backend!r}")
-        path = "dense" if no_kernels else mode
-        if path == "auto":
-            # the torch backend is a correctness fallback, never faster than dense: auto keeps it off
-            path = st.choose(cfg, M) if backend == "cuda" else "dense"
+        if backend == "cuda" and not no_kernels:
+            sparse, w_call, cap = st.decide(cfg, w_gate is not None, mode, M, width)
+            path = "sparse" if sparse else "dense"
+        else:  # the torch backend is a correctness fallback, never faster than dense: auto keeps it off
+            path, w_call, cap = "dense" if no_kernels or mode == "auto" else mode, width, 0
         st.last_path = path
         if not in_backward():
             st.last_forward_path = path
@@ -388,16 +349,17 @@ def _run(x, w_gate, w_up, w_down, l1_reduction, mode, state, width, backend, wan
         else:
             x2 = x2.contiguous()
             wsc = [w.contiguous() if w is not None else None for w in ws[:2]] + [keep_down_layout(ws[2])]
-            w_call = st.call_width(width, cfg.train_shrink)  # from earlier measurements: no sync
-            out = _SparseFFN.apply(x2, wsc[0], wsc[1], wsc[2], w_call, width, scale, cfg.train_chunk_rows,
-                                   st.backup_capacity(M), want_last_active, cfg.train_dw_nb, backend)
+            out = _SparseFFN.apply(x2, wsc[0], wsc[1], wsc[2], w_call, width, scale, cfg.train_chunk_rows, cap,
+                                   want_last_active, cfg.train_dw_nb, backend)
             y, l1, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup, host, last = out
-            st.record_summary(host, M, N)  # measured against the configured width: dispatch, the next call's width
+            # the op's summary (ops.host_summary's layout), measured against the configured width, on its way to
+            # pinned memory: dispatch and the next call's width, with no reduction and no copy of ours
+            st.measure(host, M, N, light_at=2, flagged_at=3, widest_at=1)
             kept = sum(t.numel() * t.element_size() for t in (ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup))
             # backup rows: a device count on "cuda" (reading it here would be a host sync), an int on "torch"
             n_backup = flag.sum() if backend == "cuda" else int(backup_rows.numel())
-            stats = {"path": "sparse", "nnz_per_token": nnz, "backup_rows": n_backup, "width": w_call,
-                     "kept_bytes": int(kept), "backend": backend}
+            stats = {"path": "sparse", "nnz_per_token": nnz, "backup_rows": n_backup,
+                     "width": int(ell_col.shape[1]), "kept_bytes": int(kept), "backend": backend}
             st.last_kept_bytes, st.last_backup_rows = stats["kept_bytes"], n_backup
             if want_last_active:
                 stats["last_active_row"] = last

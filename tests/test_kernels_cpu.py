@@ -284,7 +284,8 @@ def test_plan_spec_has_every_field_the_op_reads():
     body = body[: body.index("\n}\n")]
     read = re.findall(r'f\.(?:text|integer|number|flag|table)\("(\w+)"', body)
     assert len(read) == len(set(read)) and set(read) == set(ops.OP_FIELDS)
-    assert set(ops.OP_FIELDS) == {f for f in KernelConfig().to_dict() if not f.startswith("train_")}
+    assert set(ops.OP_FIELDS) == {f for f in KernelConfig().to_dict()
+                                  if not f.startswith("train_") or f in ops.TRAIN_PLAN_FIELDS}
     cfg = KernelConfig(mode="sparse", slots=16, self_timing=False, d2t="cublas", flagged_dense_above=0.1,
                        activity_hint=1 / 3, crossover="64:0.002,1:0.01", crossover_nongated="8:0.2")
     fields = dict(item.split("=", 1) for item in ops.plan_spec(cfg).split(";"))
@@ -310,7 +311,8 @@ def test_plan_freed_while_capturing_waits(monkeypatch):
             freed.append(plan_id)
 
     capturing = [True]
-    monkeypatch.setattr(ops, "_STATE", {"ext": Ext()})
+    ext = Ext()
+    monkeypatch.setattr(ops, "loaded", lambda name: ext)
     monkeypatch.setattr(ops, "_RETIRED", [])
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     ops._free(7)

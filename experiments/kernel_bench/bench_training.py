@@ -215,13 +215,15 @@ def run_config(M, K, N, p, heavy, reps, timer, check_fp32, cfg=None, down_layout
 
 
 def light_rows_case(M, K, N, p, seed=7):
-    """make_case's inputs and the op's forward outputs at the ELL width a layer's second call takes (call_width):
-    what the per-kernel timings (profile_phases, the lab A/Bs of single kernels) run the backward kernels on."""
+    """make_case's inputs and the op's forward outputs at the ELL width a layer's second call takes (its plan's
+    width after the first call's measurement): what the per-kernel timings (profile_phases, the lab A/Bs of single
+    kernels) run the backward kernels on."""
     x, (wg, wu, wd), gy = make_case(M, K, N, p, 0.0, seed=seed)
-    nnz0 = ops.ffn_fwd(x, wg, wu, wd, 128, 128, 1.0 / (M * N), M, M, False, "cuda")[5]
-    st = DispatchState()
-    st.widest_light = int(nnz0[nnz0 <= 128].max())
-    out = ops.ffn_fwd(x, wg, wu, wd, st.call_width(128, True), 128, 1.0 / (M * N), M, M, False, "cuda")
+    st, cfg = DispatchState(), KernelConfig()
+    sparse_gated_ffn_train(x, wg, wu, wd, mode="sparse", state=st, config=cfg)
+    torch.cuda.synchronize()
+    width = st.decide(cfg, True, "sparse", M, cfg.train_width)[1]
+    out = ops.ffn_fwd(x, wg, wu, wd, width, cfg.train_width, 1.0 / (M * N), M, M, False, "cuda")
     return x, (wg, wu, wd), gy, out
 
 

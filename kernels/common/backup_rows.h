@@ -18,4 +18,11 @@ cudaError_t sfl_dense_rows_fwd_launch(int gated, const void* x, const void* wf, 
                                       int M, int K, int N, const int64_t* rows, const int64_t* count, int start,
                                       const int32_t* flag, void* y, float* rowabs, int64_t* last, int grid,
                                       cudaStream_t stream);
+// The training backward of rows[start .. *count) on CUDA cores (the rows past the caller's cuBLAS block): dx[row]
+// written, their contributions added to the written weight gradients dwf, dwu (gated), dwdt (neuron-major [N, K]);
+// l1c: the L1 term's coefficient dL/d|h| (fp32 [1], device); K <= 4096; grid: CTAs per row-loop (dW gets up to 4x).
+cudaError_t sfl_dense_rows_bwd_launch(int gated, const void* x, const void* dy, const void* wf, const void* wu,
+                                      const void* wdt, int M, int K, int N, const int64_t* rows, const int64_t* count,
+                                      int start, const float* l1c, void* dx, void* dwf, void* dwu, void* dwdt,
+                                      int grid, cudaStream_t stream);
 }

@@ -1,11 +1,16 @@
 // Torch-facing glue for the sparse training kernels: checks tensors, takes raw pointers and the CURRENT torch
 // stream, calls the extern "C" launchers in train_kernels.cu (and common/backup_rows.cu), and turns any CUDA error
 // into a Python exception.
-// The algorithm (chunking, backup rows, transposes, dispatch) lives in kernels/train/ops.py.
+// The op (sfl_train::ffn_fwd / ffn_bwd, registered at the end) runs its steps here; its dispatch lives in
+// kernels/train_ffn.py.
 #include <torch/extension.h>
+#include <torch/library.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
+
+#include <mutex>
+#include <unordered_map>
 
 #include "../common/backup_rows.h"
 #include "../common/slices.h"
@@ -505,16 +510,17 @@ std::tuple<at::Tensor, at::Tensor> csr_by_neuron(const at::Tensor& ell_col, cons
   return {perm, colptr};
 }
 
-// The op's forward on the "cuda" backend in two calls (kernels/train/ops.py, _ffn_fwd_impl, says what the steps are
+// The op's forward on the "cuda" backend in two calls (kernels/train/ops.py, ffn_fwd, says what the steps are
 // for; kernels/train/README.md, Forward), between which the caller records the event after which `host` is final
 // (the backward waits for it: recorded at the end of the forward instead, the backward's first launches waited
 // for the whole forward). As ~30 torch calls from Python the forward took 1.6 ms of host time per call on the H100
 // machine, against 0.7 ms for dense autograd's (lab/speed/host_time_train_op.py).
 //
 // ffn_fwd_gate: the gate GEMM in chunks of rows into one reused scratch, each compacted to ELL; the device summary
-// and its pinned copy `host`, queued. Returns ell_col, ell_a, nnz, flag, summary, host.
+// and (host_copy) its pinned copy `host`, queued. Returns ell_col, ell_a, nnz, flag, summary, host (zeros in plain
+// CPU memory without host_copy).
 std::vector<at::Tensor> ffn_fwd_gate(const at::Tensor& first, const at::Tensor& x, int64_t width, int64_t measure_width,
-                                     int64_t chunk_rows) {
+                                     int64_t chunk_rows, bool host_copy) {
   req(x, "x", at::kBFloat16, 2);
   req(first, "w_first", at::kBFloat16, 2);
   TORCH_CHECK(width >= 1 && measure_width >= width, "ffn_fwd_gate: need 1 <= width <= measure_width");
@@ -537,6 +543,8 @@ std::vector<at::Tensor> ffn_fwd_gate(const at::Tensor& first, const at::Tensor& 
               summary, measure_width);
     }
   }
+  if (!host_copy)  // a captured call: its replays would write a pinned buffer that no event tells the host about
+    return {ell_col, ell_a, nnz, flag, summary, at::zeros({4}, at::TensorOptions().dtype(at::kLong))};
   at::Tensor host = at::empty({4}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
   host.copy_(summary, /*non_blocking=*/true);
   return {ell_col, ell_a, nnz, flag, summary, host};
@@ -590,32 +598,44 @@ std::vector<at::Tensor> ffn_fwd_rows(const c10::optional<at::Tensor>& w_gate, co
   return {y, l1, ell_u, at::empty({0}, i64o), at::empty({0, N}, opt), last};
 }
 
-// ffn_bwd: the op's backward on the "cuda" backend in one call (kernels/train/ops.py, _ffn_bwd_impl, and
-// kernels/train/README.md, Backward). R: the forward's backup-row count (its pinned summary, the caller waited for the
-// event); perm / colptr: the CSR by neuron when the caller computed it (the kernel needs more shared memory than
-// it takes), else undefined and computed here; nb: dw's K-slice width, resolved. Returns dx, dW_g (empty when
+// ffn_bwd: the op's backward on the "cuda" backend in one call (kernels/train/ops.py, ffn_bwd, and
+// kernels/train/README.md, Backward), with no host read: every shape is known from the arguments, so a training step
+// can be captured in a CUDA graph. flagged: the forward's flagged-row count when the caller has it on the host (an
+// eager backward: then exactly those rows form the cuBLAS block, as many as the forward flagged), or -1 (a captured
+// one: the block is the forward's, its first backup_cap flagged rows, and rows past it go to dense_rows_bwd on CUDA
+// cores, their count staying on the device). entries: a bound on the light entries (the forward's summary, when the
+// caller has it on the host), or -1 for their capacity M x W; perm / colptr: the CSR by neuron when the caller computed it (the kernel needs more shared memory
+// than it takes), else undefined and computed here; nb: dw's K-slice width, resolved. Returns dx, dW_g (empty when
 // non-gated), dW_u, dW_d in nn.Linear layout.
 std::vector<at::Tensor> ffn_bwd(const at::Tensor& dy_in, const at::Tensor& gl1, const at::Tensor& x,
                                 const c10::optional<at::Tensor>& w_gate, const at::Tensor& w_up,
                                 const at::Tensor& w_down, const at::Tensor& ell_col, const at::Tensor& ell_a,
-                                const at::Tensor& ell_u, const at::Tensor& nnz, const at::Tensor& flag, int64_t R,
-                                int64_t entries, double scale, int64_t nb, const c10::optional<at::Tensor>& perm_in,
-                                const c10::optional<at::Tensor>& colptr_in) {
+                                const at::Tensor& ell_u, const at::Tensor& nnz, const at::Tensor& flag,
+                                int64_t flagged, int64_t backup_cap, int64_t entries, double scale, int64_t nb,
+                                int64_t sms,
+                                const c10::optional<at::Tensor>& perm_in, const c10::optional<at::Tensor>& colptr_in) {
   const bool gated = w_gate.has_value() && w_gate->defined();
   const at::Tensor& first = gated ? *w_gate : w_up;
   req(x, "x", at::kBFloat16, 2);
+  req(flag, "flag", at::kInt, 1);
   const int64_t M = x.size(0), K = x.size(1), N = w_up.size(0), W = ell_col.size(1);
   const c10::cuda::CUDAGuard guard(x.device());
   const auto f32o = x.options().dtype(at::kFloat);
   const at::Tensor dy = dy_in.to(x.scalar_type()).contiguous();
   const at::Tensor c = (gl1.reshape({1}).to(at::kFloat) * scale).contiguous();  // dL/d|h|, read on the device
   at::Tensor dx = at::empty({M, K}, x.options());
-  // the dense backup rows first, dense autograd's ops (reference.dense_rows_backward, op for op); their activations
-  // are recomputed from x; their weight-gradient contributions become the dw kernel's addends
+  // the flagged rows, ascending (-1 after the last); their count on the device unless the caller knows it
+  const bool known = flagged >= 0;
+  const at::Tensor rows = at::nonzero_static(flag, known ? flagged : M, -1).squeeze(1);
+  const at::Tensor count = known ? at::Tensor() : flag.ne(0).sum(at::kLong).reshape({1});
+  const int64_t cap = known ? std::min(M, flagged) : std::min(M, std::max<int64_t>(0, backup_cap));
+  // the first cap flagged rows: dense autograd's ops (reference.dense_rows_backward, op for op) on a gathered block
+  // (unused rows zero: they add nothing), activations recomputed from x; their weight-gradient contributions become
+  // the dw kernel's addends
   c10::optional<at::Tensor> add_g, add_u, add_d;
-  if (R > 0) {
-    const at::Tensor rows = at::nonzero_static(flag, R).squeeze(1);
-    const at::Tensor xb = x.index_select(0, rows), dyb = dy.index_select(0, rows);
+  if (cap > 0) {
+    const at::Tensor idx = rows.narrow(0, 0, cap);
+    const at::Tensor xb = gather_rows(x, idx), dyb = gather_rows(dy, idx);
     const at::Tensor ab = at::relu(at::linear(xb, first));
     const at::Tensor u = gated ? at::linear(xb, w_up) : at::Tensor();
     const at::Tensor h = gated ? ab * u : ab;
@@ -632,7 +652,10 @@ std::vector<at::Tensor> ffn_bwd(const at::Tensor& dy_in, const at::Tensor& gl1, 
       add_u = at::matmul(dg.t(), xb);
     }
     add_d = at::matmul(h.t(), dyb);
-    dx.index_copy_(0, rows, dxb);
+    dxb = dxb.contiguous();
+    check(sfl_scatter_rows_launch(dxb.data_ptr(), nullptr, nullptr, idx.data_ptr<int64_t>(), (int)cap, (int)K,
+                                  (int)N, dx.data_ptr(), nullptr, nullptr, stream()),
+          "scatter_rows");
   }
   const at::Tensor wdt = down_t(w_down);
   at::Tensor perm, colptr;
@@ -647,8 +670,8 @@ std::vector<at::Tensor> ffn_bwd(const at::Tensor& dy_in, const at::Tensor& gl1, 
   // neuron-major over dy, one L2-sized K slice at a time: dW_dT, and the light entries' dh = dy_r . W_dT[j] in
   // partial sums per 256 columns (the dy slices dW_dT reads anyway; W_dT[j]'s slice read once per neuron)
   // one column per light entry: `entries`, the forward's summary count of the non-zeros of finite rows up to the
-  // configured width, bounds them (every light row is such a row); M * W if it is larger
-  at::Tensor part = at::empty({(K / 8 + 31) / 32, std::min(M * W, std::max<int64_t>(entries, 0))}, f32o);
+  // configured width, bounds them (every light row is such a row); M * W if it is larger or unknown (-1)
+  at::Tensor part = at::empty({(K / 8 + 31) / 32, entries < 0 ? M * W : std::min(M * W, entries)}, f32o);
   dwd_dh(nb, dy, wdt, perm, colptr, ell_a, ell_u, add_d, dwdt, part);
   at::Tensor cg = at::empty({M, W}, f32o), cu = at::empty({gated ? M : 0, gated ? W : 0}, f32o);
   dh_coef(gated, part, K, perm, colptr, ell_a, ell_u, c, cg, cu);
@@ -657,12 +680,133 @@ std::vector<at::Tensor> ffn_bwd(const at::Tensor& dy_in, const at::Tensor& gl1, 
   dx_slices(gated, first, w_up, ell_col, nnz, flag, cg, cu, dx, kBwdSlicesRows);
   dw(gated, nb, x, dy, perm, colptr, ell_a, ell_u, cg, cu, add_g, add_u, c10::nullopt, gated ? dwg : dwu, dwu, dwdt,
      0, 1);
+  if (!known && cap < M)  // the flagged rows past the block: dx, dW added; no CTA works unless the count exceeds cap
+    check(sfl_dense_rows_bwd_launch(gated, x.data_ptr(), dy.data_ptr(), first.data_ptr(), w_up.data_ptr(),
+                                    wdt.data_ptr(), (int)M, (int)K, (int)N, rows.data_ptr<int64_t>(),
+                                    count.data_ptr<int64_t>(), (int)cap, c.data_ptr<float>(), dx.data_ptr(),
+                                    (gated ? dwg : dwu).data_ptr(), gated ? dwu.data_ptr() : nullptr, dwdt.data_ptr(),
+                                    (int)std::min(M - cap, 2 * std::max<int64_t>(1, sms)), stream()),
+          "dense_rows_bwd");
   return {dx, dwg, dwu, neuron_major(w_down) ? dwdt.t() : transpose(dwdt)};  // dW_d [K, N] in w_down's strides
+}
+
+// ---- the registered ops sfl_train::ffn_fwd / ffn_bwd (schemas and fakes in kernels/train/ops.py): the "cuda"
+// backend of the training op, one dispatcher call per half, no Python in between.
+
+bool capturing() {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  check(cudaStreamIsCapturing(stream(), &st), "capture status");
+  return st != cudaStreamCaptureStatusNone;
+}
+
+int64_t sm_count(const at::Tensor& t) {
+  int n = 0;
+  check(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, t.get_device()), "device attribute");
+  return n;
+}
+
+// The forward's pinned summary is final once the event recorded right after its copy has completed. The backward
+// looks the event up by the buffer's address; an address handed out again replaces it. (The dispatch, on the
+// layer's plan in kernels/twell/runtime.cpp, records its own event after the op.)
+std::mutex g_ready_mu;
+std::unordered_map<const void*, cudaEvent_t> g_ready;
+
+void record_ready(const at::Tensor& host) {
+  cudaEvent_t ev;
+  check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "event create");
+  check(cudaEventRecord(ev, stream()), "event record");
+  std::lock_guard<std::mutex> lock(g_ready_mu);
+  auto it = g_ready.find(host.data_ptr());
+  if (it != g_ready.end()) {
+    cudaEventDestroy(it->second);
+    it->second = ev;
+  } else {
+    g_ready.emplace(host.data_ptr(), ev);
+  }
+}
+
+// The forward summary's flagged-row count and light-entry bound (waiting for its event, complete by the time a
+// backward runs), or (-1, -1) while capturing, when nothing may be read on the host.
+std::pair<int64_t, int64_t> summary_counts(const at::Tensor& host) {
+  cudaEvent_t ev = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(g_ready_mu);
+    auto it = g_ready.find(host.data_ptr());
+    if (it != g_ready.end()) {
+      ev = it->second;
+      g_ready.erase(it);
+    }
+  }
+  if (capturing()) {
+    if (ev != nullptr) cudaEventDestroy(ev);
+    return {-1, -1};
+  }
+  if (ev != nullptr) {
+    check(cudaEventSynchronize(ev), "event synchronize");
+    cudaEventDestroy(ev);
+  } else if (host.is_pinned()) {  // no event known for this buffer: wait for everything queued (exact, slower)
+    check(cudaStreamSynchronize(stream()), "stream synchronize");
+  }
+  return {host.data_ptr<int64_t>()[0], host.data_ptr<int64_t>()[2]};
+}
+
+// reference.csr_by_neuron in ATen ops (a stable sort), where the counting sort's shared memory does not fit.
+std::tuple<at::Tensor, at::Tensor> csr_by_neuron_sorted(const at::Tensor& ell_col, const at::Tensor& nnz,
+                                                        const at::Tensor& flag, int64_t N) {
+  const at::Tensor slot = at::arange(ell_col.size(1), ell_col.options()).unsqueeze(0);
+  const at::Tensor valid = slot.lt(nnz.unsqueeze(1)).logical_and(flag.eq(0).unsqueeze(1));
+  const at::Tensor keys = at::where(valid, ell_col, at::full({}, N, ell_col.options())).flatten();
+  const auto sorted = at::sort(keys, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+  const at::Tensor colptr = at::searchsorted(std::get<0>(sorted), at::arange(N + 1, keys.options()));
+  return {std::get<1>(sorted), colptr};
+}
+
+using FwdOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                          at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+FwdOut ffn_fwd_op(const at::Tensor& x, const c10::optional<at::Tensor>& w_gate, const at::Tensor& w_up,
+                  const at::Tensor& w_down, int64_t width, int64_t measure_width, double scale, int64_t chunk_rows,
+                  int64_t backup_cap, bool want_last) {
+  const c10::cuda::CUDAGuard guard(x.device());  // the event and the capture status on x's stream
+  const bool gated = w_gate.has_value() && w_gate->defined();
+  const bool capture = capturing();  // a captured forward's summary is read by no one: no copy, no event
+  auto gate = ffn_fwd_gate(gated ? *w_gate : w_up, x, width, std::max(width, measure_width),
+                           std::max<int64_t>(1, chunk_rows), !capture);
+  if (!capture) record_ready(gate[5]);
+  auto rows = ffn_fwd_rows(w_gate, x, w_up, w_down, gate[0], gate[1], gate[2], gate[3], gate[4], scale, backup_cap,
+                           want_last, sm_count(x));
+  // y, l1, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup (empty: the backward recomputes them), host, last
+  return {rows[0], rows[1], gate[0], gate[1], rows[2], gate[2], gate[3], rows[3], rows[4], gate[5], rows[5]};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_bwd_op(
+    const at::Tensor& dy, const at::Tensor& gl1, const at::Tensor& x, const c10::optional<at::Tensor>& w_gate,
+    const at::Tensor& w_up, const at::Tensor& w_down, const at::Tensor& ell_col, const at::Tensor& ell_a,
+    const at::Tensor& ell_u, const at::Tensor& nnz, const at::Tensor& flag, const at::Tensor& host, double scale,
+    int64_t dw_nb, int64_t backup_cap) {
+  TORCH_CHECK(dw_nb >= 1, "ffn_bwd: dw_nb must be resolved (ops.dw_chunks)");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t N = w_up.size(0);
+  const auto [flagged, entries] = summary_counts(host);
+  c10::optional<at::Tensor> perm, colptr;
+  if (!csr_supported(N, ell_col.size(1))) {  // the counting sort's shared memory does not fit: a stable sort
+    auto pc = csr_by_neuron_sorted(ell_col, nnz, flag, N);
+    perm = std::get<0>(pc);
+    colptr = std::get<1>(pc);
+  }
+  auto g = ffn_bwd(dy, gl1, x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag, flagged, backup_cap, entries,
+                   scale, dw_nb, sm_count(x), perm, colptr);
+  return {g[0], g[1], g[2], g[3]};
 }
 
 std::string source_hash() { return SFL_STR(SFL_SRC_HASH); }
 
 }  // namespace
+
+TORCH_LIBRARY_IMPL(sfl_train, CUDA, m) {
+  m.impl("ffn_fwd", &ffn_fwd_op);
+  m.impl("ffn_bwd", &ffn_bwd_op);
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compact", &compact, "bf16 gate pre-activation rows -> ReLU -> ELL (ell_col, ell_a, nnz, flag)",
@@ -696,7 +840,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "bwd_rows with one block per light row (the same results)");
   m.def("ffn_fwd_gate", &ffn_fwd_gate, "the training op's forward, first call: gate GEMM, ELL, the summary's copy");
   m.def("ffn_fwd_rows", &ffn_fwd_rows, "the training op's forward, second call: the light rows, the backup rows, L1");
-  m.def("ffn_bwd", &ffn_bwd, "the training op's backward in one call (ops._ffn_bwd_impl's cuda backend)");
+  m.def("ffn_bwd", &ffn_bwd, "the training op's backward in one call (sfl_train::ffn_bwd runs it)");
+  m.def("ffn_fwd_op", &ffn_fwd_op, "sfl_train::ffn_fwd's CUDA implementation, called directly (eager)");
+  m.def("ffn_bwd_op", &ffn_bwd_op, "sfl_train::ffn_bwd's CUDA implementation, called directly (eager)");
   m.def("dx_slices", &dx_slices, "dx of the light rows from bwd_block's coefficients, slice-major (bwd_block with an empty dx first)",
         py::arg("gated"), py::arg("wg"), py::arg("wu"), py::arg("ell_col"), py::arg("nnz"), py::arg("flag"),
         py::arg("cg"), py::arg("cu"), py::arg("dx"), py::arg("rows") = 0);

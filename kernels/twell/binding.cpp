@@ -264,7 +264,7 @@ void decode_fused(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& w
   req(nnz, "nnz", at::kInt, 1);
   req(flag, "flag", at::kInt, 1);
   const int64_t M = x.size(0), K = x.size(1), N = wg.size(0);
-  TORCH_CHECK(M <= 8, "decode_fused: at most 8 rows, got ", M);
+  TORCH_CHECK(M <= 8, "decode_fused: at most 8 rows, got ", std::to_string(M));
   TORCH_CHECK(wg.size(1) == K && wdt.size(0) == N && wdt.size(1) == K, "decode_fused: weight shape mismatch");
   TORCH_CHECK(yacc.size(0) == M && yacc.size(1) == K && nnz.size(0) == M && flag.size(0) == M,
               "decode_fused: output shape mismatch");
@@ -295,7 +295,8 @@ void d2t_gemm(const at::Tensor& x, const at::Tensor& w, at::Tensor packed, at::T
   req(flag, "flag", at::kInt, 1);
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(w.size(1) == K, "d2t_gemm: w_gate must be [N, K] with K = x.size(1)");
-  TORCH_CHECK(K % 64 == 0 && N % 256 == 0, "d2t_gemm: needs K % 64 == 0 and N % 256 == 0, got K=", K, " N=", N);
+  TORCH_CHECK(K % 64 == 0 && N % 256 == 0, "d2t_gemm: needs K % 64 == 0 and N % 256 == 0, got K=", std::to_string(K),
+              " N=", std::to_string(N));
   TORCH_CHECK(packed.size(0) == M && packed.size(1) * 256 == N && counts.size(0) == M && counts.size(1) * 256 == N &&
                   flag.size(0) == M,
               "d2t_gemm: packed/counts/flag shape mismatch");
@@ -319,6 +320,11 @@ namespace sfl_runtime {  // runtime.cpp
 void plan_free(int64_t id);
 void plan_reset(int64_t id);
 py::dict plan_info(int64_t id);
+std::tuple<bool, int64_t, int64_t> train_decide(int64_t id, const std::string& spec, bool gated, int64_t mode,
+                                                int64_t M, int64_t width, bool in_backward);
+void train_measure(int64_t id, const std::string& spec, bool gated, const at::Tensor& stats, int64_t rows, int64_t n,
+                   int64_t light_at, int64_t flagged_at, int64_t widest_at);
+void plan_poll(int64_t id);
 }  // namespace sfl_runtime
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -341,5 +347,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("plan_free", &sfl_runtime::plan_free, "release a layer's plan (its module is gone)");
   m.def("plan_reset", &sfl_runtime::plan_reset, "forget a layer's measured activity and timings");
   m.def("plan_info", &sfl_runtime::plan_info, "a layer's dispatch state and last call (tests, benchmark logs)");
+  m.def("plan_poll", &sfl_runtime::plan_poll, "take in a plan's measurement if it has landed (never waits)");
+  m.def("train_decide", &sfl_runtime::train_decide,
+        "the training op's next call on a plan: (sparse, ELL width, backup block rows)");
+  m.def("train_measure", &sfl_runtime::train_measure,
+        "a training call's measurement (device stats, or the op's pinned summary) into its plan's history");
   m.def("source_hash", &source_hash, "hash of the sources this library was built from");
 }

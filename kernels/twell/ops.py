@@ -26,34 +26,35 @@ from torch import Tensor
 from ..config import KernelConfig, TILE_N
 from .. import tables
 from ..device import dense_ffn, dense_fallback, kernels_supported
-from ..loader import load_twell
+from ..loader import load_twell, loaded
 
 _lib = torch.library.Library("sfl_twell", "DEF")
 _lib.define("ffn(Tensor x, Tensor? w_gate, Tensor w_up, Tensor w_down, Tensor(a!)? stats, int plan, str config) "
             "-> Tensor")
 _lib.define("d2t(Tensor x, Tensor w_gate, int slots, str config) -> (Tensor, Tensor, Tensor)")
 
-# The fields the C++ op reads (runtime.cpp: parse_config): every KernelConfig field but the training op's.
-OP_FIELDS = tuple(f for f in KernelConfig().to_dict() if not f.startswith("train_"))
-_STATE = {"ext": None}
+# The training fields a plan reads (runtime.cpp: train_decide, the training op's dispatch on the same plans); the
+# training op's other fields (width, chunk rows, dW blocks, ...) are its arguments (kernels/train_ffn.py).
+TRAIN_PLAN_FIELDS = ("train_dense_above", "train_dense_above_large", "train_backup_dense_above", "train_large_m",
+                     "train_sparse_min_m", "train_shrink")
+# The fields the C++ plan reads (runtime.cpp: parse_config): the inference op's, and the training dispatch's.
+OP_FIELDS = tuple(f for f in KernelConfig().to_dict() if not f.startswith("train_") or f in TRAIN_PLAN_FIELDS)
 
 
 def load():
     """Build (once per source version, cached on disk) and load the extension: registers the CUDA kernels."""
-    if _STATE["ext"] is None:
-        _STATE["ext"] = load_twell()
-    return _STATE["ext"]
+    return load_twell()
 
 
 def ensure_loaded() -> None:
     """Load the extension unless it is loaded (cheap: one dict lookup; a constant to a compiled model)."""
-    if _STATE["ext"] is None:
-        load()
+    if loaded("twell") is None:
+        load_twell()
 
 
 def _load_if_cuda() -> None:
-    if _STATE["ext"] is None and kernels_supported()[0]:
-        load()
+    if loaded("twell") is None and kernels_supported()[0]:
+        load_twell()
 
 
 @torch.library.register_fake("sfl_twell::ffn")
@@ -95,7 +96,7 @@ def _free(plan_id: int) -> None:
     frees its pinned slot, and cudaFreeHost synchronises, which would invalidate the capture. Python's cyclic GC frees
     handles at any time, for instance while inductor records another model's compiled step; such a plan waits for the
     next free outside a capture."""
-    ext = _STATE["ext"]
+    ext = loaded("twell")
     if ext is None:
         return
     _RETIRED.append(plan_id)
@@ -134,12 +135,12 @@ class Plan:
         reached the host: a call's own once a later call has run after it completed), backup_cap (the last sparse
         call's dense backup block, rows), timings. Empty before the first call (and on a GPU without the kernels,
         where no call reaches them)."""
-        ext = _STATE["ext"]
+        ext = loaded("twell")
         return {} if ext is None else dict(ext.plan_info(self.id))
 
     def reset(self) -> None:
         """Forget the measured activity and timings (the next auto call starts as a first call)."""
-        ext = _STATE["ext"]
+        ext = loaded("twell")
         if ext is not None:  # not loaded: no call has made the C++ plan yet, there is nothing to forget
             ext.plan_reset(self.id)
 
@@ -154,4 +155,4 @@ def ffn(x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, plan: Pl
     return torch.ops.sfl_twell.ffn(x, w_gate, w_up, w_down, stats, plan.id, plan.spec)
 
 
-__all__ = ["Plan", "plan_spec", "OP_FIELDS", "ffn", "load", "ensure_loaded"]
+__all__ = ["Plan", "plan_spec", "OP_FIELDS", "TRAIN_PLAN_FIELDS", "ffn", "load", "ensure_loaded"]

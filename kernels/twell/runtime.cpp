@@ -32,6 +32,9 @@
 //               block per row and K slice: compaction, up and down).
 // No path waits for the GPU: measurements reach the host through pinned memory and are read once their event has
 // completed (one in flight per layer).
+// The training op (kernels/train_ffn.py) takes its dispatch from plans of the same kind, through train_decide and
+// train_measure at the end of this file: the same history, measurement model and backup-block rule, its own
+// thresholds (KernelConfig.train_*).
 #include <torch/extension.h>
 #include <torch/library.h>
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -64,6 +67,7 @@ constexpr int kSlicesRows = 1;       // slices' rows per block for the inference
 constexpr int kTimingKeep = 3;       // timing samples kept per (bucket, path); decisions use their minimum
 constexpr int kReprobeEvery = 256;   // a vetoed bucket runs sparse again every this many calls
 constexpr int kRetimeEvery = 64;     // a bucket's samples are refreshed every this many calls
+constexpr int kMeasureMax = 4;       // int64 values a measurement may carry (the training op's summary)
 constexpr double kTimedDecodeMaxP = 0.25;  // eager decode sizes time both paths up to this activity (above it the
                                            // sparse path reads most of W_u/W_d anyway and cannot win)
 enum Mode { kAuto = 0, kSparse = 1, kDense = 2 };
@@ -121,6 +125,10 @@ struct Config {
   bool self_timing, fused_d2t;
   int64_t gate_scratch_mb;
   double flagged_dense_above, activity_hint;
+  // the training op's auto dispatch (train_decide)
+  double train_dense_above, train_dense_above_large, train_backup_dense_above;
+  int64_t train_large_m, train_sparse_min_m;
+  bool train_shrink;
   std::vector<int64_t> xo_m[2];  // crossover tables: [0] non-gated, [1] gated
   std::vector<double> xo_p[2];
 };
@@ -207,6 +215,12 @@ Config parse_config(const std::string& spec) {
   c.up_list_min_m = (int)f.integer("up_list_min_m"); c.hot_neurons = (int)f.integer("hot_neurons");
   c.flagged_dense_above = f.number("flagged_dense_above");
   c.activity_hint = f.number("activity_hint");
+  c.train_dense_above = f.number("train_dense_above");
+  c.train_dense_above_large = f.number("train_dense_above_large");
+  c.train_backup_dense_above = f.number("train_backup_dense_above");
+  c.train_large_m = f.integer("train_large_m");
+  c.train_sparse_min_m = f.integer("train_sparse_min_m");
+  c.train_shrink = f.flag("train_shrink");
   f.table("crossover", c.xo_m[1], c.xo_p[1]);
   f.table("crossover_nongated", c.xo_m[0], c.xo_p[0]);
   f.done();
@@ -224,12 +238,21 @@ struct Plan {
   // measured activity (the dispatch history)
   double p = -1.0, f = 0.0;
   int64_t measurements = 0, sparse_calls = 0, dense_calls = 0;
-  int64_t* host_async = nullptr;        // pinned int64 [2] (cudaHostAlloc: a pageable target would make the
-                                        // "asynchronous" copy synchronous)
+  int64_t* host_async = nullptr;        // pinned int64 [kMeasureMax] (cudaHostAlloc: a pageable target would make
+                                        // the "asynchronous" copy synchronous)
   cudaEvent_t ev_async = nullptr;
   at::Tensor dev_stats;                 // int64 [2] on the device: the measurement slot, zeroed per use
   bool pending = false;
   int64_t pending_rows = 0, pending_n = 0;
+  // where the measurement in flight lands (host_async, or the training op's own pinned summary, held) and the
+  // positions in it of (unflagged non-zeros, flagged rows, the widest unflagged row or -1)
+  const int64_t* pending_vals = nullptr;
+  at::Tensor pending_summary;
+  int pos_light = 0, pos_flagged = 1, pos_widest = -1;
+  // the training op's history: the widest light row measured (the next sparse call's ELL width), and the path of the
+  // layer's last forward (-1 none, 0 dense, 1 sparse), which an activation-checkpoint recompute takes again
+  int64_t widest_light = -1;
+  int train_forward = -1;
   // self-timing
   std::map<std::pair<int, bool>, std::deque<float>> times;
   std::vector<Timed> timed_pending;
@@ -268,17 +291,17 @@ struct Plan {
     cudaSetDevice(prev);
   }
 
-  void update(int64_t nnz_ok, int64_t flagged, int64_t rows, int64_t n) {
+  void update(int64_t nnz_ok, int64_t flagged, int64_t rows, int64_t n, int64_t widest = -1) {
     p = rows == flagged ? 1.0 : (double)nnz_ok / ((double)(rows - flagged) * (double)n);
     f = (double)flagged / (double)std::max<int64_t>(1, rows);
+    if (widest >= 0 && rows > flagged) widest_light = widest;
     last_flagged = flagged;
     ++measurements;
   }
 
-  // rows of the backup block for an M-row call (KernelConfig.backup_rows; -1: the rule of the training op's
-  // DispatchState.backup_capacity): 1.25x the flagged fraction the last measurement saw + 32 rows, in multiples of
-  // 32; none when it saw none (a surprise flagged row then costs a dense_rows_fwd pass over the weights, and is
-  // measured); M / 16 before any measurement
+  // rows of the backup block for an M-row call, both ops (KernelConfig.backup_rows; -1: this rule): 1.25x the
+  // flagged fraction the last measurement saw + 32 rows, in multiples of 32; none when it saw none (a surprise
+  // flagged row then costs a CUDA-core pass over the weights, and is measured); M / 16 before any measurement
   int64_t backup_cap(int64_t M) const {
     if (cfg.backup_rows >= 0) return std::min<int64_t>(M, cfg.backup_rows);
     if (p >= 0 && f <= 0.0) return 0;
@@ -289,7 +312,9 @@ struct Plan {
   void poll() {
     if (!pending || cudaEventQuery(ev_async) != cudaSuccess) return;
     pending = false;
-    update(host_async[0], host_async[1], pending_rows, pending_n);
+    const int64_t* v = pending_vals;
+    update(v[pos_light], v[pos_flagged], pending_rows, pending_n, pos_widest >= 0 ? v[pos_widest] : -1);
+    pending_summary = at::Tensor();
   }
 
   double crossover(int64_t M) const {
@@ -368,7 +393,7 @@ struct Plan {
                 " (make a new module/plan per device)");
     device = dev;
     void* h = nullptr;
-    check(cudaHostAlloc(&h, 2 * sizeof(int64_t), cudaHostAllocDefault), "pinned host slot");
+    check(cudaHostAlloc(&h, kMeasureMax * sizeof(int64_t), cudaHostAllocDefault), "pinned host slot");
     host_async = static_cast<int64_t*>(h);
     dev_stats = kept_empty({2}, at::TensorOptions().dtype(at::kLong).device(at::kCUDA, dev), stream);
     check(cudaEventCreateWithFlags(&ev_async, cudaEventDisableTiming), "event");
@@ -382,15 +407,27 @@ struct Plan {
     return dev_stats;
   }
 
-  // copy a device int64 [2] measurement (unflagged non-zeros, flagged rows) of `rows` x `n` to pinned memory and
-  // record the event that poll() looks for
-  void to_host(const at::Tensor& st, int64_t rows, int64_t n, cudaStream_t stream) {
-    check(cudaMemcpyAsync(host_async, st.data_ptr(), 2 * sizeof(int64_t), cudaMemcpyDeviceToHost, stream),
+  // copy a device int64 measurement of `rows` x `n` (at most kMeasureMax values: the unflagged rows' non-zeros at
+  // light_at, the flagged rows at flagged_at, the training op's widest light row at widest_at, or -1 for none) to
+  // pinned memory and record the event that poll() looks for
+  void to_host(const at::Tensor& st, int64_t rows, int64_t n, cudaStream_t stream, int light_at = 0,
+               int flagged_at = 1, int widest_at = -1) {
+    check(cudaMemcpyAsync(host_async, st.data_ptr(), st.numel() * sizeof(int64_t), cudaMemcpyDeviceToHost, stream),
           "stats copy");
+    await(host_async, rows, n, stream, light_at, flagged_at, widest_at);
+  }
+
+  // a measurement whose values land at `vals` (pinned) once the work queued so far on `stream` is done
+  void await(const int64_t* vals, int64_t rows, int64_t n, cudaStream_t stream, int light_at, int flagged_at,
+             int widest_at) {
     check(cudaEventRecord(ev_async, stream), "event record");
     pending = true;
     pending_rows = rows;
     pending_n = n;
+    pending_vals = vals;
+    pos_light = light_at;
+    pos_flagged = flagged_at;
+    pos_widest = widest_at;
   }
 
   // the persistent decode workspace for K, or an undefined tensor where a call must allocate its own
@@ -948,6 +985,7 @@ void plan_reset(int64_t id) {
   if (it == g_plans.end()) return;
   Plan& P = *it->second;
   P.p = -1.0; P.f = 0.0; P.measurements = P.sparse_calls = P.dense_calls = 0; P.pending = false;
+  P.pending_summary = at::Tensor(); P.widest_light = -1; P.train_forward = -1;
   P.times.clear(); P.bucket_calls.clear();
 }
 
@@ -970,6 +1008,7 @@ py::dict plan_info(int64_t id) {
   d["down_copy_bytes"] = P.wdt.defined() ? P.wdt.numel() * P.wdt.element_size() : 0;  // W_d's neuron-major copy
   d["hot_neurons"] = P.last_hot;   // the last sparse call's dense-computed neurons (KernelConfig.hot_neurons)
   d["hot_copy_bytes"] = P.hot_w.defined() ? P.hot_w.numel() * P.hot_w.element_size() : 0;  // stacked hot rows
+  d["widest_light"] = P.widest_light >= 0 ? py::cast(P.widest_light) : py::none();  // training: widest light row
   py::dict t;
   for (const auto& kv : P.times) {
     t[py::make_tuple(kv.first.first, kv.first.second ? "sparse" : "dense")] =
@@ -977,6 +1016,82 @@ py::dict plan_info(int64_t id) {
   }
   d["timings"] = t;
   return d;
+}
+
+// ---- the training op's dispatch, on the same plans (kernels/train_ffn.py: a DispatchState is a handle on one)
+
+namespace {
+
+// auto: dense below train_sparse_min_m rows and before any measurement; sparse iff the measured activity is at
+// most train_dense_above (train_dense_above_large from train_large_m rows) and the backup-row fraction at most
+// train_backup_dense_above (kernels/train/README.md: where each was measured)
+bool train_auto_sparse(const Plan& P, int64_t M) {
+  const Config& c = P.cfg;
+  if (M < c.train_sparse_min_m || P.p < 0) return false;
+  const double limit = M >= c.train_large_m ? c.train_dense_above_large : c.train_dense_above;
+  return P.p <= limit && P.f <= c.train_backup_dense_above;
+}
+
+// the ELL width of a sparse call: with train_shrink, the widest light row measured plus a quarter, rounded up to 8
+// (rows above it are exact backup rows; the next measurement adapts), else `width`
+int64_t train_width(const Plan& P, int64_t width) {
+  if (!P.cfg.train_shrink || P.widest_light < 0) return width;
+  return std::min(width, std::max<int64_t>(8, (P.widest_light * 5 / 4 + 1 + 7) / 8 * 8));
+}
+
+cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+}  // namespace
+
+// The next training call of an M-row block: (sparse, ELL width, backup block rows). mode as KernelConfig.train_mode
+// (Mode). A call inside backward (an activation-checkpoint recompute) in auto mode takes the path of the layer's last
+// forward, so that the recomputed saved tensors match what the checkpoint recorded. The measurement is polled, never
+// waited for; while a graph is captured not even polled: the last eager decisions stand.
+std::tuple<bool, int64_t, int64_t> train_decide(int64_t id, const std::string& spec, bool gated, int64_t mode,
+                                                int64_t M, int64_t width, bool in_backward) {
+  Plan& P = plan_for(id, spec, gated);
+  if (P.device >= 0 && !capturing(current_stream())) P.poll();
+  bool sparse = mode == kSparse;
+  if (mode == kAuto) sparse = in_backward && P.train_forward >= 0 ? P.train_forward == 1 : train_auto_sparse(P, M);
+  if (!in_backward) P.train_forward = sparse ? 1 : 0;
+  return {sparse, train_width(P, width), P.backup_cap(M)};
+}
+
+// A training call's measurement of `rows` x `n`, taken as the plan's next one unless one is in flight or a graph is
+// being captured (a captured call measures nothing: its replays would write at times no event tells). stats: int64
+// on the device (copied here to pinned memory), or the training op's pinned summary, which the op's own copy fills in
+// stream order; light_at, flagged_at, widest_at (-1: none): where its values are.
+void train_measure(int64_t id, const std::string& spec, bool gated, const at::Tensor& stats, int64_t rows, int64_t n,
+                   int64_t light_at, int64_t flagged_at, int64_t widest_at) {
+  if (rows <= 0) return;
+  Plan& P = plan_for(id, spec, gated);
+  // a pinned summary was filled on the plan's device (the op's x), or, on a first call, the current one
+  const int dev = stats.is_cuda() ? stats.get_device() : P.device >= 0 ? P.device : (int)c10::cuda::current_device();
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
+  const cudaStream_t stream = current_stream();
+  if (capturing(stream)) return;  // (the op's summary is then a placeholder: it copies nothing while capturing)
+  TORCH_CHECK(stats.scalar_type() == at::kLong && stats.dim() == 1 && stats.is_contiguous() &&
+                  stats.numel() <= kMeasureMax && std::max({light_at, flagged_at, widest_at}) < stats.numel() &&
+                  light_at >= 0 && flagged_at >= 0,
+              "train_measure: stats must be a contiguous int64 vector of at most ", std::to_string(kMeasureMax),
+              " values holding the given positions");
+  TORCH_CHECK(stats.is_cuda() || stats.is_pinned(), "train_measure: stats must be on the GPU or in pinned memory");
+  P.ensure_device(dev, stream);
+  P.poll();
+  if (P.pending) return;  // one measurement in flight per layer
+  if (stats.is_cuda()) {
+    P.to_host(stats, rows, n, stream, (int)light_at, (int)flagged_at, (int)widest_at);
+  } else {
+    P.pending_summary = stats;  // held until read: the op's copy into it is queued on this stream
+    P.await(stats.data_ptr<int64_t>(), rows, n, stream, (int)light_at, (int)flagged_at, (int)widest_at);
+  }
+}
+
+// take in a plan's measurement if it has landed (for plan_info's readers; the op and train_decide poll by themselves)
+void plan_poll(int64_t id) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  const auto it = g_plans.find(id);
+  if (it != g_plans.end() && it->second->device >= 0 && !capturing(current_stream())) it->second->poll();
 }
 
 }  // namespace sfl_runtime

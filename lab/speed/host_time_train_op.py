@@ -58,7 +58,7 @@ def pieces(ps, M: int, N: int) -> None:
     scratch = torch.empty(M, N, device="cuda", dtype=x.dtype)
     small = torch.zeros(4, device="cuda", dtype=torch.int64)
     res = {
-        "ffn_fwd_gate": lambda: ext.ffn_fwd_gate(wg, x, 72, 128, M),
+        "ffn_fwd_gate": lambda: ext.ffn_fwd_gate(wg, x, 72, 128, M, True),
         "mm_out (the gate GEMM)": lambda: torch.mm(x, wg.t(), out=scratch),
         "empty [M, N] bf16": lambda: torch.empty(M, N, device="cuda", dtype=x.dtype),
         "empty [M, 72] int32 x2, [M] x2": lambda: [torch.empty(*s, device="cuda", dtype=torch.int32)
