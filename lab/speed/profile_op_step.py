@@ -1,7 +1,7 @@
 """Trial (lab): one training step of the FFN block at one configuration of bench_training (its TrainCase), to compare
 source trees kernel by kernel. Dense autograd against forced sparse and against auto, each pair timed in alternation
 (CUDA events, L2 flush, medians), then the forced-sparse step under torch.profiler: every kernel it launches with its
-GPU time per step, and the launch count.
+GPU time per step, and every host op and CUDA runtime call with its host time.
 
     PYTHONPATH=<tree> python lab/speed/profile_op_step.py [--m 8192 --p 0.005 --heavy 0.01]
 """
@@ -18,20 +18,24 @@ from sfl.kernels.config import KernelConfig
 from sfl.kernels.timing import PairTimer
 
 
-def kernel_table(step, steps: int) -> tuple[list[tuple[str, float, int]], float]:
-    """(name, GPU us per step, launches per step) of every kernel, longest first, and the total GPU us per step."""
+def event_tables(step, steps: int) -> dict[str, list[tuple[str, float, int]]]:
+    """Per step, longest first: "gpu", every kernel (name, GPU us, launches); "cpu", every host op and CUDA runtime
+    call (name, self host us, calls)."""
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    us, n = collections.Counter(), collections.Counter()
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            us[ev.name] += ev.device_time / steps
-            n[ev.name] += 1
-    rows = sorted(((k, us[k], n[k] // steps) for k in us), key=lambda r: -r[1])
-    return rows, sum(us.values())
+    tables = {}
+    for side in ("gpu", "cpu"):
+        us, n = collections.Counter(), collections.Counter()
+        for ev in prof.events():
+            on_gpu = ev.device_type == torch.autograd.DeviceType.CUDA
+            if on_gpu == (side == "gpu"):
+                us[ev.name] += (ev.device_time if on_gpu else ev.self_cpu_time_total) / steps
+                n[ev.name] += 1
+        tables[side] = sorted(((k, us[k], n[k] // steps) for k in us), key=lambda r: -r[1])
+    return tables
 
 
 def main() -> None:
@@ -49,12 +53,13 @@ def main() -> None:
         d, s = timer.time_pair(case.dense_step, lambda: case.ours_step(mode), args.reps)
         print(f"M={args.m} p={args.p} heavy={args.heavy} {mode}: dense {d:.3f} ms, ours {s:.3f} ms, "
               f"speedup {d / s:.2f}x ({case.st_auto.last_path if mode == 'auto' else 'sparse'})")
-    rows, total = kernel_table(lambda: case.ours_step("sparse"), 10)
-    print(f"forced sparse under the profiler: {total:.0f} us of kernels per step, "
-          f"{sum(r[2] for r in rows)} launches per step")
-    for name, us, n in rows[:25]:
-        print(f"{us:9.1f} us {n:4d}x  {name[:110]}")
-
+    tables = event_tables(lambda: case.ours_step("sparse"), 10)
+    for side, what in (("gpu", "of kernels"), ("cpu", "of host self time")):
+        rows = tables[side]
+        print(f"forced sparse under the profiler: {sum(r[1] for r in rows):.0f} us {what} per step, "
+              f"{sum(r[2] for r in rows)} {'launches' if side == 'gpu' else 'host events'} per step")
+        for name, us, n in rows[:25]:
+            print(f"{us:9.1f} us {n:4d}x  {name[:110]}")
 
 if __name__ == "__main__":
     main()
