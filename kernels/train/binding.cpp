@@ -600,19 +600,18 @@ std::vector<at::Tensor> ffn_fwd_rows(const c10::optional<at::Tensor>& w_gate, co
 
 // ffn_bwd: the op's backward on the "cuda" backend in one call (kernels/train/ops.py, ffn_bwd, and
 // kernels/train/README.md, Backward), with no host read: every shape is known from the arguments, so a training step
-// can be captured in a CUDA graph. flagged: the forward's flagged-row count when the caller has it on the host (an
-// eager backward: then exactly those rows form the cuBLAS block, as many as the forward flagged), or -1 (a captured
-// one: the block is the forward's, its first backup_cap flagged rows, and rows past it go to dense_rows_bwd on CUDA
-// cores, their count staying on the device). entries: a bound on the light entries (the forward's summary, when the
-// caller has it on the host), or -1 for their capacity M x W; perm / colptr: the CSR by neuron when the caller computed it (the kernel needs more shared memory
-// than it takes), else undefined and computed here; nb: dw's K-slice width, resolved. Returns dx, dW_g (empty when
+// can be captured in a CUDA graph. backup_cap: the forward's cuBLAS block of flagged rows (the first backup_cap of
+// them, as in the forward; eager and captured calls alike, so that a replay computes the eager step's bits); rows
+// past it by dense_rows_bwd on CUDA cores (their count stays on the device). entries: a bound on the light entries
+// (the forward's summary, when the caller has it on the host), or -1 for their capacity M x W; perm / colptr: the
+// CSR by neuron when the caller computed it (the kernel needs more shared memory than it takes), else undefined and
+// computed here; nb: dw's K-slice width, resolved. Returns dx, dW_g (empty when
 // non-gated), dW_u, dW_d in nn.Linear layout.
 std::vector<at::Tensor> ffn_bwd(const at::Tensor& dy_in, const at::Tensor& gl1, const at::Tensor& x,
                                 const c10::optional<at::Tensor>& w_gate, const at::Tensor& w_up,
                                 const at::Tensor& w_down, const at::Tensor& ell_col, const at::Tensor& ell_a,
                                 const at::Tensor& ell_u, const at::Tensor& nnz, const at::Tensor& flag,
-                                int64_t flagged, int64_t backup_cap, int64_t entries, double scale, int64_t nb,
-                                int64_t sms,
+                                int64_t backup_cap, int64_t entries, double scale, int64_t nb, int64_t sms,
                                 const c10::optional<at::Tensor>& perm_in, const c10::optional<at::Tensor>& colptr_in) {
   const bool gated = w_gate.has_value() && w_gate->defined();
   const at::Tensor& first = gated ? *w_gate : w_up;
@@ -624,11 +623,10 @@ std::vector<at::Tensor> ffn_bwd(const at::Tensor& dy_in, const at::Tensor& gl1, 
   const at::Tensor dy = dy_in.to(x.scalar_type()).contiguous();
   const at::Tensor c = (gl1.reshape({1}).to(at::kFloat) * scale).contiguous();  // dL/d|h|, read on the device
   at::Tensor dx = at::empty({M, K}, x.options());
-  // the flagged rows, ascending (-1 after the last); their count on the device unless the caller knows it
-  const bool known = flagged >= 0;
-  const at::Tensor rows = at::nonzero_static(flag, known ? flagged : M, -1).squeeze(1);
-  const at::Tensor count = known ? at::Tensor() : flag.ne(0).sum(at::kLong).reshape({1});
-  const int64_t cap = known ? std::min(M, flagged) : std::min(M, std::max<int64_t>(0, backup_cap));
+  // the flagged rows, ascending (-1 after the last), and their count, on the device
+  const at::Tensor rows = at::nonzero_static(flag, M, -1).squeeze(1);
+  const at::Tensor count = flag.ne(0).sum(at::kLong).reshape({1});
+  const int64_t cap = std::min(M, std::max<int64_t>(0, backup_cap));
   // the first cap flagged rows: dense autograd's ops (reference.dense_rows_backward, op for op) on a gathered block
   // (unused rows zero: they add nothing), activations recomputed from x; their weight-gradient contributions become
   // the dw kernel's addends
@@ -680,7 +678,7 @@ std::vector<at::Tensor> ffn_bwd(const at::Tensor& dy_in, const at::Tensor& gl1, 
   dx_slices(gated, first, w_up, ell_col, nnz, flag, cg, cu, dx, kBwdSlicesRows);
   dw(gated, nb, x, dy, perm, colptr, ell_a, ell_u, cg, cu, add_g, add_u, c10::nullopt, gated ? dwg : dwu, dwu, dwdt,
      0, 1);
-  if (!known && cap < M)  // the flagged rows past the block: dx, dW added; no CTA works unless the count exceeds cap
+  if (cap < M)  // the flagged rows past the block: dx written, their dW added; no CTA works unless the count exceeds cap
     check(sfl_dense_rows_bwd_launch(gated, x.data_ptr(), dy.data_ptr(), first.data_ptr(), w_up.data_ptr(),
                                     wdt.data_ptr(), (int)M, (int)K, (int)N, rows.data_ptr<int64_t>(),
                                     count.data_ptr<int64_t>(), (int)cap, c.data_ptr<float>(), dx.data_ptr(),
@@ -725,9 +723,9 @@ void record_ready(const at::Tensor& host) {
   }
 }
 
-// The forward summary's flagged-row count and light-entry bound (waiting for its event, complete by the time a
-// backward runs), or (-1, -1) while capturing, when nothing may be read on the host.
-std::pair<int64_t, int64_t> summary_counts(const at::Tensor& host) {
+// The light-entry bound of the forward's summary (waiting for its event, complete by the time a backward runs), or
+// -1 (their capacity) while capturing, when nothing may be read on the host.
+int64_t light_entries(const at::Tensor& host) {
   cudaEvent_t ev = nullptr;
   {
     std::lock_guard<std::mutex> lock(g_ready_mu);
@@ -739,7 +737,7 @@ std::pair<int64_t, int64_t> summary_counts(const at::Tensor& host) {
   }
   if (capturing()) {
     if (ev != nullptr) cudaEventDestroy(ev);
-    return {-1, -1};
+    return -1;
   }
   if (ev != nullptr) {
     check(cudaEventSynchronize(ev), "event synchronize");
@@ -747,7 +745,7 @@ std::pair<int64_t, int64_t> summary_counts(const at::Tensor& host) {
   } else if (host.is_pinned()) {  // no event known for this buffer: wait for everything queued (exact, slower)
     check(cudaStreamSynchronize(stream()), "stream synchronize");
   }
-  return {host.data_ptr<int64_t>()[0], host.data_ptr<int64_t>()[2]};
+  return host.data_ptr<int64_t>()[2];
 }
 
 // reference.csr_by_neuron in ATen ops (a stable sort), where the counting sort's shared memory does not fit.
@@ -787,15 +785,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_bwd_op(
   TORCH_CHECK(dw_nb >= 1, "ffn_bwd: dw_nb must be resolved (ops.dw_chunks)");
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t N = w_up.size(0);
-  const auto [flagged, entries] = summary_counts(host);
+  const int64_t entries = light_entries(host);
   c10::optional<at::Tensor> perm, colptr;
   if (!csr_supported(N, ell_col.size(1))) {  // the counting sort's shared memory does not fit: a stable sort
     auto pc = csr_by_neuron_sorted(ell_col, nnz, flag, N);
     perm = std::get<0>(pc);
     colptr = std::get<1>(pc);
   }
-  auto g = ffn_bwd(dy, gl1, x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag, flagged, backup_cap, entries,
-                   scale, dw_nb, sm_count(x), perm, colptr);
+  auto g = ffn_bwd(dy, gl1, x, w_gate, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag, backup_cap, entries, scale,
+                   dw_nb, sm_count(x), perm, colptr);
   return {g[0], g[1], g[2], g[3]};
 }
 
