@@ -17,14 +17,15 @@ root="$PWD"; work="$out/ab"; mkdir -p "$work"
 name() { basename "$(cd "$1" && pwd)"; }
 commit_of() { if [ -f "$1/COMMIT" ]; then cat "$1/COMMIT"; else echo "${SFL_GIT_COMMIT:-unknown}"; fi; }
 for t in "$@"; do   # builds in parallel, each tree into its own cache
+  log="$work/build_$(name "$t").txt"
   (cd "$t" && SFL_KERNEL_BUILD_DIR="$PWD/.torch_extensions" PYTHONPATH="$PWD" python3 -c \
     "from sfl.kernels.twell.ops import load; load(); from sfl.kernels.train.ops import load_ext; load_ext()" \
-    > "$work/build_$(name "$t").txt" 2>&1) &
+    > "$log" 2>&1) &
 done
 wait
 trees=("$@")
 reversed=(); for ((i = ${#trees[@]} - 1; i >= 0; i--)); do reversed+=("${trees[i]}"); done
-for round in 1 2; do   # round 1: host time, the op's step profile, bench rows; round 2 (reversed): the profile again
+for round in 1 2; do   # first pass: the op's step profile, host time, bench rows; second (reversed): the profile
   if [ "$round" = 1 ]; then order=("${trees[@]}"); else order=("${reversed[@]}"); fi
   for t in "${order[@]}"; do
     n=$(name "$t")
