@@ -6,8 +6,10 @@ here, CUDA implementations in binding.cpp, as the inference op's are in runtime.
     ffn_bwd(dy, gl1, x, w_gate?, w_up, w_down, ell_col, ell_a, ell_u, nnz, flag, backup_rows, backup, host, scale,
             dw_nb, backup_cap, backend) -> (dx, dw_gate, dw_up, dw_down)   (dw_gate is empty for the non-gated block)
 
-"cuda" calls the ops torch.ops.sfl_train.ffn_fwd / ffn_bwd (the same arguments without backend; ffn_bwd without
-backup_rows and backup), one dispatcher call per half; "torch" runs the reference.
+"cuda" runs the ops sfl_train::ffn_fwd / ffn_bwd (the same arguments without backend; ffn_bwd without backup_rows
+and backup), one C++ call per half: torch.compile traces the registered ops; eager calls their C++ functions
+directly (through the dispatcher the forward took ~0.14 ms more host time per call, lab/HISTORY.md section 9);
+"torch" runs the reference.
 
 What the forward keeps for the backward is the Hybrid form of a = relu(gate) (FORMAT.md): ELL rows of `width`
 slots (the caller picks it, kernels/train_ffn.py from the layer's history), plus ell_u = x . W_u[j] (fp32, gated
