@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Trial (lab): the training op of several source trees side by side in one device call, so that one machine's host
-# and GPU time them all: each tree's training step against dense with its kernels (profile_op_step.py) in two rounds
+# and GPU time them all: each tree's training step against dense with its kernels (profile_train_heavy.py) in two rounds
 # that alternate the trees, and once its host time per half (host_time_train_op.py --halves-only) and its training
 # bench rows at one M. Trees: this checkout (".") and branch snapshots, made here with
 #   for b in train-capture one-engine engine-direct; do mkdir -p .carry/$b && git archive $b | tar -x -C .carry/$b &&
@@ -31,7 +31,7 @@ for round in 1 2; do   # first pass: the op's step profile, host time, bench row
     n=$(name "$t")
     (cd "$t" && export SFL_KERNEL_BUILD_DIR="$PWD/.torch_extensions" PYTHONPATH="$PWD" \
         SFL_GIT_COMMIT="$(commit_of .)" &&
-      timeout 60 python3 "$root/lab/speed/profile_op_step.py" --m "$m" > "$work/profile_${n}_r$round.txt" 2>&1
+      timeout 60 python3 "$root/lab/speed/profile_train_heavy.py" --m "$m" --heavy 0.01 > "$work/profile_${n}_r$round.txt" 2>&1
       if [ "$round" = 1 ]; then
         timeout 60 python3 "$root/lab/speed/host_time_train_op.py" --m "$m" --mode sparse --reps 20 --halves-only \
           > "$work/host_${n}_r$round.txt" 2>&1
