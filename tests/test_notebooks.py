@@ -30,7 +30,7 @@ TABLES = ["quickstart_eval", "quickstart_loss_nnz", "fig2_l1_sweep_loss", "fig3_
           "table1_speed", "fig4_fig5_speed_vs_l1", "kernel_targets", "kernel_bench_rows", "fig6_10_11_layers",
           "fig7_tokens_positions", "table4_gated_vs_nongated", "table5_dead_neuron_mitigation", "table1_training",
           "fig5_training_vs_activity", "training_memory_breakdown", "sparsify_seeds", "sparsify_seeds_arms",
-          "paper_shape_layer_contribution", "paper_scale_training"]
+          "paper_shape_layer_contribution", "paper_scale_training", "paper_scale_scaling"]
 FIGURES = ["quickstart_loss_nnz", "fig2_l1_sweep_loss", "fig3_l1_sweep_ce_nnz", "fig9_l1_sweep_nnz_dead", "l1_sweep_nnz_per_layer",
            "sparsity_vs_accuracy", "fig4_inference_speedup_vs_l1", "fig5_training_speedup_vs_l1", "kernel_speedup_vs_activity",
            "kernel_train_speedup_vs_activity", "fig6_layers_sparse", "fig10_layers_dense", "fig11_layers_high_l1",
@@ -47,7 +47,7 @@ SOURCE = {"quickstart_eval": "quickstart/eval.json", "quickstart_loss_nnz": "qui
           "table1_training": "speed/training", "fig5_training_vs_activity": "speed/training",
           "training_memory_breakdown": "speed/training", "sparsify_seeds": "sparsify_smollm2/seeds",
           "sparsify_seeds_arms": "sparsify_smollm2/seeds", "paper_shape_layer_contribution": "speed/layer_times_h200.jsonl",
-          "paper_scale_training": "paper_scale"}
+          "paper_scale_training": "paper_scale", "paper_scale_scaling": "paper_scale"}
 
 
 # Logs removed from a copy of the synthetic results for the "partial" run: its tables must say "not reproduced yet"
@@ -178,8 +178,13 @@ def test_synthetic_results_dir(runs):
     assert sweep["relu_l1_1e-2"]["acc_vs_dense_95ci"] == "n/a (no per-document log)"
 
     ps = _rows(T / "paper_scale_training.csv")
-    assert len(ps) == 1 and _num(ps[0]["sparse tok/s (%)"]) == pytest.approx(11.0)  # repeats 1.10x and 1.12x
-    assert ps[0]["sparse tok/s 95% interval"].endswith("(n=2)") and _num(ps[0]["non-zeros per token"]) == 31.0
+    assert [x["GPUs"] for x in ps] == ["1", "2"]
+    for x in ps:  # repeats 1.10x and 1.12x, named _r1/_r2 on one GPU and by log order on two
+        assert _num(x["sparse tok/s (%)"]) == pytest.approx(11.0) and x["sparse tok/s 95% interval"].endswith("(n=2)")
+        assert _num(x["non-zeros per token"]) == 31.0
+    scaling = {x["arm"]: x for x in _rows(T / "paper_scale_scaling.csv")}
+    assert _num(scaling["dense_l1_0"]["scaling efficiency (%)"]) == pytest.approx(95.0)
+    assert scaling["sparse"]["runs (1 GPU / N)"] == "2 / 2"
 
     t6 = {x["task"]: x for x in _rows(T / "table6_per_task.csv")}
     assert _num(t6["arc_easy"]["published 1.5B sparse"]) == 74.3
