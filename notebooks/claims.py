@@ -173,10 +173,11 @@ def render_paper_scale() -> str:
     # a cell measured in several logs: the newest measurement
     df = df.sort_values("measured (UTC)", kind="stable").drop_duplicates(
         ["scale", "GPUs", "checkpointing", "FSDP2 mixed precision"], keep="last").sort_index()
+    gpus = lambda r: f"{r['GPUs']} GPU" + ("s" if r["GPUs"] != "1" else "")  # noqa: E731
     rows = []
     for s in scales:
         ours = df[df["scale"] == s]
-        cells = [f"{r['GPUs']} GPU{'s' if r['GPUs'] != '1' else ''}, checkpointing {r['checkpointing']}, mixed precision {r['FSDP2 mixed precision']}: "
+        cells = [f"{gpus(r)}, checkpointing {r['checkpointing']}, mixed precision {r['FSDP2 mixed precision']}: "
                  f"{float(r['sparse tok/s (%)']):+.1f}% {_spread(r['sparse tok/s 95% interval'])}tok/s, "
                  f"{float(r['sparse peak mem (%)']):+.1f}% memory "
                  f"({r['non-zeros per token']} non-zeros)" for _, r in ours.iterrows()]
