@@ -19,6 +19,8 @@ import os
 import re
 import shutil
 from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -298,17 +300,26 @@ def tokenise(spec: CorpusSpec, stream: Any, prog: dict[str, Any], work: Path, to
     writer = ShardWriter(spec, prog, work)
     bar = tqdm(total=spec.max_tokens, initial=_tokens(prog["train"]), unit="tok", unit_scale=True,
                desc=f"tokenise ({workers} processes)", mininterval=1.0)
-    # spawn: the parent may hold `datasets`' reader threads, which a fork would copy mid-operation
-    with mp.get_context("spawn").Pool(workers, _init_worker, (str(tokenizer_file), eos, spec.val_permille)) as pool:
+    # spawn: the parent may hold `datasets`' reader threads, which a fork would copy mid-operation. An executor, not
+    # a Pool: a worker that dies raises BrokenProcessPool instead of leaving its result pending forever, and leaving
+    # with batches still in flight (the budget met, an interrupt) cancels or awaits them; Pool.terminate could hang.
+    pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
+                               initargs=(str(tokenizer_file), eos, spec.val_permille))
+    try:
         batches = _batches(stream, spec)
         pending: deque = deque()
         while not writer.budget_met():
             while len(pending) < 2 * workers and (nxt := next(batches, None)) is not None:
-                pending.append((pool.apply_async(encode_batch, (nxt[0],)), nxt[1]))
+                pending.append((pool.submit(encode_batch, nxt[0]), nxt[1]))
             if not pending:
                 break
-            result, state = pending.popleft()
-            bar.update(writer.add(*result.get(), state))
+            future, state = pending.popleft()
+            bar.update(writer.add(*future.result(), state))
+    except BrokenProcessPool as e:
+        raise CorpusError(f"a tokenising process died ({e}); the finished shards are kept: rerun the same command "
+                          "to resume, with fewer --workers if memory ran out") from e
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
         bar.close()
     writer.flush()
     prog["complete"] = True

@@ -168,6 +168,19 @@ def test_bad_inputs_say_what_to_do(corpus, tmp_path, capsys, monkeypatch) -> Non
         C.check_tokenizer(tmp_path / "tokenizer.json")
 
 
+def test_a_dead_tokenising_process_raises_instead_of_hanging(corpus, tmp_path, monkeypatch) -> None:
+    """A worker that cannot start (here: its tokenizer file is unreadable to it) ends the run with a CorpusError that
+    says what to do; before, the pool's result stayed pending forever."""
+    p = data.paths(tmp_path / "data")
+    p.tokenizer.mkdir(parents=True)
+    (p.tokenizer / "tokenizer.json").write_text("{ not json")
+    monkeypatch.setattr(C, "check_tokenizer", lambda f: (len(WORDS) + 1, 0))  # the parent's check passes
+    with pytest.raises(C.CorpusError, match="rerun the same command"):
+        C.build_corpus(C.CorpusSpec(source=str(corpus["src"] / "part-0.jsonl"), val_permille=VAL_PERMILLE,
+                                    batch_docs=16), p, "broken", 2, print)
+    assert not (p.root / "broken").exists()
+
+
 def test_killed_offline_prepare_leaves_no_staging_dir(tmp_path, monkeypatch) -> None:
     root = tmp_path / "d"
     dead = root / f".tokens-{2**22 + 12345}-abcd_123"
