@@ -102,6 +102,7 @@ def test_divergence_leaves_only_finite_checkpoints(data_dir, tmp_path, log_every
         assert max(x.get("step", 0) for x in read_log(out)) == oldest
 
 
+@pytest.mark.filterwarnings("error::UserWarning")  # a skipped first update is no scheduler misuse to warn of
 def test_nonfinite_gradient_skipped_then_training_goes_on(data_dir, tmp_path, monkeypatch) -> None:
     """One step with a finite loss and a NaN gradient norm (before: the update was applied and saved as the
     newest checkpoint, and --resume died again) is skipped with a 'skip' line; the run finishes finite."""

@@ -19,6 +19,7 @@ import random
 import shutil
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -245,7 +246,9 @@ def optimizer_step(fwd_model: torch.nn.Module, batch: torch.Tensor, cfg: dict[st
     if stepped:
         opt.step()
     if sched is not None:
-        sched.step()  # the schedule follows the step count, skipped steps included
+        with warnings.catch_warnings():  # a skipped first update is intended, not the call-order mistake torch warns of
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+            sched.step()  # the schedule follows the step count, skipped steps included
     opt.zero_grad(set_to_none=True)
     return sums, grad_norm, stepped
 
